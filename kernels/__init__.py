@@ -1,0 +1,1 @@
+"""Attention and other kernels: plain-torch references now; Triton and FlashInfer later."""

@@ -1,0 +1,149 @@
+"""The single definition of sampling fields. The DSL and the server reuse it.
+
+Field names follow SGLang's native API (`max_new_tokens`, `stop_token_ids`, `top_logprobs_num`);
+the server maps OpenAI names (`max_tokens`, `logprobs`, `top_logprobs`) onto these.
+Every field is checked at construction, so bad input fails at the boundary with a `ValueError`
+naming the field, before anything is queued.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    # 0 means greedy. Defaults match the OpenAI API (temperature 1, no truncation).
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) disables top-k
+    min_p: float = 0.0
+    # HF-style multiplicative penalty over prompt + output tokens; 1.0 disables it.
+    repetition_penalty: float = 1.0
+    # OpenAI-style additive penalties over output tokens; 0.0 disables them.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    # A per-request seed makes sampling reproducible whatever else is in the batch.
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    n: int = 1
+    # Logprobs are of the model's raw distribution (log-softmax of the logits, before
+    # temperature, penalties and truncation), as select() needs for scoring.
+    logprobs: bool = False
+    top_logprobs_num: int = 0
+    # Prompt-token logprobs from this prompt position on; None returns none.
+    logprob_start_len: int | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: normalise through object.__setattr__
+        if isinstance(self.stop, str):
+            set_(self, "stop", (self.stop,))
+        elif self.stop is None:
+            set_(self, "stop", ())
+        if self.stop_token_ids is None:
+            set_(self, "stop_token_ids", ())
+        set_(self, "stop", _tuple_of(self.stop, str, "stop"))
+        set_(self, "stop_token_ids", _tuple_of(self.stop_token_ids, int, "stop_token_ids"))
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, got {type(value).__name__}")
+            set_(self, name, float(value))
+        for name in ("max_new_tokens", "min_new_tokens", "top_k", "n", "top_logprobs_num"):
+            _check_int(getattr(self, name), name)
+        for name in ("seed", "logprob_start_len"):
+            if getattr(self, name) is not None:
+                _check_int(getattr(self, name), name)
+        for name in ("ignore_eos", "skip_special_tokens", "logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        self._check_ranges()
+
+    def _check_ranges(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens:
+            raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens "
+                f"({self.max_new_tokens})")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 0, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.top_logprobs_num < 0:
+            raise ValueError(f"top_logprobs_num must be >= 0, got {self.top_logprobs_num}")
+        if self.logprob_start_len is not None and self.logprob_start_len < 0:
+            raise ValueError(f"logprob_start_len must be >= 0, got {self.logprob_start_len}")
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop must not contain an empty string")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative token ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs_num > 0
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "SamplingParams":
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown sampling field(s): {', '.join(unknown)}; "
+                f"known fields are {', '.join(sorted(known))}")
+        return cls(**data)
+
+    @classmethod
+    def coerce(cls, value: "SamplingParams | Mapping[str, Any] | None") -> "SamplingParams":
+        if value is None:
+            return cls()
+        if isinstance(value, SamplingParams):
+            return value
+        if isinstance(value, Mapping):
+            return cls.from_dict(value)
+        raise ValueError(
+            f"sampling_params must be a SamplingParams or a dict, got {type(value).__name__}")
+
+    def replace(self, **changes: Any) -> "SamplingParams":
+        return dataclasses.replace(self, **changes)
+
+
+def _check_int(value: Any, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__}")
+
+
+def _tuple_of(values: Any, kind: type, name: str) -> tuple:
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise ValueError(f"{name} must be a list of {kind.__name__}")
+    out = tuple(values)
+    for v in out:
+        if isinstance(v, bool) or not isinstance(v, kind):
+            raise ValueError(f"{name} must be a list of {kind.__name__}, got {v!r}")
+    return out
