@@ -1,0 +1,75 @@
+"""Attention in plain torch over the paged KV cache. Runs on CPU and CUDA.
+
+Decode tokens (q_len == 1) of all sequences are attended in one padded SDPA call; prefill
+chunks go one sequence at a time, each with its own causal offset mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from radixlm.runtime.attention.base import AttentionBackend, ForwardBatch
+
+
+class TorchNativeAttention(AttentionBackend):
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def plan(self, batch: ForwardBatch) -> None:
+        q_starts = [0]
+        for q_len in batch.q_lens:
+            q_starts.append(q_starts[-1] + q_len)
+        decode = [i for i, q_len in enumerate(batch.q_lens) if q_len == 1]
+        self.prefill = [i for i, q_len in enumerate(batch.q_lens) if q_len > 1]
+        self.q_starts = q_starts
+        self.decode_rows = None
+        if decode:
+            device = batch.slot_table.device
+            rows = torch.tensor(decode, device=device)
+            kv_lens = torch.tensor([batch.kv_lens[i] for i in decode], device=device)
+            width = int(max(batch.kv_lens[i] for i in decode))
+            self.decode_rows = rows
+            self.decode_tokens = torch.tensor([q_starts[i] for i in decode], device=device)
+            self.decode_slots = batch.slot_table[rows, :width]  # [Bd, L]
+            # [Bd, 1, 1, L]: True where the key position exists for that sequence
+            valid = torch.arange(width, device=device)[None, :] < kv_lens[:, None]
+            self.decode_mask = valid[:, None, None, :]
+        # Causal offset masks depend only on (q_len, kv_len): build them once per step.
+        self.prefill_masks = {}
+        for i in self.prefill:
+            q_len, kv_len = batch.q_lens[i], batch.kv_lens[i]
+            if q_len != kv_len and (q_len, kv_len) not in self.prefill_masks:
+                q_pos = torch.arange(kv_len - q_len, kv_len, device=batch.slot_table.device)
+                k_pos = torch.arange(kv_len, device=batch.slot_table.device)
+                self.prefill_masks[(q_len, kv_len)] = k_pos[None, :] <= q_pos[:, None]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                batch: ForwardBatch) -> torch.Tensor:
+        k_cache, v_cache = batch.kv_cache.layer(layer_id)
+        batch.kv_cache.store(layer_id, batch.out_slots, k, v)
+        out = torch.empty_like(q)
+        if self.decode_rows is not None:
+            qd = q[self.decode_tokens].unsqueeze(2)  # [Bd, H, 1, D]
+            kd = k_cache[self.decode_slots].transpose(1, 2)  # [Bd, Hkv, L, D]
+            vd = v_cache[self.decode_slots].transpose(1, 2)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask,
+                                                scale=self.scale, enable_gqa=True)
+            out[self.decode_tokens] = od.squeeze(2)
+        for i in self.prefill:
+            start, end = self.q_starts[i], self.q_starts[i + 1]
+            q_len, kv_len = end - start, batch.kv_lens[i]
+            slots = batch.slot_table[i, :kv_len]
+            qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+            if q_len == kv_len:  # whole sequence in this chunk: keys are the new tokens
+                ki, vi = k[start:end], v[start:end]
+            else:
+                ki, vi = k_cache[slots], v_cache[slots]
+            ki = ki.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+            vi = vi.transpose(0, 1).unsqueeze(0)
+            mask = self.prefill_masks.get((q_len, kv_len))
+            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask,
+                                                is_causal=mask is None, scale=self.scale,
+                                                enable_gqa=True)
+            out[start:end] = oi.squeeze(0).transpose(0, 1)
+        return out

@@ -1,0 +1,93 @@
+"""The engine's one validated, frozen configuration.
+
+CLI parsing lives in the entry point; this module only checks values, so that a bad setting
+fails when the engine is built, naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LOAD_FORMATS = ("auto", "dummy")
+ATTENTION_BACKENDS = ("torch",)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # A model folder, a .gguf file, a short name (e.g. "smollm2-135m-instruct") or a Hub id.
+    # None means the embedded default model.
+    model: str | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # cuda when available, else cpu
+    seed: int = 0
+    # Paged KV memory. The pool holds `max_total_tokens` token slots in pages of `page_size`;
+    # when it is None the pool is sized from `kv_cache_memory_fraction` of the free memory.
+    page_size: int = 16
+    max_total_tokens: int | None = None
+    kv_cache_memory_fraction: float = 0.5
+    # Longest prompt + completion; None takes the model's own limit, clipped to the pool.
+    max_model_len: int | None = None
+    # Continuous batching bounds for one step.
+    max_running_requests: int = 256
+    max_num_batched_tokens: int = 2048
+    chunked_prefill_size: int = 512
+    attention_backend: str = "torch"
+
+    def __post_init__(self) -> None:
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"model must be a string or None, got {type(self.model).__name__}")
+        _one_of(self.load_format, LOAD_FORMATS, "load_format")
+        _one_of(self.dtype, ("auto", *DTYPES), "dtype")
+        _one_of(self.attention_backend, ATTENTION_BACKENDS, "attention_backend")
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        for name in ("page_size", "max_running_requests", "max_num_batched_tokens",
+                     "chunked_prefill_size"):
+            _positive_int(getattr(self, name), name)
+        for name in ("max_total_tokens", "max_model_len"):
+            if getattr(self, name) is not None:
+                _positive_int(getattr(self, name), name)
+        if not 0 < self.kv_cache_memory_fraction < 1:
+            raise ValueError("kv_cache_memory_fraction must be in (0, 1), "
+                             f"got {self.kv_cache_memory_fraction}")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ValueError(f"max_total_tokens ({self.max_total_tokens}) must hold at least one "
+                             f"page of {self.page_size} tokens")
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> "EngineConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s): {', '.join(unknown)}; "
+                             f"known options are {', '.join(sorted(known))}")
+        return cls(model=model, **kwargs)
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return DTYPES[self.dtype]
+
+    def as_dict(self) -> Mapping[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _one_of(value: Any, choices: tuple[str, ...], name: str) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _positive_int(value: Any, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")

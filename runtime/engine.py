@@ -1,0 +1,294 @@
+"""The public offline engine: `Engine().generate(...)`, streaming, chat, abort, stats.
+
+The engine core runs in a background thread of the caller's process. Calls validate and
+tokenize in the caller's thread (so bad input raises before anything is queued), hand requests
+to the loop through a queue, and wait for results (or stream them to an asyncio loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import sys
+import threading
+import uuid
+from typing import Any, AsyncIterator, Callable, Mapping, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from radixlm.runtime.config import EngineConfig
+from radixlm.runtime.detokenizer import IncrementalDetokenizer
+from radixlm.runtime.engine_core import EngineCore
+from radixlm.runtime.loader import load_model
+from radixlm.runtime.request import Output, Request
+from radixlm.runtime.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+ParamsArg = SamplingParams | Mapping[str, Any] | None
+_STOP = object()
+
+
+class Engine:
+    """An LLM engine in this process.
+
+    >>> with Engine() as engine:                      # the embedded SmolLM2-135M-Instruct
+    ...     out = engine.generate("The capital of France is", {"max_new_tokens": 8,
+    ...                                                        "temperature": 0})
+    """
+
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model, **options)
+        self.device = self.config.torch_device()
+        self.dtype = self.config.torch_dtype(self.device)
+        torch.manual_seed(self.config.seed)
+        loaded = load_model(self.config.model, self.config.load_format, self.dtype,
+                            self.device, max_positions=self.config.max_model_len,
+                            seed=self.config.seed)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.core = EngineCore(self.config, loaded, self.device, self.dtype)
+        self.max_model_len = self.core.max_model_len
+        self._eos = frozenset(self._eos_ids())
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="radixlm-engine", daemon=True)
+        self._thread.start()
+
+    # -- public API ---------------------------------------------------------------------------
+
+    def generate(self, prompt: str | Sequence[str] | None = None,
+                 sampling_params: ParamsArg | Sequence[ParamsArg] = None, *,
+                 input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+                 request_id: str | Sequence[str] | None = None,
+                 use_tqdm: bool | None = None) -> Output | list[Output]:
+        """Generate for one prompt (-> Output, or a list of n Outputs when n > 1) or a list of
+        prompts (-> a flat list, n Outputs per prompt, in order)."""
+        single, prompts = self._normalize_prompts(prompt, input_ids)
+        requests = self._make_requests(prompts, sampling_params, request_id, stream=False)
+        results: queue.SimpleQueue[Output] = queue.SimpleQueue()
+        for request in requests:
+            request.on_output = results.put
+        show = use_tqdm if use_tqdm is not None else len(requests) >= 16 and sys.stderr.isatty()
+        outputs: dict[str, Output] = {}
+        self._submit(requests)
+        try:
+            with tqdm(total=len(requests), disable=not show, desc="generate") as bar:
+                while len(outputs) < len(requests):
+                    out = results.get()
+                    outputs[out.request_id] = out
+                    bar.update(1)
+        except BaseException:  # e.g. KeyboardInterrupt: don't leave work behind
+            for request in requests:
+                self.abort(request.request_id)
+            raise
+        ordered = [outputs[r.request_id] for r in requests]
+        return ordered[0] if single and len(ordered) == 1 else ordered
+
+    async def generate_stream(self, prompt: str | None = None,
+                              sampling_params: ParamsArg = None, *,
+                              input_ids: Sequence[int] | None = None,
+                              request_id: str | None = None) -> AsyncIterator[Output]:
+        """Yield an Output per new token (with `delta`), the last one with `finish_reason`."""
+        single, prompts = self._normalize_prompts(prompt, input_ids)
+        if not single:
+            raise ValueError("prompt: generate_stream takes one prompt")
+        loop = asyncio.get_running_loop()
+        chunks: asyncio.Queue[Output] = asyncio.Queue()
+        requests = self._make_requests(prompts, sampling_params, request_id, stream=True)
+        for request in requests:
+            request.on_output = _threadsafe_put(loop, chunks)
+        self._submit(requests)
+        remaining = len(requests)
+        try:
+            while remaining:
+                out = await chunks.get()
+                remaining -= out.finished
+                yield out
+        finally:
+            if remaining:  # the consumer stopped early
+                for request in requests:
+                    self.abort(request.request_id)
+
+    def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping]],
+             sampling_params: ParamsArg | Sequence[ParamsArg] = None,
+             **kwargs: Any) -> Output | list[Output]:
+        """Apply the tokenizer's chat template and generate. A list of conversations batches."""
+        batch = bool(messages) and not isinstance(messages[0], Mapping)
+        conversations = list(messages) if batch else [messages]
+        prompts = [self.apply_chat_template(c) for c in conversations]
+        return self.generate(prompts if batch else prompts[0], sampling_params, **kwargs)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("messages: this model has no chat template")
+        if not messages:
+            raise ValueError("messages must not be empty")
+        return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                                  add_generation_prompt=True)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (and its n samples); it finishes with finish_reason "abort"."""
+        self._inbox.put(("abort", request_id))
+
+    def stats(self) -> dict[str, Any]:
+        return self.core.stats()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._inbox.put(_STOP)
+            self._thread.join(timeout=30)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- building requests (caller's thread) --------------------------------------------------
+
+    def _normalize_prompts(self, prompt: Any, input_ids: Any) -> tuple[bool, list[list[int]]]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("pass exactly one of prompt and input_ids")
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            texts = [prompt] if single else list(prompt)
+            if not texts:
+                raise ValueError("prompt: the list of prompts is empty")
+            return single, [self._encode(t) for t in texts]
+        single = bool(input_ids) and not isinstance(input_ids[0], (list, tuple))
+        lists = [input_ids] if single or not input_ids else list(input_ids)
+        return single, [self._check_ids(ids) for ids in lists]
+
+    def _encode(self, text: Any) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError(f"prompt must be a string or a list of strings, "
+                             f"got {type(text).__name__}")
+        if not text:
+            raise ValueError("prompt must not be empty")
+        if self.tokenizer is None:
+            raise ValueError("prompt: this model has no tokenizer; pass input_ids")
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def _check_ids(self, ids: Any) -> list[int]:
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"input_ids must be a list of ints, got {type(ids).__name__}")
+        if not ids:
+            raise ValueError("input_ids must not be empty")
+        vocab = self.model_config.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"input_ids must hold token ids in [0, {vocab}), got {t!r}")
+        return list(ids)
+
+    def _make_requests(self, prompts: list[list[int]], sampling_params: Any,
+                       request_id: Any, stream: bool) -> list[Request]:
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        ids = self._request_ids(request_id, len(prompts))
+        requests = []
+        for prompt_ids, p, rid in zip(prompts, params, ids):
+            if len(prompt_ids) >= self.max_model_len:
+                raise ValueError(f"prompt is {len(prompt_ids)} tokens; the context holds "
+                                 f"{self.max_model_len} (max_model_len), prompt included")
+            for index in range(p.n):
+                requests.append(Request(
+                    request_id=rid if p.n == 1 else f"{rid}#{index}",
+                    prompt_ids=prompt_ids,
+                    params=p,
+                    eos_token_ids=self._eos,
+                    detokenizer=self._detokenizer(prompt_ids, p),
+                    on_output=_ignore,
+                    stream=stream,
+                    index=index,
+                    generator=self._generator(p, index),
+                ))
+        return requests
+
+    @staticmethod
+    def _params_per_prompt(value: Any, count: int) -> list[SamplingParams]:
+        if isinstance(value, (list, tuple)):
+            if len(value) != count:
+                raise ValueError(f"sampling_params: got {len(value)} for {count} prompts")
+            return [SamplingParams.coerce(v) for v in value]
+        return [SamplingParams.coerce(value)] * count
+
+    @staticmethod
+    def _request_ids(value: Any, count: int) -> list[str]:
+        if value is None:
+            return [uuid.uuid4().hex for _ in range(count)]
+        ids = [value] if isinstance(value, str) else list(value)
+        if len(ids) != count or not all(isinstance(i, str) and i for i in ids):
+            raise ValueError(f"request_id: need {count} non-empty strings")
+        return ids
+
+    def _detokenizer(self, prompt_ids: list[int], p: SamplingParams) -> Any:
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, p.skip_special_tokens, p.stop)
+
+    def _generator(self, p: SamplingParams, index: int) -> torch.Generator | None:
+        if p.seed is None or p.greedy:
+            return None
+        return torch.Generator(self.device).manual_seed(p.seed + index)
+
+    def _eos_ids(self) -> set[int]:
+        ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # -- the engine thread --------------------------------------------------------------------
+
+    def _submit(self, requests: list[Request]) -> None:
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        self._inbox.put(("add", requests))
+
+    def _loop(self) -> None:
+        core = self.core
+        while True:
+            # Block only when idle; otherwise take what arrived and keep stepping.
+            try:
+                message = self._inbox.get(block=not core.has_work)
+            except queue.Empty:
+                message = None
+            while message is not None:
+                if message is _STOP:
+                    return
+                self._handle(message)
+                try:
+                    message = self._inbox.get_nowait()
+                except queue.Empty:
+                    message = None
+            if core.has_work:
+                try:
+                    core.step()
+                except Exception as exc:  # a bug in postprocessing: fail the work, not the loop
+                    log.exception("engine step failed")
+                    for rid in list(core.requests):
+                        core.abort(rid, error=f"internal error: {exc}")
+
+    def _handle(self, message: tuple[str, Any]) -> None:
+        kind, payload = message
+        if kind == "add":
+            for request in payload:
+                self.core.add_request(request)
+        elif kind == "abort":
+            if not self.core.abort(payload):
+                prefix = f"{payload}#"
+                for rid in [r for r in self.core.requests if r.startswith(prefix)]:
+                    self.core.abort(rid)
+
+
+def _ignore(_: Output) -> None:
+    pass
+
+
+def _threadsafe_put(loop: asyncio.AbstractEventLoop,
+                    chunks: asyncio.Queue[Output]) -> Callable[[Output], None]:
+    def put(out: Output) -> None:
+        loop.call_soon_threadsafe(chunks.put_nowait, out)
+    return put

@@ -1,0 +1,135 @@
+"""Per-request state inside the engine, and the `Output` users get back.
+
+A request's tokens are `prompt + output`; `num_computed_tokens` counts how many of them have
+KV in the cache. The scheduler only ever moves that counter forward (prefill chunk, decode
+step) or resets it (preemption), which is the whole scheduling state machine.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from radixlm.runtime.sampling_params import SamplingParams
+
+
+class TokenLogprob(NamedTuple):
+    token_id: int
+    logprob: float
+    # The `top_logprobs_num` most likely tokens at this position: (token_id, logprob).
+    top: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class Output:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort"; None while streaming
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    # Aligned with the prompt from logprob_start_len on; the very first prompt token has
+    # no logprob (None).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    index: int = 0  # which of the n samples this is
+    delta: str = ""  # streaming: text added since the previous chunk
+    matched_stop: str | int | None = None  # the stop string or token id that ended it
+    error: str | None = None  # why an aborted request was aborted, if not by the user
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    detokenizer: Any  # IncrementalDetokenizer, or None when the model has no tokenizer
+    on_output: Callable[[Output], None]  # called from the engine thread
+    stream: bool = False
+    index: int = 0
+    generator: torch.Generator | None = None
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    cached_tokens: int = 0
+    pages: list[int] = field(default_factory=list)
+    table_row: int | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    matched_stop: str | int | None = None
+    error: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    max_total_len: int = 0  # prompt + completion may not exceed this (the context length)
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+        start = self.prompt_logprob_start
+        if start is not None and not self.prompt_logprobs:
+            self.prompt_logprobs = [None] * (self.prompt_len - start)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def prompt_logprob_start(self) -> int | None:
+        """First prompt position whose logprob is wanted, or None."""
+        start = self.params.logprob_start_len
+        return None if start is None else min(start, self.prompt_len)
+
+    def text(self) -> str:
+        return self.detokenizer.text if self.detokenizer is not None else ""
+
+    def make_output(self, delta: str = "") -> Output:
+        wants = self.params.wants_logprobs
+        return Output(
+            request_id=self.request_id,
+            text=self.text(),
+            token_ids=self.output_ids,
+            finish_reason=self.finish_reason,
+            prompt_tokens=self.prompt_len,
+            completion_tokens=self.num_output_tokens,
+            cached_tokens=self.cached_tokens,
+            logprobs=list(self.logprobs) if wants else None,
+            prompt_logprobs=(list(self.prompt_logprobs)
+                             if self.params.logprob_start_len is not None else None),
+            index=self.index,
+            delta=delta,
+            matched_stop=self.matched_stop,
+            error=self.error,
+        )
