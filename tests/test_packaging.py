@@ -1,0 +1,30 @@
+"""Every Python package folder under lang/, runtime/ and kernels/ must be listed in
+pyproject.toml, or `pip install .` (non-editable) silently ships without it."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FOLDERS = {"lang": "radixlm", "runtime": "radixlm.runtime", "kernels": "radixlm.kernels"}
+
+
+def test_every_subpackage_is_listed():
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    listed = set(pyproject["tool"]["setuptools"]["packages"])
+    mapping = pyproject["tool"]["setuptools"]["package-dir"]
+    assert {v: k for k, v in mapping.items()} == FOLDERS
+    found = set()
+    for folder, package in FOLDERS.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder)
+            found.add(".".join([package, *rel.parts]))
+    missing = found - listed
+    assert not missing, f"add these to [tool.setuptools] packages: {sorted(missing)}"
+    assert not listed - found, f"listed but not present: {sorted(listed - found)}"
+
+
+def test_console_script_is_declared():
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert pyproject["project"]["scripts"]["radixlm"] == "radixlm.runtime.cli:main"
