@@ -155,10 +155,16 @@ class Engine:
             raise ValueError("pass exactly one of prompt and input_ids")
         if prompt is not None:
             single = isinstance(prompt, str)
+            if not single and not isinstance(prompt, (list, tuple)):
+                raise ValueError(f"prompt must be a string or a list of strings, "
+                                 f"got {type(prompt).__name__}")
             texts = [prompt] if single else list(prompt)
             if not texts:
                 raise ValueError("prompt: the list of prompts is empty")
             return single, [self._encode(t) for t in texts]
+        if not isinstance(input_ids, (list, tuple)):
+            raise ValueError(f"input_ids must be a list of ints or of lists of ints, "
+                             f"got {type(input_ids).__name__}")
         single = bool(input_ids) and not isinstance(input_ids[0], (list, tuple))
         lists = [input_ids] if single or not input_ids else list(input_ids)
         return single, [self._check_ids(ids) for ids in lists]
@@ -290,5 +296,6 @@ def _ignore(_: Output) -> None:
 def _threadsafe_put(loop: asyncio.AbstractEventLoop,
                     chunks: asyncio.Queue[Output]) -> Callable[[Output], None]:
     def put(out: Output) -> None:
-        loop.call_soon_threadsafe(chunks.put_nowait, out)
+        if not loop.is_closed():  # a consumer that went away needs no more chunks
+            loop.call_soon_threadsafe(chunks.put_nowait, out)
     return put

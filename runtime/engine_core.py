@@ -52,7 +52,7 @@ class EngineCore:
             request.status = RequestStatus.FINISHED
             request.finish_reason = "abort"
             request.error = f"duplicate request_id {request.request_id!r}"
-            request.on_output(request.make_output())
+            self._emit(request)
             return
         request.max_total_len = self.max_model_len
         self.requests[request.request_id] = request
@@ -133,7 +133,7 @@ class EngineCore:
             self._finish(request, "length")
         elif request.stream:
             delta = detok.take_delta() if detok is not None else ""
-            request.on_output(request.make_output(delta))
+            self._emit(request, delta)
 
     def _finish(self, request: Request, reason: str) -> None:
         if request.finished:
@@ -145,7 +145,17 @@ class EngineCore:
         if request.detokenizer is not None:
             request.detokenizer.finish()
             delta = request.detokenizer.take_delta()
-        request.on_output(request.make_output(delta))
+        self._emit(request, delta)
+
+    @staticmethod
+    def _emit(request: Request, delta: str = "") -> None:
+        # The consumer may be gone (a closed event loop, a dropped stream); that is its
+        # problem, never the engine's.
+        try:
+            request.on_output(request.make_output(delta))
+        except Exception:
+            log.warning("dropping output of request %s: its consumer failed",
+                        request.request_id, exc_info=True)
 
     # -- introspection ---------------------------------------------------------------------
 

@@ -210,10 +210,11 @@ def test_finish_releases_truncated_character_as_decode_shows_it(tokenizer: Any) 
 def test_prompt_ending_inside_a_character(smollm2: Any) -> None:
     # The prompt ends with the first byte-token of '你'; the completed character is output.
     ids = encode(smollm2, "ab 你好")
-    split = len(ids) - 3  # prompt = 'ab', ' ä½'... the rest is generated
+    assert smollm2.convert_ids_to_tokens(ids)[-4:] == ["ä½", "ł", "å¥", "½"]
+    split = len(ids) - 3  # the prompt ends with 'ä½', the first two bytes of '你'
     assert smollm2.decode(ids[:split]).endswith(FFFD)
     detok, deltas = stream(smollm2, ids[split:], prompt=ids[:split])
-    assert detok.text == "你好"
+    assert deltas == ["你", "", "好", ""]  # '你' is out as soon as it is complete
 
 
 # ------------------------------------------------------------------------------- stop strings
@@ -328,7 +329,7 @@ def test_stop_on_multibyte_text(tokenizer: Any) -> None:
     assert not any(FFFD in d for d in deltas)
 
 
-@settings(max_examples=150, deadline=None, derandomize=True,
+@settings(max_examples=150, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.text(alphabet="ab .\né你👍", max_size=30),
        stops=st.lists(st.text(alphabet="ab .é你", min_size=1, max_size=4), max_size=3))
@@ -405,7 +406,8 @@ def test_decode_window_stays_small(tokenizer: Any) -> None:
     # 2000+ tokens of mixed text, runs of skipped special tokens, and a stop string that keeps
     # almost matching: every decode covers a handful of tokens, not the text so far.
     counting = _CountingTokenizer(tokenizer)
-    chunk = encode(tokenizer, "The end is near. 你好 👍🏽 line\n") + [tokenizer.eos_token_id] * 20
+    eos_run = [tokenizer.eos_token_id] * 20
+    chunk = encode(tokenizer, "The end is near. 你好 👍🏽 line\n") + eos_run
     ids = chunk * (2000 // len(chunk) + 1)
     prompt = encode(tokenizer, "a long prompt " * 50)
     detok, deltas = stream(counting, ids, prompt=prompt, stop=["end is nearly", "never appears"])

@@ -1,0 +1,269 @@
+"""Convert a GGUF model file into a Hugging Face-format model folder, cached on disk.
+
+The engine only knows how to load HF folders (config.json + safetensors + tokenizer files), so a
+GGUF file is dequantized to float32 once and written as such a folder. Later loads find the
+folder in the cache and skip the conversion entirely.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import re
+import shutil
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SUPPORTED_GGUF_ARCHITECTURES", "convert_gguf"]
+
+# Bump when the output of the conversion changes, so that stale cache folders are not reused.
+CONVERTER_VERSION = 1
+
+# GGUF architecture -> (HF architectures entry, HF model_type).
+_HF_CLASSES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "mistral": ("MistralForCausalLM", "mistral"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = tuple(_HF_CLASSES)
+
+# llama.cpp stores q/k rows of these architectures in the interleaved-pairs rotary layout.
+_PERMUTED_ARCHITECTURES = ("llama", "mistral")
+
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_TENSOR_NAME = re.compile(r"(?:blk\.(?P<layer>\d+)\.)?(?P<base>\w+)\.(?P<kind>weight|bias)")
+
+
+def convert_gguf(
+    gguf_path: str | os.PathLike, cache_root: str | os.PathLike | None = None
+) -> pathlib.Path:
+    """Return a folder with config.json, model.safetensors, tokenizer files (incl. chat template)
+    and generation_config.json for this GGUF file, converting it on first use."""
+    path = pathlib.Path(gguf_path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    path = path.resolve()
+    final = _cache_folder(path, cache_root)
+    if final.is_dir():
+        return final
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    # A dot-prefixed sibling on the same filesystem: os.replace is then atomic, so `final` either
+    # does not exist or is complete, even if this process is killed half-way.
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    start = time.perf_counter()
+    try:
+        _convert(path, tmp)
+        _make_readable(tmp)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            if not final.is_dir():
+                raise
+            # Another process finished the same conversion first; its folder is equally good.
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("Converted GGUF %s to %s in %.1f s", path, final, time.perf_counter() - start)
+    return final
+
+
+def _cache_folder(path: pathlib.Path, cache_root: str | os.PathLike | None) -> pathlib.Path:
+    if cache_root is None:
+        cache_root = os.environ.get("RADIXLM_CACHE_DIR") or pathlib.Path.home() / ".cache/radixlm"
+    # Size and mtime stand in for a content hash: hashing gigabytes would defeat the fast path.
+    stat = path.stat()
+    ident = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{CONVERTER_VERSION}"
+    key = hashlib.sha256(ident.encode()).hexdigest()[:16]
+    return pathlib.Path(cache_root).expanduser() / "gguf" / f"{path.stem}-{key}"
+
+
+def _convert(path: pathlib.Path, out_dir: pathlib.Path) -> None:
+    # Heavy imports live here so that the cached path stays cheap.
+    import gguf
+    import torch
+    from safetensors.torch import save_file
+
+    reader = gguf.GGUFReader(path)
+    arch = _field(reader, "general.architecture")
+    if arch not in _HF_CLASSES:
+        raise ValueError(
+            f"Unsupported GGUF architecture {arch!r} in {path}; "
+            f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+        )
+    config = _build_config(reader, arch)
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+
+    tensors: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        hf_name, base = _hf_name(tensor.name)
+        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        # GGUF lists dimensions innermost-first; the numpy data is already row-major [out, in].
+        expected = _expected_shape(base, hf_name.endswith(".bias"), config)
+        if data.shape != expected:
+            raise ValueError(f"{tensor.name}: shape {data.shape}, expected {expected} from config")
+        if arch in _PERMUTED_ARCHITECTURES and base in ("attn_q", "attn_k"):
+            data = _unpermute_rotary_rows(data, heads if base == "attn_q" else kv_heads)
+        tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(data))
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    del tensors
+
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config[k] is not None}
+    pad_id = _field(reader, "tokenizer.ggml.padding_token_id")
+    if pad_id is not None:
+        generation["pad_token_id"] = int(pad_id)
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    _save_tokenizer(path, out_dir, _field(reader, "tokenizer.chat_template"))
+
+
+def _make_readable(folder: pathlib.Path) -> None:
+    # mkdtemp (and safetensors) create private 0700/0600 entries; a cache should get the
+    # permissions that ordinarily created files get under the current umask.
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for child in folder.iterdir():
+        child.chmod(0o666 & ~umask)
+
+
+def _build_config(reader: Any, arch: str) -> dict[str, Any]:
+    def meta(key: str, default: Any = None) -> Any:
+        return _field(reader, f"{arch}.{key}", default)
+
+    hidden, heads = int(meta("embedding_length")), int(meta("attention.head_count"))
+    shapes = {t.name: [int(n) for n in t.shape] for t in reader.tensors}
+    # Without metadata, the embedding's row count (GGUF lists it last) is what the weights need;
+    # the token list can be shorter when the embedding was padded.
+    vocab_size = meta("vocab_size") or shapes["token_embd.weight"][-1]
+    architecture, model_type = _HF_CLASSES[arch]
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    config: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": int(meta("feed_forward_length")),
+        "num_hidden_layers": int(meta("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta("attention.head_count_kv", heads)),
+        "head_dim": int(meta("attention.key_length", hidden // heads)),
+        "hidden_act": "silu",
+        "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(meta("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(meta("context_length", 2048)),
+        "vocab_size": int(vocab_size),
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "bos_token_id": None if bos is None else int(bos),
+        "eos_token_id": None if eos is None else int(eos),
+        "torch_dtype": "float32",
+    }
+    if arch != "qwen2":  # Qwen2 always has q/k/v biases; the others make them optional.
+        config["attention_bias"] = "blk.0.attn_q.bias" in shapes
+    if arch == "mistral":
+        config["sliding_window"] = meta("attention.sliding_window")
+    if "rope_freqs.weight" in shapes:
+        # Llama 3.1-style per-frequency factors: HF wants the formula's parameters, which the
+        # tensor does not state, and silently dropping them would give a subtly wrong model.
+        raise ValueError(f"{arch} GGUF with a rope_freqs tensor (llama3 rope scaling): unsupported")
+    rope_type = meta("rope.scaling.type")
+    if rope_type not in (None, "none"):
+        factor = float(meta("rope.scaling.factor", 1.0))
+        scaling: dict[str, Any] = {"rope_type": rope_type, "factor": factor}
+        original = meta("rope.scaling.original_context_length")
+        if original is not None:
+            scaling["original_max_position_embeddings"] = int(original)
+        config["rope_scaling"] = scaling
+    return config
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    value = field.contents()
+    return default if value is None else value
+
+
+def _hf_name(gguf_name: str) -> tuple[str, str]:
+    """Return the HF parameter name and the GGUF base name (e.g. "attn_q") of a tensor."""
+    match = _TENSOR_NAME.fullmatch(gguf_name)
+    layer, base = (match["layer"], match["base"]) if match else (None, "")
+    table = _GLOBAL_TENSORS if layer is None else _LAYER_TENSORS
+    if base not in table:
+        # Dropping an unknown tensor could silently change the model, so refuse instead.
+        raise ValueError(f"Unexpected GGUF tensor {gguf_name!r}")
+    prefix = "" if layer is None else f"model.layers.{layer}."
+    return f"{prefix}{table[base]}.{match['kind']}", base
+
+
+def _expected_shape(base: str, is_bias: bool, config: dict[str, Any]) -> tuple[int, ...]:
+    hidden, head_dim, ffn = config["hidden_size"], config["head_dim"], config["intermediate_size"]
+    q_rows = config["num_attention_heads"] * head_dim
+    kv_rows = config["num_key_value_heads"] * head_dim
+    shapes = {
+        "token_embd": (config["vocab_size"], hidden),
+        "output": (config["vocab_size"], hidden),
+        "output_norm": (hidden,),
+        "attn_norm": (hidden,),
+        "ffn_norm": (hidden,),
+        "attn_q": (q_rows, hidden),
+        "attn_k": (kv_rows, hidden),
+        "attn_v": (kv_rows, hidden),
+        "attn_output": (hidden, q_rows),
+        "attn_q_norm": (head_dim,),
+        "attn_k_norm": (head_dim,),
+        "ffn_gate": (ffn, hidden),
+        "ffn_up": (ffn, hidden),
+        "ffn_down": (hidden, ffn),
+    }
+    return shapes[base][:1] if is_bias else shapes[base]
+
+
+def _unpermute_rotary_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
+    """Reorder q/k projection rows (or biases) from llama.cpp's rotary layout to HF's.
+
+    llama.cpp rotates adjacent pairs (x[2i], x[2i+1]) of each head, so its converter stores head
+    row 2i+s at that position for the HF row s*head_dim/2 + i, since HF rotates (x[i], x[i+d/2]).
+    Viewing each head as [d/2, 2] and transposing to [2, d/2] restores HF's order.
+    """
+    head_dim = rows.shape[0] // n_heads
+    tail = rows.shape[1:]
+    grouped = rows.reshape(n_heads, head_dim // 2, 2, *tail)
+    return grouped.swapaxes(1, 2).reshape(rows.shape)
+
+
+def _save_tokenizer(path: pathlib.Path, out_dir: pathlib.Path, chat_template: str | None) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if chat_template and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(str(out_dir))

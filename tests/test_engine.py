@@ -1,0 +1,235 @@
+"""The offline Engine on a tiny random Llama with the real SmolLM2 tokenizer."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from radixlm.runtime import Engine, SamplingParams
+
+PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time, in a land far away, there lived a",
+    "1 2 3",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "Les sanglots longs des violons de l'automne",
+    "你好，世界！今天天气",
+    "A" * 60,
+    "Question: what is two plus two?\nAnswer:",
+]
+GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_chat_model):
+    with Engine(str(tiny_chat_model), max_total_tokens=8192, page_size=16) as eng:
+        yield eng
+
+
+def assert_no_leak(engine: Engine) -> None:
+    stats = engine.stats()
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
+def greedy_ids(engine: Engine, params=GREEDY) -> list[list[int]]:
+    return [o.token_ids for o in engine.generate(PROMPTS, params)]
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    return greedy_ids(engine)
+
+
+def test_generate_shapes_and_accounting(engine):
+    out = engine.generate("Hello there", {"max_new_tokens": 5, "temperature": 0,
+                                          "ignore_eos": True})
+    assert out.finish_reason == "length" and out.completion_tokens == 5
+    assert len(out.token_ids) == 5 and out.prompt_tokens == len(engine.tokenizer.encode("Hello there"))
+    assert out.text == engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    assert_no_leak(engine)
+
+
+def test_greedy_unchanged_by_batching_and_chunking(tiny_chat_model, engine, reference):
+    # Alone, one at a time.
+    alone = [engine.generate(p, GREEDY).token_ids for p in PROMPTS]
+    assert alone == reference
+    # Tiny chunks and a tiny token budget force many mixed prefill/decode steps.
+    with Engine(str(tiny_chat_model), max_total_tokens=8192, chunked_prefill_size=5,
+                max_num_batched_tokens=11, page_size=4) as small:
+        assert greedy_ids(small) == reference
+        assert_no_leak(small)
+
+
+def test_tiny_pool_preempts_and_still_completes(tiny_chat_model, reference):
+    # Demand is ~8 x (20 + 24) tokens; the pool holds 96, so requests must be preempted and
+    # recomputed. Every request still completes with the same greedy output.
+    with Engine(str(tiny_chat_model), max_total_tokens=96, page_size=8) as eng:
+        assert greedy_ids(eng) == reference
+        assert eng.stats()["preemptions"] > 0
+        assert_no_leak(eng)
+
+
+def test_seeded_sampling_is_reproducible_across_batches(engine):
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_new_tokens=16,
+                            ignore_eos=True)
+    alone = engine.generate(PROMPTS[1], params).token_ids
+    others = [{"temperature": 1.0, "max_new_tokens": 20, "ignore_eos": True}] * 3
+    batch = engine.generate([PROMPTS[0], PROMPTS[2], PROMPTS[1], PROMPTS[3]],
+                            [others[0], others[1], params, others[2]])
+    assert batch[2].token_ids == alone
+    other_seed = engine.generate(PROMPTS[1], params.replace(seed=99)).token_ids
+    assert other_seed != alone
+
+
+def test_top_k_one_equals_greedy(engine, reference):
+    params = {"temperature": 1.0, "top_k": 1, "max_new_tokens": 24, "ignore_eos": True}
+    assert greedy_ids(engine, params) == reference
+
+
+def test_n_samples(engine):
+    outs = engine.generate(PROMPTS[0], {"n": 3, "temperature": 1.0, "seed": 7,
+                                         "max_new_tokens": 8, "ignore_eos": True})
+    assert [o.index for o in outs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in outs}) > 1
+    batch = engine.generate(PROMPTS[:2], {"n": 2, "max_new_tokens": 3, "temperature": 0})
+    assert len(batch) == 4 and batch[0].token_ids == batch[1].token_ids
+    assert_no_leak(engine)
+
+
+def test_stop_string_spanning_tokens(engine):
+    base = engine.generate(PROMPTS[3], GREEDY)
+    ids = base.token_ids
+    tok = engine.tokenizer
+    # A stop string that starts inside token 5 and ends inside token 8.
+    before = tok.decode(ids[:5])
+    stop = tok.decode(ids[:8])[len(before) - 1:-1] if len(tok.decode(ids[4:5])) > 1 else \
+        tok.decode(ids[:8])[len(before):]
+    assert stop
+    out = engine.generate(PROMPTS[3], {**GREEDY, "stop": [stop]})
+    assert out.finish_reason == "stop" and out.matched_stop == stop
+    assert stop not in out.text
+    assert base.text.startswith(out.text + stop)
+
+
+def test_stop_token_ids_min_and_zero_new_tokens(engine, reference):
+    first = reference[0]
+    out = engine.generate(PROMPTS[0], {**GREEDY, "stop_token_ids": [first[3]]})
+    assert out.finish_reason == "stop" and out.matched_stop == first[3]
+    assert out.token_ids == first[: first.index(first[3]) + 1]
+    banned = engine.generate(PROMPTS[0], {**GREEDY, "stop_token_ids": [first[0]],
+                                          "min_new_tokens": 4, "max_new_tokens": 4})
+    assert first[0] not in banned.token_ids[:4] and banned.finish_reason == "length"
+    zero = engine.generate(PROMPTS[0], {"max_new_tokens": 0})
+    assert zero.token_ids == [] and zero.finish_reason == "length"
+    assert_no_leak(engine)
+
+
+def test_streaming_deltas_add_up(engine):
+    async def collect():
+        chunks = []
+        async for chunk in engine.generate_stream(PROMPTS[5], GREEDY):
+            chunks.append(chunk)
+        return chunks
+
+    chunks = asyncio.run(collect())
+    assert chunks[-1].finished and not any(c.finished for c in chunks[:-1])
+    assert "".join(c.delta for c in chunks) == chunks[-1].text
+    assert chunks[-1].token_ids == engine.generate(PROMPTS[5], GREEDY).token_ids
+
+
+def test_abort_and_early_stream_exit(engine):
+    long = {"temperature": 0, "max_new_tokens": 500, "ignore_eos": True}
+
+    async def stop_early():
+        async for chunk in engine.generate_stream(PROMPTS[0], long, request_id="early"):
+            if chunk.completion_tokens >= 3:
+                break
+
+    asyncio.run(stop_early())
+    result = {}
+    thread = threading.Thread(
+        target=lambda: result.update(out=engine.generate(PROMPTS[1], long, request_id="x")))
+    thread.start()
+    before = engine.stats()["generated_tokens"]
+    while engine.stats()["generated_tokens"] < before + 5:
+        time.sleep(0.01)
+    engine.abort("x")
+    thread.join(timeout=60)
+    assert result["out"].finish_reason == "abort"
+    assert result["out"].completion_tokens < 500
+    engine.generate("sync", {"max_new_tokens": 1})  # the loop has processed everything
+    assert_no_leak(engine)
+
+
+def test_logprobs_match_transformers(tiny_chat_model, engine):
+    import transformers
+
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(tiny_chat_model,
+                                                                  dtype=torch.float32)
+    out = engine.generate(PROMPTS[3], {**GREEDY, "max_new_tokens": 6, "logprobs": True,
+                                       "top_logprobs_num": 3, "logprob_start_len": 0})
+    prompt_ids = engine.tokenizer.encode(PROMPTS[3])
+    full = torch.tensor([prompt_ids + out.token_ids])
+    with torch.no_grad():
+        ref = torch.log_softmax(ref_model(full).logits[0].float(), dim=-1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt_ids)
+    for pos in range(1, len(prompt_ids)):
+        entry = out.prompt_logprobs[pos]
+        assert entry.token_id == prompt_ids[pos]
+        assert abs(entry.logprob - ref[pos - 1, prompt_ids[pos]].item()) < 1e-4
+    for i, entry in enumerate(out.logprobs):
+        pos = len(prompt_ids) - 1 + i
+        assert entry.token_id == out.token_ids[i]
+        assert abs(entry.logprob - ref[pos, entry.token_id].item()) < 1e-4
+        top_ids = [t for t, _ in entry.top]
+        assert top_ids == ref[pos].topk(3).indices.tolist()
+        assert top_ids[0] == entry.token_id  # greedy picks the most likely token
+
+
+def test_chat_applies_template(engine):
+    out = engine.chat([{"role": "user", "content": "Hi"}], {"max_new_tokens": 2})
+    text = engine.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert text.endswith("<|im_start|>assistant\n")
+    assert out.prompt_tokens == len(engine.tokenizer.encode(text))
+    outs = engine.chat([[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]],
+                       {"max_new_tokens": 2})
+    assert len(outs) == 2
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(prompt=""), "prompt"),
+    (dict(prompt="x " * 5000), "prompt"),
+    (dict(prompt=123), "prompt"),
+    (dict(prompt="x", sampling_params={"max_new_tokens": -1}), "max_new_tokens"),
+    (dict(prompt="x", sampling_params={"temperature": -0.5}), "temperature"),
+    (dict(prompt="x", sampling_params={"top_p": 0}), "top_p"),
+    (dict(prompt="x", sampling_params={"top_p": 1.5}), "top_p"),
+    (dict(prompt="x", sampling_params={"max_tokens_typo": 3}), "max_tokens_typo"),
+    (dict(prompt="x", sampling_params={"max_new_tokens": "5"}), "max_new_tokens"),
+    (dict(prompt="x", sampling_params={"stop": [1, 2]}), "stop"),
+    (dict(input_ids=[1, 2, 10**9]), "input_ids"),
+    (dict(input_ids=[]), "input_ids"),
+    (dict(prompt=["ok", ""]), "prompt"),
+])
+def test_bad_input_is_rejected_before_queueing(tiny_chat_model, kwargs, field):
+    with Engine(str(tiny_chat_model), max_total_tokens=2048, max_model_len=1024) as eng:
+        result = {}
+        long = {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True}
+        thread = threading.Thread(target=lambda: result.update(out=eng.generate("Hello", long)))
+        thread.start()
+        with pytest.raises(ValueError, match=field):
+            eng.generate(**kwargs)
+        thread.join(timeout=60)
+        assert result["out"].completion_tokens == 64  # the other request was not disturbed
+        assert eng.stats()["requests_finished"] == 1  # nothing of the bad call was queued
+        assert_no_leak(eng)
+
+
+def test_unknown_engine_option_is_named(tiny_chat_model):
+    with pytest.raises(ValueError, match="max_batch_sise"):
+        Engine(str(tiny_chat_model), max_batch_sise=3)
