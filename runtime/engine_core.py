@@ -35,7 +35,7 @@ class EngineCore:
         num_pages = _pool_pages(config, mc, dtype, device)
         self.max_model_len = _max_model_len(config, mc, num_pages * config.page_size)
         self.kv_cache = KVCache(mc.num_layers, num_pages * config.page_size, mc.num_kv_heads,
-                                mc.head_dim, dtype, device)
+                                mc.head_dim, dtype, device, config.page_size)
         self.allocator = PageAllocator(num_pages, config.page_size)
         self.table = ReqToTokenTable(config.max_running_requests,
                                      num_pages * config.page_size, config.page_size, device)

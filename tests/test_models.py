@@ -18,7 +18,8 @@ def run_chunks(loaded, ids: list[int], chunks: list[int]) -> torch.Tensor:
     """Feed one sequence through our model chunk by chunk; return logits of every position."""
     cfg = loaded.config
     page_size = 4
-    cache = KVCache(cfg.num_layers, 512, cfg.num_kv_heads, cfg.head_dim, torch.float32, CPU)
+    cache = KVCache(cfg.num_layers, 512, cfg.num_kv_heads, cfg.head_dim, torch.float32, CPU,
+                    page_size)
     table = ReqToTokenTable(1, 256, page_size, CPU)
     row = table.acquire()
     # Deliberately scattered, non-contiguous pages.

@@ -1,7 +1,9 @@
 """Attention in plain torch over the paged KV cache. Runs on CPU and CUDA.
 
-Decode tokens (q_len == 1) of all sequences are attended in one padded SDPA call; prefill
-chunks go one sequence at a time, each with its own causal offset mask.
+Decode tokens (q_len == 1) of all sequences are attended in one padded SDPA call over their
+pages (gathered page by page: whole pages are contiguous, so this copies large blocks rather
+than single tokens); prefill chunks go one sequence at a time, each with its own causal
+offset mask.
 """
 
 from __future__ import annotations
@@ -28,10 +30,13 @@ class TorchNativeAttention(AttentionBackend):
             device = batch.slot_table.device
             rows = torch.tensor(decode, device=device)
             kv_lens = torch.tensor([batch.kv_lens[i] for i in decode], device=device)
-            width = int(max(batch.kv_lens[i] for i in decode))
+            page_size = batch.kv_cache.page_size
+            num_pages = -(-int(max(batch.kv_lens[i] for i in decode)) // page_size)
+            width = num_pages * page_size
             self.decode_rows = rows
             self.decode_tokens = torch.tensor([q_starts[i] for i in decode], device=device)
-            self.decode_slots = batch.slot_table[rows, :width]  # [Bd, L]
+            first_slots = batch.slot_table[rows, : width : page_size]  # [Bd, pages]
+            self.decode_pages = first_slots // page_size
             # [Bd, 1, 1, L]: True where the key position exists for that sequence
             valid = torch.arange(width, device=device)[None, :] < kv_lens[:, None]
             self.decode_mask = valid[:, None, None, :]
@@ -50,12 +55,17 @@ class TorchNativeAttention(AttentionBackend):
         batch.kv_cache.store(layer_id, batch.out_slots, k, v)
         out = torch.empty_like(q)
         if self.decode_rows is not None:
-            qd = q[self.decode_tokens].unsqueeze(2)  # [Bd, H, 1, D]
-            kd = k_cache[self.decode_slots].transpose(1, 2)  # [Bd, Hkv, L, D]
-            vd = v_cache[self.decode_slots].transpose(1, 2)
+            k_pages, v_pages = batch.kv_cache.layer_pages(layer_id)
+            bd, pages = self.decode_pages.shape
+            qd = q.index_select(0, self.decode_tokens).unsqueeze(2)  # [Bd, H, 1, D]
+            # index_select copies whole rows with memcpy: several times faster than
+            # advanced indexing on CPU. [Bd * pages, page_size, Hkv, D] -> [Bd, Hkv, L, D]
+            flat = self.decode_pages.flatten()
+            kd = k_pages.index_select(0, flat).view(bd, -1, *k.shape[1:]).transpose(1, 2)
+            vd = v_pages.index_select(0, flat).view(bd, -1, *v.shape[1:]).transpose(1, 2)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask,
                                                 scale=self.scale, enable_gqa=True)
-            out[self.decode_tokens] = od.squeeze(2)
+            out.index_copy_(0, self.decode_tokens, od.squeeze(2))
         for i in self.prefill:
             start, end = self.q_starts[i], self.q_starts[i + 1]
             q_len, kv_len = end - start, batch.kv_lens[i]
@@ -64,7 +74,7 @@ class TorchNativeAttention(AttentionBackend):
             if q_len == kv_len:  # whole sequence in this chunk: keys are the new tokens
                 ki, vi = k[start:end], v[start:end]
             else:
-                ki, vi = k_cache[slots], v_cache[slots]
+                ki, vi = k_cache.index_select(0, slots), v_cache.index_select(0, slots)
             ki = ki.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
             vi = vi.transpose(0, 1).unsqueeze(0)
             mask = self.prefill_masks.get((q_len, kv_len))

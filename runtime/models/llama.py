@@ -17,7 +17,7 @@ from radixlm.runtime.attention.base import AttentionBackend, ForwardBatch
 from radixlm.runtime.layers.embedding import VocabEmbedding
 from radixlm.runtime.layers.linear import Linear, MergedLinear, QKVLinear
 from radixlm.runtime.layers.norm import RMSNorm
-from radixlm.runtime.layers.rotary import RotaryEmbedding
+from radixlm.runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from radixlm.runtime.models.config import ModelConfig
 
 
@@ -34,8 +34,8 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
-    def forward(self, hidden: torch.Tensor, rotary: RotaryEmbedding, batch: ForwardBatch,
-                attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.output_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -43,7 +43,7 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(batch.positions, q, k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = attn.forward(q, k, v, self.layer_id, batch)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
@@ -69,9 +69,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(cfg, dtype)
 
-    def forward(self, hidden: torch.Tensor, rotary: RotaryEmbedding, batch: ForwardBatch,
-                attn: AttentionBackend) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, batch, attn)
+    def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, batch, attn)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -107,8 +107,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden_size]."""
         hidden = self.model.embed_tokens(batch.input_ids)
+        rope = self.rotary.cos_sin(batch.positions, hidden.dtype)
         for layer in self.model.layers:
-            hidden = layer(hidden, self.rotary, batch, attn)
+            hidden = layer(hidden, rope, batch, attn)
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

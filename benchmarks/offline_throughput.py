@@ -1,0 +1,169 @@
+"""Offline throughput: our engine vs transformers `generate` on the same model and prompts.
+
+64 chat prompts, 64 new tokens each (forced: min_new_tokens = max_new_tokens, so every system
+does the same work), greedy. In the same run:
+  * radixlm Engine (continuous batching, paged KV)
+  * transformers generate, batched (left-padded, one call)
+  * transformers generate, one prompt at a time
+and the compute floor of this machine: the measured GEMM rate for the model's linear layers
+at this batch size, divided by the FLOPs each generated token needs.
+
+    python benchmarks/offline_throughput.py [--dtype float32|bfloat16] [--num-prompts 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from radixlm.runtime import Engine
+from radixlm.runtime.loader import resolve_model
+
+TOPICS = ["the ocean", "a lost key", "mathematics", "a small village", "the moon", "coffee",
+          "an old library", "trains", "winter", "a robot", "music", "gardening", "volcanoes",
+          "friendship", "the internet", "bicycles"]
+TASKS = ["Write a short story about {}.", "Explain {} to a child.",
+         "Give three facts about {}.", "Write a poem about {}."]
+
+
+def make_prompts(tokenizer, count: int) -> list[list[int]]:
+    prompts = []
+    for i in range(count):
+        text = TASKS[i % len(TASKS)].format(TOPICS[(i // len(TASKS) + i) % len(TOPICS)])
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                             tokenize=False, add_generation_prompt=True)
+        prompts.append(tokenizer.encode(chat, add_special_tokens=False))
+    return prompts
+
+
+def run_ours(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
+    params = {"temperature": 0, "max_new_tokens": new_tokens, "min_new_tokens": new_tokens}
+    engine.generate(input_ids=prompts[:4], sampling_params=params)  # warm-up
+    start = time.perf_counter()
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    elapsed = time.perf_counter() - start
+    return {"seconds": elapsed, "generated": sum(o.completion_tokens for o in outs),
+            "outputs": [o.token_ids for o in outs]}
+
+
+def run_hf(model, tokenizer, prompts: list[list[int]], new_tokens: int,
+           batched: bool) -> dict:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    groups = [prompts] if batched else [[p] for p in prompts]
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                  pad_token_id=pad)
+    with torch.no_grad():
+        warm = torch.tensor([prompts[0]])
+        model.generate(warm, attention_mask=torch.ones_like(warm), **kwargs)
+        start = time.perf_counter()
+        outputs = []
+        for group in groups:
+            width = max(len(p) for p in group)
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in group])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+            gen = model.generate(ids, attention_mask=mask, **kwargs)
+            outputs.extend(gen[:, width:].tolist())
+        elapsed = time.perf_counter() - start
+    return {"seconds": elapsed, "generated": sum(len(o) for o in outputs), "outputs": outputs}
+
+
+def gemm_floor(engine: Engine, batch: int, dtype: torch.dtype) -> dict:
+    """Tokens/s if every generated token cost only its linear-layer FLOPs at the GEMM rate
+    this machine reaches for these shapes (the compute floor of batched decode on CPU)."""
+    cfg = engine.model_config
+    shapes = [(cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim,
+              cfg.num_heads * cfg.head_dim, 2 * cfg.intermediate_size]
+    weights = [torch.randn(n, cfg.hidden_size, dtype=dtype) for n in shapes]
+    weights.append(torch.randn(cfg.hidden_size, cfg.intermediate_size, dtype=dtype))
+    head = torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+    flops_per_token = 2 * (cfg.num_layers * sum(w.numel() for w in weights) + head.numel())
+    xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype) for w in weights}
+    def one_step() -> None:
+        for _ in range(cfg.num_layers):
+            for w in weights:
+                torch.nn.functional.linear(xs[w.shape[1]], w)
+        torch.nn.functional.linear(xs[cfg.hidden_size], head)
+    one_step()
+    start = time.perf_counter()
+    reps = 5
+    for _ in range(reps):
+        one_step()
+    per_step = (time.perf_counter() - start) / reps
+    return {"flops_per_token": flops_per_token, "gemm_seconds_per_step": per_step,
+            "gemm_tflops": flops_per_token * batch / per_step / 1e12,
+            "tokens_per_s": batch / per_step}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--skip-sequential", action="store_true",
+                        help="skip transformers one-prompt-at-a-time (the slowest part)")
+    parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/)")
+    args = parser.parse_args()
+    import transformers
+
+    dtype = getattr(torch, args.dtype)
+    engine = Engine(args.model, dtype=args.dtype, max_total_tokens=32768,
+                    max_running_requests=args.num_prompts)
+    prompts = make_prompts(engine.tokenizer, args.num_prompts)
+    folder = resolve_model(args.model)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+
+    rows = {"radixlm": run_ours(engine, prompts, args.new_tokens),
+            "transformers batched": run_hf(hf_model, engine.tokenizer, prompts,
+                                           args.new_tokens, batched=True)}
+    if not args.skip_sequential:
+        rows["transformers sequential"] = run_hf(hf_model, engine.tokenizer, prompts,
+                                                 args.new_tokens, batched=False)
+    floor = gemm_floor(engine, args.num_prompts, dtype)
+    engine.close()
+
+    base = rows["transformers batched"]
+    print(f"\n{args.num_prompts} prompts x {args.new_tokens} new tokens, {args.dtype}, "
+          f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
+    print(f"{'system':<26}{'seconds':>9}{'tokens/s':>10}{'vs HF batched':>15}{'of floor':>10}")
+    results = {}
+    for name, r in rows.items():
+        tps = r["generated"] / r["seconds"]
+        ratio = tps / (base["generated"] / base["seconds"])
+        share = tps / floor["tokens_per_s"]
+        print(f"{name:<26}{r['seconds']:>9.2f}{tps:>10.1f}{ratio:>14.2f}x{share:>9.0%}")
+        results[name] = {"seconds": r["seconds"], "generated_tokens": r["generated"],
+                         "tokens_per_s": tps, "ratio_vs_hf_batched": ratio,
+                         "fraction_of_floor": share}
+    print(f"{'GEMM floor':<26}{'':>9}{floor['tokens_per_s']:>10.1f}"
+          f"   ({floor['gemm_tflops'] * 1e3:.0f} GFLOP/s on the linear layers alone)")
+    same = sum(a == b for a, b in zip(rows["radixlm"]["outputs"], base["outputs"]))
+    print(f"greedy outputs identical to transformers batched: {same}/{len(prompts)}")
+
+    record = {
+        "benchmark": "offline_throughput",
+        "date": datetime.date.today().isoformat(),
+        "machine": {"processor": platform.processor() or platform.machine(),
+                    "threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "transformers": transformers.__version__},
+        "config": {"model": args.model or "smollm2-135m-instruct", "dtype": args.dtype,
+                   "num_prompts": args.num_prompts, "new_tokens": args.new_tokens,
+                   "prompt_tokens": sum(len(p) for p in prompts)},
+        "results": results, "gemm_floor": floor,
+        "identical_greedy_outputs_vs_hf_batched": same,
+    }
+    out = Path(args.out or Path(__file__).parent / "results" /
+               f"offline_throughput_cpu_{args.dtype}_{record['date']}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
