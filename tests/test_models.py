@@ -17,10 +17,11 @@ CPU = torch.device("cpu")
 def run_chunks(loaded, ids: list[int], chunks: list[int]) -> torch.Tensor:
     """Feed one sequence through our model chunk by chunk; return logits of every position."""
     cfg = loaded.config
+    device = loaded.model.model.embed_tokens.weight.device
     page_size = 4
-    cache = KVCache(cfg.num_layers, 512, cfg.num_kv_heads, cfg.head_dim, torch.float32, CPU,
+    cache = KVCache(cfg.num_layers, 512, cfg.num_kv_heads, cfg.head_dim, torch.float32, device,
                     page_size)
-    table = ReqToTokenTable(1, 256, page_size, CPU)
+    table = ReqToTokenTable(1, 256, page_size, device)
     row = table.acquire()
     # Deliberately scattered, non-contiguous pages.
     pages = list(range(127, 0, -2))[: -(-len(ids) // page_size)]
@@ -31,7 +32,8 @@ def run_chunks(loaded, ids: list[int], chunks: list[int]) -> torch.Tensor:
     for size in chunks:
         end = start + size
         batch = ForwardBatch(
-            input_ids=torch.tensor(ids[start:end]), positions=torch.arange(start, end),
+            input_ids=torch.tensor(ids[start:end], device=device),
+            positions=torch.arange(start, end, device=device),
             q_lens=[size], kv_lens=[end], out_slots=table.table[row, start:end],
             slot_table=table.table[row:row + 1, :end], kv_cache=cache)
         attn.plan(batch)

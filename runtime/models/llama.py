@@ -119,11 +119,9 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(hidden, weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load checkpoint tensors (Hugging Face names); return the parameters that were set."""
-        params = dict(self.named_parameters())
-        owners = {name: module for module_name, module in self.named_modules()
-                  for name in (f"{module_name}.{p}" for p, _ in
-                               module.named_parameters(recurse=False))}
+        """Load checkpoint tensors (Hugging Face names) through each owning layer's
+        weight_loader; return the keys that were set (see `expected_weight_keys`)."""
+        owned = self._parameters_with_owner()
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
@@ -135,19 +133,24 @@ class LlamaForCausalLM(nn.Module):
                 if fragment in name:
                     target, shard = name.replace(fragment, fused), shard_id
                     break
-            if target not in params:
+            if target not in owned:
                 raise ValueError(f"checkpoint tensor {name!r} matches no model parameter")
-            owners[target].weight_loader(params[target], tensor, shard)
-            loaded.add(f"{target}:{shard}" if shard is not None else target)
+            module, param = owned[target]
+            module.weight_loader(param, tensor, shard)
+            loaded.add(target if shard is None else f"{target}:{shard}")
         return loaded
 
     def expected_weight_keys(self) -> set[str]:
+        """Every key a complete checkpoint sets: fused parameters once per shard."""
         keys = set()
-        for name, module in self.named_modules():
-            for pname, _ in module.named_parameters(recurse=False):
-                full = f"{name}.{pname}"
-                if isinstance(module, MergedLinear):
-                    keys.update(f"{full}:{s}" for s in module.shard_names)
-                else:
-                    keys.add(full)
+        for name, (module, _) in self._parameters_with_owner().items():
+            if isinstance(module, MergedLinear):
+                keys.update(f"{name}:{shard}" for shard in module.shard_names)
+            else:
+                keys.add(name)
         return keys
+
+    def _parameters_with_owner(self) -> dict[str, tuple[nn.Module, nn.Parameter]]:
+        return {f"{module_name}.{name}": (module, param)
+                for module_name, module in self.named_modules()
+                for name, param in module.named_parameters(recurse=False)}

@@ -1,0 +1,96 @@
+"""The `radixlm` command. Subcommands: `generate`, `models` (later `serve`, `bench`, ...).
+
+    radixlm generate "The capital of France is" --max-new-tokens 16 --temperature 0
+    radixlm generate --chat "Write a haiku about the sea." --stream
+    radixlm models
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from typing import Sequence
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="model folder, .gguf file, short name or Hub id "
+                             "(default: the embedded smollm2-135m-instruct)")
+    parser.add_argument("--dtype", default="auto",
+                        choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--max-total-tokens", type=int, default=None,
+                        help="KV pool size in tokens (default: sized from free memory)")
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from radixlm.runtime import Engine, SamplingParams
+
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            stop=tuple(args.stop or ()))
+    with Engine(args.model, dtype=args.dtype, device=args.device,
+                max_total_tokens=args.max_total_tokens) as engine:
+        prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+        if args.chat:
+            prompts = [engine.apply_chat_template([{"role": "user", "content": p}])
+                       for p in prompts]
+        if args.stream:
+            for prompt in prompts:
+                asyncio.run(_stream(engine, prompt, params))
+            return 0
+        outputs = engine.generate(prompts, params)
+        for out in outputs:
+            print(out.text if len(outputs) == 1 else f"[{out.request_id[:8]}] {out.text}")
+    return 0
+
+
+async def _stream(engine, prompt: str, params) -> None:
+    async for chunk in engine.generate_stream(prompt, params):
+        print(chunk.delta, end="", flush=True)
+    print()
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    from radixlm.runtime.loader import ARCHITECTURE_PRESETS, DEFAULT_MODEL, EMBEDDED_MODELS
+    from radixlm.runtime.models.config import SUPPORTED_ARCHITECTURES
+
+    print(f"default model: {DEFAULT_MODEL}")
+    print("embedded models: " + ", ".join(EMBEDDED_MODELS))
+    print("shapes for --load-format dummy: " + ", ".join(ARCHITECTURE_PRESETS))
+    print("supported architectures: " + ", ".join(SUPPORTED_ARCHITECTURES))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="radixlm", description="radixlm LLM runtime")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text offline with the local engine")
+    gen.add_argument("prompt", nargs="*", help="prompts (default: one per line of stdin)")
+    gen.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    gen.add_argument("--stream", action="store_true", help="print tokens as they come")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    _add_engine_args(gen)
+    gen.set_defaults(func=_cmd_generate)
+    models = sub.add_parser("models", help="list the default, embedded and supported models")
+    models.set_defaults(func=_cmd_models)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:  # bad input: a message, not a traceback
+        print(f"radixlm: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""The engine on CUDA (run on the GPU machine: `pytest -m gpu`). Skipped without CUDA."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from radixlm.runtime import Engine
+from radixlm.runtime.loader import load_model
+
+from conftest import save_tiny_hf_model
+from test_models import run_chunks
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_logits_on_cuda_match_transformers(tmp_path, family):
+    import transformers
+
+    folder = save_tiny_hf_model(tmp_path, family)
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ids = torch.randint(3, 512, (1, 100), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = ref_model(ids).logits[0]
+    loaded = load_model(str(folder), "auto", torch.float32, torch.device("cuda"))
+    ours = run_chunks(loaded, ids[0].tolist(), [40, 1, 59]).cpu()
+    assert (ours - ref).abs().max().item() < 1e-3
+
+
+def test_greedy_is_the_same_on_cuda_and_cpu(tmp_path):
+    folder = save_tiny_hf_model(tmp_path, "llama")
+    prompts = [[5 + i, 17, 99, 3 + i * 7] * (i + 1) for i in range(6)]
+    params = {"temperature": 0, "max_new_tokens": 20, "ignore_eos": True}
+    results = []
+    for device in ("cpu", "cuda"):
+        with Engine(str(folder), device=device, dtype="float32", max_total_tokens=2048,
+                    chunked_prefill_size=8) as engine:
+            results.append([o.token_ids for o in engine.generate(input_ids=prompts,
+                                                                 sampling_params=params)])
+            stats = engine.stats()
+            assert stats["kv_pages_free"] == stats["kv_pages_total"]
+    assert results[0] == results[1]
+
+
+def test_llama3_8b_shape_bf16_runs():
+    with Engine("llama-3-8b", load_format="dummy", device="cuda",
+                max_total_tokens=65536) as engine:
+        prompts = [[1000 + i] * (50 + 10 * i) for i in range(16)]
+        params = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
+        engine.generate(input_ids=prompts[:2], sampling_params=params)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        elapsed = time.perf_counter() - start
+        assert all(o.completion_tokens == 32 for o in outs)
+        stats = engine.stats()
+        assert stats["kv_pages_free"] == stats["kv_pages_total"]
+        print(f"llama-3-8b shape, bf16, torch attention: 16 x 32 tokens in {elapsed:.2f} s "
+              f"({16 * 32 / elapsed:.0f} tokens/s)")
