@@ -35,6 +35,8 @@ class TorchNativeAttention(AttentionBackend):
             width = num_pages * page_size
             self.decode_rows = rows
             self.decode_tokens = torch.tensor([q_starts[i] for i in decode], device=device)
+            # A pure decode step has one token per sequence, in order: no gather needed.
+            self.all_decode = len(decode) == batch.num_tokens
             first_slots = batch.slot_table[rows, : width : page_size]  # [Bd, pages]
             self.decode_pages = first_slots // page_size
             # [Bd, 1, 1, L]: True where the key position exists for that sequence
@@ -57,7 +59,8 @@ class TorchNativeAttention(AttentionBackend):
         if self.decode_rows is not None:
             k_pages, v_pages = batch.kv_cache.layer_pages(layer_id)
             bd, pages = self.decode_pages.shape
-            qd = q.index_select(0, self.decode_tokens).unsqueeze(2)  # [Bd, H, 1, D]
+            qd = q if self.all_decode else q.index_select(0, self.decode_tokens)
+            qd = qd.unsqueeze(2)  # [Bd, H, 1, D]
             # index_select copies whole rows with memcpy: several times faster than
             # advanced indexing on CPU. [Bd * pages, page_size, Hkv, D] -> [Bd, Hkv, L, D]
             flat = self.decode_pages.flatten()
@@ -65,6 +68,8 @@ class TorchNativeAttention(AttentionBackend):
             vd = v_pages.index_select(0, flat).view(bd, -1, *v.shape[1:]).transpose(1, 2)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask,
                                                 scale=self.scale, enable_gqa=True)
+            if self.all_decode:
+                return od.squeeze(2)
             out.index_copy_(0, self.decode_tokens, od.squeeze(2))
         for i in self.prefill:
             start, end = self.q_starts[i], self.q_starts[i + 1]

@@ -1,4 +1,4 @@
-"""RMSNorm, computed in float32 whatever the activation dtype (as the reference models do)."""
+"""RMSNorm, normalised in float32 whatever the activation dtype (as the reference models do)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        # rms_norm accumulates in float32 for low-precision inputs, then rounds to x's dtype,
+        # as the reference implementation does before applying the weight.
+        return self.weight * F.rms_norm(x, self.weight.shape, eps=self.eps)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | str | None = None) -> None:

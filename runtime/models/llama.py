@@ -37,13 +37,13 @@ class LlamaAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.output_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(hidden).view(num_tokens, heads + 2 * kv_heads, self.head_dim)
+        qk, v = qkv.split([heads + kv_heads, kv_heads], dim=1)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
+        # q and k sit side by side: rotate them in one go.
+        q, k = apply_rotary(qk, *rope).split([heads, kv_heads], dim=1)
         out = attn.forward(q, k, v, self.layer_id, batch)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
