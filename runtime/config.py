@@ -25,7 +25,7 @@ class EngineConfig:
     load_format: str = "auto"
     dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # cuda when available, else cpu
-    seed: int = 0
+    seed: int = 0  # seeds requests that have no seed of their own, and dummy weights
     # Paged KV memory. The pool holds `max_total_tokens` token slots in pages of `page_size`;
     # when it is None the pool is sized from `kv_cache_memory_fraction` of the free memory.
     page_size: int = 16

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import random
 import sys
 import threading
 import uuid
@@ -43,7 +44,9 @@ class Engine:
         self.config = EngineConfig.from_kwargs(model, **options)
         self.device = self.config.torch_device()
         self.dtype = self.config.torch_dtype(self.device)
-        torch.manual_seed(self.config.seed)
+        # Requests without a seed get one from here: runs are reproducible from the engine
+        # seed and the order of submission, and torch's global RNG is left alone.
+        self._seeds = random.Random(self.config.seed)
         loaded = load_model(self.config.model, self.config.load_format, self.dtype,
                             self.device, max_positions=self.config.max_model_len,
                             seed=self.config.seed)
@@ -236,9 +239,10 @@ class Engine:
         return IncrementalDetokenizer(self.tokenizer, prompt_ids, p.skip_special_tokens, p.stop)
 
     def _generator(self, p: SamplingParams, index: int) -> torch.Generator | None:
-        if p.seed is None or p.greedy:
+        if p.greedy:
             return None
-        return torch.Generator(self.device).manual_seed(p.seed + index)
+        seed = p.seed + index if p.seed is not None else self._seeds.getrandbits(63)
+        return torch.Generator(self.device).manual_seed(seed)
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
