@@ -15,6 +15,7 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("torch",)
+SCHEDULE_POLICIES = ("lpm", "fcfs")
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     chunked_prefill_size: int = 512
     attention_backend: str = "torch"
+    # Prefix cache (RadixAttention) and the waiting-queue order: "lpm" serves the longest
+    # cached prefix first and lets requests that share an uncached prefix wait for it.
+    disable_radix_cache: bool = False
+    schedule_policy: str = "lpm"
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -45,6 +50,9 @@ class EngineConfig:
         _one_of(self.load_format, LOAD_FORMATS, "load_format")
         _one_of(self.dtype, ("auto", *DTYPES), "dtype")
         _one_of(self.attention_backend, ATTENTION_BACKENDS, "attention_backend")
+        _one_of(self.schedule_policy, SCHEDULE_POLICIES, "schedule_policy")
+        if not isinstance(self.disable_radix_cache, bool):
+            raise ValueError("disable_radix_cache must be a bool")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         for name in ("page_size", "max_running_requests", "max_num_batched_tokens",

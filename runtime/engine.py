@@ -136,6 +136,15 @@ class Engine:
         """Stop a request (and its n samples); it finishes with finish_reason "abort"."""
         self._inbox.put(("abort", request_id))
 
+    def flush_cache(self) -> None:
+        """Drop every cached prefix (e.g. after changing weights). Refused with a ValueError
+        while requests are running."""
+        reply: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._inbox.put(("flush", reply))
+        error = reply.get()
+        if error is not None:
+            raise ValueError(error)
+
     def stats(self) -> dict[str, Any]:
         return self.core.stats()
 
@@ -286,6 +295,12 @@ class Engine:
         if kind == "add":
             for request in payload:
                 self.core.add_request(request)
+        elif kind == "flush":
+            try:
+                self.core.flush_cache()
+                payload.put(None)
+            except ValueError as exc:
+                payload.put(str(exc))
         elif kind == "abort":
             if not self.core.abort(payload):
                 prefix = f"{payload}#"

@@ -17,8 +17,10 @@ import torch
 from radixlm.runtime.attention.base import create_backend
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.loader import LoadedModel
+from radixlm.runtime.kv_manager import KVManager
 from radixlm.runtime.memory import KVCache, PageAllocator, ReqToTokenTable
 from radixlm.runtime.model_runner import ModelRunner, StepResult
+from radixlm.runtime.radix_cache import RadixCache
 from radixlm.runtime.request import Request, RequestStatus
 from radixlm.runtime.scheduler import ScheduledBatch, Scheduler
 
@@ -39,7 +41,10 @@ class EngineCore:
         self.allocator = PageAllocator(num_pages, config.page_size)
         self.table = ReqToTokenTable(config.max_running_requests,
                                      num_pages * config.page_size, config.page_size, device)
-        self.scheduler = Scheduler(config, self.allocator, self.table)
+        self.cache = (None if config.disable_radix_cache
+                      else RadixCache(config.page_size, self.allocator))
+        self.kv = KVManager(self.allocator, self.table, self.cache)
+        self.scheduler = Scheduler(config, self.kv)
         attn = create_backend(config.attention_backend, scale=mc.head_dim ** -0.5)
         self.runner = ModelRunner(loaded.model, attn, self.kv_cache, self.table, device)
         self.requests: dict[str, Request] = {}
@@ -70,6 +75,15 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    def flush_cache(self) -> None:
+        """Drop every cached prefix. Refused while requests are running or waiting."""
+        if self.scheduler.has_work:
+            raise ValueError(
+                f"cannot flush the prefix cache while {len(self.scheduler.running)} requests "
+                f"are running and {len(self.scheduler.waiting)} waiting")
+        if self.cache is not None:
+            self.cache.reset()
+
     # -- one step --------------------------------------------------------------------------
 
     def step(self) -> int:
@@ -90,10 +104,11 @@ class EngineCore:
 
     def _postprocess(self, scheduled: ScheduledBatch, result: StepResult) -> None:
         for request, count in zip(scheduled.requests, scheduled.num_new_tokens):
-            # Prefill of the prompt counts as such; recomputation after preemption too.
+            # Prefill of the prompt counts as such; recomputation after retraction too.
             self.counters["prefill_tokens_computed"] += min(
                 count, max(0, request.prompt_len - request.num_computed_tokens))
             request.num_computed_tokens += count
+            self.kv.cache_computed(request)  # the next request (or chat turn) can hit it
         self.counters["batched_tokens"] += scheduled.num_tokens
         self.counters["steps"] += 1
         for request, entries in result.prompt_logprobs.items():
@@ -162,16 +177,18 @@ class EngineCore:
     def stats(self) -> dict[str, Any]:
         return {
             "prefill_tokens_computed": self.counters["prefill_tokens_computed"],
-            "cached_tokens": self.counters["cached_tokens"],
+            "cached_tokens": self.scheduler.num_cached_tokens,
             "generated_tokens": self.counters["generated_tokens"],
             "batched_tokens": self.counters["batched_tokens"],
             "steps": self.counters["steps"],
             "requests_finished": self.counters["requests_finished"],
-            "preemptions": self.scheduler.num_preemptions,
+            "retractions": self.scheduler.num_retractions,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "kv_pages_total": self.allocator.num_pages,
             "kv_pages_free": self.allocator.num_free,
+            "kv_pages_cached": self.cache.total_pages if self.cache else 0,
+            "kv_pages_evictable": self.cache.evictable_pages if self.cache else 0,
             "page_size": self.page_size,
             "max_model_len": self.max_model_len,
         }

@@ -5,7 +5,7 @@ are grouped into pages of `page_size` consecutive slots (slot = page * page_size
 
 Ownership: every page is in exactly one place at a time: the allocator's free list or a
 request (later also the radix cache). `allocate` returning None is a normal event (the
-scheduler then preempts); nothing here raises on exhaustion.
+scheduler then evicts or retracts); nothing here raises on exhaustion.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class ReqToTokenTable:
     """Maps (request row, token position) -> KV slot, as a device tensor the kernels can read.
 
     Each running request holds one row. Rows are recycled when requests finish or are
-    preempted; a row's entries beyond the request's allocated pages are stale and never read.
+    retracted; a row's entries beyond the request's allocated pages are stale and never read.
     """
 
     def __init__(self, num_rows: int, max_len: int, page_size: int,

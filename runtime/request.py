@@ -2,7 +2,7 @@
 
 A request's tokens are `prompt + output`; `num_computed_tokens` counts how many of them have
 KV in the cache. The scheduler only ever moves that counter forward (prefill chunk, decode
-step) or resets it (preemption), which is the whole scheduling state machine.
+step) or resets it (retraction), which is the whole scheduling state machine.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class Output:
     delta: str = ""  # streaming: text added since the previous chunk
     matched_stop: str | int | None = None  # the stop string or token id that ended it
     error: str | None = None  # why an aborted request was aborted, if not by the user
+    time_to_first_token: float | None = None  # seconds from submission to the first token
 
     @property
     def finished(self) -> bool:
@@ -68,7 +69,11 @@ class Request:
     num_computed_tokens: int = 0
     cached_tokens: int = 0
     pages: list[int] = field(default_factory=list)
+    num_tree_pages: int = 0  # leading pages owned by the radix cache (see kv_manager)
+    cache_node: Any = None  # the radix-cache node this request holds locked
+    namespace: Any = None  # KV from another namespace is never reused
     table_row: int | None = None
+    admitted: bool = False  # admitted at least once (cached_tokens counts the first time)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     matched_stop: str | int | None = None
@@ -97,6 +102,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.prompt_len
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        """Tokens this request may still generate, at most."""
+        return max(0, min(self.params.max_new_tokens - self.num_output_tokens,
+                          self.max_total_len - len(self.token_ids)))
 
     @property
     def num_uncomputed(self) -> int:
@@ -132,4 +143,6 @@ class Request:
             delta=delta,
             matched_stop=self.matched_stop,
             error=self.error,
+            time_to_first_token=(None if self.first_token_time is None
+                                 else self.first_token_time - self.arrival_time),
         )

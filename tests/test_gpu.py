@@ -42,7 +42,7 @@ def test_greedy_is_the_same_on_cuda_and_cpu(tmp_path):
             results.append([o.token_ids for o in engine.generate(input_ids=prompts,
                                                                  sampling_params=params)])
             stats = engine.stats()
-            assert stats["kv_pages_free"] == stats["kv_pages_total"]
+            assert stats["kv_pages_free"] + stats["kv_pages_cached"] == stats["kv_pages_total"]
     assert results[0] == results[1]
 
 
@@ -58,6 +58,6 @@ def test_llama3_8b_shape_bf16_runs():
         elapsed = time.perf_counter() - start
         assert all(o.completion_tokens == 32 for o in outs)
         stats = engine.stats()
-        assert stats["kv_pages_free"] == stats["kv_pages_total"]
+        assert stats["kv_pages_free"] + stats["kv_pages_cached"] == stats["kv_pages_total"]
         print(f"llama-3-8b shape, bf16, torch attention: 16 x 32 tokens in {elapsed:.2f} s "
               f"({16 * 32 / elapsed:.0f} tokens/s)")
