@@ -139,3 +139,21 @@ def test_flush_cache(tiny_chat_model):
 def test_bad_policy_is_named(tiny_chat_model):
     with pytest.raises(ValueError, match="schedule_policy"):
         Engine(str(tiny_chat_model), schedule_policy="random")
+
+
+def test_multi_turn_and_n_samples_identical_with_cache_on_and_off(tiny_chat_model):
+    sampled = {"n": 3, "temperature": 0.8, "seed": 11, "max_new_tokens": 8, "ignore_eos": True}
+    results = []
+    for disable in (True, False):
+        with Engine(str(tiny_chat_model), max_total_tokens=2048,
+                    disable_radix_cache=disable) as eng:
+            turn1 = SYSTEM + ids(20, 9)
+            first = eng.generate(input_ids=turn1, sampling_params=GREEDY)
+            second = eng.generate(input_ids=turn1 + first.token_ids + ids(21, 7),
+                                  sampling_params=GREEDY)
+            samples = eng.generate(input_ids=SYSTEM + ids(22, 5), sampling_params=sampled)
+            assert (second.cached_tokens > 0) != disable
+            assert (samples[1].cached_tokens > 0) != disable
+            results.append((first.token_ids, second.token_ids, [o.token_ids for o in samples]))
+            no_leak(eng)
+    assert results[0] == results[1]
