@@ -13,6 +13,14 @@ allocator only in `evict` and `reset`. A running request protects the pages it r
 cache by `lock`ing the node its match ended at; locks count, and a lock on a node also covers
 all its ancestors, so a node's lock count is the number of locks in its subtree.
 
+A request's life, as the scheduler drives it (token ids are plain ints: they become keys):
+
+    m = cache.match_prefix(prompt); cache.lock(m.node)   # m.pages are shared, read-only
+    ... allocate pages for the rest, compute them ...
+    r = cache.insert(tokens, m.pages + own)              # then free own pages not in r.pages
+    cache.lock(r.node); cache.unlock(m.node)             # and use r.pages from now on
+    ... when it finishes or is retracted: cache.unlock(r.node)
+
 LRU eviction keeps a heap of (last access, node) entries with lazy deletion: an entry is
 skipped when popped if its node was touched since, got a child, got locked or left the tree.
 Not thread-safe: the scheduler is the only caller.
@@ -203,12 +211,13 @@ class RadixCache:
             node = node.parent
 
     def evict(self, num_pages: int) -> int:
-        """Free at least `num_pages` unlocked cached pages to the allocator, LRU leaves first.
+        """Free `num_pages` unlocked cached pages to the allocator (fewer only if fewer are
+        evictable), LRU leaves first; returns how many were freed.
 
         A parent becomes a candidate once its last child is gone. The last leaf taken is
-        trimmed from its end rather than dropped whole, so exactly `num_pages` are freed
-        unless fewer are evictable. Returns the number of pages freed. O(k log n) for k
-        nodes removed, plus stale heap entries skipped (each pushed once).
+        trimmed from its end rather than dropped whole, so no more than asked is freed and
+        the head stays cached. Locked nodes are never touched. O(k log n) for k nodes
+        removed, plus stale heap entries skipped (each was pushed once, in O(log n)).
         """
         freed = 0
         while freed < num_pages and self._heap:
@@ -260,8 +269,8 @@ class RadixCache:
                 self._roots[namespace] = root
         return root
 
-    def _descend(self, root: TreeNode, tokens: tuple[int, ...]) -> tuple[list[TreeNode],
-                                                                          list[int]]:
+    def _descend(self, root: TreeNode,
+                 tokens: tuple[int, ...]) -> tuple[list[TreeNode], list[int]]:
         """Follow page-aligned `tokens` down from `root` as far as whole pages match; split the
         last node if the match ends inside it. Returns the path (root excluded) and its pages.
         """

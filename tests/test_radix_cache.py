@@ -157,7 +157,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
         prefix = [] if base is None else self.history[base % len(self.history)][:keep]
         return (prefix + suffix)[:MAX_SEQ_PAGES]
 
-    def tokens(self, page_ids: list[int], tail: list[int] = ()) -> list[int]:
+    def tokens(self, page_ids: list[int], tail: Sequence[int] = ()) -> list[int]:
         body = [t for i in page_ids for t in PATTERNS[self.ps][i]]
         return body + list(tail[:self.ps - 1])
 
@@ -211,7 +211,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
             result = self.cache.insert(tokens, mine, namespace)
             assert (result.num_existing_tokens, result.pages) == self.model.insert(
                 namespace, tokens, mine)
-            assert path_of(result.node) == (namespace, tuple(tokens)) or not tokens
+            assert path_of(result.node) == (namespace, tuple(tokens))
             # The caller frees its own duplicates; pages it got from the match are the tree's.
             self.alloc.free([p for p, q in zip(mine, result.pages) if p != q])
         if lease is not None:
@@ -383,6 +383,19 @@ def test_evict_is_lru_and_frees_parents_once_they_become_leaves() -> None:
     assert cache.evict(1) == 0
 
 
+def test_interior_nodes_on_a_path_count_as_used() -> None:
+    cache, alloc = make_cache()
+    insert_fresh(cache, alloc, [1, 2])  # X
+    v = cache.insert([7, 8], alloc.allocate(1))  # V, used after X
+    insert_fresh(cache, alloc, [1, 2, 3, 4])  # Y under X: X is used again, after V
+    cache.lock(v.node)
+    assert cache.evict(1) == 1  # Y; X is now a leaf, last used with Y
+    cache.unlock(v.node)
+    alloc.free_calls.clear()
+    assert cache.evict(1) == 1
+    assert alloc.free_calls == [v.pages]  # V is older than X
+
+
 def test_evict_trims_the_tail_of_the_last_leaf() -> None:
     cache, alloc = make_cache()
     pages = insert_fresh(cache, alloc, [1, 2, 3, 4, 5, 6, 7, 8])
@@ -390,6 +403,16 @@ def test_evict_trims_the_tail_of_the_last_leaf() -> None:
     assert alloc.free_calls[-1] == [pages[3]]
     assert cache.match_prefix([1, 2, 3, 4, 5, 6, 7, 8]).pages == pages[:3]
     assert cache.evict(5) == 3 and alloc.num_free == 16
+
+
+def test_trimmed_head_keeps_its_age() -> None:
+    cache, alloc = make_cache()
+    v = cache.insert([7, 8], alloc.allocate(1))  # V, older
+    n = insert_fresh(cache, alloc, [1, 2, 3, 4])  # N, newer
+    cache.lock(v.node)
+    assert cache.evict(1) == 1 and alloc.free_calls[-1] == [n[1]]  # N trimmed to its head
+    cache.unlock(v.node)
+    assert cache.evict(1) == 1 and alloc.free_calls[-1] == v.pages  # the head is still newer
 
 
 def test_locked_pages_are_never_evicted() -> None:
@@ -464,7 +487,8 @@ def test_insert_and_match_reject_or_round_partial_pages() -> None:
     with pytest.raises(ValueError):
         cache.insert([1, 2, 3, 4], [0])
     pages = insert_fresh(cache, alloc, [1, 2, 3, 4])
-    assert cache.match_prefix([1, 2, 3]).pages == pages[:1]  # whole pages only
+    assert cache.match_prefix([1, 2, 3, 9]).pages == pages[:1]  # whole pages only
+    assert cache.match_prefix([1, 2, 3]).pages == pages[:1]
     assert cache.match_prefix([1, 2, 3, 4], max_tokens=3).pages == pages[:1]
     assert cache.match_prefix([1, 2, 3, 4], max_tokens=0).num_tokens == 0
     assert cache.match_prefix([1, 3]).num_tokens == 0  # the first page differs at its end
