@@ -16,8 +16,8 @@ import torch
 
 from radixlm.runtime.attention.base import create_backend
 from radixlm.runtime.config import EngineConfig
-from radixlm.runtime.loader import LoadedModel
 from radixlm.runtime.kv_manager import KVManager
+from radixlm.runtime.loader import LoadedModel
 from radixlm.runtime.memory import KVCache, PageAllocator, ReqToTokenTable
 from radixlm.runtime.model_runner import ModelRunner, StepResult
 from radixlm.runtime.radix_cache import RadixCache

@@ -6,11 +6,11 @@ file into a cached folder on first use); `load_model` builds our model from it.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import re
 from dataclasses import dataclass
-import importlib.util
 from pathlib import Path
 from typing import Any, Iterator
 

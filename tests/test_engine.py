@@ -51,7 +51,8 @@ def test_generate_shapes_and_accounting(engine):
     out = engine.generate("Hello there", {"max_new_tokens": 5, "temperature": 0,
                                           "ignore_eos": True})
     assert out.finish_reason == "length" and out.completion_tokens == 5
-    assert len(out.token_ids) == 5 and out.prompt_tokens == len(engine.tokenizer.encode("Hello there"))
+    assert len(out.token_ids) == 5
+    assert out.prompt_tokens == len(engine.tokenizer.encode("Hello there"))
     assert out.text == engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
     assert_no_leak(engine)
 

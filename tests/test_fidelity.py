@@ -87,6 +87,7 @@ def test_gguf_logits_match_transformers(hf, prompts):
         assert [t for t, _ in entry.top] == ref_logprobs[pos - 1].topk(5).indices.tolist()
     # Logits themselves, straight from our model on the same file.
     from radixlm.runtime.loader import load_model
+
     from test_models import run_chunks
 
     loaded = load_model(None, "auto", torch.float32, torch.device("cpu"))
