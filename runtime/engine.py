@@ -66,11 +66,15 @@ class Engine:
                  sampling_params: ParamsArg | Sequence[ParamsArg] = None, *,
                  input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
                  request_id: str | Sequence[str] | None = None,
+                 cache_salt: str | None = None,
                  use_tqdm: bool | None = None) -> Output | list[Output]:
         """Generate for one prompt (-> Output, or a list of n Outputs when n > 1) or a list of
-        prompts (-> a flat list, n Outputs per prompt, in order)."""
+        prompts (-> a flat list, n Outputs per prompt, in order).
+
+        Requests with different `cache_salt`s never share cached KV (e.g. one per tenant)."""
         single, prompts = self._normalize_prompts(prompt, input_ids)
-        requests = self._make_requests(prompts, sampling_params, request_id, stream=False)
+        requests = self._make_requests(prompts, sampling_params, request_id, cache_salt,
+                                       stream=False)
         results: queue.SimpleQueue[Output] = queue.SimpleQueue()
         for request in requests:
             request.on_output = results.put
@@ -93,14 +97,16 @@ class Engine:
     async def generate_stream(self, prompt: str | None = None,
                               sampling_params: ParamsArg = None, *,
                               input_ids: Sequence[int] | None = None,
-                              request_id: str | None = None) -> AsyncIterator[Output]:
+                              request_id: str | None = None,
+                              cache_salt: str | None = None) -> AsyncIterator[Output]:
         """Yield an Output per new token (with `delta`), the last one with `finish_reason`."""
         single, prompts = self._normalize_prompts(prompt, input_ids)
         if not single:
             raise ValueError("prompt: generate_stream takes one prompt")
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[Output] = asyncio.Queue()
-        requests = self._make_requests(prompts, sampling_params, request_id, stream=True)
+        requests = self._make_requests(prompts, sampling_params, request_id, cache_salt,
+                                       stream=True)
         for request in requests:
             request.on_output = _threadsafe_put(loop, chunks)
         self._submit(requests)
@@ -203,7 +209,9 @@ class Engine:
         return list(ids)
 
     def _make_requests(self, prompts: list[list[int]], sampling_params: Any,
-                       request_id: Any, stream: bool) -> list[Request]:
+                       request_id: Any, cache_salt: Any, stream: bool) -> list[Request]:
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         params = self._params_per_prompt(sampling_params, len(prompts))
         ids = self._request_ids(request_id, len(prompts))
         requests = []
@@ -222,6 +230,7 @@ class Engine:
                     stream=stream,
                     index=index,
                     generator=self._generator(p, index),
+                    namespace=cache_salt,
                 ))
         return requests
 

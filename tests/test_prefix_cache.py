@@ -136,6 +136,20 @@ def test_flush_cache(tiny_chat_model):
         assert again.cached_tokens == 0
 
 
+def test_cache_salt_keeps_kv_apart(tiny_chat_model):
+    prompt = ids(12, 40)
+    with Engine(str(tiny_chat_model), max_total_tokens=2048, page_size=PAGE) as eng:
+        base = eng.generate(input_ids=prompt, sampling_params=GREEDY, cache_salt="alice")
+        other = eng.generate(input_ids=prompt, sampling_params=GREEDY, cache_salt="bob")
+        same = eng.generate(input_ids=prompt, sampling_params=GREEDY, cache_salt="alice")
+        unsalted = eng.generate(input_ids=prompt, sampling_params=GREEDY)
+        assert [o.cached_tokens for o in (base, other, same, unsalted)] == [0, 0, 32, 0]
+        assert base.token_ids == other.token_ids == same.token_ids == unsalted.token_ids
+        with pytest.raises(ValueError, match="cache_salt"):
+            eng.generate(input_ids=prompt, cache_salt=3)
+        no_leak(eng)
+
+
 def test_bad_policy_is_named(tiny_chat_model):
     with pytest.raises(ValueError, match="schedule_policy"):
         Engine(str(tiny_chat_model), schedule_policy="random")
