@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -86,9 +86,6 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return DTYPES[self.dtype]
-
-    def as_dict(self) -> Mapping[str, Any]:
-        return dataclasses.asdict(self)
 
 
 def _one_of(value: Any, choices: tuple[str, ...], name: str) -> None:

@@ -45,7 +45,6 @@ class LoadedModel:
     model: LlamaForCausalLM
     config: ModelConfig
     tokenizer: Any | None  # a transformers tokenizer; None for weight-less presets
-    source: str
 
 
 def resolve_model(model: str | None) -> Path:
@@ -122,7 +121,7 @@ def load_model(model: str | None, load_format: str, dtype: torch.dtype,
     else:
         _load_checkpoint(net, folder)
     net.eval()
-    return LoadedModel(net, config, tokenizer, str(folder or model))
+    return LoadedModel(net, config, tokenizer)
 
 
 def _load_tokenizer(folder: Path) -> Any | None:

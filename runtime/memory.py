@@ -62,9 +62,6 @@ class PageAllocator:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def can_allocate(self, num_pages: int) -> bool:
-        return num_pages <= len(self._free)
-
     def allocate(self, num_pages: int) -> list[int] | None:
         """Take `num_pages` pages, or None (and take nothing) when there are not enough."""
         if num_pages > len(self._free):
@@ -90,10 +87,6 @@ class ReqToTokenTable:
         self.page_size = page_size
         self._free_rows = list(range(num_rows - 1, -1, -1))
         self._offsets = torch.arange(page_size, dtype=torch.int64, device=device)
-
-    @property
-    def num_free_rows(self) -> int:
-        return len(self._free_rows)
 
     def acquire(self) -> int | None:
         return self._free_rows.pop() if self._free_rows else None

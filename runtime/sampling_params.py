@@ -9,7 +9,7 @@ naming the field, before anything is queued.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 
@@ -40,7 +40,6 @@ class SamplingParams:
     top_logprobs_num: int = 0
     # Prompt-token logprobs from this prompt position on; None returns none.
     logprob_start_len: int | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise through object.__setattr__
@@ -111,7 +110,7 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "SamplingParams":
-        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(

@@ -31,10 +31,6 @@ class ForwardBatch:
     kv_cache: KVCache
 
     @property
-    def num_seqs(self) -> int:
-        return len(self.q_lens)
-
-    @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
 

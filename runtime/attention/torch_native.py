@@ -25,7 +25,7 @@ class TorchNativeAttention(AttentionBackend):
         decode = [i for i, q_len in enumerate(batch.q_lens) if q_len == 1]
         self.prefill = [i for i, q_len in enumerate(batch.q_lens) if q_len > 1]
         self.q_starts = q_starts
-        self.decode_rows = None
+        self.decode_pages = None
         if decode:
             device = batch.slot_table.device
             rows = torch.tensor(decode, device=device)
@@ -33,7 +33,6 @@ class TorchNativeAttention(AttentionBackend):
             page_size = batch.kv_cache.page_size
             num_pages = -(-int(max(batch.kv_lens[i] for i in decode)) // page_size)
             width = num_pages * page_size
-            self.decode_rows = rows
             self.decode_tokens = torch.tensor([q_starts[i] for i in decode], device=device)
             # A pure decode step has one token per sequence, in order: no gather needed.
             self.all_decode = len(decode) == batch.num_tokens
@@ -56,7 +55,7 @@ class TorchNativeAttention(AttentionBackend):
         k_cache, v_cache = batch.kv_cache.layer(layer_id)
         batch.kv_cache.store(layer_id, batch.out_slots, k, v)
         out = torch.empty_like(q)
-        if self.decode_rows is not None:
+        if self.decode_pages is not None:
             k_pages, v_pages = batch.kv_cache.layer_pages(layer_id)
             bd, pages = self.decode_pages.shape
             qd = q if self.all_decode else q.index_select(0, self.decode_tokens)

@@ -94,8 +94,3 @@ class ModelConfig:
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in model folder {folder}")
         return cls.from_dict(json.loads(path.read_text()))
-
-    @property
-    def kv_bytes_per_token_per_dtype_byte(self) -> int:
-        """K and V elements per token over all layers (multiply by the dtype's size)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
