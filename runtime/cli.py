@@ -32,22 +32,23 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                             stop=tuple(args.stop or ()))
     with Engine(args.model, dtype=args.dtype, device=args.device,
                 max_total_tokens=args.max_total_tokens) as engine:
-        prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
-        if args.chat:
-            prompts = [engine.apply_chat_template([{"role": "user", "content": p}])
-                       for p in prompts]
+        texts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+        # Chat prompts are token ids: the template already holds the special tokens.
+        prompts = ([{"input_ids": engine.encode_chat([{"role": "user", "content": t}])}
+                    for t in texts] if args.chat else [{"prompt": t} for t in texts])
         if args.stream:
             for prompt in prompts:
                 asyncio.run(_stream(engine, prompt, params))
             return 0
-        outputs = engine.generate(prompts, params)
+        key = "input_ids" if args.chat else "prompt"
+        outputs = engine.generate(sampling_params=params, **{key: [p[key] for p in prompts]})
         for out in outputs:
             print(out.text if len(outputs) == 1 else f"[{out.request_id[:8]}] {out.text}")
     return 0
 
 
-async def _stream(engine, prompt: str, params) -> None:
-    async for chunk in engine.generate_stream(prompt, params):
+async def _stream(engine, prompt: dict, params) -> None:
+    async for chunk in engine.generate_stream(sampling_params=params, **prompt):
         print(chunk.delta, end="", flush=True)
     print()
 

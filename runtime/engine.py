@@ -127,8 +127,15 @@ class Engine:
         """Apply the tokenizer's chat template and generate. A list of conversations batches."""
         batch = bool(messages) and not isinstance(messages[0], Mapping)
         conversations = list(messages) if batch else [messages]
-        prompts = [self.apply_chat_template(c) for c in conversations]
-        return self.generate(prompts if batch else prompts[0], sampling_params, **kwargs)
+        ids = [self.encode_chat(c) for c in conversations]
+        return self.generate(input_ids=ids if batch else ids[0],
+                             sampling_params=sampling_params, **kwargs)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Token ids of a conversation with the assistant prompt appended. The template
+        already writes the special tokens (e.g. BOS), so the tokenizer must not add them."""
+        return self.tokenizer.encode(self.apply_chat_template(messages),
+                                     add_special_tokens=False)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> str:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):

@@ -30,3 +30,12 @@ def test_console_script_is_installed():
     result = subprocess.run([sys.executable, "-m", "radixlm.runtime.cli", "models"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "supported architectures" in result.stdout
+
+
+def test_chat_stream_prints_what_generate_prints(tiny_chat_model, capsys):
+    args = ["generate", "Hello", "--chat", "--model", str(tiny_chat_model),
+            "--max-new-tokens", "8", "--max-total-tokens", "1024"]
+    assert main(args) == 0
+    whole = capsys.readouterr().out
+    assert main(args + ["--stream"]) == 0
+    assert capsys.readouterr().out == whole

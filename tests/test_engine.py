@@ -198,7 +198,9 @@ def test_chat_applies_template(engine):
     out = engine.chat([{"role": "user", "content": "Hi"}], {"max_new_tokens": 2})
     text = engine.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert text.endswith("<|im_start|>assistant\n")
-    assert out.prompt_tokens == len(engine.tokenizer.encode(text))
+    assert out.prompt_tokens == len(engine.tokenizer.encode(text, add_special_tokens=False))
+    assert engine.encode_chat([{"role": "user", "content": "Hi"}]) == \
+        engine.tokenizer.encode(text, add_special_tokens=False)
     outs = engine.chat([[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]],
                        {"max_new_tokens": 2})
     assert len(outs) == 2
