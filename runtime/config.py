@@ -43,6 +43,9 @@ class EngineConfig:
     # cached prefix first and lets requests that share an uncached prefix wait for it.
     disable_radix_cache: bool = False
     schedule_policy: str = "lpm"
+    # Prefixes pinned by leases (a program's fork, a server client's pin) may hold at most
+    # this fraction of the KV pool; further pins are refused and the program runs unpinned.
+    lease_memory_fraction: float = 0.25
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -64,6 +67,9 @@ class EngineConfig:
         if not 0 < self.kv_cache_memory_fraction < 1:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1), "
                              f"got {self.kv_cache_memory_fraction}")
+        if not 0 <= self.lease_memory_fraction <= 1:
+            raise ValueError("lease_memory_fraction must be in [0, 1], "
+                             f"got {self.lease_memory_fraction}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(f"max_total_tokens ({self.max_total_tokens}) must hold at least one "
                              f"page of {self.page_size} tokens")

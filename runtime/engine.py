@@ -25,6 +25,7 @@ from radixlm.runtime.engine_core import EngineCore
 from radixlm.runtime.loader import load_model
 from radixlm.runtime.request import Output, Request
 from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.tokenization import encode_prompt
 
 log = logging.getLogger(__name__)
 
@@ -75,23 +76,8 @@ class Engine:
         single, prompts = self._normalize_prompts(prompt, input_ids)
         requests = self._make_requests(prompts, sampling_params, request_id, cache_salt,
                                        stream=False)
-        results: queue.SimpleQueue[Output] = queue.SimpleQueue()
-        for request in requests:
-            request.on_output = results.put
         show = use_tqdm if use_tqdm is not None else len(requests) >= 16 and sys.stderr.isatty()
-        outputs: dict[str, Output] = {}
-        self._submit(requests)
-        try:
-            with tqdm(total=len(requests), disable=not show, desc="generate") as bar:
-                while len(outputs) < len(requests):
-                    out = results.get()
-                    outputs[out.request_id] = out
-                    bar.update(1)
-        except BaseException:  # e.g. KeyboardInterrupt: don't leave work behind
-            for request in requests:
-                self.abort(request.request_id)
-            raise
-        ordered = [outputs[r.request_id] for r in requests]
+        ordered = self._run(requests, show)
         return ordered[0] if single and len(ordered) == 1 else ordered
 
     async def generate_stream(self, prompt: str | None = None,
@@ -121,6 +107,50 @@ class Engine:
                 for request in requests:
                     self.abort(request.request_id)
 
+    def pin_prefix(self, prompt: str | None = None, *,
+                   input_ids: Sequence[int] | None = None, cache_salt: str | None = None,
+                   ttl: float = 600.0) -> str | None:
+        """Compute a prefix and pin its KV pages in the prefix cache for `ttl` seconds, so
+        requests that extend it always hit, even under memory pressure. Returns the lease id
+        for `release_prefix`, or None when nothing was pinned: the radix cache is off, the
+        prefix is shorter than a page, or leased memory is at `lease_memory_fraction` (a
+        warning is logged; requests still run, unpinned)."""
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0:
+            raise ValueError(f"ttl must be a positive number of seconds, got {ttl!r}")
+        single, prompts = self._normalize_prompts(prompt, input_ids)
+        if not single:
+            raise ValueError("prompt: pin_prefix takes one prefix")
+        requests = self._make_requests(prompts, SamplingParams(max_new_tokens=0, temperature=0),
+                                       None, cache_salt, stream=False)
+        requests[0].pin_ttl = float(ttl)
+        out = self._run(requests)[0]
+        if out.error is not None:
+            raise RuntimeError(f"pin_prefix failed: {out.error}")
+        return out.lease_id
+
+    def release_prefix(self, lease_id: str) -> bool:
+        """Release a lease from `pin_prefix`; False when it is unknown or already expired."""
+        if not isinstance(lease_id, str):
+            raise ValueError(f"lease_id must be a string, got {type(lease_id).__name__}")
+        return self._call(lambda core: core.release_lease(lease_id))
+
+    def score(self, prefix_ids: Sequence[int], continuation_ids: Sequence[Sequence[int]], *,
+              cache_salt: str | None = None) -> list[list[float]]:
+        """Logprob of every token of each continuation, given the prefix and the
+        continuation's earlier tokens. One batch: the prefix is computed once and shared
+        (prompt-token logprobs; nothing is generated)."""
+        prefix = self._check_ids(prefix_ids)
+        if not isinstance(continuation_ids, (list, tuple)) or not continuation_ids:
+            raise ValueError("continuation_ids must be a non-empty list of token id lists")
+        prompts = [prefix + self._check_ids(ids) for ids in continuation_ids]
+        params = SamplingParams(max_new_tokens=0, temperature=0, logprob_start_len=len(prefix))
+        outputs = self._run(self._make_requests(prompts, params, None, cache_salt,
+                                                stream=False))
+        failed = [o.error for o in outputs if o.error is not None or o.finish_reason == "abort"]
+        if failed:
+            raise RuntimeError(f"score failed: {failed[0]}")
+        return [[entry.logprob for entry in out.prompt_logprobs] for out in outputs]
+
     def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping]],
              sampling_params: ParamsArg | Sequence[ParamsArg] = None,
              **kwargs: Any) -> Output | list[Output]:
@@ -137,13 +167,14 @@ class Engine:
         return self.tokenizer.encode(self.apply_chat_template(messages),
                                      add_special_tokens=False)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> str:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
+                            add_generation_prompt: bool = True) -> str:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("messages: this model has no chat template")
         if not messages:
             raise ValueError("messages must not be empty")
         return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                                  add_generation_prompt=True)
+                                                  add_generation_prompt=add_generation_prompt)
 
     def abort(self, request_id: str) -> None:
         """Stop a request (and its n samples); it finishes with finish_reason "abort"."""
@@ -152,11 +183,7 @@ class Engine:
     def flush_cache(self) -> None:
         """Drop every cached prefix (e.g. after changing weights). Refused with a ValueError
         while requests are running."""
-        reply: queue.SimpleQueue[str | None] = queue.SimpleQueue()
-        self._inbox.put(("flush", reply))
-        error = reply.get()
-        if error is not None:
-            raise ValueError(error)
+        self._call(EngineCore.flush_cache)
 
     def stats(self) -> dict[str, Any]:
         return self.core.stats()
@@ -202,7 +229,7 @@ class Engine:
             raise ValueError("prompt must not be empty")
         if self.tokenizer is None:
             raise ValueError("prompt: this model has no tokenizer; pass input_ids")
-        return self.tokenizer.encode(text, add_special_tokens=True)
+        return encode_prompt(self.tokenizer, text)
 
     def _check_ids(self, ids: Any) -> list[int]:
         if not isinstance(ids, (list, tuple)):
@@ -275,6 +302,37 @@ class Engine:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
+    def _run(self, requests: list[Request], show_progress: bool = False) -> list[Output]:
+        """Submit requests and wait for all of them; outputs in request order."""
+        results: queue.SimpleQueue[Output] = queue.SimpleQueue()
+        for request in requests:
+            request.on_output = results.put
+        outputs: dict[str, Output] = {}
+        self._submit(requests)
+        try:
+            with tqdm(total=len(requests), disable=not show_progress, desc="generate") as bar:
+                while len(outputs) < len(requests):
+                    out = results.get()
+                    outputs[out.request_id] = out
+                    bar.update(1)
+        except BaseException:  # e.g. KeyboardInterrupt: don't leave work behind
+            for request in requests:
+                self.abort(request.request_id)
+            raise
+        return [outputs[r.request_id] for r in requests]
+
+    def _call(self, fn: Callable[[EngineCore], Any]) -> Any:
+        """Run fn(core) on the engine thread (the core is not thread-safe); return its result
+        or raise its exception here."""
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        reply: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
+        self._inbox.put(("call", (fn, reply)))
+        ok, value = reply.get()
+        if not ok:
+            raise value
+        return value
+
     # -- the engine thread --------------------------------------------------------------------
 
     def _submit(self, requests: list[Request]) -> None:
@@ -298,6 +356,7 @@ class Engine:
                     message = self._inbox.get_nowait()
                 except queue.Empty:
                     message = None
+            core.expire_leases()
             if core.has_work:
                 try:
                     core.step()
@@ -311,12 +370,12 @@ class Engine:
         if kind == "add":
             for request in payload:
                 self.core.add_request(request)
-        elif kind == "flush":
+        elif kind == "call":
+            fn, reply = payload
             try:
-                self.core.flush_cache()
-                payload.put(None)
-            except ValueError as exc:
-                payload.put(str(exc))
+                reply.put((True, fn(self.core)))
+            except Exception as exc:
+                reply.put((False, exc))
         elif kind == "abort":
             if not self.core.abort(payload):
                 prefix = f"{payload}#"

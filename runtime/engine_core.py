@@ -17,6 +17,7 @@ import torch
 from radixlm.runtime.attention.base import create_backend
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.kv_manager import KVManager
+from radixlm.runtime.leases import LeaseTable
 from radixlm.runtime.loader import LoadedModel
 from radixlm.runtime.memory import KVCache, PageAllocator, ReqToTokenTable
 from radixlm.runtime.model_runner import ModelRunner, StepResult
@@ -44,6 +45,8 @@ class EngineCore:
         self.cache = (None if config.disable_radix_cache
                       else RadixCache(config.page_size, self.allocator))
         self.kv = KVManager(self.allocator, self.table, self.cache)
+        self.leases = (None if self.cache is None else
+                       LeaseTable(self.cache, int(num_pages * config.lease_memory_fraction)))
         self.scheduler = Scheduler(config, self.kv)
         attn = create_backend(config.attention_backend, scale=mc.head_dim ** -0.5)
         self.runner = ModelRunner(loaded.model, attn, self.kv_cache, self.table, device)
@@ -76,13 +79,22 @@ class EngineCore:
         return self.scheduler.has_work
 
     def flush_cache(self) -> None:
-        """Drop every cached prefix. Refused while requests are running or waiting."""
+        """Drop every cached prefix and every lease. Refused while requests are running or
+        waiting."""
         if self.scheduler.has_work:
             raise ValueError(
                 f"cannot flush the prefix cache while {len(self.scheduler.running)} requests "
                 f"are running and {len(self.scheduler.waiting)} waiting")
         if self.cache is not None:
+            self.leases.release_all()
             self.cache.reset()
+
+    def release_lease(self, lease_id: str) -> bool:
+        return self.leases is not None and self.leases.release(lease_id)
+
+    def expire_leases(self) -> None:
+        if self.leases is not None and len(self.leases):
+            self.leases.expire()
 
     # -- one step --------------------------------------------------------------------------
 
@@ -153,6 +165,11 @@ class EngineCore:
     def _finish(self, request: Request, reason: str) -> None:
         if request.finished:
             return
+        if request.pin_ttl is not None and reason != "abort" and self.leases is not None:
+            # The prompt is computed and its full pages are in the tree under cache_node
+            # (cache_computed ran after the step); lock them before release() unlocks.
+            self.kv.cache_computed(request)
+            request.lease_id = self.leases.pin(request.cache_node, request.pin_ttl)
         self.scheduler.finish(request, reason)
         self.requests.pop(request.request_id, None)
         self.counters["requests_finished"] += 1
@@ -189,6 +206,8 @@ class EngineCore:
             "kv_pages_free": self.allocator.num_free,
             "kv_pages_cached": self.cache.total_pages if self.cache else 0,
             "kv_pages_evictable": self.cache.evictable_pages if self.cache else 0,
+            "leases": len(self.leases) if self.leases else 0,
+            "kv_pages_leased": self.leases.leased_pages if self.leases else 0,
             "page_size": self.page_size,
             "max_model_len": self.max_model_len,
         }

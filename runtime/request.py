@@ -42,6 +42,7 @@ class Output:
     matched_stop: str | int | None = None  # the stop string or token id that ended it
     error: str | None = None  # why an aborted request was aborted, if not by the user
     time_to_first_token: float | None = None  # seconds from submission to the first token
+    lease_id: str | None = None  # the lease a prefix pin took (Engine.pin_prefix)
 
     @property
     def finished(self) -> bool:
@@ -83,6 +84,10 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     max_total_len: int = 0  # prompt + completion may not exceed this (the context length)
+    # Set for a prefix pin: when the prompt is computed, its cached pages are leased for
+    # this many seconds and the lease id is returned in the output.
+    pin_ttl: float | None = None
+    lease_id: str | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -145,4 +150,5 @@ class Request:
             error=self.error,
             time_to_first_token=(None if self.first_token_time is None
                                  else self.first_token_time - self.arrival_time),
+            lease_id=self.lease_id,
         )
