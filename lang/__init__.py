@@ -1,8 +1,52 @@
 """radixlm: structured LLM programs and the runtime that executes them.
 
-`import radixlm as rl`. The program language lands here; the runtime is `radixlm.runtime`.
+    import radixlm as rl
+
+    @rl.function
+    def qa(s, question):
+        s += rl.user(question)
+        s += rl.assistant(rl.gen("answer", max_tokens=64))
+
+    with rl.Engine() as backend:                 # the embedded SmolLM2-135M-Instruct
+        print(qa.run(question="What is 2 + 2?", backend=backend)["answer"])
+
+Programs run on `rl.Engine` (in process), `rl.RuntimeEndpoint` (our server) or `rl.OpenAI`
+(any OpenAI-compatible server). The runtime itself is `radixlm.runtime`.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+from radixlm.backends.base import Backend, BackendError, set_default_backend, use_backend
+from radixlm.choices import (greedy_token_selection, token_length_normalized,
+                             unconditional_likelihood_normalized)
+from radixlm.expr import assistant, gen, gen_int, gen_string, select, system, user
+from radixlm.interpreter import ProgramError
+from radixlm.program import Program, function
+from radixlm.state import ForkGroup, ProgramState
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "Backend", "BackendError", "Engine", "ForkGroup", "OpenAI", "Program", "ProgramError",
+    "ProgramState", "RuntimeEndpoint", "assistant", "function", "gen", "gen_int",
+    "gen_string", "greedy_token_selection", "select", "set_default_backend", "system",
+    "token_length_normalized", "unconditional_likelihood_normalized", "use_backend", "user",
+]
+
+# The backends are imported on first use: rl.Engine pulls in torch and the model stack,
+# which a program that only talks to a server does not need.
+_BACKENDS = {
+    "Engine": "radixlm.backends.local",
+    "RuntimeEndpoint": "radixlm.backends.runtime_endpoint",
+    "OpenAI": "radixlm.backends.openai_compat",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _BACKENDS:
+        import importlib
+
+        return getattr(importlib.import_module(_BACKENDS[name]), name)
+    raise AttributeError(f"module 'radixlm' has no attribute {name!r}")

@@ -1,0 +1,112 @@
+"""The one interface between the interpreter and a model.
+
+The interpreter asks for three things: generate text after a prompt, score a list of choices
+after a prompt, and render chat roles. It also passes the program's structure as cache hints
+(`pin_prefix` / `release_prefix`): a backend that has a prefix cache keeps a prefix's KV
+until the hint is released; one that has none ignores the hints. The interpreter knows nothing
+of pages, and the runtime nothing of programs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+from radixlm.choices import ChoiceScores
+from radixlm.runtime.sampling_params import SamplingParams
+
+
+class BackendError(RuntimeError):
+    """The backend failed a request (the engine aborted it, the server answered an error)."""
+
+
+@dataclass
+class Prompt:
+    """What a `gen` continues: the state's text, and the same as chat messages (the completed
+    ones plus the open role with its content so far) for backends that only take messages."""
+
+    text: str
+    messages: list[dict[str, str]] = field(default_factory=list)
+    open_role: str | None = None
+
+
+@dataclass
+class Generation:
+    text: str
+    meta: dict[str, Any] = field(default_factory=dict)  # tokens, finish_reason, logprobs, ...
+
+
+class Backend:
+    # True when pin_prefix does something; the interpreter skips tracing work otherwise.
+    supports_cache_hints = False
+
+    def generate(self, prompt: Prompt, params: SamplingParams,
+                 on_delta: Callable[[str], None] | None = None) -> Generation:
+        """Generate after the prompt. With on_delta, call it with each new piece of text as it
+        is generated (the pieces add up to the returned text)."""
+        raise NotImplementedError
+
+    def score(self, prefix: str, choices: Sequence[str], unconditional: bool) -> ChoiceScores:
+        """Token logprobs of each choice after `prefix` (and with no context when
+        `unconditional`), in as few calls as the backend allows."""
+        raise NotImplementedError
+
+    def render_chat(self, messages: list[dict[str, str]],
+                    add_generation_prompt: bool = False) -> str | None:
+        """The model's chat template applied to `messages`; None when there is none."""
+        return None
+
+    def pin_prefix(self, text: str) -> Any:
+        """Keep `text`'s KV cached until `release_prefix(handle)`; None when not pinned."""
+        return None
+
+    def release_prefix(self, handle: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "Backend":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+_current: contextvars.ContextVar[Backend | None] = contextvars.ContextVar(
+    "radixlm_backend", default=None)
+
+
+def set_default_backend(backend: Backend) -> None:
+    """Use `backend` for programs run from this context (thread or task) on. Prefer passing
+    `backend=` or `with rl.use_backend(...)`, which say where each program runs."""
+    _check(backend)
+    _current.set(backend)
+
+
+@contextlib.contextmanager
+def use_backend(backend: Backend) -> Iterator[Backend]:
+    """`with rl.use_backend(b):` runs the programs inside on `b`."""
+    _check(backend)
+    token = _current.set(backend)
+    try:
+        yield backend
+    finally:
+        _current.reset(token)
+
+
+def resolve_backend(backend: Backend | None) -> Backend:
+    backend = backend if backend is not None else _current.get()
+    if backend is None:
+        raise ValueError("backend: no backend given; pass backend=rl.Engine(...) (or "
+                         "rl.RuntimeEndpoint / rl.OpenAI), or use `with rl.use_backend(b):`")
+    _check(backend)
+    return backend
+
+
+def _check(backend: Any) -> None:
+    if not isinstance(backend, Backend):
+        raise TypeError(f"backend must be rl.Engine, rl.RuntimeEndpoint or rl.OpenAI, got "
+                        f"{type(backend).__name__}")

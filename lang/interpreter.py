@@ -1,0 +1,241 @@
+"""Executes one program state: its expressions, in order, off the program's thread.
+
+`s += expr` only queues the expression, so the program's Python code runs ahead until it reads
+a value (`s["name"]`), which waits for it. That is what lets a fork's branches, and the
+programs of a batch, reach the engine at the same time and share one batch.
+
+A failure (a bad request, a backend error) stops the state: the rest of its queue is dropped,
+and every read of a variable it did not produce raises `ProgramError` with the cause. Nothing
+waits forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from radixlm.backends.base import Backend, Prompt
+from radixlm.chat import RoleRenderer
+from radixlm.expr import (Concat, Expr, Gen, Role, RoleBegin, RoleEnd, Select, Text,
+                          VarScopeBegin, VarScopeEnd)
+
+log = logging.getLogger(__name__)
+
+
+class ProgramError(RuntimeError):
+    """A program failed; `__cause__` is the original error."""
+
+
+@dataclass
+class Chunk:
+    """A piece of text appended to a state, for streaming: `var` names the gen it came from."""
+
+    text: str
+    var: str | None = None
+
+
+class Interpreter:
+    def __init__(self, backend: Backend, defaults: dict[str, Any], stream: bool = False,
+                 parent: "Interpreter | None" = None) -> None:
+        self.backend = backend
+        self.defaults = defaults  # run()'s sampling defaults, under every gen's own fields
+        self.stream = stream
+        self.renderer = RoleRenderer(self._render)
+        self._cv = threading.Condition()
+        self._queue: deque[Expr] = deque()
+        self._busy = False  # a worker thread is draining the queue
+        self.error: BaseException | None = None
+        self.closed = False  # the program finished: no more chunks will come
+        self.chunks: list[Chunk] = []
+        if parent is None:
+            self.text = ""
+            self.vars: dict[str, Any] = {}
+            self.meta: dict[str, Any] = {}
+            self.messages: list[dict[str, str]] = []
+            self.role: str | None = None
+            self.role_start = 0
+            self.role_closing = ""
+            self.scopes: dict[str, int] = {}
+        else:  # a fork: a copy of the parent's (synced) state
+            self.text = parent.text
+            self.vars = dict(parent.vars)
+            self.meta = dict(parent.meta)
+            self.messages = [dict(m) for m in parent.messages]
+            self.role, self.role_start = parent.role, parent.role_start
+            self.role_closing = parent.role_closing
+            self.scopes = dict(parent.scopes)
+        self.fork_point = len(self.text)
+        self.new_vars: list[str] = []  # set since the fork, in order (join's gather)
+
+    # -- the program's side ------------------------------------------------------------------
+
+    def submit(self, expr: Expr) -> None:
+        with self._cv:
+            if self.error is not None:
+                return  # a failed state ignores the rest of the program
+            self._queue.extend(_flatten(expr))
+            if not self._busy:
+                self._busy = True
+                threading.Thread(target=self._drain, name="radixlm-program",
+                                 daemon=True).start()
+
+    def sync(self) -> None:
+        """Wait until everything submitted so far has run (or the state failed)."""
+        with self._cv:
+            self._cv.wait_for(lambda: not self._busy)
+
+    def get(self, name: str) -> Any:
+        with self._cv:
+            self._cv.wait_for(lambda: name in self.vars or self.error is not None
+                              or not self._busy)
+            if name in self.vars:
+                return self.vars[name]
+            if self.error is not None:
+                raise ProgramError(f"variable {name!r} was not produced: the program failed: "
+                                   f"{self.error}") from self.error
+            known = ", ".join(sorted(self.vars)) or "none"
+            raise KeyError(f"no variable {name!r} in this state (variables: {known})")
+
+    def set_var(self, name: str, value: Any) -> None:
+        with self._cv:
+            self.vars[name] = value
+            self.new_vars.append(name)
+            self._cv.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self._cv:
+            if self.error is None:
+                self.error = error
+            self._queue.clear()
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self.closed = True
+            self._cv.notify_all()
+
+    def wait_chunks(self, start: int) -> tuple[list[Chunk], bool]:
+        """Chunks from index `start` on, waiting for at least one unless the state is done."""
+        with self._cv:
+            self._cv.wait_for(lambda: len(self.chunks) > start or self.closed)
+            return self.chunks[start:], self.closed and len(self.chunks) <= start
+
+    # -- the worker thread -------------------------------------------------------------------
+
+    def _drain(self) -> None:
+        while True:
+            with self._cv:
+                if not self._queue:
+                    self._busy = False
+                    self._cv.notify_all()
+                    return
+                expr = self._queue.popleft()
+            try:
+                self._execute(expr)
+            except BaseException as exc:  # noqa: BLE001 - any failure ends this state only
+                log.debug("program step %s failed: %s", type(expr).__name__, exc)
+                self.fail(exc)
+
+    def _execute(self, expr: Expr) -> None:
+        if isinstance(expr, Text):
+            self._append(expr.text)
+        elif isinstance(expr, Gen):
+            self._gen(expr)
+        elif isinstance(expr, Select):
+            self._select(expr)
+        elif isinstance(expr, RoleBegin):
+            self._role_begin(expr.role)
+        elif isinstance(expr, RoleEnd):
+            self._role_end(expr.role)
+        elif isinstance(expr, VarScopeBegin):
+            self.scopes[expr.name] = len(self.text)
+        elif isinstance(expr, VarScopeEnd):
+            self.set_var(expr.name, self.text[self.scopes.pop(expr.name):])
+        else:  # pragma: no cover - _flatten only yields the kinds above
+            raise TypeError(f"unknown expression {expr!r}")
+
+    def _append(self, text: str, var: str | None = None) -> None:
+        if not text:
+            return
+        with self._cv:
+            self.text += text
+            self.chunks.append(Chunk(text, var))
+            self._cv.notify_all()
+
+    def _gen(self, expr: Gen) -> None:
+        params = expr.params(self.defaults)
+        prompt = Prompt(self.text, self._open_messages(), self.role)
+        streamed: list[str] = []
+
+        def on_delta(delta: str) -> None:
+            streamed.append(delta)
+            self._append(delta, expr.name)
+
+        result = self.backend.generate(prompt, params, on_delta if self.stream else None)
+        done = "".join(streamed)
+        if not result.text.startswith(done):  # never expected; keep the text exact anyway
+            raise RuntimeError("streamed text does not match the final text")
+        self._append(result.text[len(done):], expr.name)
+        if expr.name is not None:
+            self.meta[expr.name] = result.meta
+            self.set_var(expr.name, _convert(result.text, expr.dtype, expr.name))
+
+    def _select(self, expr: Select) -> None:
+        scores = self.backend.score(self.text, expr.choices, expr.method.needs_unconditional)
+        result = expr.method(scores)
+        choice = expr.choices[result.index]
+        self._append(choice, expr.name)
+        if expr.name is not None:
+            self.meta[expr.name] = {"scores": result.scores, "method": expr.method.name,
+                                    "token_logprobs": scores.conditional,
+                                    "unconditional_token_logprobs": scores.unconditional}
+            self.set_var(expr.name, choice)
+
+    def _role_begin(self, role: str) -> None:
+        if self.role is not None:
+            raise ValueError(f"roles cannot nest: {role!r} opened inside {self.role!r}")
+        opening, self.role_closing = self.renderer.delimiters(self.messages, role)
+        self._append(opening)
+        self.role, self.role_start = role, len(self.text)
+
+    def _role_end(self, role: str) -> None:
+        if self.role != role:
+            raise ValueError(f"role {role!r} closed but {self.role!r} is open")
+        self.messages.append({"role": role, "content": self.text[self.role_start:]})
+        self.role = None
+        self._append(self.role_closing)
+
+    def _open_messages(self) -> list[dict[str, str]]:
+        messages = [dict(m) for m in self.messages]
+        if self.role is not None:
+            messages.append({"role": self.role, "content": self.text[self.role_start:]})
+        return messages
+
+    def _render(self, messages: list[dict[str, str]]) -> str | None:
+        return self.backend.render_chat(messages, add_generation_prompt=False)
+
+
+def _flatten(expr: Expr) -> list[Expr]:
+    if isinstance(expr, Concat):
+        return [leaf for part in expr.parts for leaf in _flatten(part)]
+    if isinstance(expr, Role):
+        return [RoleBegin(expr.role), *_flatten(expr.content), RoleEnd(expr.role)]
+    return [expr]
+
+
+def _convert(text: str, dtype: type | None, name: str) -> Any:
+    if dtype is None:
+        return text
+    try:
+        if dtype is bool:
+            if text.strip() not in ("True", "False"):
+                raise ValueError(text)
+            return text.strip() == "True"
+        if dtype is str:
+            return text.strip().removeprefix('"').removesuffix('"')
+        return dtype(text.strip())
+    except ValueError:
+        raise ProgramError(f"gen {name!r}: {text!r} is not a {dtype.__name__}") from None

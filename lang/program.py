@@ -1,0 +1,196 @@
+"""`@rl.function`: a Python function over a state `s` becomes a program you can run, batch
+and stream on any backend.
+
+    @rl.function
+    def qa(s, question):
+        s += rl.user(question)
+        s += rl.assistant(rl.gen("answer", max_tokens=64))
+
+    state = qa.run(question="Why is the sky blue?", backend=rl.Engine(), temperature=0)
+    print(state["answer"])
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Mapping, Sequence
+
+from tqdm.auto import tqdm
+
+from radixlm.backends.base import Backend, Prompt, resolve_backend
+from radixlm.choices import ChoiceScores
+from radixlm.expr import SAMPLING_ALIASES, SAMPLING_FIELDS, normalize_sampling
+from radixlm.state import ProgramState, Run
+
+log = logging.getLogger(__name__)
+
+
+class Program:
+    def __init__(self, fn: Callable[..., Any], bound: Mapping[str, Any] | None = None) -> None:
+        self.fn = fn
+        self.bound = dict(bound or {})
+        self.signature = inspect.signature(fn)
+        params = list(self.signature.parameters)
+        if not params:
+            raise TypeError(f"@rl.function {fn.__name__}: the first parameter must be the "
+                            f"state (def {fn.__name__}(s, ...))")
+        self.arg_names = params[1:]
+        functools.update_wrapper(self, fn)
+
+    def bind(self, **kwargs: Any) -> "Program":
+        """A program with some arguments fixed."""
+        self._split(kwargs)  # unknown names fail here, not at run time
+        return Program(self.fn, {**self.bound, **kwargs})
+
+    def run(self, *args: Any, backend: Backend | None = None, stream: bool = False,
+            **kwargs: Any) -> ProgramState:
+        """Run the program. Keyword arguments are the program's own, then sampling defaults
+        for every gen in it (e.g. temperature=0, max_tokens=64; a gen's own fields win).
+        With stream=True it returns at once; read the output with `state.text_iter()`.
+        A failure is recorded in `state.error()` (reading a variable it prevented raises)."""
+        backend = resolve_backend(backend)
+        call_args, defaults = self._arguments(args, kwargs)
+        run = Run(backend, defaults, stream)
+        state = ProgramState(run, run.interpreter())
+        if stream:
+            threading.Thread(target=self._execute, args=(run, state, call_args),
+                             name="radixlm-program-body", daemon=True).start()
+        else:
+            self._execute(run, state, call_args)
+        return state
+
+    def run_batch(self, batch_kwargs: Sequence[Mapping[str, Any]], *,
+                  backend: Backend | None = None, concurrency: int = 64,
+                  progress_bar: bool = True, **defaults: Any) -> list[ProgramState]:
+        """Run the program once per dict of arguments, `concurrency` at a time; the states
+        come back in input order, each with its own error (one failure stops nothing else).
+        The prefix all runs share is computed once first and kept cached for the batch."""
+        backend = resolve_backend(backend)
+        if isinstance(batch_kwargs, Mapping) or not all(isinstance(k, Mapping)
+                                                       for k in batch_kwargs):
+            raise TypeError("run_batch: pass a list of dicts of program arguments")
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise ValueError(f"concurrency must be a positive int, got {concurrency!r}")
+        prepared = [self._arguments((), {**defaults, **kwargs}) for kwargs in batch_kwargs]
+        lease = self._warm(backend, prepared)
+        try:
+            with ThreadPoolExecutor(max_workers=concurrency,
+                                    thread_name_prefix="radixlm-batch") as pool, \
+                    tqdm(total=len(prepared), disable=not progress_bar,
+                         desc=self.fn.__name__) as bar:
+                def one(item: tuple[dict[str, Any], dict[str, Any]]) -> ProgramState:
+                    call_args, sampling = item
+                    run = Run(backend, sampling, stream=False)
+                    state = ProgramState(run, run.interpreter())
+                    self._execute(run, state, call_args)
+                    bar.update(1)
+                    return state
+
+                return list(pool.map(one, prepared))
+        finally:
+            if lease is not None:
+                backend.release_prefix(lease)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> ProgramState:
+        return self.run(*args, **kwargs)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _split(self, kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Program arguments vs sampling defaults; a name the program takes is its own."""
+        program, sampling = {}, {}
+        for key, value in kwargs.items():
+            if key in self.arg_names:
+                program[key] = value
+            elif key in SAMPLING_FIELDS or key in SAMPLING_ALIASES:
+                sampling[key] = value
+            else:
+                raise TypeError(f"{self.fn.__name__}() got an unexpected argument {key!r}: "
+                                f"not a parameter of the program nor a sampling field")
+        return program, sampling
+
+    def _arguments(self, args: tuple, kwargs: Mapping[str, Any]
+                   ) -> tuple[inspect.BoundArguments, dict[str, Any]]:
+        program, sampling = self._split({**self.bound, **kwargs})
+        try:
+            call_args = self.signature.bind(None, *args, **program)
+        except TypeError as exc:
+            raise TypeError(f"{self.fn.__name__}(): {exc}") from None
+        call_args.apply_defaults()
+        return call_args, normalize_sampling(sampling, f"{self.fn.__name__}.run")
+
+    def _execute(self, run: Run, state: ProgramState, call_args: inspect.BoundArguments) -> None:
+        try:
+            self.fn(state, *call_args.args[1:], **call_args.kwargs)
+        except BaseException as exc:  # noqa: BLE001 - recorded in the state, see run()
+            state._interp.fail(exc)
+        finally:
+            run.finish()
+        if state._interp.error is not None:
+            log.warning("program %s failed: %s", self.fn.__name__, state._interp.error)
+
+    def _warm(self, backend: Backend, prepared: list) -> Any:
+        """Pin the text every run starts with before its first generation, found by tracing
+        the program on each run's arguments."""
+        if not backend.supports_cache_hints or len(prepared) < 2:
+            return None
+        prefixes = [self._trace(backend, call_args) for call_args, _ in prepared]
+        if any(p is None for p in prefixes):
+            return None
+        shared = _common_prefix(prefixes)
+        return backend.pin_prefix(shared) if shared else None
+
+    def _trace(self, backend: Backend, call_args: inspect.BoundArguments) -> str | None:
+        """The prompt of the program's first gen/select: run it against a backend that
+        renders chat roles but stops at the first generation."""
+        tracer = _Tracer(backend)
+        run = Run(tracer, {}, stream=False)
+        interp = run.interpreter()
+        try:
+            self.fn(ProgramState(run, interp), *call_args.args[1:], **call_args.kwargs)
+        except BaseException:  # noqa: BLE001 - reading a traced value ends the trace
+            pass
+        run.finish()  # runs what was queued up to the first generation, which stops it
+        return tracer.first_prompt
+
+
+class _StopTrace(Exception):
+    pass
+
+
+class _Tracer(Backend):
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.first_prompt: str | None = None
+
+    def generate(self, prompt: Prompt, params: Any, on_delta: Any = None) -> Any:
+        self._stop(prompt.text)
+
+    def score(self, prefix: str, choices: Sequence[str], unconditional: bool) -> ChoiceScores:
+        self._stop(prefix)
+
+    def render_chat(self, messages: list[dict[str, str]],
+                    add_generation_prompt: bool = False) -> str | None:
+        return self.backend.render_chat(messages, add_generation_prompt)
+
+    def _stop(self, text: str) -> Any:
+        if self.first_prompt is None:
+            self.first_prompt = text
+        raise _StopTrace()
+
+
+def _common_prefix(texts: list[str]) -> str:
+    first, last = min(texts), max(texts)  # the LCP of all is the LCP of the extremes
+    n = 0
+    while n < min(len(first), len(last)) and first[n] == last[n]:
+        n += 1
+    return first[:n]
+
+
+def function(fn: Callable[..., Any]) -> Program:
+    """Decorator: `def f(s, ...)` becomes a program (see Program.run / run_batch / bind)."""
+    return Program(fn)

@@ -1,0 +1,223 @@
+"""`s`, the state a program appends to and reads from, and the branches of a fork."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from typing import Any, AsyncIterator, Iterator, Sequence
+
+from radixlm.expr import Expr, RoleBegin, RoleEnd, VarScopeBegin, VarScopeEnd, to_expr
+from radixlm.interpreter import Interpreter, ProgramError
+
+
+class Run:
+    """What one program run shares across its state and forks: the backend, the leases its
+    forks took (released at join, and at the end of the run whatever happens), its states."""
+
+    def __init__(self, backend: Any, defaults: dict[str, Any], stream: bool) -> None:
+        self.backend = backend
+        self.defaults = defaults
+        self.stream = stream
+        self.interpreters: list[Interpreter] = []
+        self.leases: list[Any] = []
+        self._lock = threading.Lock()
+
+    def interpreter(self, parent: Interpreter | None = None) -> Interpreter:
+        interp = Interpreter(self.backend, self.defaults, self.stream, parent)
+        with self._lock:
+            self.interpreters.append(interp)
+        return interp
+
+    def pin(self, text: str) -> Any:
+        lease = self.backend.pin_prefix(text) if self.backend.supports_cache_hints else None
+        if lease is not None:
+            with self._lock:
+                self.leases.append(lease)
+        return lease
+
+    def release(self, lease: Any) -> None:
+        with self._lock:
+            if lease not in self.leases:
+                return
+            self.leases.remove(lease)
+        self.backend.release_prefix(lease)
+
+    def finish(self) -> None:
+        """Wait for every state of the run, release what is still leased, end the streams."""
+        for interp in list(self.interpreters):
+            interp.sync()
+        for lease in list(self.leases):
+            self.release(lease)
+        for interp in self.interpreters:
+            interp.close()
+
+
+class ProgramState:
+    """The `s` of a program. `s += expr` appends; `s["name"]` reads a variable, waiting for
+    it; `s.text()`, `s.messages()` and `s.error()` describe the result."""
+
+    def __init__(self, run: Run, interp: Interpreter) -> None:
+        self._run = run
+        self._interp = interp
+
+    # -- appending ---------------------------------------------------------------------------
+
+    def __iadd__(self, other: Any) -> "ProgramState":
+        self._interp.submit(to_expr(other))
+        return self
+
+    def _block(self, begin: Expr, end: Expr) -> Iterator[None]:
+        self._interp.submit(begin)
+        try:
+            yield
+        finally:
+            self._interp.submit(end)
+
+    @contextlib.contextmanager
+    def system(self) -> Iterator[None]:
+        yield from self._block(RoleBegin("system"), RoleEnd("system"))
+
+    @contextlib.contextmanager
+    def user(self) -> Iterator[None]:
+        yield from self._block(RoleBegin("user"), RoleEnd("user"))
+
+    @contextlib.contextmanager
+    def assistant(self) -> Iterator[None]:
+        yield from self._block(RoleBegin("assistant"), RoleEnd("assistant"))
+
+    @contextlib.contextmanager
+    def var_scope(self, name: str) -> Iterator[None]:
+        """`with s.var_scope("x"):` stores the text appended inside the block in `x`."""
+        yield from self._block(VarScopeBegin(name), VarScopeEnd(name))
+
+    # -- branches ----------------------------------------------------------------------------
+
+    def fork(self, n: int) -> "ForkGroup":
+        """`n` branches that continue from here. Their shared prefix is computed once and kept
+        cached until `join` (or the end of the program)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"fork: n must be a positive int, got {n!r}")
+        self._interp.sync()
+        self._raise_if_failed()
+        lease = self._run.pin(self._interp.text)
+        branches = [ProgramState(self._run, self._run.interpreter(self._interp))
+                    for _ in range(n)]
+        return ForkGroup(branches, lease)
+
+    def join(self, forks: "ForkGroup", mode: str = "gather") -> dict[str, list[Any]] | None:
+        """Wait for the branches. `gather` sets (and returns) each variable the branches
+        produced as a list over the branches; `concat` appends their new text to this state."""
+        if mode not in ("gather", "concat"):
+            raise ValueError(f"join: mode must be 'gather' or 'concat', got {mode!r}")
+        if not isinstance(forks, ForkGroup):
+            raise TypeError("join: pass the ForkGroup that fork() returned")
+        try:
+            for branch in forks:
+                branch._interp.sync()
+            failed = [b._interp.error for b in forks if b._interp.error is not None]
+            if failed:
+                self._interp.fail(failed[0])
+                raise ProgramError(f"a branch failed: {failed[0]}") from failed[0]
+        finally:
+            self._run.release(forks.lease)
+        if mode == "concat":
+            for branch in forks:
+                self += branch._interp.text[branch._interp.fork_point:]
+            return None
+        names = list(dict.fromkeys(n for b in forks for n in b._interp.new_vars))
+        gathered = {name: [b._interp.vars.get(name) for b in forks] for name in names}
+        for name, values in gathered.items():
+            self._interp.set_var(name, values)
+        return gathered
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def __getitem__(self, name: str) -> Any:
+        return self._interp.get(name)
+
+    def get_var(self, name: str) -> Any:
+        return self._interp.get(name)
+
+    def set_var(self, name: str, value: Any) -> None:
+        self._interp.sync()
+        self._interp.set_var(name, value)
+
+    def get_meta_info(self, name: str) -> dict[str, Any]:
+        """Token counts, finish reason and logprobs of gen `name`; scores of select `name`."""
+        self._interp.get(name)
+        return self._interp.meta[name]
+
+    def text(self) -> str:
+        self._interp.sync()
+        return self._interp.text
+
+    def messages(self) -> list[dict[str, str]]:
+        """The conversation so far in OpenAI format (an open role included)."""
+        self._interp.sync()
+        return self._interp._open_messages()
+
+    def error(self) -> BaseException | None:
+        self._interp.sync()
+        return self._interp.error
+
+    def sync(self) -> None:
+        self._interp.sync()
+
+    def text_iter(self, name: str | None = None) -> Iterator[str]:
+        """The text as it is appended (run with stream=True to get gen output token by
+        token); with `name`, only what gen/select `name` produces."""
+        seen = 0
+        while True:
+            chunks, done = self._interp.wait_chunks(seen)
+            if done:
+                return
+            seen += len(chunks)
+            for chunk in chunks:
+                if name is None or chunk.var == name:
+                    yield chunk.text
+
+    async def text_async_iter(self, name: str | None = None) -> AsyncIterator[str]:
+        """`text_iter` for asyncio code: waits in a worker thread, never in the event loop."""
+        seen = 0
+        while True:
+            chunks, done = await asyncio.to_thread(self._interp.wait_chunks, seen)
+            if done:
+                return
+            seen += len(chunks)
+            for chunk in chunks:
+                if name is None or chunk.var == name:
+                    yield chunk.text
+
+    def _raise_if_failed(self) -> None:
+        if self._interp.error is not None:
+            raise ProgramError(f"the program failed: {self._interp.error}") \
+                from self._interp.error
+
+    def __repr__(self) -> str:
+        return f"ProgramState(text={self._interp.text!r})"
+
+
+class ForkGroup(Sequence[ProgramState]):
+    """The branches of `s.fork(n)`. `forks += expr` appends to every branch; `forks[i] +=`
+    to one."""
+
+    def __init__(self, branches: list[ProgramState], lease: Any) -> None:
+        self._branches = branches
+        self.lease = lease
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self._branches[index]
+
+    def __setitem__(self, index: int, value: ProgramState) -> None:
+        # `forks[i] += x` assigns the result back; it must be the same branch.
+        if value is not self._branches[index]:
+            raise TypeError("cannot replace a branch of a fork")
+
+    def __len__(self) -> int:
+        return len(self._branches)
+
+    def __iadd__(self, other: Any) -> "ForkGroup":
+        for branch in self._branches:
+            branch += other
+        return self
