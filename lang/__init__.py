@@ -19,8 +19,11 @@ from __future__ import annotations
 from typing import Any
 
 from radixlm.backends.base import Backend, BackendError, set_default_backend, use_backend
-from radixlm.choices import (greedy_token_selection, token_length_normalized,
-                             unconditional_likelihood_normalized)
+from radixlm.choices import (
+    greedy_token_selection,
+    token_length_normalized,
+    unconditional_likelihood_normalized,
+)
 from radixlm.expr import assistant, gen, gen_int, gen_string, select, system, user
 from radixlm.interpreter import ProgramError
 from radixlm.program import Program, function

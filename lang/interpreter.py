@@ -19,8 +19,18 @@ from typing import Any
 
 from radixlm.backends.base import Backend, Prompt
 from radixlm.chat import RoleRenderer
-from radixlm.expr import (Concat, Expr, Gen, Role, RoleBegin, RoleEnd, Select, Text,
-                          VarScopeBegin, VarScopeEnd)
+from radixlm.expr import (
+    Concat,
+    Expr,
+    Gen,
+    Role,
+    RoleBegin,
+    RoleEnd,
+    Select,
+    Text,
+    VarScopeBegin,
+    VarScopeEnd,
+)
 
 log = logging.getLogger(__name__)
 

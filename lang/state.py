@@ -128,6 +128,7 @@ class ProgramState:
         names = list(dict.fromkeys(n for b in forks for n in b._interp.new_vars))
         gathered = {name: [b._interp.vars.get(name) for b in forks] for name in names}
         for name, values in gathered.items():
+            self._interp.meta[name] = [b._interp.meta.get(name) for b in forks]
             self._interp.set_var(name, values)
         return gathered
 

@@ -102,6 +102,10 @@ class EngineCore:
         """Run one batch; return the number of tokens it computed (0 when idle)."""
         scheduled = self.scheduler.schedule()
         if scheduled is None:
+            if self.scheduler.has_work and self.leases is not None and self.leases.release_oldest():
+                # Work is waiting but nothing fits: only leased pages can be in the way (alone,
+                # any request fits the pool). Pins are hints; they give way.
+                log.warning("released a prefix lease: its pages were needed to make progress")
             return 0
         try:
             result = self.runner.execute(scheduled)

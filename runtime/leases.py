@@ -4,7 +4,8 @@ A lease holds one lock on the radix node that ends a computed prefix, so the pre
 survive eviction until the lease is released or expires. Programs take one at a `fork` and
 release it when the branches join; the expiry bounds the damage of a client that never comes
 back. Leased memory is bounded: a pin that would exceed `max_pages` is refused (the program
-then runs unpinned), so leases can never starve running requests of pages.
+then runs unpinned). And leases yield: when the engine cannot schedule anything because
+leased pages are in the way, it releases leases, oldest first, rather than stall.
 """
 
 from __future__ import annotations
@@ -73,6 +74,11 @@ class LeaseTable:
             log.info("lease %s expired", lease_id)
             self.release(lease_id)
         return len(expired)
+
+    def release_oldest(self) -> bool:
+        if not self._leases:
+            return False
+        return self.release(next(iter(self._leases)))
 
     def release_all(self) -> None:
         for lease_id in list(self._leases):

@@ -94,3 +94,15 @@ def test_score_matches_prompt_logprobs_and_computes_prefix_once(tiny_chat_model)
         with pytest.raises(ValueError, match="continuation_ids"):
             eng.score(prefix, [])
         no_leak(eng)
+
+
+def test_leases_give_way_when_nothing_else_can_run(tiny_chat_model) -> None:
+    with Engine(str(tiny_chat_model), max_total_tokens=16 * PAGE, page_size=PAGE,
+                lease_memory_fraction=0.5) as eng:
+        assert eng.pin_prefix(input_ids=ids(7, 8 * PAGE)) is not None
+        # Needs 12 of the 16 pages while 8 are leased: the lease must yield, not deadlock.
+        out = eng.generate(input_ids=ids(8, 12 * PAGE - 4),
+                           sampling_params={"max_new_tokens": 3, "ignore_eos": True})
+        assert out.completion_tokens == 3
+        assert eng.stats()["leases"] == 0
+        no_leak(eng)
