@@ -1,44 +1,50 @@
-"""`make demo`: a batch of chat prompts on the embedded SmolLM2-135M-Instruct, on CPU.
-
-Prints each answer and a one-line throughput summary.
+"""`make demo`: the program examples, one after another, on the embedded SmolLM2-135M-Instruct
+on CPU, sharing one engine. Ends with what the prefix cache saved.
 """
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
-from radixlm.runtime import Engine, SamplingParams
+import radixlm as rl
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Give me three tips for staying focused while studying.",
-    "Write a haiku about autumn leaves.",
-    "Explain what a hash table is in two sentences.",
-    "What is the difference between weather and climate?",
-    "Suggest a name for a friendly robot.",
-    "How many legs does a spider have?",
-    "Why do we have leap years?",
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import chat  # noqa: E402
+import classify  # noqa: E402
+import few_shot_qa  # noqa: E402
+import json_extraction  # noqa: E402
+import parallel_tips  # noqa: E402
+import react_agent  # noqa: E402
+
+SHOWCASE = [
+    ("Few-shot QA over a batch (run_batch)", few_shot_qa),
+    ("Multi-turn chat with roles", chat),
+    ("Parallel branches (fork / join)", parallel_tips),
+    ("Classification with select", classify),
+    ("JSON extraction (regex and JSON schema)", json_extraction),
+    ("A tool-using agent (ReAct)", react_agent),
 ]
 
 
 def main() -> None:
     started = time.perf_counter()
-    with Engine() as engine:
-        loaded = time.perf_counter()
-        conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
-        # Greedy, with a mild repetition penalty: a 135M model otherwise loops on poems.
-        params = SamplingParams(temperature=0, repetition_penalty=1.1, max_new_tokens=96)
-        begin = time.perf_counter()
-        outputs = engine.chat(conversations, params)
-        elapsed = time.perf_counter() - begin
-        for question, out in zip(QUESTIONS, outputs):
-            print(f"\n### {question}\n{out.text.strip()}")
-        generated = sum(o.completion_tokens for o in outputs)
-        prompt = sum(o.prompt_tokens for o in outputs)
-        print(f"\n{len(outputs)} requests, {prompt} prompt + {generated} generated tokens in "
-              f"{elapsed:.2f} s: {generated / elapsed:.1f} generated tokens/s "
-              f"(model loaded in {loaded - started:.1f} s, device {engine.device}, "
-              f"dtype {str(engine.dtype).removeprefix('torch.')})")
+    with rl.Engine() as backend:
+        print(f"model loaded in {time.perf_counter() - started:.1f} s "
+              f"(device {backend.engine.device})")
+        for title, example in SHOWCASE:
+            print(f"\n### {title}  (examples/{Path(example.__file__).name})\n")
+            begin = time.perf_counter()
+            example.main(backend)
+            print(f"\n[{time.perf_counter() - begin:.1f} s]")
+        stats = backend.stats()
+    prompt = stats["prefill_tokens_computed"] + stats["cached_tokens"]
+    print(f"\n{stats['requests_finished']} requests, {stats['generated_tokens']} generated "
+          f"tokens; {stats['cached_tokens']} of {prompt} prompt tokens came from the prefix "
+          f"cache ({stats['cached_tokens'] / max(prompt, 1):.0%}); "
+          f"total {time.perf_counter() - started:.1f} s")
 
 
 if __name__ == "__main__":

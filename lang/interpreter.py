@@ -57,6 +57,8 @@ class Interpreter:
         self._cv = threading.Condition()
         self._queue: deque[Expr] = deque()
         self._busy = False  # a worker thread is draining the queue
+        # Variables that queued expressions will (re)write: a read waits for the newest value.
+        self._pending: dict[str, int] = {}
         self.error: BaseException | None = None
         self.closed = False  # the program finished: no more chunks will come
         self.chunks: list[Chunk] = []
@@ -86,7 +88,11 @@ class Interpreter:
         with self._cv:
             if self.error is not None:
                 return  # a failed state ignores the rest of the program
-            self._queue.extend(_flatten(expr))
+            for leaf in _flatten(expr):
+                self._queue.append(leaf)
+                name = _produces(leaf)
+                if name is not None:
+                    self._pending[name] = self._pending.get(name, 0) + 1
             if not self._busy:
                 self._busy = True
                 threading.Thread(target=self._drain, name="radixlm-program",
@@ -99,8 +105,8 @@ class Interpreter:
 
     def get(self, name: str) -> Any:
         with self._cv:
-            self._cv.wait_for(lambda: name in self.vars or self.error is not None
-                              or not self._busy)
+            self._cv.wait_for(lambda: self.error is not None or not self._busy
+                              or (name in self.vars and not self._pending.get(name)))
             if name in self.vars:
                 return self.vars[name]
             if self.error is not None:
@@ -120,6 +126,7 @@ class Interpreter:
             if self.error is None:
                 self.error = error
             self._queue.clear()
+            self._pending.clear()
             self._cv.notify_all()
 
     def close(self) -> None:
@@ -148,6 +155,11 @@ class Interpreter:
             except BaseException as exc:  # noqa: BLE001 - any failure ends this state only
                 log.debug("program step %s failed: %s", type(expr).__name__, exc)
                 self.fail(exc)
+            name = _produces(expr)
+            with self._cv:
+                if name is not None and self._pending.get(name):
+                    self._pending[name] -= 1
+                    self._cv.notify_all()
 
     def _execute(self, expr: Expr) -> None:
         if isinstance(expr, Text):
@@ -194,7 +206,13 @@ class Interpreter:
             self.set_var(expr.name, _convert(result.text, expr.dtype, expr.name))
 
     def _select(self, expr: Select) -> None:
-        scores = self.backend.score(self.text, expr.choices, expr.method.needs_unconditional)
+        # Score "The answer is" + " yes", not "The answer is " + "yes": BPE vocabularies
+        # attach a space to the word after it, and a choice scored after a dangling space
+        # is an unnatural tokenization the model gives little probability to.
+        stem = self.text.rstrip(" ")
+        space = self.text[len(stem):]
+        scores = self.backend.score(stem, [space + c for c in expr.choices],
+                                    expr.method.needs_unconditional)
         result = expr.method(scores)
         choice = expr.choices[result.index]
         self._append(choice, expr.name)
@@ -234,6 +252,15 @@ def _flatten(expr: Expr) -> list[Expr]:
     if isinstance(expr, Role):
         return [RoleBegin(expr.role), *_flatten(expr.content), RoleEnd(expr.role)]
     return [expr]
+
+
+def _produces(expr: Expr) -> str | None:
+    """The variable an expression sets when it runs, if any."""
+    if isinstance(expr, (Gen, Select)):
+        return expr.name
+    if isinstance(expr, VarScopeEnd):
+        return expr.name
+    return None
 
 
 def _convert(text: str, dtype: type | None, name: str) -> Any:

@@ -343,3 +343,16 @@ def test_async_text_iter():
         return "".join([piece async for piece in state.text_async_iter()])
 
     assert asyncio.run(collect()) == "Hi<1>"
+
+
+def test_a_read_waits_for_the_newest_value_of_a_reused_name():
+    seen = []
+
+    @rl.function
+    def loop(s):
+        for _ in range(3):
+            s += rl.gen("step")
+            seen.append(s["step"])  # must be this iteration's value, not the previous one
+
+    state = loop.run(backend=FakeBackend(delay=0.05))
+    assert seen == ["<1>", "<2>", "<3>"] and state.text() == "<1><2><3>"

@@ -1,0 +1,139 @@
+"""`rl.OpenAI(model, base_url, api_key)`: programs on any OpenAI-compatible server.
+
+Such servers take text (`/v1/completions`) or messages (`/v1/chat/completions`), not a
+template-rendered mix, so:
+- a program without roles generates through `/v1/completions`;
+- a program with roles must put each `gen` at the start of an assistant message, which
+  becomes a chat completion of the messages before it;
+- `select` needs prompt-token logprobs (`/v1/completions` with `echo` and `logprobs`); a
+  server that does not return them fails the select with a clear error;
+- regex constraints have no OpenAI field and fail clearly; `json_schema` and `json_object`
+  become `response_format`; cache hints are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable, Sequence
+
+from radixlm.backends.base import Backend, BackendError, Generation, Prompt
+from radixlm.backends.http import HttpClient
+from radixlm.choices import ChoiceScores
+from radixlm.runtime.sampling_params import SamplingParams
+
+# SamplingParams fields with an OpenAI name; the rest go as extra fields (vLLM, SGLang and
+# radixlm servers accept them) only when they differ from the defaults.
+OPENAI_NAMES = {"max_new_tokens": "max_tokens", "temperature": "temperature",
+                "top_p": "top_p", "seed": "seed", "presence_penalty": "presence_penalty",
+                "frequency_penalty": "frequency_penalty"}
+EXTRA_NAMES = {"top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+               "min_new_tokens": "min_tokens", "ignore_eos": "ignore_eos",
+               "stop_token_ids": "stop_token_ids"}
+
+
+class OpenAI(Backend):
+    def __init__(self, model: str, base_url: str | None = None, api_key: str | None = None,
+                 *, timeout: float = 600.0) -> None:
+        if not isinstance(model, str) or not model:
+            raise ValueError("model: name the model the server should use")
+        self.model = model
+        self.http = HttpClient(base_url or "https://api.openai.com/v1",
+                               api_key if api_key is not None else os.environ.get(
+                                   "OPENAI_API_KEY"), timeout)
+
+    def generate(self, prompt: Prompt, params: SamplingParams,
+                 on_delta: Callable[[str], None] | None = None) -> Generation:
+        body = self._body(params)
+        if prompt.open_role is None and not prompt.messages:
+            path, body["prompt"] = "/completions", prompt.text
+        else:
+            path, body["messages"] = "/chat/completions", _chat_messages(prompt)
+        if on_delta is None:
+            result = self.http.post(path, body)
+            choice = result["choices"][0]
+            text = choice["text"] if "text" in choice else choice["message"]["content"] or ""
+            return Generation(text, _meta(result, choice))
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+        pieces, meta = [], {}
+        for event in self.http.stream(path, body):
+            for choice in event.get("choices") or []:
+                piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                if piece:
+                    pieces.append(piece)
+                    on_delta(piece)
+                if choice.get("finish_reason"):
+                    meta["finish_reason"] = choice["finish_reason"]
+            if event.get("usage"):
+                meta.update(_usage(event["usage"]))
+        return Generation("".join(pieces), meta)
+
+    def score(self, prefix: str, choices: Sequence[str], unconditional: bool) -> ChoiceScores:
+        if unconditional:
+            raise BackendError("select: unconditional_likelihood_normalized needs scoring "
+                               "without context, which OpenAI-compatible servers do not offer; "
+                               "use another choices_method")
+        return ChoiceScores([self._choice_logprobs(prefix, c) for c in choices])
+
+    def _choice_logprobs(self, prefix: str, choice: str) -> list[float]:
+        body = {"model": self.model, "prompt": prefix + choice, "max_tokens": 0,
+                "echo": True, "logprobs": 0, "temperature": 0}
+        try:
+            result = self.http.post("/completions", body)
+            logprobs = result["choices"][0]["logprobs"]
+            offsets, values = logprobs["text_offset"], logprobs["token_logprobs"]
+        except (BackendError, KeyError, TypeError, IndexError) as exc:
+            raise BackendError(
+                "select needs prompt-token logprobs (/v1/completions with echo and logprobs), "
+                f"which this server does not return ({exc}); use rl.gen(regex=...) or the "
+                "rl.Engine / rl.RuntimeEndpoint backends") from None
+        # The choice's tokens are those that start at or after the end of the prefix.
+        picked = [v for off, v in zip(offsets, values) if off >= len(prefix) and v is not None]
+        if not picked:
+            raise BackendError(f"select: the server returned no logprobs for {choice!r}")
+        return picked
+
+    def _body(self, params: SamplingParams) -> dict[str, Any]:
+        if params.n != 1:
+            raise ValueError("n: a gen produces one completion; use s.fork(n) for several")
+        if params.regex is not None:
+            raise BackendError("regex: OpenAI-compatible APIs have no regex constraint; use "
+                               "rl.Engine or rl.RuntimeEndpoint for regex and dtype=")
+        body: dict[str, Any] = {"model": self.model}
+        for name, key in OPENAI_NAMES.items():
+            value = getattr(params, name)
+            if value is not None:
+                body[key] = value
+        if params.stop:
+            body["stop"] = list(params.stop)
+        defaults = SamplingParams()
+        for name, key in EXTRA_NAMES.items():
+            value = getattr(params, name)
+            if value != getattr(defaults, name):
+                body[key] = list(value) if isinstance(value, tuple) else value
+        if params.json_schema is not None:
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": "output", "schema": json.loads(params.json_schema)}}
+        elif params.json_object:
+            body["response_format"] = {"type": "json_object"}
+        return body
+
+
+def _chat_messages(prompt: Prompt) -> list[dict[str, str]]:
+    messages = list(prompt.messages)
+    if prompt.open_role != "assistant" or messages[-1]["content"]:
+        raise BackendError("gen: on an OpenAI-compatible backend a gen inside roles must start "
+                           "an assistant message (e.g. s += rl.assistant(rl.gen('answer')))")
+    return messages[:-1]
+
+
+def _usage(usage: dict[str, Any]) -> dict[str, Any]:
+    details = usage.get("prompt_tokens_details") or {}
+    return {"prompt_tokens": usage.get("prompt_tokens"),
+            "completion_tokens": usage.get("completion_tokens"),
+            "cached_tokens": details.get("cached_tokens", 0)}
+
+
+def _meta(result: dict[str, Any], choice: dict[str, Any]) -> dict[str, Any]:
+    return {"finish_reason": choice.get("finish_reason"), **_usage(result.get("usage") or {})}

@@ -1,0 +1,106 @@
+"""`rl.RuntimeEndpoint(url)`: programs on a radixlm server (`radixlm serve`).
+
+It uses the server's native routes, which carry everything a program needs: `/generate`
+with any sampling field, `/score` for select, `/apply_chat_template` for roles, and
+`/pin_prefix` / `/release_prefix` for the cache hints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+from radixlm.backends.base import Backend, BackendError, Generation, Prompt
+from radixlm.backends.http import HttpClient
+from radixlm.choices import ChoiceScores
+from radixlm.runtime.sampling_params import SamplingParams
+
+# A fork's prefix stays pinned at most this long if the program never joins.
+LEASE_TTL_S = 600.0
+
+
+class RuntimeEndpoint(Backend):
+    supports_cache_hints = True
+
+    def __init__(self, base_url: str, api_key: str | None = None, *,
+                 cache_hints: bool = True, timeout: float = 600.0) -> None:
+        self.http = HttpClient(base_url, api_key, timeout)
+        self.info = self.http.get("/get_model_info")
+        self.supports_cache_hints = cache_hints
+
+    def generate(self, prompt: Prompt, params: SamplingParams,
+                 on_delta: Callable[[str], None] | None = None) -> Generation:
+        if params.n != 1:
+            raise ValueError("n: a gen produces one completion; use s.fork(n) for several")
+        body = {"text": prompt.text, "sampling_params": _changed_fields(params),
+                "stream": on_delta is not None}
+        if on_delta is None:
+            return _generation(self.http.post("/generate", body))
+        text, last = "", None
+        for event in self.http.stream("/generate", body):
+            new = event["text"]  # each event holds the whole text so far
+            if len(new) > len(text):
+                on_delta(new[len(text):])
+            text, last = new, event
+        if last is None:
+            raise BackendError("/generate: the stream ended without a result")
+        return _generation(last)
+
+    def score(self, prefix: str, choices: Sequence[str], unconditional: bool) -> ChoiceScores:
+        conditional = self._score({"prefix": prefix} if prefix else
+                                  {"prefix_ids": self._no_context()}, choices)
+        prior = (self._score({"prefix_ids": self._no_context()}, choices)
+                 if unconditional else None)
+        return ChoiceScores(conditional, prior)
+
+    def _score(self, prefix: dict[str, Any], choices: Sequence[str]) -> list[list[float]]:
+        return self.http.post("/score", {**prefix, "continuations": list(choices)})["logprobs"]
+
+    def _no_context(self) -> list[int]:
+        start = self.info.get("bos_token_id")
+        if start is None and self.info.get("eos_token_ids"):
+            start = self.info["eos_token_ids"][0]
+        if start is None:
+            raise ValueError("choices_method: the model has neither BOS nor EOS to score "
+                             "choices without context")
+        return [start]
+
+    def render_chat(self, messages: list[dict[str, str]],
+                    add_generation_prompt: bool = False) -> str | None:
+        if not self.info.get("has_chat_template"):
+            return None
+        return self.http.post("/apply_chat_template", {
+            "messages": messages, "add_generation_prompt": add_generation_prompt})["text"]
+
+    def pin_prefix(self, text: str) -> Any:
+        if not self.supports_cache_hints or not text:
+            return None
+        return self.http.post("/pin_prefix", {"text": text, "ttl": LEASE_TTL_S})["lease_id"]
+
+    def release_prefix(self, handle: Any) -> None:
+        if handle is not None:
+            self.http.post("/release_prefix", {"lease_id": handle})
+
+    def stats(self) -> dict[str, Any]:
+        return self.http.get("/get_server_info")["stats"]
+
+
+def _changed_fields(params: SamplingParams) -> dict[str, Any]:
+    """Only what differs from the defaults: short requests, and the server's defaults (the
+    same SamplingParams) fill in the rest."""
+    out = {}
+    for f in dataclasses.fields(params):
+        value = getattr(params, f.name)
+        if value != f.default:
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def _generation(result: dict[str, Any]) -> Generation:
+    meta = dict(result.get("meta_info", {}))
+    finish = meta.get("finish_reason")
+    reason = finish.get("type") if isinstance(finish, dict) else finish
+    if reason == "abort":
+        raise BackendError(f"the server aborted the request: {finish}")
+    meta["finish_reason"] = reason
+    return Generation(result["text"], meta)
