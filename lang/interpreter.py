@@ -275,4 +275,4 @@ def _convert(text: str, dtype: type | None, name: str) -> Any:
             return text.strip().removeprefix('"').removesuffix('"')
         return dtype(text.strip())
     except ValueError:
-        raise ProgramError(f"gen {name!r}: {text!r} is not a {dtype.__name__}") from None
+        raise ProgramError(f"gen {name!r}: {text!r} is not a valid {dtype.__name__}") from None

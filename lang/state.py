@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
+from concurrent.futures import Future
 from typing import Any, AsyncIterator, Iterator, Sequence
 
 from radixlm.expr import Expr, RoleBegin, RoleEnd, VarScopeBegin, VarScopeEnd, to_expr
 from radixlm.interpreter import Interpreter, ProgramError
+
+log = logging.getLogger(__name__)
 
 
 class Run:
@@ -29,19 +33,33 @@ class Run:
             self.interpreters.append(interp)
         return interp
 
-    def pin(self, text: str) -> Any:
-        lease = self.backend.pin_prefix(text) if self.backend.supports_cache_hints else None
-        if lease is not None:
-            with self._lock:
-                self.leases.append(lease)
+    def pin(self, text: str) -> Future | None:
+        """Ask the backend to pin `text`, without waiting: the branches go out at once, and the
+        engine lets them wait for the prefix's prefill instead of computing it again."""
+        if not self.backend.supports_cache_hints or not text:
+            return None
+        lease: Future = Future()
+
+        def pin() -> None:
+            try:
+                lease.set_result(self.backend.pin_prefix(text))
+            except BaseException as exc:  # noqa: BLE001 - a failed pin only costs the hint
+                log.warning("prefix pin failed: %s", exc)
+                lease.set_result(None)
+
+        with self._lock:
+            self.leases.append(lease)
+        threading.Thread(target=pin, name="radixlm-pin", daemon=True).start()
         return lease
 
-    def release(self, lease: Any) -> None:
+    def release(self, lease: Future | None) -> None:
         with self._lock:
-            if lease not in self.leases:
+            if lease is None or lease not in self.leases:
                 return
             self.leases.remove(lease)
-        self.backend.release_prefix(lease)
+        handle = lease.result()
+        if handle is not None:
+            self.backend.release_prefix(handle)
 
     def finish(self) -> None:
         """Wait for every state of the run, release what is still leased, end the streams."""

@@ -169,7 +169,7 @@ def test_dtype_conversion_failure_is_an_error():
         s += rl.gen("n", dtype=int)
 
     state = typed.run(backend=FakeBackend(answers={"": "many"}))
-    with pytest.raises(rl.ProgramError, match="not a int"):
+    with pytest.raises(rl.ProgramError, match="not a valid int"):
         state["n"]
 
 
