@@ -1,8 +1,9 @@
-"""The `radixlm` command. Subcommands: `generate`, `models` (later `serve`, `bench`, ...).
+"""The `radixlm` command. Subcommands: `generate`, `models`, `serve`.
 
     radixlm generate "The capital of France is" --max-new-tokens 16 --temperature 0
     radixlm generate --chat "Write a haiku about the sea." --stream
     radixlm models
+    radixlm serve --port 30000          (the HTTP server; see docs/server.md)
 """
 
 from __future__ import annotations
@@ -64,7 +65,15 @@ def _cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from radixlm.runtime.server.launch import serve
+
+    return serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from radixlm.runtime.server.args import add_serve_args
+
     parser = argparse.ArgumentParser(prog="radixlm", description="radixlm LLM runtime")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text offline with the local engine")
@@ -81,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_generate)
     models = sub.add_parser("models", help="list the default, embedded and supported models")
     models.set_defaults(func=_cmd_models)
+    serve = sub.add_parser("serve", help="run the HTTP server (native and OpenAI-compatible "
+                                         "routes)")
+    add_serve_args(serve)
+    serve.set_defaults(func=_cmd_serve)
     return parser
 
 

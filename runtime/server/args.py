@@ -1,0 +1,136 @@
+"""Command-line flags of `radixlm serve`: the server's own, plus one per `EngineConfig` field.
+
+The engine flags are generated from the dataclass (name, type, default and the comment above
+the field as help), so a new engine option is a server flag without being listed twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import re
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Union
+
+from radixlm.runtime.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    # Bearer token clients must send; None leaves the server open. /health is always open.
+    api_key: str | None = None
+    # Requests beyond what the engine runs at once (max_running_requests) that may wait;
+    # more are refused with 503 + Retry-After instead of piling up.
+    max_queued_requests: int = 2048
+    max_request_bytes: int = 8 << 20  # larger bodies get 413
+    # SIGTERM: in-flight requests get this long to finish, then they are aborted.
+    shutdown_timeout: float = 30.0
+    served_model_name: str | None = None  # the `model` id of the OpenAI routes
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("max_queued_requests", "max_request_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty")
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """Add every `radixlm serve` flag to `parser`."""
+    parser.add_argument("--model", default=None,
+                        help="model folder, .gguf file, short name or Hub id "
+                             "(default: the embedded smollm2-135m-instruct)")
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default=ServerConfig.host)
+    server.add_argument("--port", type=int, default=ServerConfig.port,
+                        help="0 picks a free port (the log says which)")
+    server.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on every route but /health "
+                             "(default: the RADIXLM_API_KEY environment variable, else none)")
+    server.add_argument("--max-queued-requests", type=int,
+                        default=ServerConfig.max_queued_requests,
+                        help="requests that may wait beyond max_running_requests; more get "
+                             "503 with Retry-After")
+    server.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes,
+                        help="largest request body; larger ones get 413")
+    server.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout,
+                        help="seconds in-flight requests get to finish after SIGTERM")
+    server.add_argument("--served-model-name", default=None,
+                        help="model id on the OpenAI routes (default: --model or the default "
+                             "model's name)")
+    server.add_argument("--log-level", default=ServerConfig.log_level,
+                        choices=["debug", "info", "warning", "error"])
+    add_engine_args(parser.add_argument_group("engine (see docs/engine.md)"))
+
+
+def add_engine_args(group: Any) -> None:
+    """One flag per EngineConfig field but `model`: --page-size, --disable-radix-cache, ..."""
+    hints = typing.get_type_hints(EngineConfig)
+    docs = _field_comments(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "model":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = _scalar_type(hints[f.name])
+        help_ = f"{docs.get(f.name, '')} (default: {f.default})".strip()
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                               help=help_)
+        else:
+            group.add_argument(flag, type=kind, default=f.default, help=help_)
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig keyword arguments the parsed flags ask for (model included)."""
+    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    return options
+
+
+def server_config(args: argparse.Namespace, api_key_env: str | None = None) -> ServerConfig:
+    names = {f.name for f in dataclasses.fields(ServerConfig)}
+    values = {name: getattr(args, name) for name in names}
+    if values["api_key"] is None:
+        values["api_key"] = api_key_env or None
+    return ServerConfig(**values)
+
+
+def _scalar_type(hint: Any) -> type:
+    """`int | None` -> int; plain types pass through."""
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    if hint in (bool, int, float, str):
+        return hint
+    raise TypeError(f"no command-line type for EngineConfig field of type {hint}")
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """The comments written beside or above each field in the class source, as help text."""
+    try:
+        lines = inspect.getsource(cls).splitlines()
+    except (OSError, TypeError):  # no source (e.g. a frozen build): help without comments
+        return {}
+    docs: dict[str, str] = {}
+    above: list[str] = []
+    field_re = re.compile(r"^\s{4}(\w+):[^#]*?(?:#\s*(.*))?$")
+    for line in lines:
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            above.append(stripped.lstrip("#").strip())
+            continue
+        match = field_re.match(line)
+        if match and not stripped.startswith("def "):
+            docs[match.group(1)] = " ".join(above + [match.group(2) or ""]).strip()
+        above = []
+    return docs

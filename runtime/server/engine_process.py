@@ -1,0 +1,213 @@
+"""The engine process: an `Engine` driven over a pipe by the HTTP process.
+
+Started with the spawn method by `EngineClient`. Three threads besides the engine's own loop:
+the main thread runs an asyncio loop that consumes `Engine.generate_stream` for every request;
+a reader thread turns pipe messages into loop callbacks; a writer thread sends what the loop
+produced, batching everything that piled up into one write. None of them ever waits on the
+engine loop, so the engine steps while the pipe is busy, and vice versa.
+
+The process exits when the HTTP process goes away: the pipe reaches EOF, or (if the pipe is
+somehow kept open) the parent pid changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from typing import Any
+
+from radixlm.runtime.server.ipc import Chunk, EngineError, EngineInfo, LogprobEntry
+
+log = logging.getLogger("radixlm.engine_process")
+
+# Engine methods the HTTP process may call, each run on a worker thread because most block
+# until the engine loop has done the work (pin_prefix computes the prefix, score a batch).
+CALLS = ("pin_prefix", "release_prefix", "score", "flush_cache", "stats")
+
+
+def run(options: dict[str, Any], conn: Connection, parent_pid: int, log_level: str) -> None:
+    """Process entry point: load the engine, report, then serve until told to stop."""
+    # Ctrl-C in a terminal signals the whole process group; the HTTP process decides how to
+    # shut down and tells us, so the engine must not die half-way on its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(levelname)s engine: %(message)s")
+    _watch_parent(parent_pid)
+    try:
+        from radixlm.runtime.engine import Engine
+
+        engine = Engine(**options)
+        tokenizer = engine.tokenizer
+        eos = set(engine.model_config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        info = EngineInfo(max_model_len=engine.max_model_len,
+                          vocab_size=engine.model_config.vocab_size,
+                          architecture=engine.model_config.architecture,
+                          eos_token_ids=sorted(eos), config=_plain(engine.config),
+                          pid=os.getpid())
+    except BaseException as exc:  # report why, or the HTTP process waits for nothing
+        log.exception("engine failed to start")
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        conn.close()
+        return
+    conn.send(("ready", info))
+    try:
+        asyncio.run(_EngineServer(engine, conn).serve())
+    finally:
+        engine.close()
+
+
+def _watch_parent(parent_pid: int) -> None:
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent_pid:
+                os._exit(1)  # orphaned: nobody can ever read our results
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _plain(config: Any) -> dict[str, Any]:
+    import dataclasses
+
+    return dataclasses.asdict(config)
+
+
+class _EngineServer:
+    def __init__(self, engine: Any, conn: Connection) -> None:
+        self.engine = engine
+        self.conn = conn
+        self.outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.calls = ThreadPoolExecutor(max_workers=8, thread_name_prefix="engine-call")
+        self.stopped: asyncio.Event | None = None
+
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.stopped = asyncio.Event()
+        threading.Thread(target=self._read, args=(loop,), name="pipe-reader",
+                         daemon=True).start()
+        threading.Thread(target=self._write, name="pipe-writer", daemon=True).start()
+        await self.stopped.wait()
+        for key in list(self.tasks):
+            self.engine.abort(key)
+        if self.tasks:  # let the aborts reach the HTTP process
+            await asyncio.wait(list(self.tasks.values()), timeout=5)
+        self.outbox.put(None)
+        self.calls.shutdown(wait=False, cancel_futures=True)
+
+    # -- pipe ------------------------------------------------------------------------------
+
+    def _read(self, loop: asyncio.AbstractEventLoop) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                os._exit(0)  # the HTTP process is gone; nothing left to serve
+            loop.call_soon_threadsafe(self._handle, message)
+            if message[0] == "shutdown":
+                return
+
+    def _write(self) -> None:
+        while True:
+            batch = [self.outbox.get()]
+            while True:
+                try:
+                    batch.append(self.outbox.get_nowait())
+                except queue.Empty:
+                    break
+            done = batch[-1] is None
+            batch = [m for m in batch if m is not None]
+            try:
+                if batch:
+                    self.conn.send(batch)
+            except (OSError, ValueError):
+                os._exit(0)  # the HTTP process is gone
+            if done:
+                return
+
+    # -- messages --------------------------------------------------------------------------
+
+    def _handle(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "generate":
+            _, key, input_ids, params, cache_salt = message
+            task = asyncio.ensure_future(self._generate(key, input_ids, params, cache_salt))
+            self.tasks[key] = task
+            task.add_done_callback(lambda _t, k=key: self.tasks.pop(k, None))
+        elif kind == "abort":
+            # A task created by a "generate" handled just before has not run its first step
+            # yet, so its request is not in the engine's inbox. That step is already queued
+            # on the loop; queue the abort behind it so the engine sees add, then abort.
+            asyncio.get_running_loop().call_soon(self.engine.abort, message[1])
+        elif kind == "call":
+            _, call_id, method, kwargs = message
+            asyncio.ensure_future(self._call(call_id, method, kwargs))
+        elif kind == "shutdown":
+            assert self.stopped is not None
+            self.stopped.set()
+        else:
+            log.error("unknown message %r", kind)
+
+    async def _generate(self, key: str, input_ids: list[int], params: Any,
+                        cache_salt: str | None) -> None:
+        sent_tokens: dict[int, int] = {}
+        try:
+            stream = self.engine.generate_stream(input_ids=input_ids, sampling_params=params,
+                                                 request_id=key, cache_salt=cache_salt)
+            async for out in stream:
+                start = sent_tokens.get(out.index, 0)
+                sent_tokens[out.index] = len(out.token_ids)
+                self.outbox.put(("chunk", key, _chunk(out, start)))
+        except ValueError as exc:  # input the engine refused
+            self.outbox.put(("error", key, EngineError(400, str(exc))))
+        except Exception as exc:
+            log.exception("request %s failed", key)
+            self.outbox.put(("error", key, EngineError(500, f"{type(exc).__name__}: {exc}")))
+
+    async def _call(self, call_id: int, method: str, kwargs: dict[str, Any]) -> None:
+        loop = asyncio.get_running_loop()
+        result, error = None, None
+        try:
+            if method not in CALLS:
+                raise AttributeError(method)
+            fn = getattr(self.engine, method)  # AttributeError: an engine without it
+            result = await loop.run_in_executor(self.calls, lambda: fn(**kwargs))
+        except AttributeError:
+            error = EngineError(501, f"the engine does not support {method}")
+        except ValueError as exc:
+            error = EngineError(400, str(exc))
+        except Exception as exc:
+            log.exception("%s failed", method)
+            error = EngineError(500, f"{type(exc).__name__}: {exc}")
+        self.outbox.put(("reply", call_id, result, error))
+
+
+def _chunk(out: Any, start: int) -> Chunk:
+    """The part of an engine Output after its first `start` tokens."""
+    chunk = Chunk(index=out.index, delta=out.delta, token_ids=out.token_ids[start:],
+                  logprobs=None if out.logprobs is None else
+                  [_entry(e) for e in out.logprobs[start:]],
+                  time=time.monotonic(), finish_reason=out.finish_reason,
+                  prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens)
+    if out.finish_reason is not None:
+        chunk.text = out.text
+        chunk.completion_tokens = out.completion_tokens
+        chunk.matched_stop = out.matched_stop
+        chunk.error = out.error
+        if out.prompt_logprobs is not None:
+            chunk.prompt_logprobs = [None if e is None else _entry(e)
+                                     for e in out.prompt_logprobs]
+    return chunk
+
+
+def _entry(entry: Any) -> LogprobEntry:
+    top = None if entry.top is None else [(int(t), float(lp)) for t, lp in entry.top]
+    return (int(entry.token_id), float(entry.logprob), top)

@@ -1,0 +1,174 @@
+"""One HTTP generation request in flight: its prompts submitted to the engine, the chunks of
+their samples gathered as they come, metrics recorded, and everything aborted in the engine
+if the request ends early (the client went away, a handler failed, the server is draining).
+
+    async with Generation(state, prompts, params, keys) as gen:
+        async for sample, chunk in gen.chunks():   # every chunk, as the engine makes it
+            ...
+        # gen.samples: every sample, finished, in (prompt, index) order
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.server.ipc import Chunk, EngineError, LogprobEntry
+from radixlm.runtime.server.protocol import ApiError
+from radixlm.runtime.server.state import ServerState
+
+
+@dataclass
+class Sample:
+    """One of the n samples of one prompt, accumulated from its chunks."""
+
+    prompt_index: int
+    index: int
+    request_id: str  # the engine's id: the key, or "key#index" when n > 1
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[LogprobEntry] = field(default_factory=list)
+    finish_reason: str | None = None
+    matched_stop: str | int | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    prompt_logprobs: list[LogprobEntry | None] | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def apply(self, chunk: Chunk) -> None:
+        self.text += chunk.delta
+        self.token_ids += chunk.token_ids
+        if chunk.logprobs:
+            self.logprobs += chunk.logprobs
+        self.prompt_tokens = chunk.prompt_tokens
+        self.cached_tokens = chunk.cached_tokens
+        if chunk.finished:
+            # The engine's final text is authoritative (the deltas join to it by contract).
+            self.text = chunk.text
+            self.finish_reason = chunk.finish_reason
+            self.matched_stop = chunk.matched_stop
+            self.error = chunk.error
+            self.completion_tokens = chunk.completion_tokens
+            self.prompt_logprobs = chunk.prompt_logprobs
+
+
+class Generation:
+    def __init__(self, state: ServerState, prompts: list[list[int]],
+                 params: list[SamplingParams], keys: list[str],
+                 cache_salt: str | None = None, group: str | None = None) -> None:
+        self.state = state
+        self.prompts = prompts
+        self.params = params
+        self.keys = keys
+        self.cache_salt = cache_salt
+        self.group = group
+        self.arrival = time.monotonic()
+        self.samples: list[Sample] = []
+        self._by_id: dict[tuple[str, int], Sample] = {}
+        for i, (key, p) in enumerate(zip(keys, params)):
+            for index in range(p.n):
+                sample = Sample(i, index, key if p.n == 1 else f"{key}#{index}")
+                self.samples.append(sample)
+                self._by_id[(key, index)] = sample
+        # Samples per key whose last chunk has not come: the keys to abort on an early exit.
+        self._pending = {key: p.n for key, p in zip(keys, params)}
+        self._sink: asyncio.Queue = asyncio.Queue()
+
+    async def __aenter__(self) -> "Generation":
+        self._admit()
+        engine = self.state.engine
+        for key, ids, p in zip(self.keys, self.prompts, self.params):
+            engine.submit(key, ids, p, self.cache_salt, self._sink, self.group)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        # Ended early (client gone, handler failed): stop the engine's work on what is left
+        # and drop what it still sends.
+        for key, pending in self._pending.items():
+            if pending:
+                self.state.engine.detach(key)
+
+    def _admit(self) -> None:
+        state = self.state
+        state.require_engine()
+        engine = state.engine
+        if len(set(self.keys)) != len(self.keys):
+            raise ApiError(400, "request ids must be distinct", "rid", "duplicate_id")
+        for key in self.keys:
+            if engine.is_tracked(key):
+                raise ApiError(400, f"request id {key!r} is already in use", "rid",
+                               "duplicate_id")
+        # Always admit into an idle server, so one large request can never be refused forever.
+        wanted = len(self.samples)
+        if engine.in_flight and engine.in_flight + wanted > state.max_in_flight:
+            raise ApiError(503, f"the server is at capacity ({engine.in_flight} requests in "
+                                f"flight); retry later", code="queue_full",
+                           headers={"Retry-After": "1"})
+
+    async def chunks(self) -> AsyncIterator[tuple[Sample, Chunk]]:
+        while any(self._pending.values()):
+            key, item = await self._sink.get()
+            if isinstance(item, EngineError):
+                self._pending[key] = 0  # the engine never started it
+                raise ApiError(item.status, item.message,
+                               code="engine_error" if item.status >= 500 else "invalid_value")
+            sample = self._by_id[(key, item.index)]
+            sample.apply(item)
+            self._observe(sample, item)
+            if item.finished:
+                self._pending[key] -= 1
+            yield sample, item
+
+    async def run(self) -> list[Sample]:
+        """Wait until every sample has finished."""
+        async for _ in self.chunks():
+            pass
+        return self.samples
+
+    def _observe(self, sample: Sample, chunk: Chunk) -> None:
+        m = self.state.metrics
+        if chunk.token_ids:
+            if sample.first_token_time is None:
+                m.ttft.observe(max(0.0, chunk.time - self.arrival))
+            else:
+                gap = (chunk.time - sample.last_token_time) / len(chunk.token_ids)
+                for _ in chunk.token_ids:
+                    m.itl.observe(max(0.0, gap))
+            if sample.first_token_time is None:
+                sample.first_token_time = chunk.time
+            sample.last_token_time = chunk.time
+        if chunk.finished:
+            m.generation_tokens.inc(sample.completion_tokens)
+            m.finished.labels(chunk.finish_reason).inc()
+            m.e2e.observe(max(0.0, chunk.time - self.arrival))
+            if sample.index == 0:  # the prompt is counted once, whatever n is
+                m.prompt_tokens.inc(sample.prompt_tokens)
+                m.cached_tokens.inc(sample.cached_tokens)
+
+    def usage(self) -> dict[str, Any]:
+        """OpenAI usage: each prompt counted once; completion tokens of every sample."""
+        firsts = [s for s in self.samples if s.index == 0]
+        prompt = sum(s.prompt_tokens for s in firsts)
+        completion = sum(s.completion_tokens for s in self.samples)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens
+                                                               for s in firsts)}}
+
+    def failure(self) -> ApiError | None:
+        """An engine-side failure (an abort nobody asked for) as a 500, if any sample had one."""
+        for sample in self.samples:
+            if sample.finish_reason == "abort" and sample.error:
+                return ApiError(500, f"generation failed: {sample.error}",
+                                code="engine_error")
+        return None

@@ -1,0 +1,235 @@
+"""Native routes: /generate (SGLang's shape), the program-language routes (pin/release a prefix,
+score continuations, render a chat template) and the admin routes (abort, flush, info)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, AsyncIterator
+
+from aiohttp import web
+
+from radixlm.runtime.server import native_protocol as native
+from radixlm.runtime.server.engine_client import EngineCallError
+from radixlm.runtime.server.generation import Generation
+from radixlm.runtime.server.metrics import cache_hit_rate
+from radixlm.runtime.server.openai_protocol import parse_messages
+from radixlm.runtime.server.protocol import ApiError, Fields, bad, check_prompt_len, fit_context
+from radixlm.runtime.server.state import ServerState
+from radixlm.runtime.server.web_util import json_response, read_json, state_of, stream_events
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/generate", generate)
+    app.router.add_post("/abort_request", abort_request)
+    app.router.add_post("/flush_cache", flush_cache)
+    app.router.add_post("/pin_prefix", pin_prefix)
+    app.router.add_post("/release_prefix", release_prefix)
+    app.router.add_post("/score", score)
+    app.router.add_post("/apply_chat_template", apply_chat_template)
+    app.router.add_get("/get_model_info", get_model_info)
+    app.router.add_get("/get_server_info", get_server_info)
+
+
+async def call_engine(state: ServerState, method: str, **kwargs: Any) -> Any:
+    try:
+        return await state.engine.call(method, **kwargs)
+    except EngineCallError as exc:
+        raise ApiError(exc.status, exc.message,
+                       code="invalid_value" if exc.status == 400 else "engine_error") from None
+
+
+# -- generation --------------------------------------------------------------------------------
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    state = state_of(request)
+    info = state.require_engine()
+    req = native.parse_generate(await read_json(request), info.vocab_size)
+    if req.texts is not None:
+        req.input_ids = [await state.codec.encode_prompt(t, "text") for t in req.texts]
+    assert req.input_ids is not None
+    prompt_param = "text" if req.texts is not None else "input_ids"
+    req.params = [fit_context(p, len(ids), info.max_model_len, explicit, prompt_param,
+                              "sampling_params.max_new_tokens")
+                  for p, ids, explicit in zip(req.params, req.input_ids, req.explicit_max)]
+    gen = Generation(state, req.input_ids, req.params, req.keys, req.cache_salt)
+    if req.stream:
+        return await stream_events(request, _events(state, gen, req))
+    async with gen:
+        await gen.run()
+    failure = gen.failure()
+    if failure is not None:
+        raise failure
+    texts = await _logprob_texts(state, gen, req)
+    latency = time.monotonic() - gen.arrival
+    results = [native.result(s, req, texts, latency) for s in gen.samples]
+    return json_response(results if req.batch or len(results) > 1 else results[0])
+
+
+async def _events(state: ServerState, gen: Generation,
+                  req: native.GenerateRequest) -> AsyncIterator[dict[str, Any]]:
+    flat = {id(s): i for i, s in enumerate(gen.samples)}
+    async with gen:
+        async for sample, chunk in gen.chunks():
+            if chunk.finish_reason == "abort" and chunk.error:
+                raise ApiError(500, f"generation failed: {chunk.error}", code="engine_error")
+            if not (chunk.token_ids or chunk.finished):
+                continue
+            texts = await _logprob_texts(state, gen, req)
+            # SGLang's shape: each event holds the sample's whole text and ids so far.
+            event = native.result(sample, req, texts)
+            event["index"] = flat[id(sample)]
+            yield event
+
+
+async def _logprob_texts(state: ServerState, gen: Generation,
+                         req: native.GenerateRequest) -> dict[int, str]:
+    if not (req.return_logprob and req.text_in_logprobs):
+        return {}
+    ids = sorted(native.logprob_token_ids(gen.samples))
+    return dict(zip(ids, await state.codec.token_texts(ids)))
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    state = state_of(request)
+    f = Fields(await read_json(request))
+    f.only(("rid",))
+    rid = f.string("rid", required=True)
+    count = state.engine.abort_matching(rid)
+    return json_response({"rid": rid, "aborted": count > 0})
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    state = state_of(request)
+    state.require_engine()
+    try:
+        await state.engine.call("flush_cache")
+    except EngineCallError as exc:
+        if exc.status == 400:  # requests are running: the cache cannot be dropped now
+            raise ApiError(409, exc.message, code="engine_busy") from None
+        raise ApiError(exc.status, exc.message, code="engine_error") from None
+    return json_response({"flushed": True})
+
+
+# -- program-language routes ------------------------------------------------------------------
+
+async def pin_prefix(request: web.Request) -> web.Response:
+    state = state_of(request)
+    info = state.require_engine()
+    text, ids, cache_salt, ttl = native.parse_pin(await read_json(request), info.vocab_size)
+    if text is not None:
+        ids = await state.codec.encode_prompt(text, "text")
+    assert ids is not None
+    check_prompt_len(len(ids), info.max_model_len, "text" if text is not None else "input_ids")
+    pin = asyncio.ensure_future(call_engine(state, "pin_prefix", input_ids=ids,
+                                            cache_salt=cache_salt, ttl=ttl))
+    try:
+        lease_id = await asyncio.shield(pin)
+    except asyncio.CancelledError:
+        # The client left while the prefix was computed: nobody will ever release the lease
+        # it gets, so release it as soon as it exists instead of holding pages until the TTL.
+        pin.add_done_callback(lambda done: _release_orphan(state, done))
+        raise
+    return json_response({"lease_id": lease_id})
+
+
+def _release_orphan(state: ServerState, pin: asyncio.Future) -> None:
+    if not pin.cancelled() and pin.exception() is None and pin.result() is not None:
+        asyncio.ensure_future(_release_quietly(state, pin.result()))
+
+
+async def _release_quietly(state: ServerState, lease_id: str) -> None:
+    try:
+        await state.engine.call("release_prefix", lease_id=lease_id)
+    except Exception:  # the engine is gone or the lease expired: nothing left to free
+        pass
+
+
+async def release_prefix(request: web.Request) -> web.Response:
+    state = state_of(request)
+    state.require_engine()
+    f = Fields(await read_json(request))
+    f.only(("lease_id",))
+    lease_id = f.string("lease_id", required=True)
+    return json_response({"released": bool(await call_engine(state, "release_prefix",
+                                                             lease_id=lease_id))})
+
+
+async def score(request: web.Request) -> web.Response:
+    state = state_of(request)
+    info = state.require_engine()
+    spec = native.parse_score(await read_json(request), info.vocab_size)
+    prefix_ids = spec["prefix_ids"]
+    if prefix_ids is None:
+        prefix_ids = await state.codec.encode_prompt(spec["prefix"], "prefix")
+    continuation_ids = spec["continuation_ids"]
+    if continuation_ids is None:
+        continuation_ids = []
+        for i, text in enumerate(spec["continuations"]):
+            ids = await state.codec.encode_plain(text, f"continuations[{i}]")
+            if not ids:
+                raise bad(f"continuations[{i}] is empty after tokenization",
+                          f"continuations[{i}]")
+            continuation_ids.append(ids)
+    longest = len(prefix_ids) + max(len(c) for c in continuation_ids)
+    check_prompt_len(longest, info.max_model_len, "continuations")
+    logprobs = await call_engine(state, "score", prefix_ids=prefix_ids,
+                                 continuation_ids=continuation_ids,
+                                 cache_salt=spec["cache_salt"])
+    return json_response({"logprobs": logprobs})
+
+
+async def apply_chat_template(request: web.Request) -> web.Response:
+    state = state_of(request)
+    body = await read_json(request)
+    f = Fields(body)
+    f.only(("messages", "add_generation_prompt"))
+    messages = parse_messages(body.get("messages"))
+    add = f.boolean("add_generation_prompt", True)
+    return json_response({"text": await state.codec.render_chat(messages, add)})
+
+
+# -- info --------------------------------------------------------------------------------------
+
+async def get_model_info(request: web.Request) -> web.Response:
+    state = state_of(request)
+    info = state.require_engine()
+    tok = state.codec.tokenizer
+    return json_response({
+        "model_path": state.model_path or state.model_name,
+        "model_folder": state.model_folder,
+        "served_model_name": state.model_name,
+        "architecture": info.architecture,
+        "vocab_size": info.vocab_size,
+        "max_model_len": info.max_model_len,
+        "has_chat_template": state.codec.has_chat_template,
+        "bos_token": getattr(tok, "bos_token", None),
+        "bos_token_id": getattr(tok, "bos_token_id", None),
+        "eos_token": getattr(tok, "eos_token", None),
+        "eos_token_ids": info.eos_token_ids,
+        "is_generation": True,
+    })
+
+
+async def get_server_info(request: web.Request) -> web.Response:
+    state = state_of(request)
+    info = state.require_engine()
+    stats = await call_engine(state, "stats")
+    total = stats.get("kv_pages_total", 0)
+    server = {k: v for k, v in vars(state.config).items() if k != "api_key"}
+    server["api_key_set"] = state.config.api_key is not None
+    return json_response({
+        # The engine loads the folder the model resolved to; report what the user asked for.
+        "engine_config": {**info.config, "model": state.model_path},
+        "model_folder": state.model_folder,
+        "server_config": server,
+        "stats": stats,
+        "kv_usage": (total - stats.get("kv_pages_free", 0)) / total if total else 0.0,
+        "cache_hit_rate": cache_hit_rate(stats),
+        "queue": {"num_running": stats.get("num_running", 0),
+                  "num_waiting": stats.get("num_waiting", 0),
+                  "in_flight": state.engine.in_flight,
+                  "max_in_flight": state.max_in_flight},
+        "engine_pid": info.pid,
+        "uptime_s": time.time() - state.started_at,
+    })

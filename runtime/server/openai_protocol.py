@@ -1,0 +1,216 @@
+"""OpenAI request shapes (`/v1/completions`, `/v1/chat/completions`) mapped onto
+`SamplingParams`, with the extras SGLang and vLLM accept (top_k, min_p, ...). A field we do not
+know, or one we know but do not implement (tools, logit_bias, echo), is a 400 naming it:
+silently ignoring it would return something the client did not ask for."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.server.protocol import (
+    MAX_TOP_LOGPROBS,
+    Fields,
+    bad,
+    is_id_list,
+    sampling_params,
+    token_ids,
+)
+
+# Request field -> SamplingParams field, for the fields that map one to one.
+_DIRECT = {"n": "n", "stop": "stop", "temperature": "temperature", "top_p": "top_p",
+           "seed": "seed", "presence_penalty": "presence_penalty",
+           "frequency_penalty": "frequency_penalty", "top_k": "top_k", "min_p": "min_p",
+           "repetition_penalty": "repetition_penalty", "min_tokens": "min_new_tokens",
+           "ignore_eos": "ignore_eos", "skip_special_tokens": "skip_special_tokens",
+           "stop_token_ids": "stop_token_ids"}
+_COMMON = (*_DIRECT, "model", "stream", "stream_options", "max_tokens", "user", "logit_bias",
+           "response_format", "cache_salt")
+COMPLETION_FIELDS = (*_COMMON, "prompt", "logprobs", "echo", "best_of", "suffix")
+CHAT_FIELDS = (*_COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs",
+               "tools", "tool_choice", "parallel_tool_calls")
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+MAX_PROMPTS = 1024
+UNLIMITED = 2**31 - 1
+
+
+@dataclass
+class OpenAIRequest:
+    params: SamplingParams
+    explicit_max: bool  # max_tokens was given: exceeding the context is then a 400
+    max_param: str  # the field that set it, for error messages
+    stream: bool
+    include_usage: bool
+    cache_salt: str | None
+    prompts: list[str] | list[list[int]] | None = None  # completions
+    messages: list[dict[str, Any]] | None = None  # chat
+
+
+def parse_completion(body: dict[str, Any], vocab_size: int) -> OpenAIRequest:
+    f = Fields(body)
+    f.only(COMPLETION_FIELDS)
+    _unsupported(f, echo=False, suffix="", logit_bias={})
+    values, names = _common(f)
+    if f.has("best_of") and f.integer("best_of") != values.get("n", 1):
+        raise bad("best_of is not supported (it must equal n)", "best_of", "not_supported")
+    k = f.integer("logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
+    if k is not None:
+        values.update(logprobs=True, top_logprobs_num=k)
+        names["top_logprobs_num"] = "logprobs"
+    explicit = "max_new_tokens" in values
+    values.setdefault("max_new_tokens", 16)  # OpenAI's default for completions
+    req = _request(f, values, names, "max_tokens", explicit)
+    req.prompts = _completion_prompts(body.get("prompt"), vocab_size)
+    return req
+
+
+def parse_chat(body: dict[str, Any]) -> OpenAIRequest:
+    f = Fields(body)
+    f.only(CHAT_FIELDS)
+    _unsupported(f, logit_bias={}, tools=[])
+    if f.has("tool_choice") and body["tool_choice"] != "none":
+        raise bad("tool calling is not supported", "tool_choice", "not_supported")
+    f.boolean("parallel_tool_calls")
+    values, names = _common(f)
+    max_param = "max_tokens"
+    if f.has("max_completion_tokens"):  # the newer name wins when both are given
+        values["max_new_tokens"] = f.integer("max_completion_tokens", lo=1)
+        max_param = names["max_new_tokens"] = "max_completion_tokens"
+    top = f.integer("top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
+    if f.boolean("logprobs", False):
+        values.update(logprobs=True, top_logprobs_num=top or 0)
+        names["top_logprobs_num"] = "top_logprobs"
+    elif top is not None:
+        raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+    explicit = "max_new_tokens" in values
+    # No max_tokens in chat means "until the context is full": fit_context clips this.
+    values.setdefault("max_new_tokens", UNLIMITED)
+    req = _request(f, values, names, max_param, explicit)
+    req.messages = parse_messages(body.get("messages"))
+    return req
+
+
+def _common(f: Fields) -> tuple[dict[str, Any], dict[str, str]]:
+    f.string("model")
+    f.string("user")
+    f.number("temperature", lo=0, hi=2)  # OpenAI's range (SamplingParams allows more)
+    values = {engine: f.body[name] for name, engine in _DIRECT.items() if f.has(name)}
+    names = {engine: name for name, engine in _DIRECT.items()}
+    names.update(json_schema="response_format", json_object="response_format")
+    if f.has("max_tokens"):
+        values["max_new_tokens"] = f.integer("max_tokens", lo=1)
+    names["max_new_tokens"] = "max_tokens"
+    values.update(_response_format(f))
+    return values, names
+
+
+def _request(f: Fields, values: dict[str, Any], names: dict[str, str], max_param: str,
+             explicit: bool) -> OpenAIRequest:
+    stream = f.boolean("stream", False)
+    options = f.object("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise bad("stream_options is only allowed with stream: true", "stream_options")
+        Fields(options, "stream_options.").only(("include_usage",))
+        include_usage = Fields(options, "stream_options.").boolean("include_usage", False)
+    return OpenAIRequest(params=sampling_params(values, names), explicit_max=explicit,
+                         max_param=max_param, stream=stream, include_usage=include_usage,
+                         cache_salt=f.string("cache_salt"))
+
+
+def _unsupported(f: Fields, **defaults: Any) -> None:
+    """Fields we accept only at their do-nothing value."""
+    for name, default in defaults.items():
+        value = f.body.get(name)
+        if value is not None and value != default:
+            raise bad(f"{name} is not supported", name, "not_supported")
+
+
+def _response_format(f: Fields) -> dict[str, Any]:
+    """`response_format` -> the engine's structured-generation fields, when it has them."""
+    rf = f.object("response_format")
+    if rf is None or rf.get("type") == "text":
+        return {}
+    Fields(rf, "response_format.").only(("type", "json_schema"))
+    kind = rf.get("type")
+    if kind not in ("json_object", "json_schema"):
+        raise bad(f"response_format.type must be text, json_object or json_schema, got "
+                  f"{kind!r}", "response_format.type")
+    fields = {x.name for x in dataclasses.fields(SamplingParams)}
+    if "json_schema" not in fields:
+        raise bad("response_format is not supported yet (no structured generation in this "
+                  "server)", "response_format", "not_supported")
+    if kind == "json_object":
+        if "json_object" in fields:
+            return {"json_object": True}
+        return {"json_schema": json.dumps({"type": "object"})}  # any JSON object
+    spec = rf.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise bad("response_format.json_schema.schema must be an object",
+                  "response_format.json_schema.schema", "invalid_type")
+    return {"json_schema": json.dumps(spec["schema"])}
+
+
+def _completion_prompts(prompt: Any, vocab_size: int) -> list[str] | list[list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if is_id_list(prompt):
+        return [token_ids(prompt, "prompt", vocab_size)]
+    if isinstance(prompt, list) and prompt and len(prompt) <= MAX_PROMPTS:
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(isinstance(p, list) for p in prompt):
+            return [token_ids(p, "prompt", vocab_size) for p in prompt]
+    if prompt is None:
+        raise bad("prompt is required", "prompt", "missing_field")
+    raise bad(f"prompt must be a string, an array of strings, an array of token ids or an "
+              f"array of token id arrays (at most {MAX_PROMPTS} prompts)", "prompt",
+              "invalid_type")
+
+
+def parse_messages(value: Any, param: str = "messages") -> list[dict[str, Any]]:
+    """Chat messages as the template wants them: role + text content (+ name)."""
+    if not isinstance(value, list) or not value:
+        raise bad(f"{param} must be a non-empty array of messages", param,
+                  "missing_field" if value is None else "invalid_type")
+    messages = []
+    for i, message in enumerate(value):
+        where = f"{param}[{i}]"
+        if not isinstance(message, dict):
+            raise bad(f"{where} must be an object", where, "invalid_type")
+        f = Fields(message, f"{where}.")
+        role = f.string("role", required=True)
+        if role not in ROLES:
+            raise bad(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}",
+                      f"{where}.role", "not_supported" if role in ("tool", "function")
+                      else "invalid_value")
+        for key, item in message.items():  # e.g. a previous reply echoed back: tool_calls=None
+            if key not in ("role", "content", "name") and item not in (None, [], {}, ""):
+                raise bad(f"{where}.{key} is not supported", f"{where}.{key}", "not_supported")
+        out = {"role": ROLES[role], "content": _content(message.get("content"), where)}
+        name = f.string("name")
+        if name is not None:
+            out["name"] = name
+        messages.append(out)
+    return messages
+
+
+def _content(content: Any, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise bad(f"{where}.content must be a string or an array of text parts",
+                  f"{where}.content", "invalid_type")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
+                part.get("text"), str):
+            raise bad(f"{where}.content[{j}]: only text parts ({{\"type\": \"text\", "
+                      f"\"text\": ...}}) are supported", f"{where}.content[{j}]",
+                      "not_supported")
+        texts.append(part["text"])
+    return "".join(texts)

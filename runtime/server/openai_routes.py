@@ -1,0 +1,145 @@
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from aiohttp import web
+
+from radixlm.runtime.server.generation import Generation, Sample
+from radixlm.runtime.server.ipc import LogprobEntry
+from radixlm.runtime.server.openai_protocol import OpenAIRequest, parse_chat, parse_completion
+from radixlm.runtime.server.protocol import ApiError, fit_context
+from radixlm.runtime.server.state import ServerState
+from radixlm.runtime.server.web_util import json_response, read_json, state_of, stream_events
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+
+
+async def models(request: web.Request) -> web.Response:
+    state = state_of(request)
+    card = {"id": state.model_name, "object": "model", "created": int(state.started_at),
+            "owned_by": "radixlm", "root": state.model_path or state.model_name}
+    if state.info is not None:
+        card["max_model_len"] = state.info.max_model_len
+    return json_response({"object": "list", "data": [card]})
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = state_of(request)
+    info = state.require_engine()
+    req = parse_completion(await read_json(request), info.vocab_size)
+    assert req.prompts is not None
+    prompts = [p if isinstance(p, list) else await state.codec.encode_prompt(p, "prompt")
+               for p in req.prompts]
+    return await _respond(request, state, req, prompts, "cmpl", "text_completion")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = state_of(request)
+    state.require_engine()
+    req = parse_chat(await read_json(request))
+    assert req.messages is not None
+    text = await state.codec.render_chat(req.messages, add_generation_prompt=True)
+    prompts = [await state.codec.encode_prompt(text, "messages")]
+    return await _respond(request, state, req, prompts, "chatcmpl", "chat.completion")
+
+
+async def _respond(request: web.Request, state: ServerState, req: OpenAIRequest,
+                   prompts: list[list[int]], prefix: str, kind: str) -> web.StreamResponse:
+    info = state.require_engine()
+    prompt_param = "prompt" if kind == "text_completion" else "messages"
+    params = [fit_context(req.params, len(ids), info.max_model_len, req.explicit_max,
+                          prompt_param, req.max_param) for ids in prompts]
+    rid = f"{prefix}-{uuid.uuid4().hex}"
+    keys = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
+    gen = Generation(state, prompts, params, keys, req.cache_salt, group=rid)
+    head = {"id": rid, "object": kind, "created": int(time.time()), "model": state.model_name}
+    render = _Renderer(state, req, kind == "chat.completion")
+    if req.stream:
+        return await stream_events(request, _events(gen, head, render, req))
+    async with gen:
+        await gen.run()
+    failure = gen.failure()
+    if failure is not None:
+        raise failure
+    choices = [await render.choice(i, s) for i, s in enumerate(gen.samples)]
+    return json_response({**head, "choices": choices, "usage": gen.usage()})
+
+
+async def _events(gen: Generation, head: dict[str, Any], render: "_Renderer",
+                  req: OpenAIRequest) -> AsyncIterator[dict[str, Any]]:
+    head = {**head, "object": head["object"] + (".chunk" if render.chat else "")}
+    flat = {id(s): i for i, s in enumerate(gen.samples)}
+    async with gen:
+        if render.chat:  # OpenAI opens each choice with the assistant role
+            for i in range(len(gen.samples)):
+                yield {**head, "choices": [{"index": i, "delta": {"role": "assistant",
+                                                                   "content": ""},
+                                            "logprobs": None, "finish_reason": None}]}
+        async for sample, chunk in gen.chunks():
+            if chunk.finish_reason == "abort" and chunk.error:
+                raise ApiError(500, f"generation failed: {chunk.error}", code="engine_error")
+            logprobs = chunk.logprobs if render.wants_logprobs else None
+            if not (chunk.delta or chunk.finished or logprobs):
+                continue  # text held back (a possible stop string, half a character)
+            choice = await render.delta(flat[id(sample)], sample, chunk.delta, logprobs or [],
+                                        chunk.finish_reason)
+            yield {**head, "choices": [choice]}
+    if req.include_usage:
+        yield {**head, "choices": [], "usage": gen.usage()}
+
+
+class _Renderer:
+    """Choices and logprobs in the completions or the chat shape."""
+
+    def __init__(self, state: ServerState, req: OpenAIRequest, chat: bool) -> None:
+        self.codec = state.codec
+        self.chat = chat
+        self.wants_logprobs = req.params.logprobs
+        self.offsets: dict[int, int] = {}  # completions text_offset, per streamed choice
+
+    async def choice(self, index: int, sample: Sample) -> dict[str, Any]:
+        logprobs = await self._logprobs(index, sample.logprobs) if self.wants_logprobs else None
+        if self.chat:
+            return {"index": index, "message": {"role": "assistant", "content": sample.text},
+                    "logprobs": logprobs, "finish_reason": sample.finish_reason}
+        return {"index": index, "text": sample.text, "logprobs": logprobs,
+                "finish_reason": sample.finish_reason}
+
+    async def delta(self, index: int, sample: Sample, text: str,
+                    entries: list[LogprobEntry], finish: str | None) -> dict[str, Any]:
+        logprobs = await self._logprobs(index, entries) if self.wants_logprobs else None
+        if self.chat:
+            return {"index": index, "delta": {"content": text} if text else {},
+                    "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    async def _logprobs(self, index: int, entries: list[LogprobEntry]) -> dict[str, Any]:
+        ids = [t for t, _, _ in entries]
+        ids += [t for _, _, top in entries for t, _ in top or ()]
+        texts = dict(zip(ids, await self.codec.token_texts(ids)))
+        if self.chat:
+            def item(tid: int, lp: float) -> dict[str, Any]:
+                text = texts[tid]
+                return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+            return {"content": [{**item(t, lp), "top_logprobs": [item(a, alp)
+                                                                 for a, alp in top or ()]}
+                                for t, lp, top in entries], "refusal": None}
+        offsets = []
+        offset = self.offsets.get(index, 0)
+        for t, _, _ in entries:
+            offsets.append(offset)
+            offset += len(texts[t])
+        self.offsets[index] = offset
+        return {"tokens": [texts[t] for t, _, _ in entries],
+                "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [{texts[a]: alp for a, alp in top or ()}
+                                 for _, _, top in entries],
+                "text_offset": offsets}

@@ -1,0 +1,45 @@
+"""What every route handler shares: the engine handle, the tokenizer, metrics, the config, and
+whether the server is starting, serving or draining."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixlm.runtime.server.args import ServerConfig
+from radixlm.runtime.server.ipc import EngineInfo
+from radixlm.runtime.server.metrics import Metrics
+from radixlm.runtime.server.protocol import ApiError
+from radixlm.runtime.server.text_codec import TextCodec
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    engine: Any  # EngineClient, or a stand-in with the same methods (tests)
+    codec: TextCodec
+    model_name: str  # the id clients use on the OpenAI routes
+    model_path: str | None  # what --model said (None: the default model)
+    model_folder: str | None  # the Hugging Face folder it resolved to
+    metrics: Metrics = field(default_factory=Metrics)
+    info: EngineInfo | None = None  # set once the engine has loaded the model
+    draining: bool = False  # SIGTERM received: finish what runs, take nothing new
+    active_requests: int = 0  # HTTP requests being handled (what a shutdown waits for)
+    started_at: float = field(default_factory=time.time)
+
+    def require_engine(self) -> EngineInfo:
+        """The engine's info, or 503 while starting, after a crash, or when shutting down."""
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", code="shutting_down")
+        if self.info is None:
+            raise ApiError(503, "the server is starting; the model is not loaded yet",
+                           code="starting", headers={"Retry-After": "5"})
+        if not self.engine.alive:
+            raise ApiError(503, "the engine process is not running", code="engine_down")
+        return self.info
+
+    @property
+    def max_in_flight(self) -> int:
+        running = self.info.config.get("max_running_requests", 0) if self.info else 0
+        return running + self.config.max_queued_requests
