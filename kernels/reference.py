@@ -1,6 +1,7 @@
 """Plain-torch references that backends and kernels are tested against.
 
-Written for clarity, not speed: one sequence and one query at a time, softmax in float32.
+Written for clarity, not speed. Attention goes one sequence at a time with an explicit mask,
+softmax in float32; the elementwise references round where the model's torch code rounds.
 """
 
 from __future__ import annotations
@@ -26,10 +27,39 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         slots = slot_table[i, :kv_len]
         keys = k_cache[slots].float().repeat_interleave(group, dim=1)  # [L, H, D]
         values = v_cache[slots].float().repeat_interleave(group, dim=1)
-        for j in range(q_len):
-            visible = kv_len - q_len + j + 1
-            scores = torch.einsum("hd,lhd->hl", q[start + j].float(), keys[:visible]) * scale
-            weights = torch.softmax(scores, dim=-1)
-            out[start + j] = torch.einsum("hl,lhd->hd", weights, values[:visible]).to(q.dtype)
+        queries = q[start:start + q_len].float()  # [q, H, D]
+        scores = torch.einsum("qhd,lhd->hql", queries, keys) * scale
+        # query j sits at position kv_len - q_len + j and sees keys up to there
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
+        visible = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]  # [q, L]
+        weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        out[start:start + q_len] = torch.einsum("hql,lhd->qhd", weights, values).to(q.dtype)
         start += q_len
     return out
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       residual: torch.Tensor | None = None
+                       ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The model's RMSNorm (normalise in float32, round, then scale by the weight); with a
+    residual, normalise x + residual and also return that sum."""
+    summed = x if residual is None else x + residual
+    var = summed.float().pow(2).mean(-1, keepdim=True)
+    normed = (summed.float() * torch.rsqrt(var + eps)).to(x.dtype)
+    out = weight * normed
+    return out if residual is None else (out, summed)
+
+
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2 * I] laid out [gate | up] -> silu(gate) * up, in x's dtype."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotation of x ([T, heads, D]) by cos/sin ([T, D/2]), in x's dtype: element d
+    pairs with d + D/2."""
+    cos = cos.reshape(x.shape[0], 1, -1).to(x.dtype)
+    sin = sin.reshape(x.shape[0], 1, -1).to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -14,7 +14,7 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "dummy")
-ATTENTION_BACKENDS = ("torch",)
+ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 
 

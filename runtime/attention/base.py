@@ -56,4 +56,12 @@ def create_backend(name: str, scale: float) -> AttentionBackend:
         from radixlm.runtime.attention.torch_native import TorchNativeAttention
 
         return TorchNativeAttention(scale)
-    raise ValueError(f"unknown attention_backend {name!r}; available: torch")
+    if name == "triton":
+        from radixlm.runtime.attention.triton_backend import TritonAttention
+
+        return TritonAttention(scale)
+    if name == "flashinfer":
+        from radixlm.runtime.attention.flashinfer_backend import FlashInferAttention
+
+        return FlashInferAttention(scale)
+    raise ValueError(f"unknown attention_backend {name!r}; available: torch, triton, flashinfer")

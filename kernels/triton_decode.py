@@ -1,0 +1,110 @@
+"""Paged decode attention (one query token per sequence) in Triton, flash-decoding style.
+
+A program owns one (sequence, KV head, split): it loads the sequence's GROUP query heads that
+share that KV head as one [BLOCK_H, D] tile, so each K/V tile is read once for the whole group,
+and runs an online softmax over its share of the context. With one split it writes the output
+directly; with several, each split writes a normalised partial output and its log-sum-exp, and
+a second kernel merges the splits:
+
+    context [0, kv_len) in tiles of BLOCK_N; split s takes tiles [s*tps, (s+1)*tps)
+    tps = cdiv(cdiv(kv_len, BLOCK_N), num_splits)          (per sequence: long ones split wider)
+    out = sum_s exp2(lse_s - max lse) * o_s / sum_s exp2(lse_s - max lse)
+
+Keys are gathered token by token through the slot table, so any page size works.
+Log-sum-exps are kept in base 2 (scores are pre-multiplied by log2(e)) so exp2 can be used.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    slot_table_ptr, kv_lens_ptr, seq_rows_ptr, q_rows_ptr,
+    scale_log2, num_splits, num_heads,
+    stride_qt, stride_qh, stride_cs, stride_ch, stride_tb, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)  # index among the step's decode sequences
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    row = tl.load(seq_rows_ptr + pid)  # the sequence's row in the batch / slot table
+    q_row = tl.load(q_rows_ptr + pid)  # its token's row in q and out
+    kv_len = tl.load(kv_lens_ptr + row)
+
+    tiles_per_split = tl.cdiv(tl.cdiv(kv_len, BLOCK_N), num_splits)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, kv_len)
+
+    offs_g = tl.arange(0, BLOCK_H)  # query heads of this KV head's group (padded to >= 16)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + offs_g
+    mask_hd = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_hd, other=0.0)  # [BLOCK_H, BLOCK_D]
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    table = slot_table_ptr + row * stride_tb
+    for n0 in range(start, end, BLOCK_N):
+        mask_n = (n0 + offs_n) < end
+        slots = tl.load(table + n0 + offs_n, mask=mask_n, other=0)  # [BLOCK_N] int64
+        # [BLOCK_N, BLOCK_D] offsets of this KV head's rows for the tile's tokens
+        kv_off = slots[:, None] * stride_cs + kv_head * stride_ch + offs_d[None, :]
+        mask_nd = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=mask_nd, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(mask_n[None, :], s, float("-inf"))  # [BLOCK_H, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_off, mask=mask_nd, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if DIRECT:  # one split: the split's result is the answer
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + q_row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=mask_hd)
+    else:
+        # A short sequence can leave trailing splits empty: they report lse = -inf, weight 0.
+        has_keys = l_i > 0
+        l_safe = tl.where(has_keys, l_i, 1.0)
+        lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
+        # partials are [num_decode, num_heads, num_splits, HEAD_DIM] and [.., .., num_splits]
+        part = (pid * num_heads + heads) * num_splits + split  # [BLOCK_H]
+        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None],
+                 mask=mask_hd)
+        tl.store(part_lse_ptr + part, lse, mask=offs_g < GROUP)
+
+
+@triton.jit
+def decode_merge_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr, q_rows_ptr, num_splits, num_heads,
+    stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
+    q_row = tl.load(q_rows_ptr + pid)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < num_splits
+    base = (pid * num_heads + head) * num_splits
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=mask_s, other=float("-inf"))
+    # Split 0 always holds keys (kv_len >= 1), so the max is finite.
+    weights = tl.exp2(lse - tl.max(lse, 0))  # [BLOCK_S]
+    mask_sd = mask_s[:, None] & (offs_d < HEAD_DIM)[None, :]
+    parts = tl.load(part_o_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=mask_sd, other=0.0)  # [BLOCK_S, BLOCK_D]
+    out = tl.sum(parts * weights[:, None], 0) / tl.sum(weights, 0)
+    tl.store(out_ptr + q_row * stride_ot + head * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)

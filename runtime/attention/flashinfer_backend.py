@@ -1,0 +1,121 @@
+"""Attention on FlashInfer's paged kernels (CUDA only; fp16/bf16 KV caches).
+
+Our per-layer cache [num_slots, Hkv, D] with slot = page * page_size + offset *is* FlashInfer's
+"NHD" paged layout once viewed as [num_pages, page_size, Hkv, D] (KVCache.layer_pages). A
+sequence's pages are the page ids of its slot table taken every page_size positions:
+
+    kv_len = 37, page_size = 16:  pages = slot_table[i, [0, 16, 32]] // 16
+    indptr[i+1] - indptr[i] = 3,  last_page_len = 37 - 2 * 16 = 5
+
+A step of only decode tokens goes to BatchDecodeWithPagedKVCacheWrapper; any other step (prefill
+chunks with or without cached prefixes, mixed with decode tokens) goes whole to
+BatchPrefillWithPagedKVCacheWrapper with a causal mask, which FlashInfer aligns bottom-right
+(query j of a chunk sees keys 0 .. kv_len - q_len + j), exactly our rule. So queries and
+outputs stay in the step's token order: no gathers, no scatters.
+
+FlashInfer plans on the host. indptr and last_page_len are built on the host from the lengths
+the scheduler already knows and the page ids on the device, so planning never waits for the
+GPU. The wrapper's plan needs the number of query heads, which the batch does not carry: it
+runs at the first layer's forward of each step and is reused by the others.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from radixlm.runtime.attention.base import AttentionBackend, ForwardBatch
+
+WORKSPACE_BYTES = 128 * 1024 * 1024
+
+
+def import_flashinfer() -> Any:
+    try:
+        import flashinfer
+    except ImportError as exc:
+        raise ImportError(
+            "attention_backend='flashinfer' needs FlashInfer (pip install flashinfer-python; "
+            "CUDA only). Use attention_backend='triton' or 'torch' without it.") from exc
+    return flashinfer
+
+
+class FlashInferAttention(AttentionBackend):
+    def __init__(self, scale: float, decode_tensor_cores: bool = False) -> None:
+        """decode_tensor_cores: run decode on FlashInfer's tensor-core (prefill) kernels. Off:
+        on an H200 they were 2.8-3.7x slower than its CUDA-core decode for 32 q / 8 KV heads
+        (benchmarks/attention_kernels.py), against FlashInfer's advice for groups of 4+."""
+        self.flashinfer = import_flashinfer()
+        self.scale = scale
+        self.decode_tensor_cores = decode_tensor_cores
+        self._workspace: torch.Tensor | None = None
+        self._prefill = None
+        self._decode: dict[bool, Any] = {}
+
+    def plan(self, batch: ForwardBatch) -> None:
+        cache = batch.kv_cache
+        if cache.k.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"attention_backend='flashinfer' supports float16 and bfloat16 KV "
+                             f"caches, not {cache.k.dtype}; use 'triton' or 'torch'")
+        device = batch.slot_table.device
+        if device.type != "cuda":
+            raise ValueError("attention_backend='flashinfer' runs on CUDA only")
+        page_size = cache.page_size
+        pages = [-(-n // page_size) for n in batch.kv_lens]
+        indptr = [0]
+        for n in pages:
+            indptr.append(indptr[-1] + n)
+        qo_indptr = [0]
+        for n in batch.q_lens:
+            qo_indptr.append(qo_indptr[-1] + n)
+        host = dict(dtype=torch.int32)
+        self.indptr = torch.tensor(indptr, **host)
+        self.qo_indptr = torch.tensor(qo_indptr, **host)
+        self.last_page_len = torch.tensor(
+            [n - (p - 1) * page_size for n, p in zip(batch.kv_lens, pages)], **host)
+        # Page ids on the device: flat page k of sequence i is its page number
+        # k - indptr[i], whose first slot sits at position (k - indptr[i]) * page_size.
+        total = indptr[-1]
+        counts = torch.tensor(pages, device=device)
+        rows = torch.repeat_interleave(torch.arange(len(pages), device=device), counts,
+                                       output_size=total)  # [total]
+        starts = self.indptr[:-1].to(device, non_blocking=True).long()
+        cols = (torch.arange(total, device=device) - starts[rows]) * page_size
+        self.indices = (batch.slot_table[rows, cols] // page_size).int()
+        self.decode_only = all(n == 1 for n in batch.q_lens)
+        self.dtype = cache.k.dtype
+        self.page_size = page_size
+        self._planned_heads: int | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                batch: ForwardBatch) -> torch.Tensor:
+        batch.kv_cache.store(layer_id, batch.out_slots, k, v)
+        wrapper = self._plan_wrapper(q.shape[1], k.shape[1], q.shape[2], q.device)
+        return wrapper.run(q.contiguous(), batch.kv_cache.layer_pages(layer_id))
+
+    def _plan_wrapper(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                      device: torch.device) -> Any:
+        if self._workspace is None:
+            self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
+        if self.decode_only:
+            tensor_cores = self.decode_tensor_cores
+            wrapper = self._decode.get(tensor_cores)
+            if wrapper is None:
+                wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    self._workspace, "NHD", use_tensor_cores=tensor_cores)
+                self._decode[tensor_cores] = wrapper
+            if self._planned_heads != num_heads:
+                wrapper.plan(self.indptr, self.indices, self.last_page_len, num_heads,
+                             num_kv_heads, head_dim, self.page_size, **common)
+        else:
+            if self._prefill is None:
+                self._prefill = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                    self._workspace, "NHD")
+            wrapper = self._prefill
+            if self._planned_heads != num_heads:
+                wrapper.plan(self.qo_indptr, self.indptr, self.indices, self.last_page_len,
+                             num_heads, num_kv_heads, head_dim, self.page_size, causal=True,
+                             **common)
+        self._planned_heads = num_heads
+        return wrapper

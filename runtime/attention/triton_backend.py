@@ -1,0 +1,87 @@
+"""Attention on our own Triton kernels (radixlm.kernels.triton_attention). CUDA, or CPU under
+the Triton interpreter (TRITON_INTERPRET=1, for tests).
+
+`plan` sorts the step's sequences into decode (q_len == 1) and extend (q_len > 1), chooses the
+decode split count and the extend block table from host-side lengths, and sends all per-step
+index tensors to the device in one copy. `forward` then launches, per layer, the K/V store,
+the split-KV decode kernel (+ merge) and the extend kernel, writing each token's output row in
+place: no gathers, no scatters and no host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixlm.runtime.attention.base import AttentionBackend, ForwardBatch
+
+try:
+    from radixlm.kernels import triton_attention as ta
+except ImportError as exc:  # triton missing: say what to install, not a bare ImportError
+    _IMPORT_ERROR: ImportError | None = exc
+else:
+    _IMPORT_ERROR = None
+
+
+class TritonAttention(AttentionBackend):
+    def __init__(self, scale: float, num_splits: int | None = None,
+                 decode_config: ta.DecodeConfig | None = None,
+                 extend_config: ta.ExtendConfig | None = None) -> None:
+        """num_splits fixes the decode KV split count, and the configs the kernels' tiles
+        (tests, tuning); None picks them per step from the shapes."""
+        if _IMPORT_ERROR is not None:
+            raise ImportError("attention_backend='triton' needs the triton package "
+                              f"(pip install triton): {_IMPORT_ERROR}") from _IMPORT_ERROR
+        self.scale = scale
+        self.fixed_splits = num_splits
+        self.fixed_decode_cfg = decode_config
+        self.fixed_extend_cfg = extend_config
+        self._num_sms: dict[torch.device, int] = {}
+
+    def plan(self, batch: ForwardBatch) -> None:
+        device = batch.slot_table.device
+        dtype, head_dim = batch.kv_cache.k.dtype, batch.kv_cache.k.shape[-1]
+        num_kv_heads = batch.kv_cache.k.shape[2]
+        q_lens, kv_lens = batch.q_lens, batch.kv_lens
+        q_starts = [0] * len(q_lens)
+        for i in range(1, len(q_lens)):
+            q_starts[i] = q_starts[i - 1] + q_lens[i - 1]
+        decode = [i for i, n in enumerate(q_lens) if n == 1]
+        extend = [i for i, n in enumerate(q_lens) if n > 1]
+        self.decode_cfg = self.fixed_decode_cfg or ta.decode_config(dtype, head_dim)
+        self.extend_cfg = self.fixed_extend_cfg or ta.extend_config(dtype, head_dim)
+        block_rows, block_m0 = ta.extend_blocks(q_lens, extend, self.extend_cfg.block_m)
+        self.num_splits = 1
+        if decode:
+            max_kv = max(kv_lens[i] for i in decode)
+            self.num_splits = self.fixed_splits or ta.choose_num_splits(
+                len(decode), num_kv_heads, max_kv, self._sm_count(device))
+
+        # One host->device copy: [q_starts | q_lens | kv_lens | decode rows | decode token
+        # rows | extend block rows | extend block first queries], then views into it.
+        parts = [q_starts, q_lens, kv_lens, decode, [q_starts[i] for i in decode], block_rows,
+                 block_m0]
+        meta = torch.tensor([x for part in parts for x in part], dtype=torch.int64,
+                            device=device)
+        views = meta.split([len(part) for part in parts])
+        (self.q_starts, self.q_lens, self.kv_lens, self.decode_rows, self.decode_q_rows,
+         self.block_rows, self.block_m0) = views
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                batch: ForwardBatch) -> torch.Tensor:
+        k_cache, v_cache = batch.kv_cache.layer(layer_id)
+        ta.store_kv(k, v, batch.out_slots, k_cache, v_cache)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        ta.decode_attention(q, k_cache, v_cache, out, batch.slot_table, self.kv_lens,
+                            self.decode_rows, self.decode_q_rows, self.scale, self.num_splits,
+                            self.decode_cfg)
+        ta.extend_attention(q, k_cache, v_cache, out, batch.slot_table, self.q_starts,
+                            self.q_lens, self.kv_lens, self.block_rows, self.block_m0,
+                            self.scale, self.extend_cfg)
+        return out
+
+    def _sm_count(self, device: torch.device) -> int:
+        if device not in self._num_sms:
+            self._num_sms[device] = (
+                torch.cuda.get_device_properties(device).multi_processor_count
+                if device.type == "cuda" else 8)
+        return self._num_sms[device]

@@ -1,0 +1,269 @@
+"""Our Triton kernels on CPU, under the Triton interpreter, against kernels/reference.py.
+
+TRITON_INTERPRET must be set before the kernels are defined, and setting it in this process
+would leak into every later test (GPU tests included). So the cases run in one subprocess with
+the variable set (python tests/test_triton_kernels.py), which reports each case's outcome as
+JSON; each test below asserts one case. bfloat16 arithmetic is not emulated correctly by the
+interpreter (triton 3.9), so bf16 is covered by the GPU tests only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+SCALE_DIM = {32: 32 ** -0.5, 64: 64 ** -0.5, 128: 128 ** -0.5}
+
+
+def random_paged_batch(device: str, dtype: torch.dtype, page_size: int, q_lens: list[int],
+                       kv_lens: list[int], heads: int = 8, kv_heads: int = 2, dim: int = 32,
+                       seed: int = 0, strided_qkv: bool = False):
+    """A one-layer KV cache full of random "earlier" keys, each sequence on shuffled pages, and
+    this step's q/k/v. With strided_qkv, q/k/v are views of one fused [T, H + 2 Hkv, D] tensor,
+    as the model passes them."""
+    from radixlm.runtime.attention.base import ForwardBatch
+    from radixlm.runtime.memory import KVCache
+
+    gen = torch.Generator().manual_seed(seed)
+    num_pages = sum(-(-kv // page_size) for kv in kv_lens) + 4
+    cache = KVCache(1, num_pages * page_size, kv_heads, dim, dtype, torch.device(device),
+                    page_size)
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=gen))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=gen))
+    perm = torch.randperm(num_pages, generator=gen).tolist()
+    width = max(kv_lens)
+    table = torch.zeros(len(q_lens), -(-width // page_size) * page_size, dtype=torch.int64)
+    for i, kv_len in enumerate(kv_lens):
+        pages = torch.tensor([perm.pop() for _ in range(-(-kv_len // page_size))])
+        slots = (pages[:, None] * page_size + torch.arange(page_size)).flatten()
+        table[i, : slots.numel()] = slots
+    table = table[:, :width].to(device)
+    out_slots = torch.cat([table[i, kv - q:kv] for i, (q, kv) in enumerate(zip(q_lens, kv_lens))])
+    total = sum(q_lens)
+    qkv = torch.randn(total, heads + 2 * kv_heads, dim, generator=gen).to(device, dtype)
+    q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+    if not strided_qkv:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    zeros = torch.zeros(total, dtype=torch.int64, device=device)
+    batch = ForwardBatch(input_ids=zeros, positions=zeros, q_lens=q_lens, kv_lens=kv_lens,
+                         out_slots=out_slots, slot_table=table, kv_cache=cache)
+    return batch, q, k, v
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def reference_for(batch, q: torch.Tensor, scale: float) -> torch.Tensor:
+    from radixlm.kernels.reference import paged_attention_reference
+
+    return paged_attention_reference(q, batch.kv_cache.k[0], batch.kv_cache.v[0],
+                                     batch.slot_table, batch.q_lens, batch.kv_lens, scale)
+
+
+def _backend_case(dtype, page_size, q_lens, kv_lens, heads=8, kv_heads=2, dim=32, splits=None,
+                  strided=False, tol=None):
+    from radixlm.runtime.attention.triton_backend import TritonAttention
+
+    batch, q, k, v = random_paged_batch("cpu", dtype, page_size, q_lens, kv_lens, heads,
+                                        kv_heads, dim, strided_qkv=strided)
+    backend = TritonAttention(SCALE_DIM[dim], num_splits=splits)
+    backend.plan(batch)
+    out = backend.forward(q, k, v, 0, batch)
+    # The backend stored this step's K/V; the reference reads everything from the cache.
+    assert torch.equal(batch.kv_cache.k[0][batch.out_slots], k), "K not stored"
+    assert torch.equal(batch.kv_cache.v[0][batch.out_slots], v), "V not stored"
+    err = rel_err(out, reference_for(batch, q, SCALE_DIM[dim]))
+    limit = tol or (1e-5 if dtype == torch.float32 else 2e-3)
+    assert err < limit, f"relative error {err:.2e} >= {limit}"
+    return f"rel err {err:.1e}, splits {backend.num_splits}"
+
+
+# decode (1 new of 37), a fresh prompt (all 20 new), a later chunk (9 new of 50), a decode
+# with a 1-token context, a chunk ending on a page boundary, a chunk crossing several
+# key tiles after a long prefix, and a decode over a longer context.
+MIXED_Q = [1, 20, 9, 1, 16, 70, 1]
+MIXED_KV = [37, 20, 50, 1, 64, 260, 300]
+
+
+def case_mixed_page1_fp32():
+    return _backend_case(torch.float32, 1, MIXED_Q, MIXED_KV)
+
+
+def case_mixed_page16_fp32_strided_qkv():
+    return _backend_case(torch.float32, 16, MIXED_Q, MIXED_KV, strided=True, splits=3)
+
+
+def case_mixed_page16_fp16_gqa4_d128():
+    return _backend_case(torch.float16, 16, MIXED_Q, MIXED_KV, heads=8, kv_heads=2, dim=128)
+
+
+def case_mixed_page1_fp16_mha_d64():
+    return _backend_case(torch.float16, 1, MIXED_Q, MIXED_KV, heads=4, kv_heads=4, dim=64)
+
+
+def case_decode_gqa8_page16():
+    return _backend_case(torch.float32, 16, [1] * 3, [5, 33, 17], heads=16, kv_heads=2)
+
+
+def case_split_kv_long_context():
+    """Decode over ~1000 tokens: 1, 4 and 7 splits (7 leaves empty splits for the short
+    sequence) all give the reference."""
+    details = [_backend_case(torch.float32, 16, [1, 1, 1], [1000, 3, 517], splits=s)
+               for s in (1, 4, 7)]
+    return "; ".join(details)
+
+
+def case_extend_long_chunk_after_prefix():
+    return _backend_case(torch.float16, 16, [130, 2], [400, 2], dim=64)
+
+
+def case_store_kv_strided():
+    from radixlm.kernels.triton_attention import store_kv
+
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(5, 6, 32, generator=gen)
+    k, v = qkv[:, 2:4], qkv[:, 4:6]
+    k_cache, v_cache = torch.zeros(20, 2, 32), torch.zeros(20, 2, 32)
+    slots = torch.tensor([7, 3, 19, 0, 12])
+    store_kv(k, v, slots, k_cache, v_cache)
+    assert torch.equal(k_cache[slots], k) and torch.equal(v_cache[slots], v)
+    untouched = torch.ones(20, dtype=torch.bool)
+    untouched[slots] = False
+    assert k_cache[untouched].abs().sum() == 0, "wrote outside the given slots"
+    return "exact"
+
+
+def _fused_cases(dtype):
+    import torch.nn.functional as F
+
+    from radixlm.kernels import fused
+    from radixlm.kernels import reference as ref
+    from radixlm.runtime.layers.rotary import apply_rotary
+
+    exact = dtype == torch.float16  # fp32 may differ by an ulp (fma contraction, rsqrt)
+    gen = torch.Generator().manual_seed(2)
+
+    def check(name, out, want):
+        if exact:
+            assert torch.equal(out, want), f"{name}: not bit-exact"
+        else:
+            assert rel_err(out, want) < 1e-6, f"{name}: rel err {rel_err(out, want):.1e}"
+
+    x, res = (torch.randn(5, 96, generator=gen).to(dtype) for _ in range(2))
+    w = torch.randn(96, generator=gen).to(dtype)
+    check("rms_norm", fused.rms_norm(x, w, 1e-6), w * F.rms_norm(x, (96,), eps=1e-6))
+    out, summed = fused.rms_norm(x, w, 1e-6, residual=res)
+    want, want_sum = ref.rms_norm_reference(x, w, 1e-6, residual=res)
+    check("rms_norm+residual", out, want)
+    check("residual sum", summed, want_sum)
+    gate_up = torch.randn(7, 2 * 50, generator=gen).to(dtype)
+    check("silu_and_mul", fused.silu_and_mul(gate_up), ref.silu_and_mul_reference(gate_up))
+    qk = torch.randn(6, 5, 32, generator=gen).to(dtype)
+    cos, sin = torch.randn(6, 16, generator=gen), torch.randn(6, 16, generator=gen)
+    want = apply_rotary(qk, cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype))
+    check("rotary reference", ref.rotary_reference(qk, cos, sin), want)
+    check("rotary on a view", fused.rotary_embedding(qk[:, 1:4], cos, sin), want[:, 1:4])
+    fused.rotary_embedding(qk, cos.unsqueeze(1), sin.unsqueeze(1), out=qk)
+    check("rotary in place", qk, want)
+    return "bit-exact" if exact else "within 1e-6"
+
+
+def case_fused_fp32():
+    return _fused_cases(torch.float32)
+
+
+def case_fused_fp16():
+    return _fused_cases(torch.float16)
+
+
+def save_llama(folder, head_dim: int = 128):
+    """A tiny random Llama with 4 query / 2 KV heads of head_dim (FlashInfer needs 64+)."""
+    import transformers
+
+    from conftest import tiny_config
+
+    cfg = tiny_config("llama")
+    cfg.update(hidden_size=4 * head_dim, intermediate_size=8 * head_dim)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**cfg), torch_dtype=torch.float32)
+    model.save_pretrained(folder)
+    return folder
+
+
+# Prompts sharing prefixes (prefix-cache hits -> extends with cached prefixes); with a small
+# chunk size, prefill chunks and decode tokens share steps.
+PROMPTS = [[5 + i, 17, 99, 3 + i * 7] * (i + 1) for i in range(6)] + \
+          [[7, 8, 9, 10] * 20 + [11 + i] * (3 + i) for i in range(4)]
+
+
+def case_engine_greedy_matches_torch():
+    """The whole engine (mixed steps, prefix-cache hits, strided q/k/v from the model)."""
+    import tempfile
+    from pathlib import Path
+
+    from radixlm.runtime import Engine
+
+    folder = save_llama(Path(tempfile.mkdtemp()), head_dim=32)
+    prompts = PROMPTS[:3] + PROMPTS[-2:]
+    params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+    tokens = {}
+    for name in ("torch", "triton"):
+        with Engine(str(folder), device="cpu", dtype="float32", max_total_tokens=1024,
+                    chunked_prefill_size=16, page_size=4, attention_backend=name) as engine:
+            tokens[name] = [o.token_ids for o in engine.generate(input_ids=prompts,
+                                                                 sampling_params=params)]
+            cached = engine.stats()["cached_tokens"]
+    assert tokens["triton"] == tokens["torch"], tokens
+    return f"same greedy tokens; {cached} cached prompt tokens"
+
+
+CASES = sorted(name[len("case_"):] for name in list(globals()) if name.startswith("case_"))
+
+
+def _run_cases() -> dict[str, dict]:
+    torch.set_num_threads(2)
+    results = {}
+    for name in CASES:
+        start = time.perf_counter()
+        try:
+            detail, ok = globals()["case_" + name](), True
+        except Exception:  # report, and go on with the other cases
+            detail, ok = traceback.format_exc(), False
+        results[name] = {"ok": ok, "detail": detail,
+                         "seconds": round(time.perf_counter() - start, 2)}
+    return results
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict[str, dict]:
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve())], env=env,
+                          capture_output=True, text=True, timeout=300)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        pytest.fail(f"interpreter run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_under_interpreter(interpreter_results, case):
+    result = interpreter_results[case]
+    assert result["ok"], result["detail"]
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    print(json.dumps(_run_cases()))
