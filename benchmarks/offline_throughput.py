@@ -9,6 +9,13 @@ and the compute floor of this machine: the measured GEMM rate for the model's li
 at this batch size, divided by the FLOPs each generated token needs.
 
     python benchmarks/offline_throughput.py [--dtype float32|bfloat16] [--num-prompts 64]
+
+On CUDA (`--device cuda`) it measures the engine alone at serving scale instead: random
+prompts of --input-len tokens, each generating --output-len tokens (EOS ignored), all
+submitted at once, on a dummy (random-weight) model, Llama-3-8B-shaped by default, in bf16:
+
+    python benchmarks/offline_throughput.py --device cuda [--num-prompts 512]
+        [--input-len 1024 --output-len 1024] [--attention-backend auto|triton|flashinfer]
 """
 
 from __future__ import annotations
@@ -100,16 +107,83 @@ def gemm_floor(engine: Engine, batch: int, dtype: torch.dtype) -> dict:
             "tokens_per_s": batch / per_step}
 
 
+def run_cuda(args: argparse.Namespace) -> None:
+    model = args.model or "llama-3-8b"
+    num, input_len, output_len = args.num_prompts, args.input_len, args.output_len
+    engine = Engine(model, load_format="dummy", device="cuda", dtype="bfloat16",
+                    attention_backend=args.attention_backend,
+                    kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+                    max_running_requests=args.max_running_requests,
+                    max_num_batched_tokens=args.max_num_batched_tokens,
+                    chunked_prefill_size=input_len)
+    vocab = engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, vocab, (num, input_len), generator=gen).tolist()
+    params = {"temperature": 0, "max_new_tokens": output_len, "ignore_eos": True}
+    engine.generate(input_ids=[p[:64] for p in prompts[:8]],
+                    sampling_params={**params, "max_new_tokens": 8})  # warm-up
+    engine.flush_cache()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outs = engine.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    stats = engine.stats()
+    attn = type(engine.core.runner.attn).__name__
+    engine.close()
+    generated = sum(o.completion_tokens for o in outs)
+    assert generated == num * output_len, generated
+    output_tps = generated / elapsed
+    total_tps = (generated + num * input_len) / elapsed
+    print(f"\n{model} (dummy, bf16), {attn}, {num} prompts x {input_len} in / {output_len} "
+          f"out, {torch.cuda.get_device_name()}")
+    print(f"{elapsed:.1f} s, output {output_tps:,.0f} tokens/s, total {total_tps:,.0f} "
+          f"tokens/s, {stats['steps']} steps, {stats['retractions']} retractions")
+    record = {
+        "benchmark": "offline_throughput",
+        "date": datetime.date.today().isoformat(),
+        "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__},
+        "config": {"model": model, "load_format": "dummy", "dtype": "bfloat16",
+                   "attention": attn, "num_prompts": num, "input_len": input_len,
+                   "output_len": output_len, "max_running_requests": args.max_running_requests,
+                   "max_num_batched_tokens": args.max_num_batched_tokens,
+                   "kv_cache_memory_fraction": args.kv_cache_memory_fraction},
+        "results": {"seconds": elapsed, "output_tokens": generated,
+                    "output_tokens_per_s": output_tps, "total_tokens_per_s": total_tps,
+                    "steps": stats["steps"], "retractions": stats["retractions"],
+                    "kv_pages_total": stats["kv_pages_total"]},
+    }
+    out = Path(args.out or Path(__file__).parent / "results" /
+               f"offline_throughput_h200_{record['date']}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
+    parser.add_argument("--model", default=None,
+                        help="default: the embedded SmolLM2-135M (CPU), llama-3-8b (CUDA)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--input-len", type=int, default=1024, help="CUDA mode")
+    parser.add_argument("--output-len", type=int, default=1024, help="CUDA mode")
+    parser.add_argument("--attention-backend", default="auto", help="CUDA mode")
+    parser.add_argument("--max-running-requests", type=int, default=256, help="CUDA mode")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384, help="CUDA mode")
+    parser.add_argument("--kv-cache-memory-fraction", type=float, default=0.85,
+                        help="CUDA mode")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="default: 64 on CPU, 512 on CUDA")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--skip-sequential", action="store_true",
                         help="skip transformers one-prompt-at-a-time (the slowest part)")
     parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/)")
     args = parser.parse_args()
+    if args.num_prompts is None:
+        args.num_prompts = 512 if args.device == "cuda" else 64
+    if args.device == "cuda":
+        run_cuda(args)
+        return
     import transformers
 
     dtype = getattr(torch, args.dtype)

@@ -6,7 +6,7 @@ torch ops round, so a fused model stays within an ulp of the unfused one (silu_a
 bit-exact on an H200; RMSNorm differs in ~3e-6 of outputs, by the order of its sum) while
 reading each activation once instead of once per op.
 
-Not wired into the model yet; see docs/attention.md for where each one goes.
+The Llama model uses them on CUDA (runtime/models/llama.py, `use_fused_kernels`).
 """
 
 from __future__ import annotations

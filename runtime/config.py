@@ -14,7 +14,7 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "dummy")
-ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 
 
@@ -38,7 +38,12 @@ class EngineConfig:
     max_running_requests: int = 256
     max_num_batched_tokens: int = 2048
     chunked_prefill_size: int = 512
-    attention_backend: str = "torch"
+    # "auto": torch on CPU; on CUDA flashinfer when it imports (and fits the dtype and
+    # head_dim), else triton.
+    attention_backend: str = "auto"
+    # Decode-only steps replay CUDA graphs captured per padded batch size (CUDA, triton or
+    # flashinfer attention); this turns that off and runs every step eagerly.
+    disable_cuda_graph: bool = False
     # Prefix cache (RadixAttention) and the waiting-queue order: "lpm" serves the longest
     # cached prefix first and lets requests that share an uncached prefix wait for it.
     disable_radix_cache: bool = False
@@ -46,6 +51,19 @@ class EngineConfig:
     # Prefixes pinned by leases (a program's fork, a server client's pin) may hold at most
     # this fraction of the KV pool; further pins are refused and the program runs unpinned.
     lease_memory_fraction: float = 0.25
+    # Structured output (regex / json_schema / json_object). Grammars compile in worker
+    # processes; one that takes longer than the timeout (seconds) or more memory than the
+    # limit (GiB, 0 = none) fails only its own request.
+    grammar_compile_timeout: float = 30.0
+    grammar_compile_workers: int = 2
+    grammar_compile_max_memory_gb: float = 4.0
+    # Compiled grammars kept (LRU, shared by the engines of a process): at most this many,
+    # and this much memory (an index for a large JSON schema can take hundreds of MB).
+    grammar_cache_size: int = 256
+    grammar_cache_memory_gb: float = 1.0
+    json_max_whitespace: int = 1  # spaces allowed between JSON tokens (0: compact JSON)
+    # Append the text a grammar forces (`{"name": "`) without sampling it token by token.
+    enable_jump_forward: bool = True
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -54,8 +72,9 @@ class EngineConfig:
         _one_of(self.dtype, ("auto", *DTYPES), "dtype")
         _one_of(self.attention_backend, ATTENTION_BACKENDS, "attention_backend")
         _one_of(self.schedule_policy, SCHEDULE_POLICIES, "schedule_policy")
-        if not isinstance(self.disable_radix_cache, bool):
-            raise ValueError("disable_radix_cache must be a bool")
+        for name in ("disable_radix_cache", "disable_cuda_graph"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         for name in ("page_size", "max_running_requests", "max_num_batched_tokens",
@@ -70,9 +89,28 @@ class EngineConfig:
         if not 0 <= self.lease_memory_fraction <= 1:
             raise ValueError("lease_memory_fraction must be in [0, 1], "
                              f"got {self.lease_memory_fraction}")
+        self._check_grammar_options()
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(f"max_total_tokens ({self.max_total_tokens}) must hold at least one "
                              f"page of {self.page_size} tokens")
+
+    def _check_grammar_options(self) -> None:
+        for name in ("grammar_compile_workers", "grammar_cache_size"):
+            _positive_int(getattr(self, name), name)
+        for name, zero_ok in (("grammar_compile_timeout", False),
+                              ("grammar_compile_max_memory_gb", True),
+                              ("grammar_cache_memory_gb", True)):
+            value = getattr(self, name)
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or value < 0 or value == 0 and not zero_ok):
+                raise ValueError(f"{name} must be a number {'>=' if zero_ok else '>'} 0, "
+                                 f"got {value!r}")
+        if isinstance(self.json_max_whitespace, bool) or not isinstance(
+                self.json_max_whitespace, int) or not 0 <= self.json_max_whitespace <= 8:
+            raise ValueError("json_max_whitespace must be an int in [0, 8], "
+                             f"got {self.json_max_whitespace!r}")
+        if not isinstance(self.enable_jump_forward, bool):
+            raise ValueError("enable_jump_forward must be a bool")
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> "EngineConfig":

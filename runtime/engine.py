@@ -193,6 +193,7 @@ class Engine:
             self._closed = True
             self._inbox.put(_STOP)
             self._thread.join(timeout=30)
+            self.core.shutdown()
 
     def __enter__(self) -> "Engine":
         return self
@@ -248,6 +249,14 @@ class Engine:
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         params = self._params_per_prompt(sampling_params, len(prompts))
         ids = self._request_ids(request_id, len(prompts))
+        constrained = next((p for p in params if p.constrained), None)
+        if constrained is not None:
+            if self.tokenizer is None:
+                field = next(f for f in ("regex", "json_schema", "json_object")
+                             if getattr(constrained, f))
+                raise ValueError(f"{field}: structured output needs a tokenizer; this model "
+                                 "has none")
+            self.core.grammar_backend()  # built here, not on the engine thread
         requests = []
         for prompt_ids, p, rid in zip(prompts, params, ids):
             if len(prompt_ids) >= self.max_model_len:

@@ -1,21 +1,31 @@
 """The synchronous engine core: schedule -> run -> postprocess, one step at a time.
 
 It owns the model, the KV memory, the scheduler and every live request. It is driven by one
-thread (the offline `Engine`'s loop, later the server's engine process); nothing here locks.
+thread (the offline `Engine`'s loop, later the server's engine process); nothing here locks
+(except the lazy creation of the grammar backend, which callers may trigger early).
+
+A request with a grammar (regex / json_schema / json_object) is queued at once while its
+grammar compiles in the background; the scheduler prefills all but its last prompt token
+meanwhile, and each step attaches the grammars that became ready.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections import Counter
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import torch
 
 from radixlm.runtime.attention.base import create_backend
 from radixlm.runtime.config import EngineConfig
+from radixlm.runtime.cuda_graph import DecodeGraphs
+from radixlm.runtime.grammar.spec import GrammarSpec
 from radixlm.runtime.kv_manager import KVManager
 from radixlm.runtime.leases import LeaseTable
 from radixlm.runtime.loader import LoadedModel
@@ -37,8 +47,14 @@ class EngineCore:
         self.page_size = config.page_size
         num_pages = _pool_pages(config, mc, dtype, device)
         self.max_model_len = _max_model_len(config, mc, num_pages * config.page_size)
-        self.kv_cache = KVCache(mc.num_layers, num_pages * config.page_size, mc.num_kv_heads,
-                                mc.head_dim, dtype, device, config.page_size)
+        attn = create_backend(config.attention_backend, scale=mc.head_dim ** -0.5,
+                              device=device, dtype=dtype, head_dim=mc.head_dim)
+        graphs = (device.type == "cuda" and not config.disable_cuda_graph
+                  and attn.supports_cuda_graph)
+        # With CUDA graphs, one page past the allocator's: padded rows write their K/V there.
+        scratch_pages = 1 if graphs else 0
+        self.kv_cache = KVCache(mc.num_layers, (num_pages + scratch_pages) * config.page_size,
+                                mc.num_kv_heads, mc.head_dim, dtype, device, config.page_size)
         self.allocator = PageAllocator(num_pages, config.page_size)
         self.table = ReqToTokenTable(config.max_running_requests,
                                      num_pages * config.page_size, config.page_size, device)
@@ -48,10 +64,19 @@ class EngineCore:
         self.leases = (None if self.cache is None else
                        LeaseTable(self.cache, int(num_pages * config.lease_memory_fraction)))
         self.scheduler = Scheduler(config, self.kv)
-        attn = create_backend(config.attention_backend, scale=mc.head_dim ** -0.5)
         self.runner = ModelRunner(loaded.model, attn, self.kv_cache, self.table, device)
+        if graphs:
+            self.runner.cuda_graphs = DecodeGraphs(
+                loaded.model, attn, self.kv_cache, self.table,
+                scratch_slot=num_pages * config.page_size,
+                max_batch_size=config.max_running_requests, max_len=self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.counters: Counter[str] = Counter()
+        self.tokenizer = loaded.tokenizer
+        self._vocab_size = mc.vocab_size
+        self._grammar: Any = None  # GrammarBackend, built on first use
+        self._grammar_init = threading.Lock()
+        self._grammar_waiting: list[Request] = []  # compiling; attached in step()
 
     # -- requests in and out -------------------------------------------------------------
 
@@ -65,6 +90,8 @@ class EngineCore:
         request.max_total_len = self.max_model_len
         self.requests[request.request_id] = request
         self.scheduler.add(request)
+        if request.params.constrained:
+            self._start_grammar(request)
 
     def abort(self, request_id: str, error: str | None = None) -> bool:
         request = self.requests.get(request_id)
@@ -100,7 +127,14 @@ class EngineCore:
 
     def step(self) -> int:
         """Run one batch; return the number of tokens it computed (0 when idle)."""
+        if self._grammar_waiting:
+            self._attach_grammars()
         scheduled = self.scheduler.schedule()
+        if scheduled is None and self._grammar_waiting:
+            # Only compiles to wait for (not pages: held-back requests hold few): don't spin.
+            wait_futures([r.grammar_future for r in self._grammar_waiting], timeout=0.01,
+                         return_when=FIRST_COMPLETED)
+            return 0
         if scheduled is None:
             if self.scheduler.has_work and self.leases is not None and self.leases.release_oldest():
                 # Work is waiting but nothing fits: only leased pages can be in the way (alone,
@@ -131,9 +165,15 @@ class EngineCore:
             start = request.prompt_logprob_start or 0
             for position, entry in entries:  # recomputation rewrites the same values
                 request.prompt_logprobs[position - start] = entry
+        for request, error in result.failed.items():
+            self._fail_grammar(request, error)
         for request, token, logprob in zip(result.sampled, result.next_tokens,
                                            result.logprobs):
+            if request.finished:
+                continue
             self._append_token(request, token, logprob)
+            if request.grammar is not None and not request.finished:
+                self._jump_forward(request)
 
     def _append_token(self, request: Request, token: int, logprob: Any) -> None:
         params = request.params
@@ -152,6 +192,13 @@ class EngineCore:
             request.matched_stop = token
             self._finish(request, "stop")
             return
+        if request.grammar is not None:
+            try:
+                request.grammar.accept(token)
+                complete = request.grammar.is_terminated
+            except Exception as exc:
+                self._fail_grammar(request, f"grammar error: {exc}")
+                return
         detok = request.detokenizer
         if detok is not None:
             detok.push(token)
@@ -159,12 +206,82 @@ class EngineCore:
                 request.matched_stop = detok.stopped_on
                 self._finish(request, "stop")
                 return
-        if (request.num_output_tokens >= params.max_new_tokens
+        if request.grammar is not None and complete:
+            self._finish(request, "stop")  # nothing but EOS could follow: no step for it
+        elif (request.num_output_tokens >= params.max_new_tokens
                 or len(request.token_ids) >= request.max_total_len):
             self._finish(request, "length")
         elif request.stream:
             delta = detok.take_delta() if detok is not None else ""
             self._emit(request, delta)
+
+    # -- structured output -----------------------------------------------------------------
+
+    def grammar_backend(self) -> Any:
+        """The GrammarBackend, built on first use (the tokenizer's byte table takes ~0.2 s).
+        Thread-safe: the offline Engine builds it in the caller's thread."""
+        with self._grammar_init:
+            if self._grammar is None:
+                from radixlm.runtime.grammar.backend import GrammarBackend
+
+                self._grammar = GrammarBackend(self.tokenizer, self._vocab_size, self.config)
+            return self._grammar
+
+    def _start_grammar(self, request: Request) -> None:
+        self.counters["grammar_requests"] += 1
+        if self.tokenizer is None:
+            self._fail_grammar(request, "structured output needs a tokenizer; this model "
+                                        "has none")
+            return
+        request.grammar_future = self.grammar_backend().submit(GrammarSpec.of(request.params))
+        self._grammar_waiting.append(request)
+
+    def _attach_grammars(self) -> None:
+        waiting, self._grammar_waiting = self._grammar_waiting, []
+        for request in waiting:
+            future = request.grammar_future
+            if request.finished:
+                continue
+            if not future.done():
+                self._grammar_waiting.append(request)
+                continue
+            request.grammar_future = None
+            try:
+                request.grammar = future.result().matcher()
+                complete = request.grammar.is_terminated
+            except Exception as exc:  # a compile error: this request only
+                self._fail_grammar(request, str(exc))
+                continue
+            if complete:  # the grammar matches only the empty string
+                self._finish(request, "stop")
+            else:
+                self._jump_forward(request)
+
+    def _jump_forward(self, request: Request) -> None:
+        """Append the tokens the grammar forces next; the next step computes them at once."""
+        if request.params.wants_logprobs:  # forced tokens would have no logprobs
+            return
+        try:
+            tokens = self._grammar.forced_tokens(request.grammar, request.token_ids)
+        except Exception as exc:
+            self._fail_grammar(request, f"grammar error: {exc}")
+            return
+        for token in tokens[: request.remaining_new_tokens]:
+            self.counters["jump_forward_tokens"] += 1
+            self._append_token(request, token, None)
+            if request.finished:
+                break
+
+    def _fail_grammar(self, request: Request, error: str) -> None:
+        self.counters["grammar_errors"] += 1
+        log.warning("request %s: %s", request.request_id, error)
+        request.error = error
+        self._finish(request, "abort")
+
+    def shutdown(self) -> None:
+        """Stop background work (the grammar compile workers)."""
+        if self._grammar is not None:
+            self._grammar.close()
 
     def _finish(self, request: Request, reason: str) -> None:
         if request.finished:
@@ -214,6 +331,11 @@ class EngineCore:
             "kv_pages_leased": self.leases.leased_pages if self.leases else 0,
             "page_size": self.page_size,
             "max_model_len": self.max_model_len,
+            "grammar_requests": self.counters["grammar_requests"],
+            "grammar_errors": self.counters["grammar_errors"],
+            "grammar_waiting": len(self._grammar_waiting),
+            "jump_forward_tokens": self.counters["jump_forward_tokens"],
+            **(self._grammar.stats() if self._grammar is not None else {}),
         }
 
 

@@ -37,6 +37,20 @@ ARCHITECTURE_PRESETS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 8192, "tie_word_embeddings": False,
         "bos_token_id": 128000, "eos_token_id": 128001,
     },
+    "qwen2.5-7b": {
+        "architectures": ["Qwen2ForCausalLM"], "vocab_size": 152064, "hidden_size": 3584,
+        "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+        "num_key_value_heads": 4, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "max_position_embeddings": 131072, "tie_word_embeddings": False,
+        "use_sliding_window": False, "bos_token_id": 151643, "eos_token_id": 151643,
+    },
+    "llama-3-70b": {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 8192,
+        "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "max_position_embeddings": 8192, "tie_word_embeddings": False,
+        "bos_token_id": 128000, "eos_token_id": 128001,
+    },
 }
 
 
@@ -121,6 +135,8 @@ def load_model(model: str | None, load_format: str, dtype: torch.dtype,
     else:
         _load_checkpoint(net, folder)
     net.eval()
+    # Fused Triton norms, activation and rotary on CUDA; CPU keeps the plain torch ops.
+    net.use_fused_kernels(device.type == "cuda" and importlib.util.find_spec("triton") is not None)
     return LoadedModel(net, config, tokenizer)
 
 

@@ -2,17 +2,19 @@
 
 Logits are computed only for the rows that need them: the last token of each request whose
 tokens are all computed after this step (it gets a next token), and prompt positions whose
-logprobs were asked for.
+logprobs were asked for. Rows of requests with a grammar are masked to the tokens it allows.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from radixlm.runtime import sampler
 from radixlm.runtime.attention.base import AttentionBackend, ForwardBatch
+from radixlm.runtime.grammar.masks import BatchBitmask
 from radixlm.runtime.memory import KVCache, ReqToTokenTable
 from radixlm.runtime.models.llama import LlamaForCausalLM
 from radixlm.runtime.request import Request, TokenLogprob
@@ -27,6 +29,20 @@ class StepResult:
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
     # Prompt logprobs computed this step: request -> [(prompt position, logprob)].
     prompt_logprobs: dict[Request, list[tuple[int, TokenLogprob]]] = field(default_factory=dict)
+    # Requests whose grammar failed this step, with why; their sampled token is not used.
+    failed: dict[Request, str] = field(default_factory=dict)
+
+
+class StepInputs(NamedTuple):
+    """A step's inputs on the host: flat token rows, and per-sequence rows and lengths."""
+
+    input_ids: list[int]
+    positions: list[int]
+    rows: list[int]  # slot-table row of each sequence
+    q_lens: list[int]
+    kv_lens: list[int]
+    sample_rows: list[tuple[Request, int]]  # (request, flat token index)
+    prompt_rows: list[tuple[Request, int, int]]  # (request, flat index, position)
 
 
 class ModelRunner:
@@ -38,12 +54,21 @@ class ModelRunner:
         self.table = table
         self.device = device
         self.vocab_size = model.config.vocab_size
+        self.grammar_masks: BatchBitmask | None = None  # allocated on first use
+        self.cuda_graphs = None  # a cuda_graph.DecodeGraphs, set by the engine on CUDA
 
     @torch.inference_mode()
     def execute(self, scheduled: ScheduledBatch) -> StepResult:
-        batch, sample_rows, prompt_rows = self._prepare(scheduled)
-        self.attn.plan(batch)
-        hidden = self.model(batch, self.attn)
+        inputs = self._collect(scheduled)
+        sample_rows, prompt_rows = inputs.sample_rows, inputs.prompt_rows
+        graphs = self.cuda_graphs
+        if graphs is not None and not prompt_rows and graphs.fits(inputs.q_lens):
+            hidden = graphs.forward(scheduled.requests, inputs.input_ids, inputs.positions,
+                                    inputs.rows, inputs.kv_lens)
+        else:
+            batch = self._device_batch(inputs)
+            self.attn.plan(batch)
+            hidden = self.model(batch, self.attn)
         result = StepResult()
         if sample_rows:
             self._sample(hidden, sample_rows, result)
@@ -51,7 +76,7 @@ class ModelRunner:
             self._prompt_logprobs(hidden, prompt_rows, result)
         return result
 
-    def _prepare(self, scheduled: ScheduledBatch):
+    def _collect(self, scheduled: ScheduledBatch) -> StepInputs:
         ids: list[int] = []
         positions: list[int] = []
         rows: list[int] = []
@@ -74,24 +99,33 @@ class ModelRunner:
                 # Hidden state at position p scores prompt token p + 1.
                 for p in range(max(start, first - 1, 0), min(end, request.prompt_len - 1)):
                     prompt_rows.append((request, flat + p - start, p))
+        return StepInputs(ids, positions, rows, q_lens, kv_lens, sample_rows, prompt_rows)
+
+    def _device_batch(self, inputs: StepInputs) -> ForwardBatch:
         device = self.device
-        positions_t = torch.tensor(positions, dtype=torch.int64, device=device)
-        rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
-        token_rows = torch.repeat_interleave(rows_t, torch.tensor(q_lens, device=device))
-        batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+        positions_t = torch.tensor(inputs.positions, dtype=torch.int64, device=device)
+        rows_t = torch.tensor(inputs.rows, dtype=torch.int64, device=device)
+        # output_size: the length is known here, so repeat_interleave need not ask the GPU.
+        token_rows = torch.repeat_interleave(rows_t, torch.tensor(inputs.q_lens, device=device),
+                                             output_size=len(inputs.input_ids))
+        return ForwardBatch(
+            input_ids=torch.tensor(inputs.input_ids, dtype=torch.int64, device=device),
             positions=positions_t,
-            q_lens=q_lens,
-            kv_lens=kv_lens,
+            q_lens=inputs.q_lens,
+            kv_lens=inputs.kv_lens,
             out_slots=self.table.table[token_rows, positions_t],
-            slot_table=self.table.table[rows_t, : max(kv_lens)],
+            slot_table=self.table.table[rows_t, : max(inputs.kv_lens)],
             kv_cache=self.kv_cache,
         )
-        return batch, sample_rows, prompt_rows
 
     def _sample(self, hidden: torch.Tensor, rows: list[tuple[Request, int]],
                 result: StepResult) -> None:
         requests = [r for r, _ in rows]
+        # Grammar masks are built on the host first: on a GPU the forward pass is still
+        # running, so this work hides behind it.
+        constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if constrained:
+            masks, result.failed = self._grammar_masks([requests[i] for i in constrained])
         index = torch.tensor([i for _, i in rows], device=self.device)
         raw = self.model.compute_logits(hidden[index])  # [B, V] float32
         params = [r.params for r in requests]
@@ -109,6 +143,8 @@ class ModelRunner:
                 banned_ids.append(eos + r.params.stop_token_ids)
         if banned_rows:
             logits = sampler.mask_tokens(logits, banned_rows, banned_ids)
+        if constrained:
+            logits = sampler.apply_token_bitmask(logits, constrained, masks)
         tokens = sampler.sample(logits, sbatch)
         top_n = max(p.top_logprobs_num for p in params)
         logprob_entries: list[TokenLogprob | None] = [None] * len(requests)
@@ -118,6 +154,12 @@ class ModelRunner:
         result.sampled = requests
         result.next_tokens = tokens.tolist()
         result.logprobs = logprob_entries
+
+    def _grammar_masks(self, requests: list[Request]):
+        if self.grammar_masks is None:
+            words = requests[0].grammar.grammar.mask_words
+            self.grammar_masks = BatchBitmask(self.table.table.shape[0], words, self.device)
+        return self.grammar_masks.fill(requests)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows: list[tuple[Request, int, int]],
                          result: StepResult) -> None:

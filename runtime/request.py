@@ -88,6 +88,10 @@ class Request:
     # this many seconds and the lease id is returned in the output.
     pin_ttl: float | None = None
     lease_id: str | None = None
+    # Structured output: the compile in flight (a Future), then the GrammarMatcher that
+    # masks each step's logits and follows the generated tokens.
+    grammar_future: Any = None
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -107,6 +111,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.prompt_len
+
+    @property
+    def held_back_tokens(self) -> int:
+        """Tokens the scheduler must not compute yet. While the grammar compiles, the prompt
+        prefills except its last token, whose logits would need the grammar's mask."""
+        return 1 if self.grammar_future is not None else 0
 
     @property
     def remaining_new_tokens(self) -> int:

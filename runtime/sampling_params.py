@@ -40,6 +40,11 @@ class SamplingParams:
     top_logprobs_num: int = 0
     # Prompt-token logprobs from this prompt position on; None returns none.
     logprob_start_len: int | None = None
+    # Structured output, at most one of: a regex the whole output must match, a JSON Schema
+    # (a dict or JSON text; kept as compact JSON text), or any JSON object.
+    regex: str | None = None
+    json_schema: str | None = None
+    json_object: bool = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise through object.__setattr__
@@ -62,10 +67,16 @@ class SamplingParams:
         for name in ("seed", "logprob_start_len"):
             if getattr(self, name) is not None:
                 _check_int(getattr(self, name), name)
-        for name in ("ignore_eos", "skip_special_tokens", "logprobs"):
+        for name in ("ignore_eos", "skip_special_tokens", "logprobs", "json_object"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         self._check_ranges()
+        if self.regex is not None or self.json_schema is not None or self.json_object:
+            # Imported here: plain sampling never loads the grammar machinery.
+            from radixlm.runtime.grammar.spec import check_grammar_fields
+
+            set_(self, "json_schema",
+                 check_grammar_fields(self.regex, self.json_schema, self.json_object))
 
     def _check_ranges(self) -> None:
         if self.max_new_tokens < 0:
@@ -103,6 +114,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def constrained(self) -> bool:
+        """Does the output have to match a regex or JSON grammar?"""
+        return self.regex is not None or self.json_schema is not None or self.json_object
 
     @property
     def wants_logprobs(self) -> bool:

@@ -8,7 +8,9 @@ cached prefixes, chunked prefill, decode and recomputation after a retraction:
     new tokens for a request = min(uncomputed tokens, chunked_prefill_size, budget left)
 
 A step first serves running requests, oldest first, then admits waiting requests while the
-token budget, `max_running_requests` and KV pages allow. With the "lpm" policy the waiting
+token budget, `max_running_requests` and KV pages allow. A request whose grammar is still
+compiling holds back its last token (`held_back_tokens`) and is skipped once the rest is
+computed, so it never holds up the batch. With the "lpm" policy the waiting
 queue is ordered by longest cached prefix, and a request that shares a not-yet-cached prefix
 with one being prefilled waits a step, so that it hits the cache instead of recomputing.
 
@@ -78,7 +80,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            count = min(request.num_uncomputed, chunk, budget)
+            count = min(request.num_uncomputed - request.held_back_tokens, chunk, budget)
+            if count <= 0:  # waiting for its grammar; the rest of the batch goes on
+                index += 1
+                continue
             while not self.kv.grow(request, request.num_computed_tokens + count):
                 # Only requests not yet in this batch can give their pages back.
                 victim = min(self.running[index:], key=_progress)
@@ -106,11 +111,17 @@ class Scheduler:
             if lpm and _shares_uncached_prefix(request, hits.get(request, 0), prefilling,
                                                self.kv.page_size):
                 continue  # wait for the other request's prefill to land in the cache
+            if request.num_uncomputed - request.held_back_tokens <= 0:
+                continue  # nothing to compute until its grammar is ready
             if not self._fits(request, hits.get(request, 0)):
                 break
             if not self.kv.attach(request):
                 break
-            count = min(request.num_uncomputed, chunk, budget)
+            count = min(request.num_uncomputed - request.held_back_tokens, chunk, budget)
+            if count <= 0:  # the cache holds all but the held-back token
+                self.kv.release(request)
+                request.num_computed_tokens = 0
+                continue
             if not self.kv.grow(request, request.num_computed_tokens + count):
                 self.kv.release(request)
                 request.num_computed_tokens = 0

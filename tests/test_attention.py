@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -71,3 +73,39 @@ def test_torch_backend_bf16_on_cuda():
     ref = paged_attention_reference(q, batch.kv_cache.k[0], batch.kv_cache.v[0],
                                     batch.slot_table, q_lens, kv_lens, 32 ** -0.5)
     assert (out.float() - ref.float()).abs().max().item() < 2e-2
+
+
+def test_auto_backend_by_device():
+    from radixlm.runtime.attention.base import resolve_backend
+    from radixlm.runtime.attention.torch_native import TorchNativeAttention
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert isinstance(create_backend("auto", 0.1, device=cpu), TorchNativeAttention)
+    assert resolve_backend("auto") == "torch"
+    assert resolve_backend("triton", cpu) == "triton"  # an explicit choice is kept
+    # Deciding needs no GPU: fp32 and head sizes FlashInfer lacks always go to Triton.
+    has_triton = importlib.util.find_spec("triton") is not None
+    assert resolve_backend("auto", cuda, torch.float32, 128) == (
+        "triton" if has_triton else "torch")
+    assert resolve_backend("auto", cuda, torch.bfloat16, 96) == (
+        "triton" if has_triton else "torch")
+    assert resolve_backend("auto", cuda, torch.bfloat16, 128) in ("flashinfer", "triton")
+
+
+def test_engine_default_backend_on_cpu_is_torch(tmp_path):
+    from radixlm.runtime import Engine
+    from radixlm.runtime.attention.torch_native import TorchNativeAttention
+    from radixlm.runtime.config import EngineConfig
+
+    from conftest import save_tiny_hf_model
+
+    assert EngineConfig().attention_backend == "auto"
+    assert EngineConfig().disable_cuda_graph is False
+    with pytest.raises(ValueError, match="disable_cuda_graph"):
+        EngineConfig(disable_cuda_graph="yes")
+    folder = save_tiny_hf_model(tmp_path, "llama")
+    with Engine(str(folder), device="cpu", max_total_tokens=256) as engine:
+        assert isinstance(engine.core.runner.attn, TorchNativeAttention)
+        assert engine.core.runner.cuda_graphs is None
+        assert engine.core.kv_cache.num_slots == engine.core.allocator.num_pages * 16
+        assert engine.core.runner.model.fused is None

@@ -78,3 +78,17 @@ def test_dummy_weights_have_the_right_shapes(tmp_path):
     loaded = load_model(str(folder), "dummy", torch.float32, CPU)
     out = run_chunks(loaded, list(range(3, 20)), [17])
     assert out.shape == (17, 512) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("name,params", [("llama-3-8b", 8_030_261_248),
+                                         ("qwen2.5-7b", 7_615_616_512),
+                                         ("llama-3-70b", 70_553_706_496)])
+def test_dummy_presets_have_the_public_parameter_counts(name, params):
+    from radixlm.runtime.loader import ARCHITECTURE_PRESETS
+    from radixlm.runtime.models.config import ModelConfig
+    from radixlm.runtime.models.llama import LlamaForCausalLM
+
+    config = ModelConfig.from_dict(ARCHITECTURE_PRESETS[name])
+    with torch.device("meta"):  # shapes only, no memory
+        model = LlamaForCausalLM(config, torch.bfloat16, max_positions=16)
+    assert sum(p.numel() for p in model.parameters()) == params

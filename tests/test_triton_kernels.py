@@ -228,6 +228,73 @@ def case_engine_greedy_matches_torch():
     return f"same greedy tokens; {cached} cached prompt tokens"
 
 
+def _engine_tokens(folder, prompts, params, setup=None, **options):
+    from radixlm.runtime import Engine
+
+    with Engine(str(folder), device="cpu", dtype="float32", max_total_tokens=1024,
+                chunked_prefill_size=16, page_size=4, **options) as engine:
+        if setup is not None:
+            setup(engine)
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        return [o.token_ids for o in outs], [[lp.logprob for lp in o.logprobs] for o in outs]
+
+
+def case_decode_graph_padding_matches_eager():
+    """The CUDA-graph runner's padded static batches, run eagerly: padded rows (a scratch
+    slot, one-token contexts) change nothing, and batch sizes cross several padded sizes as
+    requests finish at different lengths."""
+    import tempfile
+    from pathlib import Path
+
+    from radixlm.runtime.cuda_graph import DecodeGraphs
+
+    folder = save_llama(Path(tempfile.mkdtemp()), head_dim=32)
+    prompts = PROMPTS[:5] + [[42]]  # a one-token prompt is a decode-shaped first step
+    params = [{"temperature": 0, "max_new_tokens": 3 + 2 * i, "ignore_eos": True,
+               "logprobs": True} for i in range(len(prompts))]
+    seen: list[int] = []
+
+    def attach(engine):
+        core = engine.core
+        scratch = core.allocator.allocate(1)[0] * core.page_size  # a page no request gets
+        graphs = DecodeGraphs(core.runner.model, core.runner.attn, core.kv_cache, core.table,
+                              scratch, max_batch_size=5, max_len=core.max_model_len,
+                              capture=False)
+        forward = graphs.forward
+
+        def counting_forward(requests, *args):
+            seen.append(len(requests))
+            return forward(requests, *args)
+
+        graphs.forward = counting_forward
+        core.runner.cuda_graphs = graphs
+
+    eager = _engine_tokens(folder, prompts, params, attention_backend="triton")
+    padded = _engine_tokens(folder, prompts, params, setup=attach, attention_backend="triton")
+    assert padded[0] == eager[0], (padded[0], eager[0])
+    for a, b in zip(padded[1], eager[1]):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+    assert {3, 5} <= set(seen), seen  # padded to 4, and a step of exactly the largest size
+    return f"same greedy tokens; decode batch sizes {sorted(set(seen))}"
+
+
+def case_fused_model_matches_torch():
+    """The Llama forward with the fused norm/activation/rotary kernels, under the
+    interpreter: the same greedy tokens as the torch ops in fp32."""
+    import tempfile
+    from pathlib import Path
+
+    folder = save_llama(Path(tempfile.mkdtemp()), head_dim=32)
+    params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True, "logprobs": True}
+    plain = _engine_tokens(folder, PROMPTS[:4], params)
+    fused = _engine_tokens(folder, PROMPTS[:4], params,
+                           setup=lambda e: e.core.runner.model.use_fused_kernels(True))
+    assert fused[0] == plain[0], (fused[0], plain[0])
+    worst = max(abs(x - y) for a, b in zip(fused[1], plain[1]) for x, y in zip(a, b))
+    assert worst < 1e-4, worst
+    return f"same greedy tokens; logprobs within {worst:.1e}"
+
+
 CASES = sorted(name[len("case_"):] for name in list(globals()) if name.startswith("case_"))
 
 

@@ -12,6 +12,7 @@ Backends get the KV cache and the slot table; the model code never sees pages.
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -40,7 +41,14 @@ class AttentionBackend(ABC):
 
     `plan` runs once per step, before the forward, and may precompute metadata shared by all
     layers. `forward` writes this step's K/V into the cache, then attends.
+
+    Backends that can be captured in a CUDA graph (decode steps only) also implement the
+    three `*_cuda_graph` methods: their metadata then lives in buffers allocated once, which
+    `plan_cuda_graph` refills in place before each capture and replay, so the captured kernels
+    always read the current step's lengths and pages.
     """
+
+    supports_cuda_graph = False
 
     @abstractmethod
     def plan(self, batch: ForwardBatch) -> None: ...
@@ -50,8 +58,51 @@ class AttentionBackend(ABC):
                 batch: ForwardBatch) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H, D]."""
 
+    def init_cuda_graph(self, batch_sizes: list[int], max_len: int, num_heads: int,
+                        kv_cache: KVCache) -> None:
+        """Allocate the fixed metadata buffers for decode batches of these (padded) sizes and
+        contexts of up to max_len tokens over this cache."""
+        raise NotImplementedError(f"{type(self).__name__} cannot run in a CUDA graph")
 
-def create_backend(name: str, scale: float) -> AttentionBackend:
+    def plan_cuda_graph(self, batch: ForwardBatch, kv_lens: torch.Tensor) -> None:
+        """Plan a padded decode batch (len(batch.q_lens) is one of the init batch sizes) into
+        the fixed buffers. kv_lens is the same lengths already on the device, in a buffer
+        that stays put between capture and replay."""
+        raise NotImplementedError(f"{type(self).__name__} cannot run in a CUDA graph")
+
+
+BACKENDS = ("torch", "triton", "flashinfer")
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+
+
+def resolve_backend(name: str, device: torch.device | None = None,
+                    dtype: torch.dtype | None = None, head_dim: int | None = None) -> str:
+    """Turn "auto" into a backend: torch on CPU; on CUDA FlashInfer where it imports and has
+    kernels for the dtype and head_dim (16-bit only), else our Triton kernels."""
+    if name != "auto":
+        return name
+    if device is None or device.type != "cuda":
+        return "torch"
+    fits_flashinfer = (dtype in (torch.float16, torch.bfloat16)
+                       and head_dim in FLASHINFER_HEAD_DIMS)
+    if fits_flashinfer and _importable("flashinfer"):
+        return "flashinfer"
+    return "triton" if _importable("triton") else "torch"
+
+
+def _importable(module: str) -> bool:
+    # A real import, not just find_spec: FlashInfer can be installed but miss a dependency.
+    try:
+        importlib.import_module(module)
+    except Exception:
+        return False
+    return True
+
+
+def create_backend(name: str, scale: float, device: torch.device | None = None,
+                   dtype: torch.dtype | None = None,
+                   head_dim: int | None = None) -> AttentionBackend:
+    name = resolve_backend(name, device, dtype, head_dim)
     if name == "torch":
         from radixlm.runtime.attention.torch_native import TorchNativeAttention
 
@@ -64,4 +115,5 @@ def create_backend(name: str, scale: float) -> AttentionBackend:
         from radixlm.runtime.attention.flashinfer_backend import FlashInferAttention
 
         return FlashInferAttention(scale)
-    raise ValueError(f"unknown attention_backend {name!r}; available: torch, triton, flashinfer")
+    raise ValueError(f"unknown attention_backend {name!r}; available: auto, "
+                     f"{', '.join(BACKENDS)}")

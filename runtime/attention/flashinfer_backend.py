@@ -17,6 +17,11 @@ FlashInfer plans on the host. indptr and last_page_len are built on the host fro
 the scheduler already knows and the page ids on the device, so planning never waits for the
 GPU. The wrapper's plan needs the number of query heads, which the batch does not carry: it
 runs at the first layer's forward of each step and is reused by the others.
+
+CUDA graphs (decode only): FlashInfer's decode wrapper fixes its batch size and index buffers
+when built with use_cuda_graph=True, so there is one wrapper per padded batch size, all
+viewing one set of buffers. `plan_cuda_graph` plans the step into them before capture and
+before each replay (the plan stays on the host, outside the graph).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any
 import torch
 
 from radixlm.runtime.attention.base import AttentionBackend, ForwardBatch
+from radixlm.runtime.memory import KVCache
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 
@@ -41,6 +47,8 @@ def import_flashinfer() -> Any:
 
 
 class FlashInferAttention(AttentionBackend):
+    supports_cuda_graph = True
+
     def __init__(self, scale: float, decode_tensor_cores: bool = False) -> None:
         """decode_tensor_cores: run decode on FlashInfer's tensor-core (prefill) kernels. Off:
         on an H200 they were 2.8-3.7x slower than its CUDA-core decode for 32 q / 8 KV heads
@@ -51,6 +59,8 @@ class FlashInferAttention(AttentionBackend):
         self._workspace: torch.Tensor | None = None
         self._prefill = None
         self._decode: dict[bool, Any] = {}
+        self._graph_wrappers: dict[int, Any] = {}
+        self._graph_wrapper: Any = None  # the planned graph wrapper, during a graph step
 
     def plan(self, batch: ForwardBatch) -> None:
         cache = batch.kv_cache
@@ -86,17 +96,51 @@ class FlashInferAttention(AttentionBackend):
         self.dtype = cache.k.dtype
         self.page_size = page_size
         self._planned_heads: int | None = None
+        self._graph_wrapper = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch) -> torch.Tensor:
         batch.kv_cache.store(layer_id, batch.out_slots, k, v)
-        wrapper = self._plan_wrapper(q.shape[1], k.shape[1], q.shape[2], q.device)
+        wrapper = (self._graph_wrapper if self._graph_wrapper is not None
+                   else self._plan_wrapper(q.shape[1], k.shape[1], q.shape[2], q.device))
         return wrapper.run(q.contiguous(), batch.kv_cache.layer_pages(layer_id))
+
+    def init_cuda_graph(self, batch_sizes: list[int], max_len: int, num_heads: int,
+                        kv_cache: KVCache) -> None:
+        device = kv_cache.k.device
+        max_bs = max(batch_sizes)
+        # A padded row holds one page; a real one up to max_len tokens' worth.
+        max_pages = max_bs * -(-max_len // kv_cache.page_size)
+        int32 = dict(dtype=torch.int32, device=device)
+        indptr = torch.zeros(max_bs + 1, **int32)
+        indices = torch.zeros(max_pages, **int32)
+        last_page_len = torch.ones(max_bs, **int32)
+        self._graph_heads = (num_heads, kv_cache.k.shape[2], kv_cache.k.shape[3])
+        workspace = self._workspace_on(device)
+        for bs in batch_sizes:
+            self._graph_wrappers[bs] = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                workspace, "NHD", use_cuda_graph=True,
+                use_tensor_cores=self.decode_tensor_cores,
+                paged_kv_indptr_buffer=indptr[: bs + 1], paged_kv_indices_buffer=indices,
+                paged_kv_last_page_len_buffer=last_page_len[:bs])
+
+    def plan_cuda_graph(self, batch: ForwardBatch, kv_lens: torch.Tensor) -> None:
+        self.plan(batch)  # host indptr / last_page_len, device page ids
+        wrapper = self._graph_wrappers[len(batch.q_lens)]
+        num_heads, num_kv_heads, head_dim = self._graph_heads
+        wrapper.plan(self.indptr, self.indices, self.last_page_len, num_heads, num_kv_heads,
+                     head_dim, self.page_size, q_data_type=self.dtype, kv_data_type=self.dtype,
+                     sm_scale=self.scale)
+        self._graph_wrapper = wrapper
+
+    def _workspace_on(self, device: torch.device) -> torch.Tensor:
+        if self._workspace is None:
+            self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        return self._workspace
 
     def _plan_wrapper(self, num_heads: int, num_kv_heads: int, head_dim: int,
                       device: torch.device) -> Any:
-        if self._workspace is None:
-            self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._workspace_on(device)
         common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
         if self.decode_only:
             tensor_cores = self.decode_tensor_cores

@@ -6,6 +6,11 @@ decode split count and the extend block table from host-side lengths, and sends 
 index tensors to the device in one copy. `forward` then launches, per layer, the K/V store,
 the split-KV decode kernel (+ merge) and the extend kernel, writing each token's output row in
 place: no gathers, no scatters and no host sync.
+
+In a CUDA graph (decode steps padded to fixed batch sizes) the grid must not change between
+capture and replay: the split count is fixed per batch size from the longest context the
+engine allows (the kernel reads each sequence's real length from the device, so any count is
+correct), and the per-step lengths come from a buffer the graph runner refills in place.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from radixlm.runtime.attention.base import AttentionBackend, ForwardBatch
+from radixlm.runtime.memory import KVCache
 
 try:
     from radixlm.kernels import triton_attention as ta
@@ -23,6 +29,8 @@ else:
 
 
 class TritonAttention(AttentionBackend):
+    supports_cuda_graph = True
+
     def __init__(self, scale: float, num_splits: int | None = None,
                  decode_config: ta.DecodeConfig | None = None,
                  extend_config: ta.ExtendConfig | None = None) -> None:
@@ -57,12 +65,18 @@ class TritonAttention(AttentionBackend):
                 len(decode), num_kv_heads, max_kv, self._sm_count(device))
 
         # One host->device copy: [q_starts | q_lens | kv_lens | decode rows | decode token
-        # rows | extend block rows | extend block first queries], then views into it.
+        # rows | extend block rows | extend block first queries], then views into it. Each part
+        # is padded to an even length so that every view starts 16-byte aligned: Triton
+        # compiles a kernel variant per pointer alignment, and odd lengths would flip the
+        # views' alignment from step to step (each new combination: a compile, 1-2 s on the
+        # H200, in the middle of serving).
         parts = [q_starts, q_lens, kv_lens, decode, [q_starts[i] for i in decode], block_rows,
                  block_m0]
-        meta = torch.tensor([x for part in parts for x in part], dtype=torch.int64,
+        padded = [part + [0] * (len(part) % 2) for part in parts]
+        meta = torch.tensor([x for part in padded for x in part], dtype=torch.int64,
                             device=device)
-        views = meta.split([len(part) for part in parts])
+        views = [view[: len(part)]
+                 for view, part in zip(meta.split([len(p) for p in padded]), parts)]
         (self.q_starts, self.q_lens, self.kv_lens, self.decode_rows, self.decode_q_rows,
          self.block_rows, self.block_m0) = views
 
@@ -78,6 +92,29 @@ class TritonAttention(AttentionBackend):
                             self.q_lens, self.kv_lens, self.block_rows, self.block_m0,
                             self.scale, self.extend_cfg)
         return out
+
+    def init_cuda_graph(self, batch_sizes: list[int], max_len: int, num_heads: int,
+                        kv_cache: KVCache) -> None:
+        device = kv_cache.k.device
+        num_kv_heads = kv_cache.k.shape[2]
+        sms = self._sm_count(device)
+        self._graph_splits = {
+            bs: self.fixed_splits or ta.choose_num_splits(bs, num_kv_heads, max_len, sms)
+            for bs in batch_sizes}
+        # Decode sequence i is batch row i and token row i: one arange serves both maps.
+        self._graph_rows = torch.arange(max(batch_sizes), dtype=torch.int64, device=device)
+        self._graph_none = torch.zeros(0, dtype=torch.int64, device=device)
+
+    def plan_cuda_graph(self, batch: ForwardBatch, kv_lens: torch.Tensor) -> None:
+        num = len(batch.q_lens)
+        dtype, head_dim = batch.kv_cache.k.dtype, batch.kv_cache.k.shape[-1]
+        self.decode_cfg = self.fixed_decode_cfg or ta.decode_config(dtype, head_dim)
+        self.extend_cfg = self.fixed_extend_cfg or ta.extend_config(dtype, head_dim)
+        self.num_splits = self._graph_splits[num]
+        self.kv_lens = kv_lens
+        self.decode_rows = self.decode_q_rows = self._graph_rows[:num]
+        # No extend blocks: extend_attention returns before launching anything.
+        self.q_starts = self.q_lens = self.block_rows = self.block_m0 = self._graph_none
 
     def _sm_count(self, device: torch.device) -> int:
         if device not in self._num_sms:

@@ -3,11 +3,16 @@
 The families differ only in switches on `ModelConfig`: QKV bias (Qwen2), per-head q/k RMSNorm
 (Qwen3), rope scaling (Llama 3.1) and tied embeddings. The forward takes one flat ragged batch
 of tokens ([T]) and returns hidden states ([T, d]); logits are computed only where needed.
+
+On CUDA the loader switches on our fused Triton kernels (`use_fused_kernels`): SiLU-and-mul,
+in-place rotary, and add + RMSNorm that carries the residual stream between layers, so each
+norm reads the sublayer output and the stream once instead of an add kernel and a norm. They
+round where the torch ops round, so the two paths agree to an ulp; CPU keeps the torch path.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +38,7 @@ class LlamaAttention(nn.Module):
                              bias=False, dtype=dtype)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.fused: Any = None  # radixlm.kernels.fused when the fused kernels are on
 
     def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
@@ -43,7 +49,11 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
         # q and k sit side by side: rotate them in one go.
-        q, k = apply_rotary(qk, *rope).split([heads, kv_heads], dim=1)
+        if self.fused is not None:
+            qk = self.fused.rotary_embedding(qk, *rope, out=qk)  # in place, inside qkv
+        else:
+            qk = apply_rotary(qk, *rope)
+        q, k = qk.split([heads, kv_heads], dim=1)
         out = attn.forward(q, k, v, self.layer_id, batch)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
@@ -55,8 +65,11 @@ class LlamaMLP(nn.Module):
                                          bias=cfg.mlp_bias, dtype=dtype)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias,
                                 dtype=dtype)
+        self.fused: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.down_proj(self.fused.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -73,6 +86,22 @@ class LlamaDecoderLayer(nn.Module):
                 batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, batch, attn)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def forward_fused(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                      rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
+                      attn: AttentionBackend, fused: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same layer with the adds folded into the norms. `hidden` is the previous
+        layer's MLP output and `residual` the stream it still has to be added to (None at the
+        first layer, where hidden is the embeddings). Returns (MLP output, stream)."""
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            residual = hidden
+            x = fused.rms_norm(hidden, norm1.weight, norm1.eps)
+        else:  # x = norm(hidden + residual), and the sum is the new stream
+            x, residual = fused.rms_norm(hidden, norm1.weight, norm1.eps, residual=residual)
+        out = self.self_attn(x, rope, batch, attn)
+        x, residual = fused.rms_norm(out, norm2.weight, norm2.eps, residual=residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -103,14 +132,34 @@ class LlamaForCausalLM(nn.Module):
             cfg.vocab_size, cfg.hidden_size, dtype)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta,
                                       cfg.rope_scaling)
+        self.fused: Any = None
+
+    def use_fused_kernels(self, enabled: bool) -> None:
+        """Switch the Triton fused kernels (CUDA, or CPU under the Triton interpreter) on or
+        off. CUDA graphs captured before a switch keep the path they were captured with."""
+        fused = None
+        if enabled:
+            from radixlm.kernels import fused
+        self.fused = fused
+        for layer in self.model.layers:
+            layer.self_attn.fused = layer.mlp.fused = fused
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden_size]."""
         hidden = self.model.embed_tokens(batch.input_ids)
         rope = self.rotary.cos_sin(batch.positions, hidden.dtype)
+        fused = self.fused
+        if fused is None:
+            for layer in self.model.layers:
+                hidden = layer(hidden, rope, batch, attn)
+            return self.model.norm(hidden)
+        residual = None
         for layer in self.model.layers:
-            hidden = layer(hidden, rope, batch, attn)
-        return self.model.norm(hidden)
+            hidden, residual = layer.forward_fused(hidden, residual, rope, batch, attn, fused)
+        norm = self.model.norm
+        if residual is None:  # no layers
+            return fused.rms_norm(hidden, norm.weight, norm.eps)
+        return fused.rms_norm(hidden, norm.weight, norm.eps, residual=residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, d] -> [N, vocab] float32 logits."""

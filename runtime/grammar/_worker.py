@@ -1,0 +1,74 @@
+"""A grammar compile worker: a child process that turns regexes into outlines-core indexes.
+
+Run as a script (`python _worker.py <memory limit in bytes>`), so it imports nothing from the
+engine. Compiling runs in its own process so that one that takes too long or too much memory
+can be killed (or dies alone) without touching the engine.
+
+Protocol over stdin/stdout, frames of a 4-byte little-endian length and a pickle:
+    parent -> ("vocab", eos_id, {bytes: [token ids]})   once, first
+    parent -> ("compile", regex)                        then any number of times
+    child  -> ("ok", index_pickle, seconds) | ("error", message)
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import resource
+import struct
+import sys
+import time
+
+
+def read_frame(stream) -> object | None:
+    head = stream.read(4)
+    if len(head) < 4:
+        return None
+    (size,) = struct.unpack("<I", head)
+    return pickle.loads(stream.read(size))
+
+
+def write_frame(stream, message: object) -> None:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(struct.pack("<I", len(data)) + data)
+    stream.flush()
+
+
+def main() -> None:
+    limit = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+    if limit > 0:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    # Frames go to the original stdout; anything a library prints goes to stderr instead.
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    inp = sys.stdin.buffer
+    try:
+        os.nice(5)  # the engine's decode loop comes first on a busy machine
+    except OSError:
+        pass
+    from outlines_core import Index, Vocabulary
+
+    vocabulary = None
+    while True:
+        message = read_frame(inp)
+        if message is None:
+            return
+        kind = message[0]
+        if kind == "vocab":
+            vocabulary = Vocabulary(message[1], message[2])
+            write_frame(out, ("ready",))
+        elif kind == "compile":
+            start = time.perf_counter()
+            try:
+                index = Index(message[1], vocabulary)
+                reply = ("ok", pickle.dumps(index), time.perf_counter() - start)
+            except MemoryError:
+                reply = ("error", "out of memory while compiling")
+            except BaseException as exc:  # outlines raises ValueError, or a Rust panic
+                text = str(exc).strip().splitlines()
+                reply = ("error", text[0] if text else type(exc).__name__)
+            write_frame(out, reply)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,273 @@
+"""Structured output through the engine, on a tiny random Llama with the real SmolLM2
+tokenizer: whatever the (random) model prefers, finished outputs match their grammar."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+
+import jsonschema
+import pytest
+
+from radixlm.runtime import Engine
+from radixlm.runtime.grammar.matcher import GrammarMatcher
+
+SAMPLE = {"temperature": 1.0, "max_new_tokens": 40}
+PERSON = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 6},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "email": {"type": "string", "format": "email"},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b"]},
+                                  "maxItems": 3}},
+          "required": ["name", "age"]}
+# Long fixed keys and short values: most of the output is forced.
+ORDER = {"type": "object",
+         "properties": {"customer_full_name": {"type": "string", "maxLength": 4},
+                        "preferred_contact_method": {"enum": ["email", "phone"]},
+                        "number_of_items_ordered": {"type": "integer", "minimum": 1,
+                                                    "maximum": 9}},
+         "required": ["customer_full_name", "preferred_contact_method",
+                      "number_of_items_ordered"]}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_chat_model):
+    with Engine(str(tiny_chat_model), max_total_tokens=8192) as eng:
+        yield eng
+
+
+def assert_no_leak(engine: Engine) -> None:
+    stats = engine.stats()
+    assert stats["num_running"] == stats["num_waiting"] == stats["grammar_waiting"] == 0
+    assert stats["kv_pages_free"] + stats["kv_pages_cached"] == stats["kv_pages_total"]
+    assert stats["kv_pages_evictable"] == stats["kv_pages_cached"]
+
+
+def validate(text: str, schema: dict) -> None:
+    cls = jsonschema.validators.validator_for(schema)
+    cls(schema, format_checker=cls.FORMAT_CHECKER).validate(json.loads(text))
+
+
+REGEXES = [
+    r"((25[0-5]|2[0-4]\d|1?\d?\d)\.){3}(25[0-5]|2[0-4]\d|1?\d?\d)",  # IPv4
+    r"(19|20)\d\d-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])",  # a date
+    r"-?\d+",
+    r"(yes|no|maybe)",
+    r"(café|naïve|日本語|🙂)( [a-zé]{1,4})?",  # Unicode in the alternatives
+    r'"[^"\\\n]{0,12}"',  # a short string: any character but a quote, backslash, newline
+]
+
+
+def test_regexes_hold_under_sampling(engine):
+    params = [{**SAMPLE, "regex": r, "seed": s} for r in REGEXES for s in range(4)]
+    outs = engine.generate(["Answer:"] * len(params), params)
+    for p, out in zip(params, outs):
+        assert out.error is None
+        if out.finish_reason == "stop":
+            assert re.fullmatch(p["regex"], out.text), (p["regex"], out.text)
+        else:  # cut by max_new_tokens: still a prefix the grammar allows
+            assert out.finish_reason == "length"
+    finished = sum(o.finish_reason == "stop" for o in outs)
+    assert finished >= len(outs) // 2
+    assert_no_leak(engine)
+
+
+def test_eos_only_where_the_grammar_accepts(engine):
+    eos = engine.tokenizer.eos_token_id
+    # Terminal state: "yes" ends the request at once, without sampling EOS.
+    out = engine.generate("Q", {"regex": "yes", "temperature": 0})
+    assert (out.text, out.finish_reason, out.matched_stop) == ("yes", "stop", None)
+    assert eos not in out.token_ids
+    # Accepting but not terminal: digits may go on, so EOS competes with them.
+    outs = engine.generate(["N:"] * 8, [{"regex": "[0-9]{1,40}", "seed": s, **SAMPLE}
+                                        for s in range(8)])
+    for out in outs:
+        if out.matched_stop == eos:
+            assert re.fullmatch("[0-9]{1,40}", out.text)
+    # ignore_eos: only the grammar ends it (or the length).
+    out = engine.generate("N:", {"regex": "[0-9]+", "ignore_eos": True, "max_new_tokens": 6,
+                                 "temperature": 0})
+    assert out.finish_reason == "length" and re.fullmatch("[0-9]+", out.text)
+    # The empty string is the only match: done before any step.
+    assert engine.generate("Q", {"regex": "", "temperature": 0}).text == ""
+
+
+def test_mixed_batch_leaves_unconstrained_output_unchanged(engine):
+    prompts = ["The quick brown fox", "Once upon a time", "1 2 3", "def f(x):"]
+    greedy = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+    alone = [o.token_ids for o in engine.generate(prompts, greedy)]
+    mixed_params = [greedy, {**SAMPLE, "json_schema": PERSON, "seed": 1}, greedy,
+                    {**SAMPLE, "regex": REGEXES[0], "seed": 2}, greedy, greedy,
+                    {"json_object": True, "temperature": 0, "max_new_tokens": 30}]
+    mixed_prompts = [prompts[0], "JSON:", prompts[1], "IP:", prompts[2], prompts[3], "JSON:"]
+    outs = engine.generate(mixed_prompts, mixed_params)
+    assert [outs[i].token_ids for i in (0, 2, 4, 5)] == alone
+    if outs[1].finish_reason == "stop":
+        validate(outs[1].text, PERSON)
+    if outs[6].finish_reason == "stop":
+        assert isinstance(json.loads(outs[6].text), dict)
+    assert_no_leak(engine)
+
+
+SCHEMAS = [
+    PERSON,
+    {"type": "array", "items": {"type": "number", "minimum": -5, "maximum": 5},
+     "minItems": 1, "maxItems": 4},
+    {"type": "object", "properties": {"when": {"type": "string", "format": "date-time"},
+                                      "id": {"type": "string", "format": "uuid"},
+                                      "ok": {"type": "boolean"}},
+     "required": ["when", "ok"]},
+    {"type": "object", "properties": {
+        "shape": {"enum": ["circle", "square"]},
+        "dims": {"anyOf": [{"type": "object", "properties": {"r": {"type": "integer"}},
+                            "required": ["r"]},
+                           {"type": "array", "items": {"type": "integer"}, "maxItems": 2}]},
+        "note": {"type": ["string", "null"], "maxLength": 5}},
+     "required": ["shape", "dims"]},
+    {"allOf": [{"$ref": "#/definitions/base"}, {"required": ["day"]}],
+     "definitions": {"base": {"type": "object", "properties": {
+         "day": {"type": "string", "format": "date"}, "n": {"type": "integer"}}}}},
+]
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=range(len(SCHEMAS)))
+def test_schemas_validate(engine, schema):
+    params = [{**SAMPLE, "max_new_tokens": 80, "json_schema": schema, "seed": s}
+              for s in range(4)]
+    outs = engine.generate(["JSON:"] * len(params), params)
+    assert all(o.error is None for o in outs)
+    for out in outs:
+        if out.finish_reason == "stop":
+            validate(out.text, schema)
+
+
+def test_jump_forward_saves_steps_and_stays_valid(tiny_chat_model):
+    results = {}
+    for jump in (False, True):
+        with Engine(str(tiny_chat_model), max_total_tokens=4096, json_max_whitespace=0,
+                    enable_jump_forward=jump) as eng:
+            before = eng.stats()["steps"]
+            out = eng.generate("Order:", {"json_schema": ORDER, "temperature": 0,
+                                          "max_new_tokens": 100})
+            results[jump] = (out, eng.stats()["steps"] - before, eng.stats())
+    for out, _, _ in results.values():
+        assert out.finish_reason == "stop"
+        validate(out.text, ORDER)
+    (_, steps_off, _), (_, steps_on, stats_on) = results[False], results[True]
+    assert stats_on["jump_forward_tokens"] > 20
+    assert steps_on < steps_off / 2, (steps_on, steps_off)
+
+
+def test_greedy_grammar_output_is_stable_under_memory_pressure(tiny_chat_model, engine):
+    params = [{"json_schema": SCHEMAS[i % 4], "temperature": 0, "max_new_tokens": 48}
+              for i in range(6)]
+    reference = [o.token_ids for o in engine.generate(["JSON:"] * 6, params)]
+    with Engine(str(tiny_chat_model), max_total_tokens=96, page_size=8) as small:
+        outs = small.generate(["JSON:"] * 6, params)
+        assert [o.token_ids for o in outs] == reference
+        assert small.stats()["retractions"] > 0
+        assert_no_leak(small)
+
+
+def test_bad_grammar_is_refused_before_queuing(engine):
+    before = engine.stats()["requests_finished"]
+    for params, field in [({"regex": "(unclosed"}, "regex"),
+                          ({"json_schema": {"type": "string", "format": "ipv6"}}, "json_schema"),
+                          ({"json_schema": "{not json"}, "json_schema"),
+                          ({"regex": "a", "json_object": True}, "regex")]:
+        with pytest.raises(ValueError, match=f"^{field}"):
+            engine.generate("x", params)
+    assert engine.stats()["requests_finished"] == before
+
+
+def test_injected_grammar_failures_end_only_their_requests(engine, monkeypatch):
+    """A grammar that throws while advancing or while masking aborts its own request with
+    an error; the rest of the batch, constrained or not, finishes normally."""
+    accept, fill = GrammarMatcher.accept, GrammarMatcher.fill_mask
+
+    def failing_accept(self, token):
+        if self.grammar.regex.startswith("boomA"):
+            raise RuntimeError("injected accept failure")
+        return accept(self, token)
+
+    def failing_fill(self, row):
+        if self.grammar.regex.startswith("boomF"):
+            raise RuntimeError("injected mask failure")
+        return fill(self, row)
+
+    monkeypatch.setattr(GrammarMatcher, "accept", failing_accept)
+    monkeypatch.setattr(GrammarMatcher, "fill_mask", failing_fill)
+    params = [{"regex": "boomA[0-9]+", **SAMPLE}, {"regex": "[a-z]{1,8}", **SAMPLE},
+              {"regex": "boomF[0-9]+", "temperature": 0}, {"temperature": 0, "max_new_tokens": 8},
+              {"json_schema": PERSON, **SAMPLE}]
+    outs = engine.generate(["x"] * len(params), params)
+    assert outs[0].finish_reason == "abort" and "injected accept failure" in outs[0].error
+    assert outs[2].finish_reason == "abort" and "injected mask failure" in outs[2].error
+    assert outs[1].error is None and outs[3].error is None and outs[4].error is None
+    assert outs[3].completion_tokens == 8
+    monkeypatch.undo()
+    assert engine.generate("x", {"regex": "[a-z]{1,8}", **SAMPLE}).error is None
+    assert_no_leak(engine)
+
+
+def test_compile_failure_and_timeout_fail_only_their_request(tiny_chat_model):
+    with Engine(str(tiny_chat_model), max_total_tokens=4096, grammar_compile_timeout=1.0) as eng:
+        slow = '"[^"]{0,1000}"'  # ~10 s to compile on a 49k vocabulary
+        impossible = r"[^\s\S]"  # valid syntax, but no token can ever match
+        params = [{"regex": slow, **SAMPLE}, {"regex": impossible, **SAMPLE},
+                  {"regex": "[a-z]{2,6}", **SAMPLE}, {"temperature": 0, "max_new_tokens": 5}]
+        start = time.perf_counter()
+        outs = eng.generate(["x"] * 4, params)
+        assert time.perf_counter() - start < 8
+        assert outs[0].finish_reason == "abort" and "timed out" in outs[0].error
+        assert outs[1].finish_reason == "abort" and "regex" in outs[1].error
+        assert outs[2].error is None and outs[3].completion_tokens == 5
+        stats = eng.stats()
+        assert stats["grammar_compile_timeouts"] == 1 and stats["grammar_compile_errors"] == 1
+        assert_no_leak(eng)
+        # The cached failure answers a resubmission at once; the engine keeps serving.
+        again = eng.generate("x", {"regex": slow, **SAMPLE})
+        assert again.finish_reason == "abort" and "timed out" in again.error
+        assert eng.generate("x", {"regex": "[0-9]{3}", "temperature": 0}).finish_reason == "stop"
+
+
+def test_a_compile_over_its_memory_limit_fails_alone(tiny_chat_model):
+    with Engine(str(tiny_chat_model), max_total_tokens=4096,
+                grammar_compile_max_memory_gb=0.3) as eng:
+        outs = eng.generate(["x", "y"], [{"regex": '"[^"]{0,700}"', **SAMPLE},
+                                         {"regex": "[a-z]{3}", **SAMPLE}])
+        assert outs[0].finish_reason == "abort" and "worker died" in outs[0].error
+        assert outs[1].error is None and re.fullmatch("[a-z]{3}", outs[1].text)
+        assert_no_leak(eng)
+
+
+def test_compiled_grammars_are_cached_within_a_memory_budget(tiny_chat_model):
+    from radixlm.runtime.grammar import compiler
+
+    with Engine(str(tiny_chat_model), max_total_tokens=4096,
+                grammar_cache_memory_gb=1e-4) as eng:  # ~100 kB
+        small, large = r"[a-c]{2}", '"[^"]{0,40}"'  # a few kB and a few MB of index
+        for _ in range(2):
+            eng.generate(["x", "x"], [{"regex": small, **SAMPLE}, {"regex": large, **SAMPLE}])
+        stats = eng.stats()
+        assert stats["grammar_compiles"] == 3 and stats["grammar_cache_hits"] == 1
+        cached = [f.result().regex for f in compiler._CACHE.values()
+                  if f.done() and not f.exception()]
+        assert small in cached and large not in cached
+
+
+def test_a_compiling_grammar_does_not_hold_up_other_requests(engine):
+    result = {}
+    slow = '"[^"]{0,400}"'  # a few seconds to compile
+    thread = threading.Thread(target=lambda: result.update(
+        out=engine.generate("x", {"regex": slow, "temperature": 0, "max_new_tokens": 4})))
+    thread.start()
+    while engine.stats()["grammar_waiting"] == 0:
+        time.sleep(0.005)
+    quick = engine.generate("y", {"temperature": 0, "max_new_tokens": 4})
+    assert quick.completion_tokens == 4 and engine.stats()["grammar_waiting"] == 1
+    thread.join(timeout=120)
+    assert result["out"].error is None and result["out"].text.startswith('"')
+    assert_no_leak(engine)
