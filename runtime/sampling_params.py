@@ -9,6 +9,7 @@ naming the field, before anything is queued.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -61,6 +62,8 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"{name} must be a number, got {type(value).__name__}")
+            if not math.isfinite(value):  # a NaN would poison the whole batch's sampling
+                raise ValueError(f"{name} must be a finite number, got {value}")
             set_(self, name, float(value))
         for name in ("max_new_tokens", "min_new_tokens", "top_k", "n", "top_logprobs_num"):
             _check_int(getattr(self, name), name)
@@ -155,7 +158,7 @@ def _check_int(value: Any, name: str) -> None:
 
 
 def _tuple_of(values: Any, kind: type, name: str) -> tuple:
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+    if isinstance(values, (str, bytes, Mapping)) or not hasattr(values, "__iter__"):
         raise ValueError(f"{name} must be a list of {kind.__name__}")
     out = tuple(values)
     for v in out:

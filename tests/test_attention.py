@@ -83,13 +83,10 @@ def test_auto_backend_by_device():
     assert isinstance(create_backend("auto", 0.1, device=cpu), TorchNativeAttention)
     assert resolve_backend("auto") == "torch"
     assert resolve_backend("triton", cpu) == "triton"  # an explicit choice is kept
-    # Deciding needs no GPU: fp32 and head sizes FlashInfer lacks always go to Triton.
-    has_triton = importlib.util.find_spec("triton") is not None
-    assert resolve_backend("auto", cuda, torch.float32, 128) == (
-        "triton" if has_triton else "torch")
-    assert resolve_backend("auto", cuda, torch.bfloat16, 96) == (
-        "triton" if has_triton else "torch")
-    assert resolve_backend("auto", cuda, torch.bfloat16, 128) in ("flashinfer", "triton")
+    # Deciding needs no GPU: CUDA gets our Triton kernels whatever the dtype and head size.
+    expected = "triton" if importlib.util.find_spec("triton") is not None else "torch"
+    for dtype, head_dim in ((torch.float32, 128), (torch.bfloat16, 96), (torch.bfloat16, 128)):
+        assert resolve_backend("auto", cuda, dtype, head_dim) == expected
 
 
 def test_engine_default_backend_on_cpu_is_torch(tmp_path):

@@ -238,3 +238,12 @@ def test_bad_input_is_rejected_before_queueing(tiny_chat_model, kwargs, field):
 def test_unknown_engine_option_is_named(tiny_chat_model):
     with pytest.raises(ValueError, match="max_batch_sise"):
         Engine(str(tiny_chat_model), max_batch_sise=3)
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "repetition_penalty"])
+def test_non_finite_sampling_values_are_refused(field):
+    from radixlm.runtime import SamplingParams
+
+    for value in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**{field: value})
