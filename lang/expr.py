@@ -30,7 +30,7 @@ DTYPE_REGEX = {
     int: r"-?(0|[1-9][0-9]{0,17})",
     float: r"-?(0|[1-9][0-9]{0,17})(\.[0-9]{1,12})?",
     bool: r"(True|False)",
-    str: r'"[^"\\\n]{0,512}"',
+    str: r'"[^"\\\n]*"',  # unbounded: max_tokens bounds it, and it compiles fast
 }
 
 
