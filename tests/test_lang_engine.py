@@ -147,7 +147,9 @@ def test_fork_prefix_is_computed_once_under_cache_pressure(default_model_folder)
     computed, cached = run(cache_hints=True)
     # The prefix once, then per branch its suffix and the prefix's last partial page.
     assert computed <= prefix + 4 * (8 + 2 * PAGE)
-    assert min(cached) >= (prefix // PAGE - 1) * PAGE
+    # The fork's pin does not block the branches, so the first branch may compute the prefix
+    # itself (the pin then hits); every later branch must hit it despite the fillers.
+    assert sorted(cached)[1] >= (prefix // PAGE - 1) * PAGE
     unpinned, cached_unpinned = run(cache_hints=False)
     assert unpinned >= computed + prefix  # evicted and recomputed at least once
     assert sorted(cached_unpinned)[1] < PAGE  # a later branch missed too, not only the first
