@@ -115,7 +115,7 @@ def run_cuda(args: argparse.Namespace) -> None:
                     kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                     max_running_requests=args.max_running_requests,
                     max_num_batched_tokens=args.max_num_batched_tokens,
-                    chunked_prefill_size=input_len)
+                    chunked_prefill_size=input_len, overlap_schedule=args.overlap_schedule)
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, vocab, (num, input_len), generator=gen).tolist()
@@ -129,27 +129,31 @@ def run_cuda(args: argparse.Namespace) -> None:
     elapsed = time.perf_counter() - start
     stats = engine.stats()
     attn = type(engine.core.runner.attn).__name__
+    overlap = engine.core.overlap
     engine.close()
     generated = sum(o.completion_tokens for o in outs)
     assert generated == num * output_len, generated
     output_tps = generated / elapsed
     total_tps = (generated + num * input_len) / elapsed
     print(f"\n{model} (dummy, bf16), {attn}, {num} prompts x {input_len} in / {output_len} "
-          f"out, {torch.cuda.get_device_name()}")
+          f"out, overlap {overlap}, {torch.cuda.get_device_name()}")
     print(f"{elapsed:.1f} s, output {output_tps:,.0f} tokens/s, total {total_tps:,.0f} "
-          f"tokens/s, {stats['steps']} steps, {stats['retractions']} retractions")
+          f"tokens/s, {stats['steps']} steps ({stats['overlapped_steps']} overlapped), "
+          f"{stats['retractions']} retractions")
     record = {
         "benchmark": "offline_throughput",
         "date": datetime.date.today().isoformat(),
         "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__},
         "config": {"model": model, "load_format": "dummy", "dtype": "bfloat16",
-                   "attention": attn, "num_prompts": num, "input_len": input_len,
+                   "attention": attn, "overlap": overlap, "num_prompts": num,
+                   "input_len": input_len,
                    "output_len": output_len, "max_running_requests": args.max_running_requests,
                    "max_num_batched_tokens": args.max_num_batched_tokens,
                    "kv_cache_memory_fraction": args.kv_cache_memory_fraction},
         "results": {"seconds": elapsed, "output_tokens": generated,
                     "output_tokens_per_s": output_tps, "total_tokens_per_s": total_tps,
-                    "steps": stats["steps"], "retractions": stats["retractions"],
+                    "steps": stats["steps"], "overlapped_steps": stats["overlapped_steps"],
+                    "retractions": stats["retractions"],
                     "kv_pages_total": stats["kv_pages_total"]},
     }
     out = Path(args.out or Path(__file__).parent / "results" /
@@ -167,6 +171,8 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=1024, help="CUDA mode")
     parser.add_argument("--output-len", type=int, default=1024, help="CUDA mode")
     parser.add_argument("--attention-backend", default="auto", help="CUDA mode")
+    parser.add_argument("--overlap-schedule", default="auto", choices=["auto", "on", "off"],
+                        help="CUDA mode")
     parser.add_argument("--max-running-requests", type=int, default=256, help="CUDA mode")
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384, help="CUDA mode")
     parser.add_argument("--kv-cache-memory-fraction", type=float, default=0.85,

@@ -109,9 +109,9 @@ def run_batch(engine: Engine, batch: int, input_len: int, output_len: int,
 
     def drive(core) -> dict:
         # Runs on the engine thread (Engine._call), stepping the core by hand for timings.
-        timings = {"schedule": [], "postprocess": [], "execute": []}
-        schedule, postprocess, execute = (core.scheduler.schedule, core._postprocess,
-                                          core.runner.execute)
+        timings = {"schedule": [], "postprocess": [], "launch": [], "result": []}
+        schedule, postprocess, launch = (core.scheduler.schedule, core._postprocess,
+                                         core.runner.launch)
 
         def timed(name, fn):
             def wrapper(*args):
@@ -123,7 +123,13 @@ def run_batch(engine: Engine, batch: int, input_len: int, output_len: int,
 
         core.scheduler.schedule = timed("schedule", schedule)
         core._postprocess = timed("postprocess", postprocess)
-        core.runner.execute = timed("execute", execute)
+
+        def launch_timed(scheduled):
+            step = timed("launch", launch)(scheduled)
+            step.result = timed("result", step.result)  # waits for the device
+            return step
+
+        core.runner.launch = launch_timed
         try:
             if engine.device.type == "cuda":
                 torch.cuda.synchronize()
@@ -148,14 +154,45 @@ def run_batch(engine: Engine, batch: int, input_len: int, output_len: int,
                         kernels = profile_step(core)  # a step of its own, not timed
             total = time.perf_counter() - start
         finally:
-            del core.scheduler.schedule, core._postprocess, core.runner.execute
-        host = {k: 1e3 * statistics.median(v[first[k]:]) for k, v in timings.items()}
+            del core.scheduler.schedule, core._postprocess, core.runner.launch
+        host = {k: 1e3 * statistics.median(v[first[k]:] or [0.0]) for k, v in timings.items()}
         return {"prefill_s": prefill, "prefill_steps_ms": prefill_steps, "steps": steps,
                 "gpu_ms": gpu, "total_s": total, "decode_parts_ms": host, "kernels_ms": kernels}
 
     out = engine._call(drive)
     assert all(r.num_output_tokens == output_len for r in requests), "a request ended early"
     return out
+
+
+def hf_eager_decode_ms(model_name: str, batch: int, input_len: int, steps: int = 32) -> float:
+    """The in-run baseline: Hugging Face `transformers`, eager, bf16, random weights of the
+    same shape, greedy decode with its KV cache. Median ms of one decode step, including
+    reading the token back (as any generation loop must)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from radixlm.runtime.loader import ARCHITECTURE_PRESETS
+
+    preset = dict(ARCHITECTURE_PRESETS[model_name])
+    model_type = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}[
+        preset.pop("architectures")[0]]
+    config = AutoConfig.for_model(model_type, **preset)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (batch, input_len), generator=gen).cuda()
+    times = []
+    with torch.inference_mode():
+        out = model(ids, use_cache=True)
+        for _ in range(steps):
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            token.tolist()
+            start = time.perf_counter()
+            out = model(token, past_key_values=out.past_key_values, use_cache=True)
+            out.logits[:, -1].argmax(-1).tolist()
+            times.append(time.perf_counter() - start)
+    del model, out
+    torch.cuda.empty_cache()
+    return 1e3 * statistics.median(times)
 
 
 def main() -> None:
@@ -166,9 +203,12 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--disable-cuda-graph", action="store_true")
+    parser.add_argument("--overlap-schedule", default="auto", choices=["auto", "on", "off"])
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of the script")
     parser.add_argument("--profile", action="store_true",
                         help="break one decode step per batch size down by kernel kind")
+    parser.add_argument("--hf-baseline", type=int, nargs="*", default=None, metavar="BATCH",
+                        help="also time transformers eager decode at these batch sizes")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -177,6 +217,7 @@ def main() -> None:
     engine = Engine(args.model, load_format="dummy", device=args.device, dtype="bfloat16",
                     attention_backend=args.attention_backend,
                     disable_cuda_graph=args.disable_cuda_graph, max_running_requests=max_bs,
+                    overlap_schedule=args.overlap_schedule,
                     max_total_tokens=max_bs * ctx + 4096, max_num_batched_tokens=16384,
                     chunked_prefill_size=args.input_len, disable_radix_cache=True)
     costs = model_costs(engine)
@@ -207,11 +248,21 @@ def main() -> None:
             "decode_kernels_ms": r["kernels_ms"], "prefill_steps_ms": r["prefill_steps_ms"],
         })
     attn = type(engine.core.runner.attn).__name__
+    overlap = engine.core.overlap
     engine.close()
+    del engine
+    torch.cuda.empty_cache()
+    baseline = {batch: hf_eager_decode_ms(args.model, batch, args.input_len)
+                for batch in args.hf_baseline or []}
+    for row in rows:
+        hf_ms = baseline.get(row["batch"])
+        row["hf_eager_decode_ms"] = hf_ms
+        row["speedup_vs_hf_eager"] = hf_ms / row["decode_ms_per_token"] if hf_ms else None
 
     card = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"\n{args.model}, bf16, {attn}, input {args.input_len}, output {args.output_len}, "
-          f"graphs {'off' if args.disable_cuda_graph else 'on'}, {card}")
+          f"graphs {'off' if args.disable_cuda_graph else 'on'}, "
+          f"overlap {overlap}, {card}")
     print(f"{'batch':>5} {'prefill ms':>11} {'TFLOP/s':>8} {'decode ms':>10} {'GPU ms':>7} "
           f"{'tok/s':>8} {'floor ms':>9} {'x floor':>8} {'GPU x floor':>12}")
     for row in rows:
@@ -224,12 +275,15 @@ def main() -> None:
         print(f"{row['batch']:>5} {row['prefill_ms']:>11.1f} {row['prefill_tflops']:>8.0f} "
               f"{row['decode_ms_per_token']:>10.2f} {gpu or float('nan'):>7.2f} "
               f"{row['decode_tokens_per_s']:>8.0f} {row['floor_ms']:>9.2f} "
-              f"{row['ratio_to_floor']:>8.2f} {row['gpu_ratio_to_floor'] or float('nan'):>12.2f}")
+              f"{row['ratio_to_floor']:>8.2f} {row['gpu_ratio_to_floor'] or float('nan'):>12.2f}"
+              + (f"  transformers eager {row['hf_eager_decode_ms']:.2f} ms "
+                 f"({row['speedup_vs_hf_eager']:.1f}x)" if row["hf_eager_decode_ms"] else ""))
     record = {
         "benchmark": "one_batch", "date": datetime.date.today().isoformat(),
         "machine": {"gpu": card, "torch": torch.__version__},
         "config": {"model": args.model, "dtype": "bfloat16", "attention": attn,
-                   "cuda_graphs": not args.disable_cuda_graph, "input_len": args.input_len,
+                   "cuda_graphs": not args.disable_cuda_graph, "overlap": overlap,
+                   "input_len": args.input_len,
                    "output_len": args.output_len},
         "floor": {**costs, "copy_bandwidth": COPY_BANDWIDTH, "gemm_rate": GEMM_RATE},
         "rows": rows,

@@ -16,6 +16,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
+OVERLAP_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,11 @@ class EngineConfig:
     # Decode-only steps replay CUDA graphs captured per padded batch size (CUDA, triton or
     # flashinfer attention); this turns that off and runs every step eagerly.
     disable_cuda_graph: bool = False
+    # Overlap scheduling: while the device runs a decode step, the host prepares and launches
+    # the next one (feeding it the tokens still on the device), then post-processes the
+    # first. "auto" turns it on for CUDA, where the device runs ahead of the host; on CPU the
+    # forward is synchronous and there is nothing to hide.
+    overlap_schedule: str = "auto"
     # Prefix cache (RadixAttention) and the waiting-queue order: "lpm" serves the longest
     # cached prefix first and lets requests that share an uncached prefix wait for it.
     disable_radix_cache: bool = False
@@ -72,6 +78,7 @@ class EngineConfig:
         _one_of(self.dtype, ("auto", *DTYPES), "dtype")
         _one_of(self.attention_backend, ATTENTION_BACKENDS, "attention_backend")
         _one_of(self.schedule_policy, SCHEDULE_POLICIES, "schedule_policy")
+        _one_of(self.overlap_schedule, OVERLAP_MODES, "overlap_schedule")
         for name in ("disable_radix_cache", "disable_cuda_graph"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool")

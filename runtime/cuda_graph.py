@@ -7,10 +7,13 @@ near its weight-streaming time. A graph replays fixed kernels on fixed addresses
 - Batches are padded to the next captured size (1, 2, 4, 8, 16, 24, ... up to the limit).
   A padded row is token 0 at position 0 with a context of one token; it writes its K/V to a
   scratch slot that no request owns, and its output is never read.
-- Every input lives in a buffer allocated once. The host packs the step into one pinned
-  [fields, max batch] tensor, and a single non-blocking copy moves it to the device copy the
-  graph reads. The slot table rows of the step are gathered into a fixed [max batch, max_len]
-  buffer (stale rows beyond the batch still hold valid slots, so padded rows read real memory).
+- Every input lives in a buffer allocated once. The host packs the step into one of two
+  pinned [fields, max batch] tensors (alternating, so packing a step never waits for the
+  previous step's copy), and a single non-blocking copy moves it to the device copy the
+  graph reads. A step that follows one still on the device (overlap scheduling) then takes
+  its input tokens from that step's sampled tokens, device to device. The slot table rows of
+  the step are gathered into a fixed [max batch, max_len] buffer (stale rows beyond the batch
+  still hold valid slots, so padded rows read real memory).
 - The attention backend plans into its own fixed buffers (`plan_cuda_graph`), outside the
   graph, right before capture and before every replay.
 
@@ -64,15 +67,17 @@ class DecodeGraphs:
         self.max_bs = self.sizes[-1]
         device = kv_cache.k.device
         self.device = device
-        self.host = torch.zeros((5, self.max_bs), dtype=torch.int64,
-                                pin_memory=device.type == "cuda")
+        pinned = device.type == "cuda"
+        self.host = [torch.zeros((5, self.max_bs), dtype=torch.int64, pin_memory=pinned)
+                     for _ in range(2)]
         self.inputs = torch.zeros((5, self.max_bs), dtype=torch.int64, device=device)
         self.slot_table = torch.full((self.max_bs, max_len), scratch_slot, dtype=torch.int64,
                                      device=device)
         attn.init_cuda_graph(self.sizes, max_len, model.config.num_heads, kv_cache)
-        # Marks when the device has taken the last staged inputs, so the pinned buffer is not
-        # rewritten under an in-flight copy (steps normally synchronise at sampling anyway).
-        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        # Marks when the device has taken each host buffer's inputs, so a pinned buffer is
+        # not rewritten under an in-flight copy.
+        self._copied = [torch.cuda.Event() if pinned else None for _ in range(2)]
+        self._turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # each graph's hidden states [bs, d]
         if capture:
@@ -86,15 +91,18 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def forward(self, requests: Sequence[Request], input_ids: Sequence[int],
-                positions: Sequence[int], rows: Sequence[int],
-                kv_lens: Sequence[int]) -> torch.Tensor:
+                positions: Sequence[int], rows: Sequence[int], kv_lens: Sequence[int],
+                pending_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states [len(requests), d] of one decode step (one new token per request, at
-        positions[i] of request i, whose slot-table row is rows[i])."""
+        positions[i] of request i, whose slot-table row is rows[i]). pending_tokens, a device
+        tensor, replaces input_ids when the tokens are not on the host yet."""
         num = len(requests)
         bs = self.padded_size(num)
         page = self.page_size
         out_slots = [r.pages[p // page] * page + p % page for r, p in zip(requests, positions)]
         batch = self._stage(bs, input_ids, positions, kv_lens, out_slots, rows)
+        if pending_tokens is not None:
+            self.inputs[IDS, :num].copy_(pending_tokens)
         width = max(kv_lens)
         table_rows = self.inputs[TABLE_ROWS, :num]
         self.slot_table[:num, :width] = self.table.table[table_rows, :width]
@@ -113,13 +121,15 @@ class DecodeGraphs:
                   list(kv_lens) + [1] * pad, list(out_slots) + [self.scratch_slot] * pad,
                   list(rows) + [0] * pad]
         staged = torch.tensor(fields, dtype=torch.int64)
-        if self._copied is not None:
-            self._copied.synchronize()
-        self.host.copy_(staged)
+        self._turn ^= 1
+        host, copied = self.host[self._turn], self._copied[self._turn]
+        if copied is not None:
+            copied.synchronize()  # two steps ago: long done unless the host ran far ahead
+        host.copy_(staged)
         # Non-blocking from pinned memory: the host does not wait for the GPU's earlier work.
-        self.inputs.copy_(self.host, non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        self.inputs.copy_(host, non_blocking=True)
+        if copied is not None:
+            copied.record()
         padded_kv_lens = list(kv_lens) + [1] * (bs - len(kv_lens))
         return ForwardBatch(
             input_ids=self.inputs[IDS, :bs], positions=self.inputs[POSITIONS, :bs],

@@ -26,11 +26,12 @@ from radixlm.runtime.attention.base import create_backend
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.cuda_graph import DecodeGraphs
 from radixlm.runtime.grammar.spec import GrammarSpec
+from radixlm.runtime.host_copy import to_device
 from radixlm.runtime.kv_manager import KVManager
 from radixlm.runtime.leases import LeaseTable
 from radixlm.runtime.loader import LoadedModel
 from radixlm.runtime.memory import KVCache, PageAllocator, ReqToTokenTable
-from radixlm.runtime.model_runner import ModelRunner, StepResult
+from radixlm.runtime.model_runner import LaunchedStep, ModelRunner, StepResult
 from radixlm.runtime.radix_cache import RadixCache
 from radixlm.runtime.request import Request, RequestStatus
 from radixlm.runtime.scheduler import ScheduledBatch, Scheduler
@@ -77,6 +78,9 @@ class EngineCore:
         self._grammar: Any = None  # GrammarBackend, built on first use
         self._grammar_init = threading.Lock()
         self._grammar_waiting: list[Request] = []  # compiling; attached in step()
+        self.overlap = (config.overlap_schedule == "on"
+                        or config.overlap_schedule == "auto" and device.type == "cuda")
+        self._inflight: LaunchedStep | None = None  # launched, not yet post-processed
 
     # -- requests in and out -------------------------------------------------------------
 
@@ -103,12 +107,12 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._inflight is not None
 
     def flush_cache(self) -> None:
         """Drop every cached prefix and every lease. Refused while requests are running or
         waiting."""
-        if self.scheduler.has_work:
+        if self.has_work:
             raise ValueError(
                 f"cannot flush the prefix cache while {len(self.scheduler.running)} requests "
                 f"are running and {len(self.scheduler.waiting)} waiting")
@@ -126,7 +130,19 @@ class EngineCore:
     # -- one step --------------------------------------------------------------------------
 
     def step(self) -> int:
-        """Run one batch; return the number of tokens it computed (0 when idle)."""
+        """Run one batch; return the number of tokens it computed (0 when idle).
+
+        With overlap scheduling a step is left running on the device and post-processed in
+        the next call, right after the step that follows it has been launched, so the host's
+        bookkeeping hides behind the device's work (see `_follow_up`)."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            follow = self._follow_up(inflight)
+            self._complete(inflight)
+            if follow is not None:
+                self._inflight = follow
+                self.counters["overlapped_steps"] += 1
+                return follow.scheduled.num_tokens
         if self._grammar_waiting:
             self._attach_grammars()
         scheduled = self.scheduler.schedule()
@@ -141,19 +157,77 @@ class EngineCore:
                 # any request fits the pool). Pins are hints; they give way.
                 log.warning("released a prefix lease: its pages were needed to make progress")
             return 0
-        try:
-            result = self.runner.execute(scheduled)
-        except Exception as exc:  # a bad batch must not take the engine down
-            log.exception("step failed; aborting the %d requests in it", len(scheduled.requests))
-            for request in scheduled.requests:
-                request.error = f"internal error: {exc}"
-                self._finish(request, "abort")
+        launched = self._launch(scheduled)
+        if launched is None:
             return 0
-        self._postprocess(scheduled, result)
+        if self.overlap:
+            self._inflight = launched
+        else:
+            self._complete(launched)
         return scheduled.num_tokens
+
+    def _follow_up(self, prev: LaunchedStep) -> LaunchedStep | None:
+        """Launch the step after `prev` before prev's tokens reach the host: every request
+        prev sampled for decodes the token prev sampled, read on the device.
+
+        Only when that is the step the scheduler would pick anyway: every running request was
+        sampled (none is prefilling), nobody waits for admission while there is room, and no
+        request needs its newest token on the host to sample the next (a grammar mask,
+        penalties, a min_new_tokens ban). A request whose prev token is its last by length is
+        left out. A stop string or EOS is only seen once prev is post-processed: that
+        request's follow-up token is computed and dropped."""
+        scheduler, config = self.scheduler, self.config
+        requests = prev.sampled
+        if (prev.tokens is None or prev.failed or len(requests) != len(scheduler.running)
+                or len(requests) > config.max_num_batched_tokens or self._grammar_waiting
+                or scheduler.waiting
+                and len(scheduler.running) < config.max_running_requests):
+            return None
+        keep = []
+        for index, request in enumerate(requests):
+            params = request.params
+            if (request.finished or request.grammar is not None or params.has_penalties
+                    or request.num_output_tokens + 1 < params.min_new_tokens):
+                return None
+            if (request.num_output_tokens + 1 < params.max_new_tokens
+                    and len(request.token_ids) + 1 < request.max_total_len):
+                keep.append(index)
+        followers = [requests[i] for i in keep]
+        if not followers:
+            return None
+        for request in followers:  # room for the pending token, at position len(token_ids)
+            if not self.kv.grow(request, len(request.token_ids) + 1):
+                return None
+        tokens = (prev.tokens if len(keep) == len(requests)
+                  else prev.tokens[to_device(keep, torch.int64, self.device)])
+        return self._launch(ScheduledBatch(followers, [1] * len(followers), tokens))
+
+    def _launch(self, scheduled: ScheduledBatch) -> LaunchedStep | None:
+        try:
+            return self.runner.launch(scheduled)
+        except Exception as exc:  # a bad batch must not take the engine down
+            self._abort_batch(scheduled, exc)
+            return None
+
+    def _complete(self, launched: LaunchedStep) -> None:
+        try:
+            result = launched.result()
+        except Exception as exc:
+            self._abort_batch(launched.scheduled, exc)
+            return
+        self._postprocess(launched.scheduled, result)
+
+    def _abort_batch(self, scheduled: ScheduledBatch, exc: Exception) -> None:
+        log.error("step failed; aborting the %d requests in it", len(scheduled.requests),
+                  exc_info=exc)
+        for request in scheduled.requests:
+            request.error = f"internal error: {exc}"
+            self._finish(request, "abort")
 
     def _postprocess(self, scheduled: ScheduledBatch, result: StepResult) -> None:
         for request, count in zip(scheduled.requests, scheduled.num_new_tokens):
+            if request.finished:  # stopped (or aborted) while a follow-up step ran
+                continue
             # Prefill of the prompt counts as such; recomputation after retraction too.
             self.counters["prefill_tokens_computed"] += min(
                 count, max(0, request.prompt_len - request.num_computed_tokens))
@@ -319,6 +393,7 @@ class EngineCore:
             "generated_tokens": self.counters["generated_tokens"],
             "batched_tokens": self.counters["batched_tokens"],
             "steps": self.counters["steps"],
+            "overlapped_steps": self.counters["overlapped_steps"],
             "requests_finished": self.counters["requests_finished"],
             "retractions": self.scheduler.num_retractions,
             "num_running": len(self.scheduler.running),

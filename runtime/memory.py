@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from radixlm.runtime.host_copy import to_device
+
 
 class KVCache:
     """K and V for every layer: [num_layers][num_slots, num_kv_heads, head_dim]."""
@@ -98,7 +100,7 @@ class ReqToTokenTable:
         """Record `pages` as the request's pages number first_page_index, first_page_index+1..."""
         if not pages:
             return
-        page_ids = torch.tensor(pages, dtype=torch.int64, device=self.table.device)
+        page_ids = to_device(pages, torch.int64, self.table.device)
         slots = (page_ids[:, None] * self.page_size + self._offsets[None, :]).flatten()
         start = first_page_index * self.page_size
         end = min(start + slots.numel(), self.table.shape[1])

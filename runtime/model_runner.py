@@ -15,6 +15,7 @@ import torch
 from radixlm.runtime import sampler
 from radixlm.runtime.attention.base import AttentionBackend, ForwardBatch
 from radixlm.runtime.grammar.masks import BatchBitmask
+from radixlm.runtime.host_copy import to_device
 from radixlm.runtime.memory import KVCache, ReqToTokenTable
 from radixlm.runtime.models.llama import LlamaForCausalLM
 from radixlm.runtime.request import Request, TokenLogprob
@@ -31,6 +32,62 @@ class StepResult:
     prompt_logprobs: dict[Request, list[tuple[int, TokenLogprob]]] = field(default_factory=dict)
     # Requests whose grammar failed this step, with why; their sampled token is not used.
     failed: dict[Request, str] = field(default_factory=dict)
+
+
+class LaunchedStep:
+    """A step whose device work is queued. `tokens` (device) can feed a following step
+    before the host has seen them; `result()` waits for this step alone (not for steps queued
+    after it) and reads what it produced back to the host."""
+
+    def __init__(self, scheduled: ScheduledBatch, device: torch.device) -> None:
+        self.scheduled = scheduled
+        self.device = device
+        self.sampled: list[Request] = []
+        self.tokens: torch.Tensor | None = None  # [len(sampled)] on the device
+        self.failed: dict[Request, str] = {}
+        self._logprobs: tuple | None = None  # (chosen, top values, top ids) for sampled rows
+        self._prompt: tuple | None = None  # (rows, targets, chosen, top values, top ids)
+        self._host_tokens: torch.Tensor | None = None
+        self._done: torch.cuda.Event | None = None
+
+    def send_home(self) -> None:
+        """Start copying the outputs to pinned host memory; remember when they have landed."""
+        if self.device.type != "cuda":
+            return
+
+        def home(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return host.copy_(t, non_blocking=True)
+        self._host_tokens = home(self.tokens)
+        if self._logprobs is not None:
+            self._logprobs = tuple(home(t) for t in self._logprobs)
+        if self._prompt is not None:
+            rows, *tensors = self._prompt
+            self._prompt = (rows, *(home(t) for t in tensors))
+        self._done = torch.cuda.Event()
+        self._done.record()
+
+    def result(self) -> StepResult:
+        if self._done is not None:
+            self._done.synchronize()
+            tokens = self._host_tokens
+        else:
+            tokens = self.tokens
+        result = StepResult(failed=self.failed)
+        if tokens is not None:
+            result.sampled = self.sampled
+            result.next_tokens = tokens.tolist()
+            result.logprobs = ([None] * len(self.sampled) if self._logprobs is None else
+                               _entries(self.sampled, tokens, *self._logprobs))
+        if self._prompt is not None:
+            rows, targets, chosen, top_vals, top_ids = self._prompt
+            requests = [r for r, _, _ in rows]
+            for (request, _, position), entry in zip(
+                    rows, _entries(requests, targets, chosen, top_vals, top_ids)):
+                result.prompt_logprobs.setdefault(request, []).append((position + 1, entry))
+        return result
 
 
 class StepInputs(NamedTuple):
@@ -57,24 +114,31 @@ class ModelRunner:
         self.grammar_masks: BatchBitmask | None = None  # allocated on first use
         self.cuda_graphs = None  # a cuda_graph.DecodeGraphs, set by the engine on CUDA
 
-    @torch.inference_mode()
     def execute(self, scheduled: ScheduledBatch) -> StepResult:
+        """Run one step and wait for its result."""
+        return self.launch(scheduled).result()
+
+    @torch.inference_mode()
+    def launch(self, scheduled: ScheduledBatch) -> LaunchedStep:
+        """Queue one step's forward and sampling on the device; nothing here waits for it."""
         inputs = self._collect(scheduled)
         sample_rows, prompt_rows = inputs.sample_rows, inputs.prompt_rows
+        pending = scheduled.pending_tokens
         graphs = self.cuda_graphs
         if graphs is not None and not prompt_rows and graphs.fits(inputs.q_lens):
             hidden = graphs.forward(scheduled.requests, inputs.input_ids, inputs.positions,
-                                    inputs.rows, inputs.kv_lens)
+                                    inputs.rows, inputs.kv_lens, pending)
         else:
-            batch = self._device_batch(inputs)
+            batch = self._device_batch(inputs, pending)
             self.attn.plan(batch)
             hidden = self.model(batch, self.attn)
-        result = StepResult()
+        step = LaunchedStep(scheduled, self.device)
         if sample_rows:
-            self._sample(hidden, sample_rows, result)
+            self._sample(hidden, sample_rows, step)
         if prompt_rows:
-            self._prompt_logprobs(hidden, prompt_rows, result)
-        return result
+            self._prompt_logprobs(hidden, prompt_rows, step)
+        step.send_home()
+        return step
 
     def _collect(self, scheduled: ScheduledBatch) -> StepInputs:
         ids: list[int] = []
@@ -83,16 +147,22 @@ class ModelRunner:
         q_lens, kv_lens = [], []
         sample_rows: list[tuple[Request, int]] = []  # (request, flat token index)
         prompt_rows: list[tuple[Request, int, int]] = []  # (request, flat index, position)
+        follows = scheduled.pending_tokens is not None
         for request, count in zip(scheduled.requests, scheduled.num_new_tokens):
-            start = request.num_computed_tokens
+            # A step that follows one still on the device computes the token that step is
+            # sampling: it is not in token_ids yet, and sits at position len(token_ids).
+            start = len(request.token_ids) if follows else request.num_computed_tokens
             end = start + count
             flat = len(ids)
-            ids.extend(request.token_ids[start:end])
+            if follows:
+                ids.append(0)  # the device fills in the pending token
+            else:
+                ids.extend(request.token_ids[start:end])
             positions.extend(range(start, end))
             rows.append(request.table_row)
             q_lens.append(count)
             kv_lens.append(end)
-            if end == len(request.token_ids):
+            if follows or end == len(request.token_ids):
                 sample_rows.append((request, flat + count - 1))
             first = request.prompt_logprob_start
             if first is not None:
@@ -101,15 +171,17 @@ class ModelRunner:
                     prompt_rows.append((request, flat + p - start, p))
         return StepInputs(ids, positions, rows, q_lens, kv_lens, sample_rows, prompt_rows)
 
-    def _device_batch(self, inputs: StepInputs) -> ForwardBatch:
+    def _device_batch(self, inputs: StepInputs, pending: torch.Tensor | None) -> ForwardBatch:
         device = self.device
-        positions_t = torch.tensor(inputs.positions, dtype=torch.int64, device=device)
-        rows_t = torch.tensor(inputs.rows, dtype=torch.int64, device=device)
+        # One copy for the three index lists; the views below slice it.
+        num, seqs = len(inputs.input_ids), len(inputs.rows)
+        packed = to_device(inputs.input_ids + inputs.positions + inputs.rows + inputs.q_lens,
+                           torch.int64, device)
+        input_ids, positions_t, rows_t, q_lens_t = packed.split([num, num, seqs, seqs])
         # output_size: the length is known here, so repeat_interleave need not ask the GPU.
-        token_rows = torch.repeat_interleave(rows_t, torch.tensor(inputs.q_lens, device=device),
-                                             output_size=len(inputs.input_ids))
+        token_rows = torch.repeat_interleave(rows_t, q_lens_t, output_size=num)
         return ForwardBatch(
-            input_ids=torch.tensor(inputs.input_ids, dtype=torch.int64, device=device),
+            input_ids=input_ids if pending is None else pending,
             positions=positions_t,
             q_lens=inputs.q_lens,
             kv_lens=inputs.kv_lens,
@@ -119,15 +191,17 @@ class ModelRunner:
         )
 
     def _sample(self, hidden: torch.Tensor, rows: list[tuple[Request, int]],
-                result: StepResult) -> None:
+                step: LaunchedStep) -> None:
         requests = [r for r, _ in rows]
         # Grammar masks are built on the host first: on a GPU the forward pass is still
         # running, so this work hides behind it.
         constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
         if constrained:
-            masks, result.failed = self._grammar_masks([requests[i] for i in constrained])
-        index = torch.tensor([i for _, i in rows], device=self.device)
-        raw = self.model.compute_logits(hidden[index])  # [B, V] float32
+            masks, step.failed = self._grammar_masks([requests[i] for i in constrained])
+        flat = [i for _, i in rows]
+        if flat != list(range(hidden.shape[0])):  # decode steps sample every row, in order
+            hidden = hidden[to_device(flat, torch.int64, self.device)]
+        raw = self.model.compute_logits(hidden)  # [B, V] float32
         params = [r.params for r in requests]
         sbatch = sampler.SamplingBatch.build(params, [r.generator for r in requests],
                                              self.vocab_size, self.device)
@@ -146,14 +220,11 @@ class ModelRunner:
         if constrained:
             logits = sampler.apply_token_bitmask(logits, constrained, masks)
         tokens = sampler.sample(logits, sbatch)
-        top_n = max(p.top_logprobs_num for p in params)
-        logprob_entries: list[TokenLogprob | None] = [None] * len(requests)
         if any(p.wants_logprobs for p in params):
-            chosen, top_vals, top_ids = sampler.compute_logprobs(raw, tokens, top_n)
-            logprob_entries = _entries(requests, tokens, chosen, top_vals, top_ids)
-        result.sampled = requests
-        result.next_tokens = tokens.tolist()
-        result.logprobs = logprob_entries
+            top_n = max(p.top_logprobs_num for p in params)
+            step._logprobs = sampler.compute_logprobs(raw, tokens, top_n)
+        step.sampled = requests
+        step.tokens = tokens
 
     def _grammar_masks(self, requests: list[Request]):
         if self.grammar_masks is None:
@@ -162,16 +233,12 @@ class ModelRunner:
         return self.grammar_masks.fill(requests)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows: list[tuple[Request, int, int]],
-                         result: StepResult) -> None:
-        index = torch.tensor([i for _, i, _ in rows], device=self.device)
-        targets = torch.tensor([r.token_ids[p + 1] for r, _, p in rows], device=self.device)
+                         step: LaunchedStep) -> None:
+        index = to_device([i for _, i, _ in rows], torch.int64, self.device)
+        targets = to_device([r.token_ids[p + 1] for r, _, p in rows], torch.int64, self.device)
         raw = self.model.compute_logits(hidden[index])
         top_n = max(r.params.top_logprobs_num for r, _, _ in rows)
-        chosen, top_vals, top_ids = sampler.compute_logprobs(raw, targets, top_n)
-        requests = [r for r, _, _ in rows]
-        for (request, _, position), entry in zip(
-                rows, _entries(requests, targets, chosen, top_vals, top_ids)):
-            result.prompt_logprobs.setdefault(request, []).append((position + 1, entry))
+        step._prompt = (rows, targets, *sampler.compute_logprobs(raw, targets, top_n))
 
 
 def _entries(requests: list[Request], tokens: torch.Tensor, chosen: torch.Tensor,

@@ -30,6 +30,7 @@ from typing import Sequence
 
 import torch
 
+from radixlm.runtime.host_copy import to_device
 from radixlm.runtime.sampling_params import SamplingParams
 
 # Temperatures below this are treated as greedy: dividing logits by a near-zero temperature
@@ -79,11 +80,11 @@ class SamplingBatch:
         sampling = [p for p, g in zip(params, greedy) if not g]
 
         def f32(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
+            return to_device(values, torch.float32, device)
 
         return cls(
             temperatures=f32(temperatures),
-            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            top_ks=to_device(top_ks, torch.int64, device),
             top_ps=f32([p.top_p for p in params]),
             min_ps=f32([p.min_p for p in params]),
             repetition_penalties=f32([p.repetition_penalty for p in params]),
@@ -92,9 +93,7 @@ class SamplingBatch:
             generators=[None if g else gen for gen, g in zip(generators, greedy)],
             all_greedy=all(greedy),
             # Penalties change which token is argmax, so greedy rows need them too.
-            needs_penalties=any(
-                p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
-                or p.presence_penalty != 0.0 for p in params),
+            needs_penalties=any(p.has_penalties for p in params),
             needs_top_k=any(_effective_top_k(p.top_k, vocab_size) < vocab_size
                             for p in sampling),
             needs_top_p=any(p.top_p < 1.0 for p in sampling),
@@ -164,7 +163,7 @@ def _token_counts(
     for r, ids in enumerate(id_lists):
         if len(ids):
             padded[r, : len(ids)] = torch.as_tensor(ids, dtype=torch.int64)
-    padded = padded.to(device)
+    padded = to_device(padded, torch.int64, device)
     padded = padded.masked_fill_((padded < 0) | (padded > vocab_size), vocab_size)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
     return counts[:, :vocab_size]
@@ -191,7 +190,7 @@ def mask_tokens(
                 col_idx.append(t)
     logits = logits.clone()
     if row_idx:
-        index = torch.tensor([row_idx, col_idx], dtype=torch.int64, device=logits.device)
+        index = to_device([row_idx, col_idx], torch.int64, logits.device)
         logits[index[0], index[1]] = float("-inf")
     return logits
 
@@ -207,8 +206,7 @@ def apply_token_bitmask(
     unconstrained request's logits stay bit-identical. Returns a new tensor.
     """
     all_rows = list(rows) == list(range(logits.shape[0]))
-    index = None if all_rows else torch.tensor(list(rows), dtype=torch.int64,
-                                               device=logits.device)
+    index = None if all_rows else to_device(list(rows), torch.int64, logits.device)
     apply = _apply_by_byte_table if logits.device.type == "cpu" else _apply_by_shifts
     return apply(logits, index, bitmask)
 
@@ -349,7 +347,7 @@ def _draw_exponential(
     if len(unseeded) == rows:
         return noise.exponential_()
     if unseeded:
-        index = torch.tensor(unseeded, dtype=torch.int64, device=device)
+        index = to_device(unseeded, torch.int64, device)
         fresh = torch.empty(len(unseeded), vocab_size, dtype=torch.float32, device=device)
         noise.index_copy_(0, index, fresh.exponential_())
     for r, gen in enumerate(generators):

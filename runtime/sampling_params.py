@@ -124,6 +124,12 @@ class SamplingParams:
         return self.regex is not None or self.json_schema is not None or self.json_object
 
     @property
+    def has_penalties(self) -> bool:
+        """Do the logits depend on the tokens so far (repetition/frequency/presence)?"""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+    @property
     def wants_logprobs(self) -> bool:
         return self.logprobs or self.top_logprobs_num > 0
 

@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+import torch
+
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.kv_manager import KVManager
 from radixlm.runtime.request import Request, RequestStatus
@@ -41,6 +43,10 @@ RESERVE_RATIO_INIT, RESERVE_RATIO_MIN, RESERVE_RATIO_DECAY = 0.5, 0.1, 0.002
 class ScheduledBatch:
     requests: list[Request]
     num_new_tokens: list[int]  # per request, this step
+    # Set when this step follows one still running on the device (overlap scheduling): each
+    # request computes one token, the one that step samples for it, read from this device
+    # tensor ([len(requests)]) rather than from token_ids, which does not hold it yet.
+    pending_tokens: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -166,3 +166,25 @@ def test_fused_kernels_same_greedy_tokens_fp32(tmp_path):
             tokens[fused] = [o.token_ids for o in engine.generate(input_ids=PROMPTS,
                                                                   sampling_params=params)]
     assert tokens[True] == tokens[False]
+
+
+@pytest.mark.parametrize("backend,dtype", BACKENDS)
+def test_overlap_schedule_changes_no_token(tmp_path, backend, dtype):
+    """Follow-up steps fed by device-side tokens (graphs on) give exactly the tokens of the
+    plain loop: same kernels, same batches, only the host's order of work differs. Seeded
+    sampling and staggered lengths make requests finish at different steps."""
+    _needs(backend)
+    folder = save_llama(tmp_path)
+    params = [{"temperature": 0, "max_new_tokens": 24 + 3 * i, "ignore_eos": True}
+              for i in range(len(PROMPTS))]
+    params[1] = {"temperature": 0.9, "seed": 5, "max_new_tokens": 40, "ignore_eos": True}
+    outputs = {}
+    for overlap in ("off", "on"):
+        with Engine(str(folder), device="cuda", dtype=dtype, max_total_tokens=8192,
+                    attention_backend=backend, overlap_schedule=overlap) as engine:
+            outputs[overlap] = [o.token_ids for o in engine.generate(input_ids=PROMPTS,
+                                                                     sampling_params=params)]
+            stats = engine.stats()
+            assert stats["kv_pages_free"] + stats["kv_pages_cached"] == stats["kv_pages_total"]
+            assert (stats["overlapped_steps"] > 0) == (overlap == "on")
+    assert outputs["on"] == outputs["off"]

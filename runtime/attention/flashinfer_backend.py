@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from radixlm.runtime.attention.base import AttentionBackend, ForwardBatch
+from radixlm.runtime.host_copy import to_device
 from radixlm.runtime.memory import KVCache
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -61,6 +62,10 @@ class FlashInferAttention(AttentionBackend):
         self._decode: dict[bool, Any] = {}
         self._graph_wrappers: dict[int, Any] = {}
         self._graph_wrapper: Any = None  # the planned graph wrapper, during a graph step
+        # FlashInfer plans into a pinned host buffer and copies it to the device without
+        # blocking. With overlap scheduling the next plan can come before that copy ran, so
+        # each plan first waits for the previous one's copy (normally long done).
+        self._planned: torch.cuda.Event | None = None
 
     def plan(self, batch: ForwardBatch) -> None:
         cache = batch.kv_cache
@@ -86,7 +91,7 @@ class FlashInferAttention(AttentionBackend):
         # Page ids on the device: flat page k of sequence i is its page number
         # k - indptr[i], whose first slot sits at position (k - indptr[i]) * page_size.
         total = indptr[-1]
-        counts = torch.tensor(pages, device=device)
+        counts = to_device(pages, torch.int64, device)
         rows = torch.repeat_interleave(torch.arange(len(pages), device=device), counts,
                                        output_size=total)  # [total]
         starts = self.indptr[:-1].to(device, non_blocking=True).long()
@@ -128,9 +133,11 @@ class FlashInferAttention(AttentionBackend):
         self.plan(batch)  # host indptr / last_page_len, device page ids
         wrapper = self._graph_wrappers[len(batch.q_lens)]
         num_heads, num_kv_heads, head_dim = self._graph_heads
+        self._wait_previous_plan()
         wrapper.plan(self.indptr, self.indices, self.last_page_len, num_heads, num_kv_heads,
                      head_dim, self.page_size, q_data_type=self.dtype, kv_data_type=self.dtype,
                      sm_scale=self.scale)
+        self._mark_planned()
         self._graph_wrapper = wrapper
 
     def _workspace_on(self, device: torch.device) -> torch.Tensor:
@@ -141,6 +148,7 @@ class FlashInferAttention(AttentionBackend):
     def _plan_wrapper(self, num_heads: int, num_kv_heads: int, head_dim: int,
                       device: torch.device) -> Any:
         self._workspace_on(device)
+        self._wait_previous_plan()
         common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
         if self.decode_only:
             tensor_cores = self.decode_tensor_cores
@@ -162,4 +170,14 @@ class FlashInferAttention(AttentionBackend):
                              num_heads, num_kv_heads, head_dim, self.page_size, causal=True,
                              **common)
         self._planned_heads = num_heads
+        self._mark_planned()
         return wrapper
+
+    def _wait_previous_plan(self) -> None:
+        if self._planned is not None:
+            self._planned.synchronize()
+
+    def _mark_planned(self) -> None:
+        if self._planned is None:
+            self._planned = torch.cuda.Event()
+        self._planned.record()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from radixlm.runtime.attention.base import AttentionBackend, ForwardBatch
+from radixlm.runtime.host_copy import to_device
 from radixlm.runtime.memory import KVCache
 
 try:
@@ -73,8 +74,7 @@ class TritonAttention(AttentionBackend):
         parts = [q_starts, q_lens, kv_lens, decode, [q_starts[i] for i in decode], block_rows,
                  block_m0]
         padded = [part + [0] * (len(part) % 2) for part in parts]
-        meta = torch.tensor([x for part in padded for x in part], dtype=torch.int64,
-                            device=device)
+        meta = to_device([x for part in padded for x in part], torch.int64, device)
         views = [view[: len(part)]
                  for view, part in zip(meta.split([len(p) for p in padded]), parts)]
         (self.q_starts, self.q_lens, self.kv_lens, self.decode_rows, self.decode_q_rows,
