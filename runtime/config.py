@@ -17,6 +17,7 @@ LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 OVERLAP_MODES = ("auto", "on", "off")
+SPECULATIVE_METHODS = ("ngram", "draft")
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,12 @@ class EngineConfig:
     # first. "auto" turns it on for CUDA, where the device runs ahead of the host; on CPU the
     # forward is synchronous and there is nothing to hide.
     overlap_schedule: str = "auto"
+    # Speculative decoding: "ngram" (prompt lookup) or "draft" (`draft_model`, a small model
+    # with the target's tokenizer) proposes up to `num_speculative_tokens` tokens per decode
+    # step, verified losslessly in one target forward. Turns overlap scheduling off.
+    speculative: str | None = None
+    draft_model: str | None = None
+    num_speculative_tokens: int = 4
     # Prefix cache (RadixAttention) and the waiting-queue order: "lpm" serves the longest
     # cached prefix first and lets requests that share an uncached prefix wait for it.
     disable_radix_cache: bool = False
@@ -79,6 +86,7 @@ class EngineConfig:
         _one_of(self.attention_backend, ATTENTION_BACKENDS, "attention_backend")
         _one_of(self.schedule_policy, SCHEDULE_POLICIES, "schedule_policy")
         _one_of(self.overlap_schedule, OVERLAP_MODES, "overlap_schedule")
+        self._check_speculative_options()
         for name in ("disable_radix_cache", "disable_cuda_graph"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool")
@@ -100,6 +108,16 @@ class EngineConfig:
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(f"max_total_tokens ({self.max_total_tokens}) must hold at least one "
                              f"page of {self.page_size} tokens")
+
+    def _check_speculative_options(self) -> None:
+        if self.speculative is not None:
+            _one_of(self.speculative, SPECULATIVE_METHODS, "speculative")
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise ValueError("draft_model is needed for, and only for, speculative='draft'")
+        _positive_int(self.num_speculative_tokens, "num_speculative_tokens")
+        if self.num_speculative_tokens > 16:
+            raise ValueError("num_speculative_tokens must be at most 16, "
+                             f"got {self.num_speculative_tokens}")
 
     def _check_grammar_options(self) -> None:
         for name in ("grammar_compile_workers", "grammar_cache_size"):

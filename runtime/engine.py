@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.engine_core import EngineCore
-from radixlm.runtime.loader import load_model
+from radixlm.runtime.loader import ARCHITECTURE_PRESETS, LoadedModel, load_model
 from radixlm.runtime.request import Output, Request
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.tokenization import encode_prompt
@@ -53,7 +53,8 @@ class Engine:
                             seed=self.config.seed)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.core = EngineCore(self.config, loaded, self.device, self.dtype)
+        draft = self._load_draft(loaded) if self.config.speculative == "draft" else None
+        self.core = EngineCore(self.config, loaded, self.device, self.dtype, draft)
         self.max_model_len = self.core.max_model_len
         self._eos = frozenset(self._eos_ids())
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -202,6 +203,17 @@ class Engine:
         self.close()
 
     # -- building requests (caller's thread) --------------------------------------------------
+
+    def _load_draft(self, target: LoadedModel) -> LoadedModel:
+        name = self.config.draft_model
+        preset = self.config.load_format == "dummy" and name in ARCHITECTURE_PRESETS
+        draft = load_model(name, "dummy" if preset else "auto", self.dtype, self.device,
+                           max_positions=target.config.max_position_embeddings,
+                           seed=self.config.seed + 1)
+        if (draft.tokenizer is not None and target.tokenizer is not None
+                and draft.tokenizer.get_vocab() != target.tokenizer.get_vocab()):
+            raise ValueError(f"draft_model {name!r} does not share the target's tokenizer")
+        return draft
 
     def _normalize_prompts(self, prompt: Any, input_ids: Any) -> tuple[bool, list[list[int]]]:
         if (prompt is None) == (input_ids is None):

@@ -35,18 +35,20 @@ from radixlm.runtime.model_runner import LaunchedStep, ModelRunner, StepResult
 from radixlm.runtime.radix_cache import RadixCache
 from radixlm.runtime.request import Request, RequestStatus
 from radixlm.runtime.scheduler import ScheduledBatch, Scheduler
+from radixlm.runtime.speculative.draft_model import DraftModel
+from radixlm.runtime.speculative.speculator import Speculator
 
 log = logging.getLogger(__name__)
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, draft: LoadedModel | None = None) -> None:
         mc = loaded.config
         self.config = config
         self.device = device
         self.page_size = config.page_size
-        num_pages = _pool_pages(config, mc, dtype, device)
+        num_pages = _pool_pages(config, [mc] + ([draft.config] if draft else []), dtype, device)
         self.max_model_len = _max_model_len(config, mc, num_pages * config.page_size)
         attn = create_backend(config.attention_backend, scale=mc.head_dim ** -0.5,
                               device=device, dtype=dtype, head_dim=mc.head_dim)
@@ -71,6 +73,22 @@ class EngineCore:
                 loaded.model, attn, self.kv_cache, self.table,
                 scratch_slot=num_pages * config.page_size,
                 max_batch_size=config.max_running_requests, max_len=self.max_model_len)
+        self.speculator = None
+        if config.speculative is not None:
+            draft_model = None
+            if draft is not None:
+                draft_model = DraftModel(
+                    draft.model, create_backend(config.attention_backend,
+                                                scale=draft.config.head_dim ** -0.5,
+                                                device=device, dtype=dtype,
+                                                head_dim=draft.config.head_dim),
+                    KVCache(draft.config.num_layers, self.kv_cache.k.shape[1],
+                            draft.config.num_kv_heads, draft.config.head_dim, dtype, device,
+                            config.page_size),
+                    self.table, mc.vocab_size)
+                self.runner.draft = draft_model
+            self.speculator = Speculator(config.speculative, config.num_speculative_tokens,
+                                         self.kv, config.max_num_batched_tokens, draft_model)
         self.requests: dict[str, Request] = {}
         self.counters: Counter[str] = Counter()
         self.tokenizer = loaded.tokenizer
@@ -78,8 +96,10 @@ class EngineCore:
         self._grammar: Any = None  # GrammarBackend, built on first use
         self._grammar_init = threading.Lock()
         self._grammar_waiting: list[Request] = []  # compiling; attached in step()
-        self.overlap = (config.overlap_schedule == "on"
-                        or config.overlap_schedule == "auto" and device.type == "cuda")
+        # Speculation needs each step's verified tokens on the host before the next step.
+        self.overlap = self.speculator is None and (
+            config.overlap_schedule == "on"
+            or config.overlap_schedule == "auto" and device.type == "cuda")
         self._inflight: LaunchedStep | None = None  # launched, not yet post-processed
 
     # -- requests in and out -------------------------------------------------------------
@@ -157,6 +177,8 @@ class EngineCore:
                 # any request fits the pool). Pins are hints; they give way.
                 log.warning("released a prefix lease: its pages were needed to make progress")
             return 0
+        if self.speculator is not None:
+            self.speculator.propose(scheduled)
         launched = self._launch(scheduled)
         if launched is None:
             return 0
@@ -228,6 +250,8 @@ class EngineCore:
         for request, count in zip(scheduled.requests, scheduled.num_new_tokens):
             if request.finished:  # stopped (or aborted) while a follow-up step ran
                 continue
+            if request in result.verified:
+                count = 1  # the drafts count as computed only once accepted, below
             # Prefill of the prompt counts as such; recomputation after retraction too.
             self.counters["prefill_tokens_computed"] += min(
                 count, max(0, request.prompt_len - request.num_computed_tokens))
@@ -248,6 +272,24 @@ class EngineCore:
             self._append_token(request, token, logprob)
             if request.grammar is not None and not request.finished:
                 self._jump_forward(request)
+        for request, emitted in result.verified.items():
+            if not request.finished:
+                self._append_verified(request, emitted)
+            self.speculator.finish(request, emitted)
+
+    def _append_verified(self, request: Request, emitted: list[int]) -> None:
+        """Append a speculating request's accepted drafts and the token after them. Each
+        accepted draft's KV was computed by the step, so it counts as computed once it is
+        in token_ids; a stop among them ends the request there."""
+        *accepted, last = emitted
+        for token in accepted:
+            self._append_token(request, token, None)
+            if request.finished:
+                return
+            request.num_computed_tokens += 1
+        self._append_token(request, last, None)
+        if not request.finished:
+            self.kv.cache_computed(request)
 
     def _append_token(self, request: Request, token: int, logprob: Any) -> None:
         params = request.params
@@ -410,15 +452,19 @@ class EngineCore:
             "grammar_errors": self.counters["grammar_errors"],
             "grammar_waiting": len(self._grammar_waiting),
             "jump_forward_tokens": self.counters["jump_forward_tokens"],
+            **(self.speculator.stats() if self.speculator is not None else {}),
             **(self._grammar.stats() if self._grammar is not None else {}),
         }
 
 
-def _pool_pages(config: EngineConfig, mc: Any, dtype: torch.dtype,
+def _pool_pages(config: EngineConfig, models: list[Any], dtype: torch.dtype,
                 device: torch.device) -> int:
+    """Pages in the KV pool. A slot holds the KV of every model given (the target, and a
+    draft model that shares its slots)."""
     if config.max_total_tokens is not None:
         return config.max_total_tokens // config.page_size
-    per_slot = KVCache.bytes_per_slot(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
+    per_slot = sum(KVCache.bytes_per_slot(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
+                   for mc in models)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
     else:

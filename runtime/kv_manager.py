@@ -93,6 +93,14 @@ class KVManager:
         request.cache_node = result.node
         request.num_tree_pages = full
 
+    def trim(self, request: Request) -> None:
+        """Free the private pages past the request's tokens (those that held rejected
+        speculative drafts). Their slot-table entries go stale and are never read."""
+        keep = max(self.allocator.pages_for(len(request.token_ids)), request.num_tree_pages)
+        if len(request.pages) > keep:
+            self.allocator.free(request.pages[keep:])
+            del request.pages[keep:]
+
     def release(self, request: Request) -> None:
         """The request stops running (finished or retracted): cache what it computed, free
         its private pages, drop its lock and its table row."""

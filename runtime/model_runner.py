@@ -10,11 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
-from radixlm.runtime import sampler
+from radixlm.runtime import sampler, speculative
 from radixlm.runtime.attention.base import AttentionBackend, ForwardBatch
-from radixlm.runtime.grammar.masks import BatchBitmask
+from radixlm.runtime.grammar.masks import BatchBitmask, state_masks
 from radixlm.runtime.host_copy import to_device
 from radixlm.runtime.memory import KVCache, ReqToTokenTable
 from radixlm.runtime.models.llama import LlamaForCausalLM
@@ -32,6 +33,8 @@ class StepResult:
     prompt_logprobs: dict[Request, list[tuple[int, TokenLogprob]]] = field(default_factory=dict)
     # Requests whose grammar failed this step, with why; their sampled token is not used.
     failed: dict[Request, str] = field(default_factory=dict)
+    # Speculating requests: the tokens verification emits (accepted drafts, then one more).
+    verified: dict[Request, list[int]] = field(default_factory=dict)
 
 
 class LaunchedStep:
@@ -45,6 +48,7 @@ class LaunchedStep:
         self.sampled: list[Request] = []
         self.tokens: torch.Tensor | None = None  # [len(sampled)] on the device
         self.failed: dict[Request, str] = {}
+        self.verified: dict[Request, list[int]] = {}
         self._logprobs: tuple | None = None  # (chosen, top values, top ids) for sampled rows
         self._prompt: tuple | None = None  # (rows, targets, chosen, top values, top ids)
         self._host_tokens: torch.Tensor | None = None
@@ -75,7 +79,7 @@ class LaunchedStep:
             tokens = self._host_tokens
         else:
             tokens = self.tokens
-        result = StepResult(failed=self.failed)
+        result = StepResult(failed=self.failed, verified=self.verified)
         if tokens is not None:
             result.sampled = self.sampled
             result.next_tokens = tokens.tolist()
@@ -100,6 +104,8 @@ class StepInputs(NamedTuple):
     kv_lens: list[int]
     sample_rows: list[tuple[Request, int]]  # (request, flat token index)
     prompt_rows: list[tuple[Request, int, int]]  # (request, flat index, position)
+    # Speculating requests: (request, flat index of its first token); its drafts follow.
+    verify_rows: list[tuple[Request, int]]
 
 
 class ModelRunner:
@@ -113,6 +119,7 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.grammar_masks: BatchBitmask | None = None  # allocated on first use
         self.cuda_graphs = None  # a cuda_graph.DecodeGraphs, set by the engine on CUDA
+        self.draft = None  # a speculative.DraftModel, set by the engine: it mirrors each step
 
     def execute(self, scheduled: ScheduledBatch) -> StepResult:
         """Run one step and wait for its result."""
@@ -125,6 +132,7 @@ class ModelRunner:
         sample_rows, prompt_rows = inputs.sample_rows, inputs.prompt_rows
         pending = scheduled.pending_tokens
         graphs = self.cuda_graphs
+        batch = None
         if graphs is not None and not prompt_rows and graphs.fits(inputs.q_lens):
             hidden = graphs.forward(scheduled.requests, inputs.input_ids, inputs.positions,
                                     inputs.rows, inputs.kv_lens, pending)
@@ -132,9 +140,13 @@ class ModelRunner:
             batch = self._device_batch(inputs, pending)
             self.attn.plan(batch)
             hidden = self.model(batch, self.attn)
+        if self.draft is not None:  # the draft's KV follows the target's, slot for slot
+            self.draft.extend(batch or self._device_batch(inputs, pending))
         step = LaunchedStep(scheduled, self.device)
         if sample_rows:
             self._sample(hidden, sample_rows, step)
+        if inputs.verify_rows:
+            self._verify(hidden, inputs.verify_rows, step)
         if prompt_rows:
             self._prompt_logprobs(hidden, prompt_rows, step)
         step.send_home()
@@ -147,6 +159,7 @@ class ModelRunner:
         q_lens, kv_lens = [], []
         sample_rows: list[tuple[Request, int]] = []  # (request, flat token index)
         prompt_rows: list[tuple[Request, int, int]] = []  # (request, flat index, position)
+        verify_rows: list[tuple[Request, int]] = []
         follows = scheduled.pending_tokens is not None
         for request, count in zip(scheduled.requests, scheduled.num_new_tokens):
             # A step that follows one still on the device computes the token that step is
@@ -154,22 +167,28 @@ class ModelRunner:
             start = len(request.token_ids) if follows else request.num_computed_tokens
             end = start + count
             flat = len(ids)
+            drafts = request.draft_tokens
             if follows:
                 ids.append(0)  # the device fills in the pending token
+            elif drafts:  # its one uncomputed token, then the drafts to verify
+                ids.extend(request.token_ids[start:])
+                ids.extend(drafts)
+                verify_rows.append((request, flat))
             else:
                 ids.extend(request.token_ids[start:end])
             positions.extend(range(start, end))
             rows.append(request.table_row)
             q_lens.append(count)
             kv_lens.append(end)
-            if follows or end == len(request.token_ids):
+            if not drafts and (follows or end == len(request.token_ids)):
                 sample_rows.append((request, flat + count - 1))
             first = request.prompt_logprob_start
             if first is not None:
                 # Hidden state at position p scores prompt token p + 1.
                 for p in range(max(start, first - 1, 0), min(end, request.prompt_len - 1)):
                     prompt_rows.append((request, flat + p - start, p))
-        return StepInputs(ids, positions, rows, q_lens, kv_lens, sample_rows, prompt_rows)
+        return StepInputs(ids, positions, rows, q_lens, kv_lens, sample_rows, prompt_rows,
+                          verify_rows)
 
     def _device_batch(self, inputs: StepInputs, pending: torch.Tensor | None) -> ForwardBatch:
         device = self.device
@@ -225,6 +244,43 @@ class ModelRunner:
             step._logprobs = sampler.compute_logprobs(raw, tokens, top_n)
         step.sampled = requests
         step.tokens = tokens
+
+    def _verify(self, hidden: torch.Tensor, rows: list[tuple[Request, int]],
+                step: LaunchedStep) -> None:
+        """Score every draft position of the speculating requests in one go and keep what
+        the lossless rule accepts (see speculative.verify)."""
+        requests = [r for r, _ in rows]
+        counts = [len(r.draft_tokens) for r in requests]
+        k = max(counts)
+        # Row b, position j reads flat row first_b + j; rows with fewer drafts repeat their
+        # last position (it is never compared, only padding).
+        index = [first + min(j, n) for (_, first), n in zip(rows, counts) for j in range(k + 1)]
+        logits = self.model.compute_logits(hidden[to_device(index, torch.int64, self.device)])
+        constrained = [b for b, r in enumerate(requests) if r.grammar is not None]
+        if constrained:  # each position under the grammar state the drafts before it reach
+            masks = np.concatenate([
+                state_masks(requests[b], [requests[b].draft_states[min(j, counts[b])]
+                                          for j in range(k + 1)]) for b in constrained])
+            flat_rows = [b * (k + 1) + j for b in constrained for j in range(k + 1)]
+            logits = sampler.apply_token_bitmask(
+                logits, flat_rows, to_device(torch.from_numpy(masks.view(np.int32)), torch.int32,
+                                             self.device))
+        logits = logits.view(len(rows), k + 1, self.vocab_size)
+        drafts = to_device([r.draft_tokens + [0] * (k - n) for r, n in zip(requests, counts)],
+                           torch.int64, self.device)
+        sbatch = sampler.SamplingBatch.build([r.params for r in requests],
+                                             [r.generator for r in requests],
+                                             self.vocab_size, self.device)
+        if sbatch.all_greedy:
+            verified = speculative.verify_greedy(drafts, logits, counts)
+        else:
+            draft_probs = None
+            if requests[0].draft_probs is not None:  # a draft model that sampled
+                draft_probs = torch.stack([r.draft_probs[:k] for r in requests])
+            verified = speculative.verify_sampling(
+                drafts, draft_probs, speculative.sampling_probs(logits, sbatch), counts,
+                sbatch.generators)
+        step.verified = dict(zip(requests, verified.emitted()))
 
     def _grammar_masks(self, requests: list[Request]):
         if self.grammar_masks is None:

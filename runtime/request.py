@@ -92,6 +92,13 @@ class Request:
     # masks each step's logits and follows the generated tokens.
     grammar_future: Any = None
     grammar: Any = None
+    # Speculative decoding: this step's draft tokens (computed after token_ids, verified by
+    # the step), the draft model's distributions for them ([k, V] on the device, or None for
+    # deterministic drafts), and the request's n-gram index.
+    draft_tokens: list[int] = field(default_factory=list)
+    draft_probs: Any = None
+    draft_states: list[int] | None = None  # grammar state before each draft position
+    ngram_index: Any = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -274,14 +274,14 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     temperatures = torch.where(greedy_rows, 1.0, batch.temperatures).unsqueeze(1)
     scaled = logits / temperatures
     if batch.needs_top_k or batch.needs_top_p:
-        scaled = _apply_top_k_top_p(scaled, batch)
+        scaled = apply_top_k_top_p(scaled, batch)
     if batch.needs_min_p:
-        scaled = _apply_min_p(scaled, batch.min_ps)
+        scaled = apply_min_p(scaled, batch.min_ps)
     sampled = _exponential_race(scaled, batch.generators)
     return torch.where(greedy_rows, greedy_tokens, sampled)
 
 
-def _apply_top_k_top_p(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def apply_top_k_top_p(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Mask everything below a per-row logit threshold found in one descending sort.
 
     Truncating by a threshold value (rather than by sorted position) keeps all tokens tied at
@@ -307,7 +307,7 @@ def _apply_top_k_top_p(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tens
     return scaled.masked_fill(scaled < threshold, float("-inf"))
 
 
-def _apply_min_p(scaled: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+def apply_min_p(scaled: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
     """Drop tokens with prob < min_p * max_prob.
 
     In log space that is logit - max_logit < log(min_p): no softmax needed, and the ratio is

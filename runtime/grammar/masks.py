@@ -46,6 +46,21 @@ class BatchBitmask:
         return masks.to(self.device, non_blocking=True), failed
 
 
+def state_masks(request: Request, states: Sequence[int]) -> np.ndarray:
+    """[len(states), words] uint32 masks of a request's grammar at states it has not
+    reached yet (speculative draft positions), EOS included where the grammar may end."""
+    grammar = request.grammar.grammar
+    rows = np.stack([grammar.mask(state) for state in states])
+    if _eos_allowed(request):
+        limit = grammar.mask_words * 32
+        for row, state in zip(rows, states):
+            if grammar.info(state).final:
+                for eos in request.eos_token_ids:
+                    if 0 <= eos < limit:
+                        row[eos >> 5] |= np.uint32(1 << (eos & 31))
+    return rows
+
+
 def _eos_allowed(request: Request) -> bool:
     params = request.params
     return not params.ignore_eos and request.num_output_tokens >= params.min_new_tokens

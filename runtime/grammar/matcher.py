@@ -121,13 +121,21 @@ class CompiledGrammar:
                 return True
         return False
 
-    def mask(self, state: int, guide: Any) -> np.ndarray:
+    def mask(self, state: int, guide: Any = None) -> np.ndarray:
         """The allowed-token bitmask of `state` (uint32 words, bit i of word w is token
-        32w + i), without the automaton's EOS bit. `guide` must be at `state`."""
+        32w + i), without the automaton's EOS bit. `guide`, if given, must be at `state`;
+        without one (a state a request has not reached, e.g. after speculative drafts) the
+        mask is built from the index's allowed-token list."""
         mask = self._masks.get(state)
         if mask is None:
             mask = np.zeros(self.mask_words, dtype=np.uint32)
-            guide.write_mask_into(mask.ctypes.data, mask.size, 4)
+            if guide is not None:
+                guide.write_mask_into(mask.ctypes.data, mask.size, 4)
+            else:
+                tokens = np.asarray(self.index.get_allowed_tokens(state) or (), dtype=np.int64)
+                tokens = tokens[tokens < self.mask_words * 32]
+                np.bitwise_or.at(mask, tokens >> 5,
+                                 np.left_shift(np.uint32(1), (tokens & 31).astype(np.uint32)))
             if self._eos < self.mask_words * 32:
                 mask[self._eos >> 5] &= ~np.uint32(1 << (self._eos & 31))
             if len(self._masks) < MAX_CACHED_MASKS:

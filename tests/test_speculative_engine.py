@@ -1,0 +1,140 @@
+"""Speculative decoding inside the engine: greedy output identical with and without it, for
+n-gram drafts and for a draft model (one that agrees with the target and one that mostly does
+not), KV pages accounted for after rejections, and only verified tokens in the prefix cache."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixlm.runtime import Engine, SamplingParams
+
+TEXT = ("The radix cache keeps every computed prefix in a tree of pages. A request that "
+        "shares a prefix with an earlier one reuses its pages instead of computing them.")
+PROMPTS = [
+    f"Repeat this text exactly.\n\n{TEXT}\n\nRepeated:\n{TEXT[:40]}",
+    f"{TEXT}\n\nQuote the first sentence of the text above:",
+    "1, 2, 3, 4, 5, 6, 7, 8,",
+    "The capital of France is",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n",
+]
+
+
+def mixed_params() -> list[SamplingParams]:
+    return [SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True),
+            SamplingParams(temperature=0, max_new_tokens=30),
+            SamplingParams(temperature=0, max_new_tokens=25, stop=("13",)),
+            SamplingParams(temperature=0, max_new_tokens=7, ignore_eos=True),
+            SamplingParams(temperature=0, max_new_tokens=33, ignore_eos=True)]
+
+
+def generate(model, prompts=PROMPTS, params=None, **options):
+    with Engine(str(model), max_total_tokens=8192, page_size=4, **options) as engine:
+        outputs = engine.generate(list(prompts), params or mixed_params())
+        stats = engine.stats()
+        prompt_ids = [engine.tokenizer.encode(p) for p in prompts]
+        cached = [prefix for _, prefix, _ in engine.core.cache.walk()]
+    # No page leaked: every page is free or cached, and nothing is locked.
+    assert stats["kv_pages_free"] + stats["kv_pages_cached"] == stats["kv_pages_total"]
+    assert stats["kv_pages_evictable"] == stats["kv_pages_cached"]
+    # The prefix cache holds only verified tokens: every cached path is a prefix of some
+    # request's prompt + output (a rejected draft would show up as a path of its own).
+    full = [p + o.token_ids for p, o in zip(prompt_ids, outputs)]
+    for prefix in cached:
+        assert any(seq[: len(prefix)] == list(prefix) for seq in full), \
+            "the prefix cache holds tokens no request produced"
+    return outputs, stats
+
+
+@pytest.fixture(scope="module")
+def plain(default_model_folder):
+    return generate(default_model_folder)[0]
+
+
+def test_ngram_greedy_identical_and_faster_per_forward(default_model_folder, plain):
+    outputs, stats = generate(default_model_folder, speculative="ngram")
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    assert [o.finish_reason for o in outputs] == [o.finish_reason for o in plain]
+    assert [o.text for o in outputs] == [o.text for o in plain]
+    # The extractive prompts repeat text: drafts are accepted and forwards saved.
+    assert stats["spec_accepted_tokens"] > 20
+    assert stats["spec_mean_accept_length"] > 1.5
+    assert stats["spec_drafted_tokens"] >= stats["spec_accepted_tokens"]
+
+
+def test_draft_model_that_disagrees_keeps_greedy_output(default_model_folder, tiny_chat_model,
+                                                         plain):
+    """A tiny random draft with the same tokenizer: most drafts are rejected, so every
+    rejection path (first position, middle, bonus after all) runs."""
+    outputs, stats = generate(default_model_folder, speculative="draft",
+                                    draft_model=str(tiny_chat_model),
+                                    num_speculative_tokens=3)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    assert stats["spec_drafted_tokens"] > 3 * stats["spec_accepted_tokens"]
+
+
+def test_draft_model_equal_to_target_accepts_everything(tiny_chat_model):
+    params = [SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)] * 3
+    base, _ = generate(tiny_chat_model, PROMPTS[:3], params)
+    outputs, stats = generate(tiny_chat_model, PROMPTS[:3], params, speculative="draft",
+                                    draft_model=str(tiny_chat_model), num_speculative_tokens=5)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in base]
+    assert stats["spec_acceptance_rate"] == 1.0
+    assert stats["spec_mean_accept_length"] > 4
+
+
+def test_sampling_with_a_draft_model_is_seeded_and_complete(tiny_chat_model):
+    """Rejection sampling in the engine: seeded requests give the same output on a rerun,
+    and every request runs to its length (the distribution itself is checked on the
+    acceptance rule, tests/test_speculative_rule.py)."""
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=11 + i, max_new_tokens=20,
+                             ignore_eos=True) for i in range(3)]
+    runs = [generate(tiny_chat_model, PROMPTS[:3], params, speculative="draft",
+                     draft_model=str(tiny_chat_model))[0] for _ in range(2)]
+    assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
+    assert all(len(o.token_ids) == 20 for o in runs[0])
+
+
+def test_requests_that_cannot_speculate_still_run(tiny_chat_model):
+    params = [SamplingParams(temperature=0, max_new_tokens=12, regex=r"[0-9]{3}-[a-z]{2,5}"),
+              SamplingParams(temperature=0, max_new_tokens=12, logprobs=True,
+                             ignore_eos=True),
+              SamplingParams(temperature=0, max_new_tokens=12, repetition_penalty=1.2,
+                             ignore_eos=True)]
+    base, _ = generate(tiny_chat_model, PROMPTS[:3], params)
+    outputs, _ = generate(tiny_chat_model, PROMPTS[:3], params, speculative="ngram")
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in base]
+    assert len(outputs[1].logprobs) == 12
+
+
+@pytest.mark.parametrize("options, field", [
+    ({"speculative": "draft"}, "draft_model"),
+    ({"speculative": "ngram", "draft_model": "x"}, "draft_model"),
+    ({"speculative": "medusa"}, "speculative"),
+    ({"speculative": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+])
+def test_bad_options_name_the_field(options, field):
+    with pytest.raises(ValueError, match=field):
+        Engine(**options)
+
+
+def test_ngram_under_a_grammar_is_valid_and_identical(default_model_folder):
+    """Drafts are cut where the grammar forbids them and every position is verified under
+    its own state: the output matches the schema and equals constrained decoding without
+    speculation."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 20}, "city": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer"}}, "required": ["name", "city", "age"]}
+    record = '{"name": "Alice Martin", "city": "Lyon", "age": 34}'
+    prompts = [f"Copy this record as JSON.\nRecord: {record}\nJSON: ",
+               f"Records:\n{record}\n{record.replace('Alice', 'Bob')}\nThe first one again: "]
+    params = [SamplingParams(temperature=0, max_new_tokens=60, json_schema=schema)] * 2
+    base, _ = generate(default_model_folder, prompts, params)
+    outputs, stats = generate(default_model_folder, prompts, params, speculative="ngram")
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in base]
+    for out in outputs:
+        jsonschema.validate(json.loads(out.text), schema)
+    assert stats["spec_accepted_tokens"] > 0
