@@ -44,6 +44,14 @@ ARCHITECTURE_PRESETS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 131072, "tie_word_embeddings": False,
         "use_sliding_window": False, "bos_token_id": 151643, "eos_token_id": 151643,
     },
+    # A draft model for the 8B shape (same vocabulary): speculative-decoding benchmarks.
+    "llama-3.2-1b": {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 2048,
+        "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "max_position_embeddings": 8192, "tie_word_embeddings": True,
+        "bos_token_id": 128000, "eos_token_id": 128001,
+    },
     "llama-3-70b": {
         "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 8192,
         "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,

@@ -1,0 +1,185 @@
+"""Speculative decoding against plain decoding, in one run, at batch 1.
+
+For each workload the same greedy requests run without speculation and with it; reported:
+the mean accepted length (tokens gained per target forward of a speculating request),
+target forwards per output token, the wall-clock speedup, and whether the outputs are
+identical (they must be).
+
+CPU (default model, real text):
+  extract   n-gram drafts on extractive prompts: repeat / quote / fix a passage of the
+            Python documentation (prompt lookup's home ground);
+  json      n-gram drafts under a JSON schema: copy a record given in the prompt.
+CUDA (`--device cuda`, Llama-3-8B-shaped target with random bf16 weights):
+  forced    the mechanism's cost against its gain: drafts taken from the target's own
+            greedy output (from a plain run), each draft token replaced by a wrong one with
+            probability 1 - alpha, for alpha in 0 .. 1 (random weights give no real drafts);
+  draft     a Llama-3.2-1B-shaped draft model (random weights, so it is rejected): what
+            drafting with a model costs per step.
+
+    python benchmarks/speculative.py [--k 4]
+    python benchmarks/speculative.py --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from radixlm.runtime import Engine, SamplingParams
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 40}, "city": {"type": "string", "maxLength": 40},
+    "age": {"type": "integer"}, "languages": {"type": "array", "items": {"type": "string"},
+                                              "maxItems": 4}},
+    "required": ["name", "city", "age", "languages"]}
+RECORDS = [{"name": "Alice Martin", "city": "Lyon", "age": 34, "languages": ["French", "C"]},
+           {"name": "Bob Okafor", "city": "Lagos", "age": 51, "languages": ["Yoruba"]},
+           {"name": "Chen Wei", "city": "Chengdu", "age": 27, "languages": ["Python", "Go"]},
+           {"name": "Dana Kowalski", "city": "Krakow", "age": 45, "languages": ["Polish"]}]
+
+
+def extract_prompts(engine: Engine, count: int) -> list[str]:
+    from pydoc_data.topics import topics
+
+    names = sorted(k for k, v in topics.items() if 800 < len(v) < 4000)[:count]
+    asks = ["Repeat the following text exactly.", "Quote the first paragraph of this text.",
+            "Copy this documentation, fixing nothing."]
+    prompts = []
+    for i, name in enumerate(names):
+        text = topics[name][:1200]
+        chat = [{"role": "user", "content": f"{asks[i % len(asks)]}\n\n{text}"}]
+        prompts.append(engine.apply_chat_template(chat))
+    return prompts
+
+
+def json_prompts(engine: Engine) -> list[str]:
+    return [engine.apply_chat_template([{"role": "user", "content":
+            f"Return this record as JSON, unchanged:\n{json.dumps(r)}"}]) for r in RECORDS]
+
+
+def run(engine: Engine, prompts: list, params: SamplingParams) -> dict:
+    """Batch 1: one request at a time, as a latency-bound user would."""
+    before = engine.stats()
+    start = time.perf_counter()
+    outs = [engine.generate(p, params) if isinstance(p, str)
+            else engine.generate(input_ids=p, sampling_params=params) for p in prompts]
+    seconds = time.perf_counter() - start
+    after = engine.stats()
+    tokens = sum(o.completion_tokens for o in outs)
+    steps = after["steps"] - before["steps"]
+    spec = {k: after.get(k, 0) - before.get(k, 0) for k in
+            ("spec_drafted_tokens", "spec_accepted_tokens")}
+    return {"seconds": seconds, "output_tokens": tokens, "target_forwards": steps,
+            "forwards_per_token": steps / tokens, "tokens_per_s": tokens / seconds,
+            **spec, "outputs": [o.token_ids for o in outs]}
+
+
+def compare(name: str, plain: dict, spec: dict, k: int) -> dict:
+    drafted, accepted = spec["spec_drafted_tokens"], spec["spec_accepted_tokens"]
+    row = {"workload": name, "k": k,
+           "plain_tokens_per_s": plain["tokens_per_s"], "spec_tokens_per_s": spec["tokens_per_s"],
+           "speedup": spec["tokens_per_s"] / plain["tokens_per_s"],
+           "forwards_per_token": spec["forwards_per_token"],
+           # Tokens per target forward while speculating: accepted drafts + the one token.
+           "mean_accept_length": spec["output_tokens"] / spec["target_forwards"],
+           "acceptance_rate": accepted / drafted if drafted else 0.0,
+           "identical": plain["outputs"] == spec["outputs"]}
+    print(f"{name:<22}{row['plain_tokens_per_s']:>10.1f}{row['spec_tokens_per_s']:>10.1f}"
+          f"{row['speedup']:>9.2f}x{row['mean_accept_length']:>10.2f}"
+          f"{row['forwards_per_token']:>11.3f}{row['acceptance_rate']:>9.1%}"
+          f"{'':>3}{row['identical']}")
+    return row
+
+
+def header() -> None:
+    print(f"{'workload':<22}{'plain t/s':>10}{'spec t/s':>10}{'speedup':>10}{'accept len':>10}"
+          f"{'fwd/token':>11}{'accept':>9}   identical")
+
+
+def run_cpu(args) -> list[dict]:
+    rows = []
+    greedy = SamplingParams(temperature=0, max_new_tokens=args.new_tokens)
+    constrained = SamplingParams(temperature=0, max_new_tokens=120, json_schema=SCHEMA)
+    with Engine(max_total_tokens=32768) as plain_engine, Engine(
+            max_total_tokens=32768, speculative="ngram",
+            num_speculative_tokens=args.k) as spec_engine:
+        header()
+        for name, prompts, params in (
+                ("extract (n-gram)", extract_prompts(plain_engine, args.prompts), greedy),
+                ("json schema (n-gram)", json_prompts(plain_engine), constrained)):
+            for engine in (plain_engine, spec_engine):  # warm-up, and compile the grammar
+                engine.generate(prompts[0], SamplingParams(max_new_tokens=4,
+                                                           json_schema=params.json_schema))
+            rows.append(compare(name, run(plain_engine, prompts, params),
+                                run(spec_engine, prompts, params), args.k))
+    return rows
+
+
+def run_cuda(args) -> list[dict]:
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    options = dict(load_format="dummy", device="cuda", dtype="bfloat16",
+                   max_total_tokens=65536, max_running_requests=8)
+    prompts = torch.randint(0, 128256, (args.prompts, 512), generator=gen).tolist()
+    params = SamplingParams(temperature=0, max_new_tokens=args.new_tokens, ignore_eos=True)
+    header()
+    with Engine("llama-3-8b", **options) as engine:
+        run(engine, prompts[:1], params)  # warm-up
+        plain = run(engine, prompts, params)
+    truth = {tuple(p): o for p, o in zip(prompts, plain["outputs"])}
+    with Engine("llama-3-8b", speculative="ngram", num_speculative_tokens=args.k,
+                **options) as engine:
+        speculator = engine.core.speculator
+        for alpha in (0.0, 0.5, 0.7, 0.9, 1.0):
+            rng = random.Random(0)
+
+            def oracle(request, k, alpha=alpha, rng=rng):
+                # The target's own next tokens, each wrong with probability 1 - alpha.
+                done = len(request.token_ids) - request.prompt_len
+                known = truth[tuple(request.prompt_ids)][done:done + k]
+                return [t if rng.random() < alpha else (t + 1) % 128256 for t in known]
+
+            speculator._ngram = oracle
+            run(engine, prompts[:1], params)  # warm-up at this k
+            rows.append(compare(f"forced alpha={alpha}", plain, run(engine, prompts, params),
+                                args.k))
+    with Engine("llama-3-8b", speculative="draft", draft_model="llama-3.2-1b",
+                num_speculative_tokens=args.k, **options) as engine:
+        run(engine, prompts[:1], params)
+        rows.append(compare("draft model (rejected)", plain, run(engine, prompts, params),
+                            args.k))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    rows = run_cuda(args) if args.device == "cuda" else run_cpu(args)
+    machine = (torch.cuda.get_device_name() if args.device == "cuda"
+               else platform.processor() or platform.machine())
+    record = {"benchmark": "speculative", "date": datetime.date.today().isoformat(),
+              "machine": {"device": machine, "threads": torch.get_num_threads(),
+                          "torch": torch.__version__},
+              "config": vars(args), "rows": rows}
+    tag = "h200" if args.device == "cuda" else "cpu"
+    out = Path(args.out or Path(__file__).parent / "results" /
+               f"speculative_{tag}_{record['date']}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
