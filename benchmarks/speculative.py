@@ -9,10 +9,14 @@ CPU (default model, real text):
   extract   n-gram drafts on extractive prompts: repeat / quote / fix a passage of the
             Python documentation (prompt lookup's home ground);
   json      n-gram drafts under a JSON schema: copy a record given in the prompt.
-CUDA (`--device cuda`, Llama-3-8B-shaped target with random bf16 weights):
+CUDA (`--device cuda`, Llama-3-8B-shaped target with random fp32 weights):
   forced    the mechanism's cost against its gain: drafts taken from the target's own
             greedy output (from a plain run), each draft token replaced by a wrong one with
-            probability 1 - alpha, for alpha in 0 .. 1 (random weights give no real drafts);
+            probability 1 - alpha, for alpha in 0 .. 1, at a fixed k (random weights give
+            no real drafts). fp32, because random weights make next-token distributions
+            nearly flat: in bf16 a 5-token verify step and a 1-token step round differently
+            and pick different argmaxes, so the plain run's tokens stop being the target's
+            predictions after a few steps;
   draft     a Llama-3.2-1B-shaped draft model (random weights, so it is rejected): what
             drafting with a model costs per step.
 
@@ -125,7 +129,7 @@ def run_cpu(args) -> list[dict]:
 def run_cuda(args) -> list[dict]:
     rows = []
     gen = torch.Generator().manual_seed(0)
-    options = dict(load_format="dummy", device="cuda", dtype="bfloat16",
+    options = dict(load_format="dummy", device="cuda", dtype="float32",
                    max_total_tokens=65536, max_running_requests=8)
     prompts = torch.randint(0, 128256, (args.prompts, 512), generator=gen).tolist()
     params = SamplingParams(temperature=0, max_new_tokens=args.new_tokens, ignore_eos=True)
@@ -135,7 +139,7 @@ def run_cuda(args) -> list[dict]:
         plain = run(engine, prompts, params)
     truth = {tuple(p): o for p, o in zip(prompts, plain["outputs"])}
     with Engine("llama-3-8b", speculative="ngram", num_speculative_tokens=args.k,
-                **options) as engine:
+                speculative_adaptive=False, **options) as engine:
         speculator = engine.core.speculator
         for alpha in (0.0, 0.5, 0.7, 0.9, 1.0):
             rng = random.Random(0)

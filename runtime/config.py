@@ -57,6 +57,8 @@ class EngineConfig:
     speculative: str | None = None
     draft_model: str | None = None
     num_speculative_tokens: int = 4
+    # Per request, draft fewer tokens while few are accepted (at most num_speculative_tokens).
+    speculative_adaptive: bool = True
     # Prefix cache (RadixAttention) and the waiting-queue order: "lpm" serves the longest
     # cached prefix first and lets requests that share an uncached prefix wait for it.
     disable_radix_cache: bool = False
@@ -115,6 +117,8 @@ class EngineConfig:
         if (self.speculative == "draft") != (self.draft_model is not None):
             raise ValueError("draft_model is needed for, and only for, speculative='draft'")
         _positive_int(self.num_speculative_tokens, "num_speculative_tokens")
+        if not isinstance(self.speculative_adaptive, bool):
+            raise ValueError("speculative_adaptive must be a bool")
         if self.num_speculative_tokens > 16:
             raise ValueError("num_speculative_tokens must be at most 16, "
                              f"got {self.num_speculative_tokens}")

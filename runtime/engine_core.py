@@ -68,27 +68,17 @@ class EngineCore:
                        LeaseTable(self.cache, int(num_pages * config.lease_memory_fraction)))
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(loaded.model, attn, self.kv_cache, self.table, device)
+        # Verify steps replay as one decode row per token: up to 1 + k rows per request.
+        rows = config.max_running_requests * (1 + (config.num_speculative_tokens
+                                                    if config.speculative else 0))
+        self._graph_args = (dict(scratch_slot=num_pages * config.page_size,
+                                 max_batch_size=rows, max_len=self.max_model_len)
+                            if graphs else None)
         if graphs:
-            self.runner.cuda_graphs = DecodeGraphs(
-                loaded.model, attn, self.kv_cache, self.table,
-                scratch_slot=num_pages * config.page_size,
-                max_batch_size=config.max_running_requests, max_len=self.max_model_len)
-        self.speculator = None
-        if config.speculative is not None:
-            draft_model = None
-            if draft is not None:
-                draft_model = DraftModel(
-                    draft.model, create_backend(config.attention_backend,
-                                                scale=draft.config.head_dim ** -0.5,
-                                                device=device, dtype=dtype,
-                                                head_dim=draft.config.head_dim),
-                    KVCache(draft.config.num_layers, self.kv_cache.k.shape[1],
-                            draft.config.num_kv_heads, draft.config.head_dim, dtype, device,
-                            config.page_size),
-                    self.table, mc.vocab_size)
-                self.runner.draft = draft_model
-            self.speculator = Speculator(config.speculative, config.num_speculative_tokens,
-                                         self.kv, config.max_num_batched_tokens, draft_model)
+            self.runner.cuda_graphs = DecodeGraphs(loaded.model, attn, self.kv_cache,
+                                                   self.table, **self._graph_args)
+        self.speculator = (None if config.speculative is None
+                           else self._build_speculator(draft, mc.vocab_size, dtype))
         self.requests: dict[str, Request] = {}
         self.counters: Counter[str] = Counter()
         self.tokenizer = loaded.tokenizer
@@ -101,6 +91,26 @@ class EngineCore:
             config.overlap_schedule == "on"
             or config.overlap_schedule == "auto" and device.type == "cuda")
         self._inflight: LaunchedStep | None = None  # launched, not yet post-processed
+
+    def _build_speculator(self, draft: LoadedModel | None, vocab_size: int,
+                          dtype: torch.dtype) -> Speculator:
+        config, device = self.config, self.device
+        draft_model = None
+        if draft is not None:
+            dc = draft.config
+            attn = create_backend(config.attention_backend, scale=dc.head_dim ** -0.5,
+                                  device=device, dtype=dtype, head_dim=dc.head_dim)
+            # Same slots as the target's pool (scratch page included): see draft_model.
+            kv_cache = KVCache(dc.num_layers, self.kv_cache.k.shape[1], dc.num_kv_heads,
+                               dc.head_dim, dtype, device, config.page_size)
+            draft_model = DraftModel(draft.model, attn, kv_cache, self.table, vocab_size)
+            if self._graph_args is not None:
+                draft_model.cuda_graphs = DecodeGraphs(draft.model, attn, kv_cache, self.table,
+                                                       **self._graph_args)
+            self.runner.draft = draft_model
+        return Speculator(config.speculative, config.num_speculative_tokens, self.kv,
+                          config.max_num_batched_tokens, draft_model,
+                          config.speculative_adaptive)
 
     # -- requests in and out -------------------------------------------------------------
 

@@ -132,16 +132,18 @@ class ModelRunner:
         sample_rows, prompt_rows = inputs.sample_rows, inputs.prompt_rows
         pending = scheduled.pending_tokens
         graphs = self.cuda_graphs
+        token_rows = (None if graphs is None or prompt_rows
+                      else _one_row_per_token(scheduled, inputs, graphs.max_bs))
         batch = None
-        if graphs is not None and not prompt_rows and graphs.fits(inputs.q_lens):
-            hidden = graphs.forward(scheduled.requests, inputs.input_ids, inputs.positions,
-                                    inputs.rows, inputs.kv_lens, pending)
+        if token_rows is not None:
+            hidden = graphs.forward(*token_rows, pending)
         else:
             batch = self._device_batch(inputs, pending)
             self.attn.plan(batch)
             hidden = self.model(batch, self.attn)
         if self.draft is not None:  # the draft's KV follows the target's, slot for slot
-            self.draft.extend(batch or self._device_batch(inputs, pending))
+            self.draft.extend(token_rows, lambda: batch or self._device_batch(inputs, pending),
+                              pending)
         step = LaunchedStep(scheduled, self.device)
         if sample_rows:
             self._sample(hidden, sample_rows, step)
@@ -295,6 +297,27 @@ class ModelRunner:
         raw = self.model.compute_logits(hidden[index])
         top_n = max(r.params.top_logprobs_num for r, _, _ in rows)
         step._prompt = (rows, targets, *sampler.compute_logprobs(raw, targets, top_n))
+
+
+def _one_row_per_token(scheduled: ScheduledBatch, inputs: StepInputs, limit: int):
+    """A step of decode tokens and speculative verifications as one decode row per token,
+    the form CUDA graphs replay: (requests, input ids, positions, slot-table rows, kv lens),
+    or None when a prefill chunk is in it or it has more than `limit` tokens.
+
+    Draft position j of a sequence becomes a row of its own whose context ends at that
+    position. Each layer stores the K/V of every new token before attention reads any, so
+    these rows attend exactly as the causal verify step would."""
+    if len(inputs.input_ids) > limit:
+        return None
+    requests, rows, kv_lens = [], [], []
+    for request, row, q_len, kv_len in zip(scheduled.requests, inputs.rows, inputs.q_lens,
+                                           inputs.kv_lens):
+        if q_len > 1 and not request.draft_tokens:
+            return None
+        requests.extend([request] * q_len)
+        rows.extend([row] * q_len)
+        kv_lens.extend(range(kv_len - q_len + 1, kv_len + 1))
+    return requests, inputs.input_ids, inputs.positions, rows, kv_lens
 
 
 def _entries(requests: list[Request], tokens: torch.Tensor, chosen: torch.Tensor,

@@ -99,6 +99,7 @@ class Request:
     draft_probs: Any = None
     draft_states: list[int] | None = None  # grammar state before each draft position
     ngram_index: Any = None
+    draft_length: Any = None  # a speculative.AdaptiveK: how many drafts to propose
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -12,7 +12,7 @@ draft's prefix cache is the target's radix tree.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -34,10 +34,18 @@ class DraftModel:
         self.table = table
         self.vocab_size = target_vocab_size
         self.device = kv_cache.k.device
+        self.cuda_graphs = None  # a cuda_graph.DecodeGraphs of the draft, set on CUDA
 
-    def extend(self, batch: ForwardBatch) -> None:
-        """Compute the draft's KV for the target's step (same tokens, positions, slots)."""
-        draft_batch = dataclasses.replace(batch, kv_cache=self.kv_cache)
+    def extend(self, token_rows: tuple | None, eager_batch: Callable[[], ForwardBatch],
+               pending_tokens: torch.Tensor | None = None) -> None:
+        """Compute the draft's KV for the target's step (same tokens, positions, slots):
+        replayed as one decode row per token when the target's step could be
+        (`token_rows`, see model_runner), else eagerly on the target's batch."""
+        graphs = self.cuda_graphs
+        if token_rows is not None and graphs is not None:
+            graphs.forward(*token_rows, pending_tokens)
+            return
+        draft_batch = dataclasses.replace(eager_batch(), kv_cache=self.kv_cache)
         self.attn.plan(draft_batch)
         self.model(draft_batch, self.attn)
 
@@ -54,24 +62,35 @@ class DraftModel:
         params = [r.params for r in requests]
         sbatch = sampler.SamplingBatch.build(params, [r.generator for r in requests],
                                              self.vocab_size, device)
-        rows_t = to_device(rows, torch.int64, device)
         tokens = to_device([r.token_ids[-1] for r in requests], torch.int64, device)
         drafts, probs = [], []
         for step in range(k):
-            positions = to_device([s + step for s in starts], torch.int64, device)
-            kv_lens = [s + step + 1 for s in starts]
-            batch = ForwardBatch(
-                input_ids=tokens, positions=positions, q_lens=[1] * len(requests),
-                kv_lens=kv_lens, out_slots=self.table.table[rows_t, positions],
-                slot_table=self.table.table[rows_t, : max(kv_lens)], kv_cache=self.kv_cache)
-            self.attn.plan(batch)
-            logits = self._fit_vocab(self.model.compute_logits(self.model(batch, self.attn)))
+            positions = [s + step for s in starts]
+            hidden = self._decode(requests, tokens, positions, rows)
+            logits = self._fit_vocab(self.model.compute_logits(hidden))
             tokens = sampler.sample(logits, sbatch)
             drafts.append(tokens)
             if not sbatch.all_greedy:
                 probs.append(sampling_probs(logits[:, None], sbatch)[:, 0])
         proposal = torch.stack(drafts, dim=1).tolist()  # [B, k]
         return proposal, (torch.stack(probs, dim=1) if probs else None)
+
+    def _decode(self, requests: Sequence[Request], tokens: torch.Tensor, positions: list[int],
+                rows: list[int]) -> torch.Tensor:
+        """One decode step of the draft: hidden states [len(requests), d]."""
+        kv_lens = [p + 1 for p in positions]
+        graphs = self.cuda_graphs
+        if graphs is not None and len(requests) <= graphs.max_bs:
+            return graphs.forward(requests, [0] * len(requests), positions, rows, kv_lens,
+                                  tokens)
+        rows_t = to_device(rows, torch.int64, self.device)
+        positions_t = to_device(positions, torch.int64, self.device)
+        batch = ForwardBatch(
+            input_ids=tokens, positions=positions_t, q_lens=[1] * len(requests),
+            kv_lens=kv_lens, out_slots=self.table.table[rows_t, positions_t],
+            slot_table=self.table.table[rows_t, : max(kv_lens)], kv_cache=self.kv_cache)
+        self.attn.plan(batch)
+        return self.model(batch, self.attn)
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits over the target's vocabulary: ids only the draft has are dropped,

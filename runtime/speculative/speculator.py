@@ -24,12 +24,12 @@ from radixlm.runtime.kv_manager import KVManager
 from radixlm.runtime.request import Request
 from radixlm.runtime.scheduler import ScheduledBatch
 from radixlm.runtime.speculative.draft_model import DraftModel
-from radixlm.runtime.speculative.ngram import NgramIndex, truncate_to_grammar
+from radixlm.runtime.speculative.ngram import AdaptiveK, NgramIndex, truncate_to_grammar
 
 
 class Speculator:
     def __init__(self, method: str, k: int, kv: KVManager, max_step_tokens: int,
-                 draft: DraftModel | None = None) -> None:
+                 draft: DraftModel | None = None, adaptive: bool = True) -> None:
         if (method == "draft") != (draft is not None):
             raise ValueError("a draft model is needed for, and only for, method='draft'")
         self.method = method
@@ -37,6 +37,7 @@ class Speculator:
         self.kv = kv
         self.max_step_tokens = max_step_tokens
         self.draft = draft
+        self.adaptive = adaptive
         self.counters: Counter[str] = Counter()
 
     def propose(self, scheduled: ScheduledBatch) -> None:
@@ -46,7 +47,7 @@ class Speculator:
         chosen: list[tuple[int, Request, int]] = []  # (index in the step, request, k)
         for index, (request, count) in enumerate(zip(scheduled.requests,
                                                      scheduled.num_new_tokens)):
-            k = min(self.k, request.remaining_new_tokens - 1, budget)
+            k = min(self._draft_length(request), request.remaining_new_tokens - 1, budget)
             if (count != 1 or request.num_uncomputed != 1 or k <= 0 or not _eligible(request)
                     or request.grammar is not None and self.draft is not None):
                 continue
@@ -77,6 +78,8 @@ class Speculator:
         """Account one verification (`emitted`: accepted drafts, then one more token) and
         drop the drafts; pages past the request's tokens go back to the free list."""
         if request.draft_tokens:
+            if request.draft_length is not None:
+                request.draft_length.update(len(request.draft_tokens), len(emitted) - 1)
             self.counters["verified_requests"] += 1
             self.counters["accepted_tokens"] += len(emitted) - 1
             self.counters["emitted_tokens"] += len(emitted)
@@ -96,6 +99,13 @@ class Speculator:
             "spec_mean_accept_length": (self.counters["emitted_tokens"] / verified
                                         if verified else 0.0),
         }
+
+    def _draft_length(self, request: Request) -> int:
+        if not self.adaptive:
+            return self.k
+        if request.draft_length is None:
+            request.draft_length = AdaptiveK(self.k)
+        return request.draft_length.k
 
     def _ngram(self, request: Request, k: int) -> list[int]:
         index = request.ngram_index
