@@ -17,6 +17,10 @@ CUDA (`--device cuda`, Llama-3-8B-shaped target with random fp32 weights):
             nearly flat: in bf16 a 5-token verify step and a 1-token step round differently
             and pick different argmaxes, so the plain run's tokens stop being the target's
             predictions after a few steps;
+  forced-bf16  the same in bf16, with the verification outcome forced too: the first a
+            drafts are accepted with a ~ Geometric(alpha) (capped at k), whatever the model
+            says, so the output is not the model's; this measures what a step of the
+            mechanism costs at the dtype that is served;
   draft     a Llama-3.2-1B-shaped draft model (random weights, so it is rejected): what
             drafting with a model costs per step.
 
@@ -36,8 +40,9 @@ from pathlib import Path
 
 import torch
 
-from radixlm.runtime import Engine, SamplingParams
+from radixlm.runtime import Engine, SamplingParams, speculative
 
+VERIFY_GREEDY = speculative.verify_greedy
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40}, "city": {"type": "string", "maxLength": 40},
     "age": {"type": "integer"}, "languages": {"type": "array", "items": {"type": "string"},
@@ -126,39 +131,64 @@ def run_cpu(args) -> list[dict]:
     return rows
 
 
+def forced_verifier(alpha: float, rng: random.Random):
+    """A stand-in for verify_greedy that accepts the first a drafts, a ~ Geometric(alpha)
+    capped at the row's drafts, then emits the target's argmax at position a."""
+    def verify(drafts, logits, counts):
+        accepted = []
+        for n in counts:
+            a = 0
+            while a < n and rng.random() < alpha:
+                a += 1
+            accepted.append(a)
+        out = logits.argmax(dim=-1)
+        out[:, : drafts.shape[1]] = torch.where(
+            torch.arange(drafts.shape[1], device=drafts.device)[None] < torch.tensor(
+                accepted, device=drafts.device)[:, None], drafts, out[:, : drafts.shape[1]])
+        a = torch.tensor(accepted, device=drafts.device)
+        out = out.masked_fill(torch.arange(out.shape[1], device=out.device)[None] > a[:, None],
+                              speculative.PAD_TOKEN)
+        return speculative.Verified(a, out)
+    return verify
+
+
 def run_cuda(args) -> list[dict]:
     rows = []
     gen = torch.Generator().manual_seed(0)
-    options = dict(load_format="dummy", device="cuda", dtype="float32",
-                   max_total_tokens=65536, max_running_requests=8)
     prompts = torch.randint(0, 128256, (args.prompts, 512), generator=gen).tolist()
     params = SamplingParams(temperature=0, max_new_tokens=args.new_tokens, ignore_eos=True)
     header()
-    with Engine("llama-3-8b", **options) as engine:
-        run(engine, prompts[:1], params)  # warm-up
-        plain = run(engine, prompts, params)
-    truth = {tuple(p): o for p, o in zip(prompts, plain["outputs"])}
-    with Engine("llama-3-8b", speculative="ngram", num_speculative_tokens=args.k,
-                speculative_adaptive=False, **options) as engine:
-        speculator = engine.core.speculator
-        for alpha in (0.0, 0.5, 0.7, 0.9, 1.0):
-            rng = random.Random(0)
+    for dtype in ("float32", "bfloat16"):
+        options = dict(load_format="dummy", device="cuda", dtype=dtype,
+                       max_total_tokens=65536, max_running_requests=8)
+        with Engine("llama-3-8b", **options) as engine:
+            run(engine, prompts[:1], params)  # warm-up
+            plain = run(engine, prompts, params)
+        truth = {tuple(p): o for p, o in zip(prompts, plain["outputs"])}
+        with Engine("llama-3-8b", speculative="ngram", num_speculative_tokens=args.k,
+                    speculative_adaptive=False, **options) as engine:
+            speculator = engine.core.speculator
+            for alpha in (0.0, 0.5, 0.7, 0.9, 1.0):
+                rng = random.Random(0)
 
-            def oracle(request, k, alpha=alpha, rng=rng):
-                # The target's own next tokens, each wrong with probability 1 - alpha.
-                done = len(request.token_ids) - request.prompt_len
-                known = truth[tuple(request.prompt_ids)][done:done + k]
-                return [t if rng.random() < alpha else (t + 1) % 128256 for t in known]
+                def oracle(request, k, alpha=alpha, rng=rng):
+                    # The target's own next tokens, each wrong with probability 1 - alpha.
+                    done = len(request.token_ids) - request.prompt_len
+                    known = truth[tuple(request.prompt_ids)][done:done + k]
+                    return [t if rng.random() < alpha else (t + 1) % 128256 for t in known]
 
-            speculator._ngram = oracle
-            run(engine, prompts[:1], params)  # warm-up at this k
-            rows.append(compare(f"forced alpha={alpha}", plain, run(engine, prompts, params),
+                speculator._ngram = oracle
+                if dtype == "bfloat16":
+                    speculative.verify_greedy = forced_verifier(alpha, random.Random(1))
+                run(engine, prompts[:1], params)  # warm-up at this k
+                name = f"{'forced' if dtype == 'float32' else 'forced-bf16'} alpha={alpha}"
+                rows.append(compare(name, plain, run(engine, prompts, params), args.k))
+            speculative.verify_greedy = VERIFY_GREEDY
+        with Engine("llama-3-8b", speculative="draft", draft_model="llama-3.2-1b",
+                    num_speculative_tokens=args.k, **options) as engine:
+            run(engine, prompts[:1], params)
+            rows.append(compare(f"draft model {dtype}", plain, run(engine, prompts, params),
                                 args.k))
-    with Engine("llama-3-8b", speculative="draft", draft_model="llama-3.2-1b",
-                num_speculative_tokens=args.k, **options) as engine:
-        run(engine, prompts[:1], params)
-        rows.append(compare("draft model (rejected)", plain, run(engine, prompts, params),
-                            args.k))
     return rows
 
 

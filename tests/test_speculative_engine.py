@@ -138,3 +138,20 @@ def test_ngram_under_a_grammar_is_valid_and_identical(default_model_folder):
     for out in outputs:
         jsonschema.validate(json.loads(out.text), schema)
     assert stats["spec_accepted_tokens"] > 0
+
+
+def test_draft_model_under_a_grammar_is_valid_and_identical(tiny_chat_model):
+    """The draft samples under the grammar's masks; greedy output equals constrained decoding
+    without speculation, and sampled output stays valid."""
+    regex = r"(ab|cd|[0-9]{2}){2,12}"
+    greedy = [SamplingParams(temperature=0, max_new_tokens=30, regex=regex)] * 2
+    sampled = [SamplingParams(temperature=1.0, seed=4, max_new_tokens=30, regex=regex)]
+    params = greedy + sampled
+    base, _ = generate(tiny_chat_model, PROMPTS[:3], params)
+    outputs, stats = generate(tiny_chat_model, PROMPTS[:3], params, speculative="draft",
+                              draft_model=str(tiny_chat_model))
+    assert [o.token_ids for o in outputs[:2]] == [o.token_ids for o in base[:2]]
+    import re
+    for out in outputs:
+        assert re.fullmatch(regex, out.text), out.text
+    assert stats["spec_accepted_tokens"] > 0

@@ -14,10 +14,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from radixlm.runtime import sampler
 from radixlm.runtime.attention.base import AttentionBackend, ForwardBatch
+from radixlm.runtime.grammar.masks import state_masks
 from radixlm.runtime.host_copy import to_device
 from radixlm.runtime.memory import KVCache, ReqToTokenTable
 from radixlm.runtime.models.llama import LlamaForCausalLM
@@ -55,7 +57,11 @@ class DraftModel:
         """k draft tokens for each request, sampled as the request's own parameters ask
         (greedy rows take the argmax), and the distributions they were drawn from ([B, k, V],
         None when every row is greedy). Each request has exactly one uncomputed token (its
-        last), and pages for len(token_ids) + k - 1 tokens."""
+        last), and pages for len(token_ids) + k - 1 tokens.
+
+        A request with a grammar drafts under it: each step masks its row with the state its
+        drafts so far reach (read back to the host, so such steps sync once each). Past a
+        draft the grammar cannot follow (EOS), its row runs unmasked and is cut later."""
         device = self.device
         rows = [r.table_row for r in requests]
         starts = [len(r.token_ids) - 1 for r in requests]
@@ -63,12 +69,27 @@ class DraftModel:
         sbatch = sampler.SamplingBatch.build(params, [r.generator for r in requests],
                                              self.vocab_size, device)
         tokens = to_device([r.token_ids[-1] for r in requests], torch.int64, device)
+        states = {b: r.grammar.state for b, r in enumerate(requests) if r.grammar is not None}
         drafts, probs = [], []
         for step in range(k):
             positions = [s + step for s in starts]
             hidden = self._decode(requests, tokens, positions, rows)
             logits = self._fit_vocab(self.model.compute_logits(hidden))
+            if states:
+                masked = list(states)
+                masks = np.concatenate([state_masks(requests[b], [states[b]]) for b in masked])
+                logits = sampler.apply_token_bitmask(
+                    logits, masked, to_device(torch.from_numpy(masks.view(np.int32)),
+                                              torch.int32, device))
             tokens = sampler.sample(logits, sbatch)
+            if states:
+                sampled = tokens.tolist()
+                for b in list(states):
+                    following = requests[b].grammar.grammar.next_state(states[b], sampled[b])
+                    if following is None:
+                        del states[b]
+                    else:
+                        states[b] = following
             drafts.append(tokens)
             if not sbatch.all_greedy:
                 probs.append(sampling_probs(logits[:, None], sbatch)[:, 0])

@@ -8,12 +8,12 @@ the same forward; the engine core appends what was accepted and `finish` hands t
 rejected drafts back. The radix cache only ever sees verified tokens: `num_computed_tokens`
 advances over a draft only once it is accepted.
 
-With a grammar (regex, JSON schema), n-gram drafts are cut at their first token the grammar
-forbids, and verification masks each position with the grammar's state after the drafts
-before it (`request.draft_states`); the tokens a grammar forces are appended by jump-forward
-without drafting. Requests whose next-token distribution depends on tokens not yet verified
-(penalties, a `min_new_tokens` ban), that ask for logprobs, or that follow a grammar under a
-draft model decode one token at a time.
+With a grammar (regex, JSON schema), a draft model samples its drafts under the grammar's
+masks, n-gram drafts are cut at their first token the grammar forbids, and verification
+masks each position with the grammar's state after the drafts before it
+(`request.draft_states`); the tokens a grammar forces are appended by jump-forward without
+drafting. Requests whose next-token distribution depends on tokens not yet verified
+(penalties, a `min_new_tokens` ban) or that ask for logprobs decode one token at a time.
 """
 
 from __future__ import annotations
@@ -48,8 +48,7 @@ class Speculator:
         for index, (request, count) in enumerate(zip(scheduled.requests,
                                                      scheduled.num_new_tokens)):
             k = min(self._draft_length(request), request.remaining_new_tokens - 1, budget)
-            if (count != 1 or request.num_uncomputed != 1 or k <= 0 or not _eligible(request)
-                    or request.grammar is not None and self.draft is not None):
+            if count != 1 or request.num_uncomputed != 1 or k <= 0 or not _eligible(request):
                 continue
             # Pages for the drafts the target verifies (and the draft model writes).
             if not self.kv.grow(request, len(request.token_ids) + k):
