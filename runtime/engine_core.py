@@ -12,7 +12,6 @@ meanwhile, and each step attaches the grammars that became ready.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import Counter
@@ -26,12 +25,13 @@ from radixlm.runtime.attention.base import create_backend
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.cuda_graph import DecodeGraphs
 from radixlm.runtime.grammar.spec import GrammarSpec
-from radixlm.runtime.host_copy import to_device
 from radixlm.runtime.kv_manager import KVManager
+from radixlm.runtime.kv_sizing import max_model_len, pool_pages
 from radixlm.runtime.leases import LeaseTable
 from radixlm.runtime.loader import LoadedModel
 from radixlm.runtime.memory import KVCache, PageAllocator, ReqToTokenTable
 from radixlm.runtime.model_runner import LaunchedStep, ModelRunner, StepResult
+from radixlm.runtime.overlap import follow_up_batch
 from radixlm.runtime.radix_cache import RadixCache
 from radixlm.runtime.request import Request, RequestStatus
 from radixlm.runtime.scheduler import ScheduledBatch, Scheduler
@@ -48,8 +48,8 @@ class EngineCore:
         self.config = config
         self.device = device
         self.page_size = config.page_size
-        num_pages = _pool_pages(config, [mc] + ([draft.config] if draft else []), dtype, device)
-        self.max_model_len = _max_model_len(config, mc, num_pages * config.page_size)
+        num_pages = pool_pages(config, [mc] + ([draft.config] if draft else []), dtype, device)
+        self.max_model_len = max_model_len(config, mc, num_pages * config.page_size)
         attn = create_backend(config.attention_backend, scale=mc.head_dim ** -0.5,
                               device=device, dtype=dtype, head_dim=mc.head_dim)
         graphs = (device.type == "cuda" and not config.disable_cuda_graph
@@ -199,40 +199,9 @@ class EngineCore:
         return scheduled.num_tokens
 
     def _follow_up(self, prev: LaunchedStep) -> LaunchedStep | None:
-        """Launch the step after `prev` before prev's tokens reach the host: every request
-        prev sampled for decodes the token prev sampled, read on the device.
-
-        Only when that is the step the scheduler would pick anyway: every running request was
-        sampled (none is prefilling), nobody waits for admission while there is room, and no
-        request needs its newest token on the host to sample the next (a grammar mask,
-        penalties, a min_new_tokens ban). A request whose prev token is its last by length is
-        left out. A stop string or EOS is only seen once prev is post-processed: that
-        request's follow-up token is computed and dropped."""
-        scheduler, config = self.scheduler, self.config
-        requests = prev.sampled
-        if (prev.tokens is None or prev.failed or len(requests) != len(scheduler.running)
-                or len(requests) > config.max_num_batched_tokens or self._grammar_waiting
-                or scheduler.waiting
-                and len(scheduler.running) < config.max_running_requests):
-            return None
-        keep = []
-        for index, request in enumerate(requests):
-            params = request.params
-            if (request.finished or request.grammar is not None or params.has_penalties
-                    or request.num_output_tokens + 1 < params.min_new_tokens):
-                return None
-            if (request.num_output_tokens + 1 < params.max_new_tokens
-                    and len(request.token_ids) + 1 < request.max_total_len):
-                keep.append(index)
-        followers = [requests[i] for i in keep]
-        if not followers:
-            return None
-        for request in followers:  # room for the pending token, at position len(token_ids)
-            if not self.kv.grow(request, len(request.token_ids) + 1):
-                return None
-        tokens = (prev.tokens if len(keep) == len(requests)
-                  else prev.tokens[to_device(keep, torch.int64, self.device)])
-        return self._launch(ScheduledBatch(followers, [1] * len(followers), tokens))
+        batch = follow_up_batch(prev, self.scheduler, self.kv, self.config,
+                                bool(self._grammar_waiting))
+        return None if batch is None else self._launch(batch)
 
     def _launch(self, scheduled: ScheduledBatch) -> LaunchedStep | None:
         try:
@@ -465,35 +434,3 @@ class EngineCore:
             **(self.speculator.stats() if self.speculator is not None else {}),
             **(self._grammar.stats() if self._grammar is not None else {}),
         }
-
-
-def _pool_pages(config: EngineConfig, models: list[Any], dtype: torch.dtype,
-                device: torch.device) -> int:
-    """Pages in the KV pool. A slot holds the KV of every model given (the target, and a
-    draft model that shares its slots)."""
-    if config.max_total_tokens is not None:
-        return config.max_total_tokens // config.page_size
-    per_slot = sum(KVCache.bytes_per_slot(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
-                   for mc in models)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-    else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    budget = int(free * config.kv_cache_memory_fraction)
-    # On CPU the pool shares memory with everything else on the machine: cap it at 1 GiB
-    # unless max_total_tokens asks for more.
-    if device.type != "cuda":
-        budget = min(budget, 1 << 30)
-    return max(1, budget // per_slot // config.page_size)
-
-
-def _max_model_len(config: EngineConfig, mc: Any, pool_tokens: int) -> int:
-    limit = mc.max_position_embeddings
-    if mc.sliding_window:  # full attention is only exact inside the window
-        limit = min(limit, mc.sliding_window)
-    if config.max_model_len is not None:
-        if config.max_model_len > limit:
-            raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
-                             f"limit ({limit})")
-        limit = config.max_model_len
-    return min(limit, pool_tokens)
