@@ -63,3 +63,35 @@ def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     sin = sin.reshape(x.shape[0], 1, -1).to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def dequantize_int_reference(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                             group_size: int, bits: int) -> torch.Tensor:
+    """Our runtime INT layout (qweight [K / pack, N] int32 packed along K, low bits first;
+    scales/zeros [G, N]) -> W [K, N] in the scales' dtype, element by element:
+    W[k, n] = (q[k, n] - zeros[k // group, n]) * scales[k // group, n]."""
+    pack = 32 // bits
+    k = torch.arange(qweight.shape[0] * pack, device=qweight.device)
+    word = qweight[k // pack]  # [K, N]
+    q = (word >> ((k % pack) * bits)[:, None]) & ((1 << bits) - 1)
+    group = k // group_size
+    return (q - zeros[group].to(torch.int32)).to(scales.dtype) * scales[group]
+
+
+def w4a16_matmul_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                           zeros: torch.Tensor, group_size: int, bits: int = 4) -> torch.Tensor:
+    """x [M, K] @ the dequantized weight, accumulated in float32, rounded to x's dtype."""
+    w = dequantize_int_reference(qweight, scales, zeros, group_size, bits)
+    return (x.float() @ w.to(x.dtype).float()).to(x.dtype)
+
+
+def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor,
+                         weight_scale: torch.Tensor) -> torch.Tensor:
+    """W8A8 FP8 with dynamic per-token activation scales, in float64: x [M, K] is scaled by
+    max|row| / 448 and rounded to e4m3; the e4m3 weight [N, K] carries a scale per row."""
+    fp8 = torch.float8_e4m3fn
+    fmax = torch.finfo(fp8).max
+    scale = (x.double().abs().amax(-1, keepdim=True) / fmax).clamp(min=1e-12)
+    x8 = (x.double() / scale).clamp(-fmax, fmax).to(fp8)
+    out = (x8.double() * scale) @ (weight.double() * weight_scale.double()[:, None]).t()
+    return out.to(x.dtype)

@@ -1,9 +1,10 @@
-"""The `radixlm` command. Subcommands: `generate`, `models`, `serve`.
+"""The `radixlm` command. Subcommands: `generate`, `models`, `serve`, `quantize`.
 
     radixlm generate "The capital of France is" --max-new-tokens 16 --temperature 0
     radixlm generate --chat "Write a haiku about the sea." --stream
     radixlm models
     radixlm serve --port 30000          (the HTTP server; see docs/server.md)
+    radixlm quantize --method awq --out smollm2-awq     (see docs/quantization.md)
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--max-total-tokens", type=int, default=None,
                         help="KV pool size in tokens (default: sized from free memory)")
+    parser.add_argument("--quantization", default=None,
+                        choices=["fp8", "int8", "awq", "gptq"],
+                        help="quantized linears (default: what the checkpoint declares)")
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -32,7 +36,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             stop=tuple(args.stop or ()))
     with Engine(args.model, dtype=args.dtype, device=args.device,
-                max_total_tokens=args.max_total_tokens) as engine:
+                max_total_tokens=args.max_total_tokens,
+                quantization=args.quantization) as engine:
         texts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
         # Chat prompts are token ids: the template already holds the special tokens.
         prompts = ([{"input_ids": engine.encode_chat([{"role": "user", "content": t}])}
@@ -65,6 +70,12 @@ def _cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_quantize(args: argparse.Namespace) -> int:
+    from radixlm.runtime.quantization.command import run_quantize
+
+    return run_quantize(args)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from radixlm.runtime.server.launch import serve
 
@@ -72,6 +83,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from radixlm.runtime.quantization.command import add_quantize_args
     from radixlm.runtime.server.args import add_serve_args
 
     parser = argparse.ArgumentParser(prog="radixlm", description="radixlm LLM runtime")
@@ -94,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
                                          "routes)")
     add_serve_args(serve)
     serve.set_defaults(func=_cmd_serve)
+    quantize = sub.add_parser("quantize", help="quantize a model (RTN, AWQ or GPTQ) into an "
+                                               "AWQ/GPTQ-format checkpoint")
+    add_quantize_args(quantize)
+    quantize.set_defaults(func=_cmd_quantize)
     return parser
 
 

@@ -29,6 +29,9 @@ class EngineConfig:
     dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # cuda when available, else cpu
     seed: int = 0  # seeds requests that have no seed of their own, and dummy weights
+    # Quantized decoder linears: fp8 (W8A8) or int8 (weight-only) quantize any checkpoint on
+    # load; awq and gptq need such a checkpoint. None: what config.json declares, if anything.
+    quantization: str | None = None
     # Paged KV memory. The pool holds `max_total_tokens` token slots in pages of `page_size`;
     # when it is None the pool is sized from `kv_cache_memory_fraction` of the free memory.
     page_size: int = 16
@@ -84,6 +87,8 @@ class EngineConfig:
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"model must be a string or None, got {type(self.model).__name__}")
         _one_of(self.load_format, LOAD_FORMATS, "load_format")
+        if self.quantization is not None:
+            _one_of(self.quantization, ("fp8", "int8", "awq", "gptq"), "quantization")
         _one_of(self.dtype, ("auto", *DTYPES), "dtype")
         _one_of(self.attention_backend, ATTENTION_BACKENDS, "attention_backend")
         _one_of(self.schedule_policy, SCHEDULE_POLICIES, "schedule_policy")

@@ -50,7 +50,7 @@ class Engine:
         self._seeds = random.Random(self.config.seed)
         loaded = load_model(self.config.model, self.config.load_format, self.dtype,
                             self.device, max_positions=self.config.max_model_len,
-                            seed=self.config.seed)
+                            seed=self.config.seed, quantization=self.config.quantization)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         draft = self._load_draft(loaded) if self.config.speculative == "draft" else None

@@ -16,8 +16,10 @@ from typing import Any, Iterator
 
 import torch
 
+from radixlm.runtime.layers.linear import Linear
 from radixlm.runtime.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from radixlm.runtime.models.llama import LlamaForCausalLM
+from radixlm.runtime.quantization.config import resolve_quant_config
 
 log = logging.getLogger(__name__)
 
@@ -128,20 +130,24 @@ def _download(repo_id: str) -> Path:
 
 def load_model(model: str | None, load_format: str, dtype: torch.dtype,
                device: torch.device, max_positions: int | None = None,
-               seed: int = 0) -> LoadedModel:
+               seed: int = 0, quantization: str | None = None) -> LoadedModel:
+    """Build the model and fill its weights. `quantization` forces a method (fp8, int8, awq,
+    gptq); None takes whatever the checkpoint's config.json declares, if anything."""
     if load_format == "dummy" and model in ARCHITECTURE_PRESETS:
         config, folder, tokenizer = ModelConfig.from_dict(ARCHITECTURE_PRESETS[model]), None, None
     else:
         folder = resolve_model(model)
         config = ModelConfig.from_folder(folder)
         tokenizer = _load_tokenizer(folder)
+    quant = resolve_quant_config(quantization, config.raw, dummy=load_format == "dummy")
     positions = max_positions or config.max_position_embeddings
     with torch.device(device):
-        net = LlamaForCausalLM(config, dtype, positions)
+        net = LlamaForCausalLM(config, dtype, positions, quant)
     if load_format == "dummy":
         _init_dummy(net, seed)
     else:
         _load_checkpoint(net, folder)
+    _process_quantized_weights(net)
     net.eval()
     # Fused Triton norms, activation and rotary on CUDA; CPU keeps the plain torch ops.
     net.use_fused_kernels(device.type == "cuda" and importlib.util.find_spec("triton") is not None)
@@ -181,15 +187,35 @@ def _load_checkpoint(net: LlamaForCausalLM, folder: Path) -> None:
 
 
 def _init_dummy(net: LlamaForCausalLM, seed: int) -> None:
-    """Random weights of the right shapes; norms at 1 so activations stay in range."""
+    """Random weights of the right shapes; norms at 1 so activations stay in range. Quantized
+    linears get random weights quantized into their checkpoint format, so that loading
+    converts them exactly as it converts a real checkpoint."""
     generators: dict[torch.device, torch.Generator] = {}
-    for name, param in net.named_parameters():
-        if name.endswith("norm.weight"):
-            param.data.fill_(1.0)
-            continue
-        if param.device not in generators:
-            generators[param.device] = torch.Generator(param.device).manual_seed(seed)
-        values = torch.randn(param.shape, generator=generators[param.device],
-                             device=param.device, dtype=torch.float32)
-        param.data.copy_(values.mul_(0.02))
+
+    def random(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        if device not in generators:
+            generators[device] = torch.Generator(device).manual_seed(seed)
+        values = torch.randn(shape, generator=generators[device], device=device,
+                             dtype=torch.float32)
+        return values.mul_(0.02)
+
+    for module_name, module in net.named_modules():
+        method = module.quant_method if isinstance(module, Linear) else None
+        for name, param in module.named_parameters(recurse=False):
+            if method is not None and name != "bias":
+                continue  # the method's own parameters, filled below
+            if f"{module_name}.{name}".endswith("norm.weight"):
+                param.data.fill_(1.0)
+            else:
+                param.data.copy_(random(tuple(param.shape), param.device))
+        if method is not None:
+            method.init_dummy(module, random)
+
+
+def _process_quantized_weights(net: LlamaForCausalLM) -> None:
+    """Quantize float weights (fp8, int8) or repack checkpoint formats (awq, gptq) into the
+    tensors the quantized linears run on, now that every tensor is in."""
+    for module in net.modules():
+        if isinstance(module, Linear) and module.quant_method is not None:
+            module.quant_method.process_weights_after_loading(module)
 

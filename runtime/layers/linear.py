@@ -7,7 +7,7 @@ parallelism (shard the rows or columns) and quantized linears (other parameters,
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -15,29 +15,77 @@ from torch import nn
 
 from radixlm.runtime.layers.weights import copy_weight
 
+if TYPE_CHECKING:
+    from radixlm.runtime.quantization.config import QuantConfig
+
 
 class Linear(nn.Module):
-    """y = x @ W.T + b, with W stored [out_features, in_features] as in Hugging Face files."""
+    """y = x @ W.T + b, with W stored [out_features, in_features] as in Hugging Face files.
+
+    With a QuantConfig the weight belongs to a linear method (radixlm.runtime.quantization):
+    it makes the parameters (e.g. qweight/qzeros/scales instead of weight), places checkpoint
+    tensors, converts them after loading and computes the product. The bias stays here.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, quant: QuantConfig | None = None, *,
+                 output_sizes: Sequence[int] | None = None,
+                 shard_names: Sequence[int | str | None] | None = None) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        # torch.empty: weights always come from a loader (checkpoint or dummy init).
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype),
-                                   requires_grad=False)
+        # Parts of a merged layer: output channels [offsets[i], offsets[i + 1]) are part i.
+        self.output_sizes = list(output_sizes or [out_features])
+        self.shard_names = list(shard_names or [None])
+        offsets = [0]
+        for size in self.output_sizes:
+            offsets.append(offsets[-1] + size)
+        self.offsets = offsets
+        self.quant_method = None
+        if quant is None:
+            # torch.empty: weights always come from a loader (checkpoint or dummy init).
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype),
+                                       requires_grad=False)
+        else:
+            self.quant_method = quant.linear_method(in_features, self.output_sizes,
+                                                    dtype or torch.get_default_dtype())
+            self.quant_method.create_weights(self)
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
                      if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.quant_method is None:
+            return F.linear(x, self.weight, self.bias)
+        out = self.quant_method.apply(self, x)
+        return out if self.bias is None else out + self.bias
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | str | None = None) -> None:
-        if shard_id is not None:
-            raise ValueError(f"{type(self).__name__} has no shards, got shard {shard_id!r}")
-        copy_weight(param.data, loaded)
+        part = self._part_index(shard_id)
+        if self.quant_method is not None and param is not self.bias:
+            name = next(n for n, p in self._parameters.items() if p is param)
+            self.quant_method.load(self, name, param, loaded, part)
+            return
+        rows = slice(self.offsets[part], self.offsets[part + 1])
+        copy_weight(param.data[rows], loaded)
+
+    def required_in_checkpoint(self, param_name: str) -> bool:
+        """Whether a complete checkpoint must hold this parameter (for each part)."""
+        if self.quant_method is None or param_name == "bias":
+            return True
+        return self.quant_method.specs[param_name].required
+
+    def ignores_checkpoint_tensor(self, param_name: str) -> bool:
+        """Checkpoint tensors of this layer that are read past on purpose."""
+        return (self.quant_method is not None
+                and param_name in self.quant_method.ignored_checkpoint_names)
+
+    def _part_index(self, shard_id: int | str | None) -> int:
+        if shard_id not in self.shard_names:
+            if self.shard_names == [None]:
+                raise ValueError(f"{type(self).__name__} has no shards, got shard {shard_id!r}")
+            raise ValueError(f"unknown shard {shard_id!r}; expected one of {self.shard_names}")
+        return self.shard_names.index(shard_id)
 
 
 class MergedLinear(Linear):
@@ -48,29 +96,19 @@ class MergedLinear(Linear):
     """
 
     def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool = False,
-                 dtype: torch.dtype | None = None, shard_names: Sequence[str] | None = None):
-        super().__init__(in_features, sum(output_sizes), bias, dtype)
-        self.output_sizes = list(output_sizes)
-        self.shard_names = list(shard_names or range(len(output_sizes)))
-        offsets = [0]
-        for size in output_sizes:
-            offsets.append(offsets[-1] + size)
-        self.offsets = offsets
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
-                      shard_id: int | str | None = None) -> None:
-        if shard_id not in self.shard_names:
-            raise ValueError(f"unknown shard {shard_id!r}; expected one of {self.shard_names}")
-        index = self.shard_names.index(shard_id)
-        rows = slice(self.offsets[index], self.offsets[index + 1])
-        copy_weight(param.data[rows], loaded)
+                 dtype: torch.dtype | None = None, shard_names: Sequence[str] | None = None,
+                 quant: QuantConfig | None = None):
+        super().__init__(in_features, sum(output_sizes), bias, dtype, quant,
+                         output_sizes=output_sizes,
+                         shard_names=list(shard_names or range(len(output_sizes))))
 
 
 class QKVLinear(MergedLinear):
     """The q, k and v projections fused: rows are [q heads | k heads | v heads]."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False, dtype: torch.dtype | None = None) -> None:
+                 bias: bool = False, dtype: torch.dtype | None = None,
+                 quant: QuantConfig | None = None) -> None:
         sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
-        super().__init__(hidden_size, sizes, bias, dtype, shard_names=["q", "k", "v"])
-
+        super().__init__(hidden_size, sizes, bias, dtype, shard_names=["q", "k", "v"],
+                         quant=quant)

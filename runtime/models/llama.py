@@ -8,6 +8,9 @@ On CUDA the loader switches on our fused Triton kernels (`use_fused_kernels`): S
 in-place rotary, and add + RMSNorm that carries the residual stream between layers, so each
 norm reads the sublayer output and the stream once instead of an add kernel and a norm. They
 round where the torch ops round, so the two paths agree to an ulp; CPU keeps the torch path.
+
+With a QuantConfig (radixlm.runtime.quantization) the decoder's linears (qkv, o, gate_up,
+down) are quantized; the embeddings and the output head always stay in float.
 """
 
 from __future__ import annotations
@@ -24,18 +27,20 @@ from radixlm.runtime.layers.linear import Linear, MergedLinear, QKVLinear
 from radixlm.runtime.layers.norm import RMSNorm
 from radixlm.runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from radixlm.runtime.models.config import ModelConfig
+from radixlm.runtime.quantization.config import QuantConfig
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype,
+                 quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
-                                  bias=cfg.attention_bias, dtype=dtype)
+                                  bias=cfg.attention_bias, dtype=dtype, quant=quant)
         self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
-                             bias=False, dtype=dtype)
+                             bias=False, dtype=dtype, quant=quant)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.fused: Any = None  # radixlm.kernels.fused when the fused kernels are on
@@ -59,12 +64,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype,
+                 quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
-                                         bias=cfg.mlp_bias, dtype=dtype)
+                                         bias=cfg.mlp_bias, dtype=dtype, quant=quant)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias,
-                                dtype=dtype)
+                                dtype=dtype, quant=quant)
         self.fused: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,12 +81,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype,
+                 quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(cfg, layer_id, dtype)
+        self.self_attn = LlamaAttention(cfg, layer_id, dtype, quant)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(cfg, dtype)
+        self.mlp = LlamaMLP(cfg, dtype, quant)
 
     def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
@@ -105,11 +112,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype,
+                 quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
+            LlamaDecoderLayer(cfg, i, dtype, quant) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
@@ -124,10 +132,12 @@ _FUSED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int,
+                 quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, dtype)
+        self.quant = quant
+        self.model = LlamaModel(cfg, dtype, quant)
         self.lm_head = None if cfg.tie_word_embeddings else VocabEmbedding(
             cfg.vocab_size, cfg.hidden_size, dtype)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta,
@@ -171,6 +181,7 @@ class LlamaForCausalLM(nn.Module):
         """Load checkpoint tensors (Hugging Face names) through each owning layer's
         weight_loader; return the keys that were set (see `expected_weight_keys`)."""
         owned = self._parameters_with_owner()
+        modules = dict(self.named_modules())
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
@@ -183,6 +194,10 @@ class LlamaForCausalLM(nn.Module):
                     target, shard = name.replace(fragment, fused), shard_id
                     break
             if target not in owned:
+                module_name, _, param_name = target.rpartition(".")
+                module = modules.get(module_name)
+                if isinstance(module, Linear) and module.ignores_checkpoint_tensor(param_name):
+                    continue
                 raise ValueError(f"checkpoint tensor {name!r} matches no model parameter")
             module, param = owned[target]
             module.weight_loader(param, tensor, shard)
@@ -193,6 +208,9 @@ class LlamaForCausalLM(nn.Module):
         """Every key a complete checkpoint sets: fused parameters once per shard."""
         keys = set()
         for name, (module, _) in self._parameters_with_owner().items():
+            if isinstance(module, Linear) and not module.required_in_checkpoint(
+                    name.rpartition(".")[2]):
+                continue
             if isinstance(module, MergedLinear):
                 keys.update(f"{name}:{shard}" for shard in module.shard_names)
             else:

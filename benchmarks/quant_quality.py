@@ -1,0 +1,131 @@
+"""What quantization costs in quality, on the default model (SmolLM2-135M-Instruct), on CPU.
+
+Held-out text: the odd half of Python's `pydoc_data` topics (the quantizers calibrate on the
+even half), cut into `--windows` windows of `--seq-len` tokens, each scored on its own. For
+each configuration:
+
+- perplexity over the scored tokens (every token of a window but the first);
+- mean |delta logprob|: the mean absolute difference, over the same tokens, between the log
+  probability the configuration gives the actual next token and the one fp32 gives;
+- the bytes of the decoder's linear layers (embeddings and the output head are never
+  quantized and are left out).
+
+Configurations: fp32; bf16; fp8 (W8A8, per-channel weights, per-token activations); int8
+(weight-only, per-channel); int4 RTN, AWQ, GPTQ and GPTQ with act-order (group 128, asymmetric,
+written by `radixlm quantize` and loaded back from disk). Activations are float32 except for
+bf16 (and fp8's quantized products).
+
+    python benchmarks/quant_quality.py [--windows 8] [--seq-len 512] [--num-samples 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from radixlm.runtime.layers.linear import Linear
+from radixlm.runtime.loader import load_model, resolve_model
+from radixlm.runtime.quantization.calibration import (
+    calibration_text,
+    pydoc_texts,
+    sequence_logprobs,
+    token_windows,
+)
+from radixlm.runtime.quantization.checkpoint import save_quantized
+from radixlm.runtime.quantization.quantize import QuantizeOptions, quantize_model
+
+CPU = torch.device("cpu")
+# name -> (load dtype, online quantization, offline quantizer options)
+CONFIGS: dict[str, tuple[torch.dtype, str | None, QuantizeOptions | None]] = {
+    "fp32": (torch.float32, None, None),
+    "bf16": (torch.bfloat16, None, None),
+    "fp8": (torch.float32, "fp8", None),
+    "int8": (torch.float32, "int8", None),
+    "int4 RTN": (torch.float32, None, QuantizeOptions(method="rtn")),
+    "int4 AWQ": (torch.float32, None, QuantizeOptions(method="awq")),
+    "int4 GPTQ": (torch.float32, None, QuantizeOptions(method="gptq")),
+    "int4 GPTQ act-order": (torch.float32, None, QuantizeOptions(method="gptq",
+                                                                 desc_act=True)),
+}
+
+
+def linear_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for m in model.modules() if isinstance(m, Linear)
+               for p in m.parameters())
+
+
+def build(name: str, folder: Path, calibration: torch.Tensor, work: Path) -> tuple:
+    """The model of one configuration, and the seconds its quantizer took (0 if none)."""
+    dtype, online, offline = CONFIGS[name]
+    if offline is None:
+        return load_model(str(folder), "auto", dtype, CPU, quantization=online).model, 0.0
+    source = load_model(str(folder), "auto", torch.float32, CPU).model
+    start = time.perf_counter()
+    results = quantize_model(source, calibration, offline)
+    seconds = time.perf_counter() - start
+    fmt = "awq" if offline.method == "awq" else "gptq"
+    out = save_quantized(source, results, offline, fmt, folder, work / name.replace(" ", "_"))
+    return load_model(str(out), "auto", dtype, CPU).model, seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--windows", type=int, default=8, help="held-out windows")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--num-samples", type=int, default=32, help="calibration windows")
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    folder = resolve_model(None)
+    tokenizer = load_model(str(folder), "auto", torch.float32, CPU).tokenizer
+    heldout = token_windows(tokenizer, "\n\n".join(pydoc_texts("heldout")), args.seq_len,
+                            args.windows)
+    calibration = token_windows(tokenizer, calibration_text("pydoc"), args.seq_len,
+                                args.num_samples)
+    rows, reference = [], None
+    names = ["fp32"] + [n for n in args.configs if n != "fp32"]  # fp32 first: the reference
+    with tempfile.TemporaryDirectory() as work:
+        for name in names:
+            model, quantize_s = build(name, folder, calibration, Path(work))
+            start = time.perf_counter()
+            logprobs = torch.cat([sequence_logprobs(model, window) for window in heldout])
+            eval_s = time.perf_counter() - start
+            if reference is None:
+                reference = logprobs
+            row = {"config": name, "perplexity": torch.exp(-logprobs.mean()).item(),
+                   "mean_abs_delta_logprob": (logprobs - reference).abs().mean().item(),
+                   "linear_weight_mb": linear_bytes(model) / 1e6,
+                   "quantize_s": round(quantize_s, 1), "eval_s": round(eval_s, 1)}
+            rows.append(row)
+            print(f"{name:>20}  ppl {row['perplexity']:7.3f}  |dlogp| "
+                  f"{row['mean_abs_delta_logprob']:.4f}  linears {row['linear_weight_mb']:6.1f} "
+                  f"MB  quantize {quantize_s:5.1f} s  eval {eval_s:5.1f} s", flush=True)
+            del model
+    record = {
+        "benchmark": "quant_quality", "date": datetime.date.today().isoformat(),
+        "machine": {"cpu": platform.processor() or platform.machine(),
+                    "threads": torch.get_num_threads(), "torch": torch.__version__},
+        "config": {"model": "smollm2-135m-instruct", "heldout": "pydoc_data topics, odd",
+                   "calibration": "pydoc_data topics, even", "windows": args.windows,
+                   "seq_len": args.seq_len, "scored_tokens": int(reference.numel()),
+                   "calibration_windows": args.num_samples, "group_size": 128,
+                   "int4_grid": "asymmetric (zero point)"},
+        "rows": rows,
+    }
+    out = Path(args.out or Path(__file__).parent / "results" /
+               f"quant_quality_cpu_{record['date']}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
