@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_triton_kernels import PROMPTS, random_paged_batch, rel_err, save_llama
 
 from radixlm.runtime import Engine
 from radixlm.runtime.attention.base import create_backend
 from radixlm.runtime.attention.torch_native import TorchNativeAttention
+
+from test_triton_kernels import PROMPTS, random_paged_batch, rel_err, save_llama
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

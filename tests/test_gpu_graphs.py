@@ -13,7 +13,6 @@ import types
 
 import pytest
 import torch
-from test_triton_kernels import PROMPTS, rel_err, save_llama
 
 from radixlm.runtime import Engine
 from radixlm.runtime.attention.base import ForwardBatch, create_backend
@@ -21,6 +20,7 @@ from radixlm.runtime.loader import load_model
 from radixlm.runtime.memory import KVCache
 
 from conftest import save_tiny_hf_model
+from test_triton_kernels import PROMPTS, rel_err, save_llama
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

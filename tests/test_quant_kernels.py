@@ -7,17 +7,10 @@ prints each case's outcome as JSON. Shapes are tiny; the GPU tests cover real on
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-import time
-import traceback
-from pathlib import Path
-
 import pytest
 import torch
+
+from interpreter_cases import collect_cases, main, results_under_interpreter
 
 
 def _case(m: int, n: int, k: int, group: int, bits: int, dtype: torch.dtype,
@@ -106,34 +99,12 @@ def case_bad_block_k_is_refused():
     raise AssertionError("a K block straddling two groups was accepted")
 
 
-CASES = sorted(name[len("case_"):] for name in list(globals()) if name.startswith("case_"))
-
-
-def _run_cases() -> dict[str, dict]:
-    torch.set_num_threads(2)
-    results = {}
-    for name in CASES:
-        start = time.perf_counter()
-        try:
-            detail, ok = globals()["case_" + name](), True
-        except Exception:  # report, and go on with the other cases
-            detail, ok = traceback.format_exc(), False
-        results[name] = {"ok": ok, "detail": detail,
-                         "seconds": round(time.perf_counter() - start, 2)}
-    return results
+CASES = collect_cases(globals())
 
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, dict]:
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve())], env=env,
-                          capture_output=True, text=True, timeout=300)
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        pytest.fail(f"interpreter run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1])
+    return results_under_interpreter(__file__)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -143,5 +114,4 @@ def test_w4a16_under_interpreter(interpreter_results, case):
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    print(json.dumps(_run_cases()))
+    main(globals())

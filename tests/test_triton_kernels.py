@@ -9,17 +9,12 @@ interpreter (triton 3.9), so bf16 is covered by the GPU tests only.
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-import time
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
+
+from interpreter_cases import collect_cases, main, results_under_interpreter
 
 SCALE_DIM = {32: 32 ** -0.5, 64: 64 ** -0.5, 128: 128 ** -0.5}
 
@@ -210,7 +205,6 @@ PROMPTS = [[5 + i, 17, 99, 3 + i * 7] * (i + 1) for i in range(6)] + \
 def case_engine_greedy_matches_torch():
     """The whole engine (mixed steps, prefix-cache hits, strided q/k/v from the model)."""
     import tempfile
-    from pathlib import Path
 
     from radixlm.runtime import Engine
 
@@ -244,7 +238,6 @@ def case_decode_graph_padding_matches_eager():
     slot, one-token contexts) change nothing, and batch sizes cross several padded sizes as
     requests finish at different lengths."""
     import tempfile
-    from pathlib import Path
 
     from radixlm.runtime.cuda_graph import DecodeGraphs
 
@@ -282,7 +275,6 @@ def case_fused_model_matches_torch():
     """The Llama forward with the fused norm/activation/rotary kernels, under the
     interpreter: the same greedy tokens as the torch ops in fp32."""
     import tempfile
-    from pathlib import Path
 
     folder = save_llama(Path(tempfile.mkdtemp()), head_dim=32)
     params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True, "logprobs": True}
@@ -295,34 +287,12 @@ def case_fused_model_matches_torch():
     return f"same greedy tokens; logprobs within {worst:.1e}"
 
 
-CASES = sorted(name[len("case_"):] for name in list(globals()) if name.startswith("case_"))
-
-
-def _run_cases() -> dict[str, dict]:
-    torch.set_num_threads(2)
-    results = {}
-    for name in CASES:
-        start = time.perf_counter()
-        try:
-            detail, ok = globals()["case_" + name](), True
-        except Exception:  # report, and go on with the other cases
-            detail, ok = traceback.format_exc(), False
-        results[name] = {"ok": ok, "detail": detail,
-                         "seconds": round(time.perf_counter() - start, 2)}
-    return results
+CASES = collect_cases(globals())
 
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, dict]:
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve())], env=env,
-                          capture_output=True, text=True, timeout=300)
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        pytest.fail(f"interpreter run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1])
+    return results_under_interpreter(__file__)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -332,5 +302,4 @@ def test_kernel_under_interpreter(interpreter_results, case):
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    print(json.dumps(_run_cases()))
+    main(globals())
