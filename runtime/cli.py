@@ -27,6 +27,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", default=None,
                         choices=["fp8", "int8", "awq", "gptq"],
                         help="quantized linears (default: what the checkpoint declares)")
+    parser.add_argument("--tp", type=int, default=1, dest="tp_size",
+                        help="tensor-parallel ranks (processes); see docs/distributed.md")
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -37,7 +39,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                             stop=tuple(args.stop or ()))
     with Engine(args.model, dtype=args.dtype, device=args.device,
                 max_total_tokens=args.max_total_tokens,
-                quantization=args.quantization) as engine:
+                quantization=args.quantization, tp_size=args.tp_size) as engine:
         texts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
         # Chat prompts are token ids: the template already holds the special tokens.
         prompts = ([{"input_ids": engine.encode_chat([{"role": "user", "content": t}])}

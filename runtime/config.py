@@ -62,6 +62,11 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     # Per request, draft fewer tokens while few are accepted (at most num_speculative_tokens).
     speculative_adaptive: bool = True
+    # Tensor parallelism: the model and the KV pool are sharded over `tp_size` processes (this
+    # one is rank 0; see runtime/tensor_parallel.py). A collective that waits longer than
+    # `tp_timeout` seconds (a lost rank) fails the running requests instead of hanging.
+    tp_size: int = 1
+    tp_timeout: float = 60.0
     # Prefix cache (RadixAttention) and the waiting-queue order: "lpm" serves the longest
     # cached prefix first and lets requests that share an uncached prefix wait for it.
     disable_radix_cache: bool = False
@@ -94,6 +99,11 @@ class EngineConfig:
         _one_of(self.schedule_policy, SCHEDULE_POLICIES, "schedule_policy")
         _one_of(self.overlap_schedule, OVERLAP_MODES, "overlap_schedule")
         self._check_speculative_options()
+        _positive_int(self.tp_size, "tp_size")
+        if (isinstance(self.tp_timeout, bool) or not isinstance(self.tp_timeout, (int, float))
+                or not self.tp_timeout > 0):
+            raise ValueError(f"tp_timeout must be a positive number of seconds, "
+                             f"got {self.tp_timeout!r}")
         for name in ("disable_radix_cache", "disable_cuda_graph"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool")

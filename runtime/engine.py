@@ -8,6 +8,7 @@ to the loop through a queue, and wait for results (or stream them to an asyncio 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import random
@@ -25,6 +26,7 @@ from radixlm.runtime.engine_core import EngineCore
 from radixlm.runtime.loader import ARCHITECTURE_PRESETS, LoadedModel, load_model
 from radixlm.runtime.request import Output, Request
 from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.tensor_parallel import ShardedModel, TensorParallelGroup
 from radixlm.runtime.tokenization import encode_prompt
 
 log = logging.getLogger(__name__)
@@ -48,13 +50,16 @@ class Engine:
         # Requests without a seed get one from here: runs are reproducible from the engine
         # seed and the order of submission, and torch's global RNG is left alone.
         self._seeds = random.Random(self.config.seed)
-        loaded = load_model(self.config.model, self.config.load_format, self.dtype,
-                            self.device, max_positions=self.config.max_model_len,
-                            seed=self.config.seed, quantization=self.config.quantization)
-        self.model_config = loaded.config
-        self.tokenizer = loaded.tokenizer
-        draft = self._load_draft(loaded) if self.config.speculative == "draft" else None
-        self.core = EngineCore(self.config, loaded, self.device, self.dtype, draft)
+        # tp_size > 1: this process is rank 0; the other ranks start now and load their
+        # shards while this one loads its own.
+        self._tp = (TensorParallelGroup(self.config, self.device, self.dtype)
+                    if self.config.tp_size > 1 else None)
+        try:
+            self._build_core()
+        except BaseException:
+            if self._tp is not None:
+                self._tp.shutdown(graceful=False)
+            raise
         self.max_model_len = self.core.max_model_len
         self._eos = frozenset(self._eos_ids())
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -195,12 +200,36 @@ class Engine:
             self._inbox.put(_STOP)
             self._thread.join(timeout=30)
             self.core.shutdown()
+            if self._tp is not None:
+                self._tp.shutdown()
 
     def __enter__(self) -> "Engine":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+    def _build_core(self) -> None:
+        tp = self._tp
+        loaded = load_model(self.config.model, self.config.load_format, self.dtype,
+                            self.device, max_positions=self.config.max_model_len,
+                            seed=self.config.seed, quantization=self.config.quantization,
+                            tp=None if tp is None else tp.info)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        # A draft model is not sharded: it runs on rank 0 only, on the host's side of the
+        # broadcasts (its steps involve no other rank).
+        draft = self._load_draft(loaded) if self.config.speculative == "draft" else None
+        if tp is not None:
+            # The core sizes and holds this rank's KV heads, and runs the model through the
+            # stand-in that sends each call to the other ranks first.
+            kv_heads = tp.info.kv_heads(loaded.config.num_kv_heads)[1]
+            loaded = dataclasses.replace(
+                loaded, model=ShardedModel(loaded.model, tp),
+                config=dataclasses.replace(loaded.config, num_kv_heads=kv_heads))
+        self.core = EngineCore(self.config, loaded, self.device, self.dtype, draft)
+        if tp is not None:
+            tp.start(self.core.kv_cache.num_slots)
 
     # -- building requests (caller's thread) --------------------------------------------------
 
@@ -363,12 +392,17 @@ class Engine:
 
     def _loop(self) -> None:
         core = self.core
+        # Idle tensor-parallel workers wait in a collective that times out: wake up to send
+        # them a heartbeat well within the timeout.
+        beat = None if self._tp is None else self.config.tp_timeout / 4
         while True:
             # Block only when idle; otherwise take what arrived and keep stepping.
             try:
-                message = self._inbox.get(block=not core.has_work)
+                message = self._inbox.get(block=not core.has_work, timeout=beat)
             except queue.Empty:
                 message = None
+            if beat is not None:  # sends only when nothing was sent for `beat` seconds
+                self._tp.heartbeat(beat)
             while message is not None:
                 if message is _STOP:
                     return

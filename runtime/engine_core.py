@@ -52,8 +52,9 @@ class EngineCore:
         self.max_model_len = max_model_len(config, mc, num_pages * config.page_size)
         attn = create_backend(config.attention_backend, scale=mc.head_dim ** -0.5,
                               device=device, dtype=dtype, head_dim=mc.head_dim)
+        # Not with tensor parallelism yet: the steps' broadcasts would have to be captured too.
         graphs = (device.type == "cuda" and not config.disable_cuda_graph
-                  and attn.supports_cuda_graph)
+                  and attn.supports_cuda_graph and config.tp_size == 1)
         # With CUDA graphs, one page past the allocator's: padded rows write their K/V there.
         scratch_pages = 1 if graphs else 0
         self.kv_cache = KVCache(mc.num_layers, (num_pages + scratch_pages) * config.page_size,

@@ -16,6 +16,7 @@ from typing import Any, Iterator
 
 import torch
 
+from radixlm.runtime.distributed import TPInfo
 from radixlm.runtime.layers.linear import Linear
 from radixlm.runtime.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from radixlm.runtime.models.llama import LlamaForCausalLM
@@ -130,9 +131,11 @@ def _download(repo_id: str) -> Path:
 
 def load_model(model: str | None, load_format: str, dtype: torch.dtype,
                device: torch.device, max_positions: int | None = None,
-               seed: int = 0, quantization: str | None = None) -> LoadedModel:
+               seed: int = 0, quantization: str | None = None,
+               tp: TPInfo | None = None) -> LoadedModel:
     """Build the model and fill its weights. `quantization` forces a method (fp8, int8, awq,
-    gptq); None takes whatever the checkpoint's config.json declares, if anything."""
+    gptq); None takes whatever the checkpoint's config.json declares, if anything. With a
+    TPInfo of size > 1, build and load only this rank's shard."""
     if load_format == "dummy" and model in ARCHITECTURE_PRESETS:
         config, folder, tokenizer = ModelConfig.from_dict(ARCHITECTURE_PRESETS[model]), None, None
     else:
@@ -142,11 +145,11 @@ def load_model(model: str | None, load_format: str, dtype: torch.dtype,
     quant = resolve_quant_config(quantization, config.raw, dummy=load_format == "dummy")
     positions = max_positions or config.max_position_embeddings
     with torch.device(device):
-        net = LlamaForCausalLM(config, dtype, positions, quant)
+        net = LlamaForCausalLM(config, dtype, positions, quant, tp)
     if load_format == "dummy":
         _init_dummy(net, seed)
     else:
-        _load_checkpoint(net, folder)
+        _load_checkpoint(net, folder, lazy=net.tp is not None)
     _process_quantized_weights(net)
     net.eval()
     # Fused Triton norms, activation and rotary on CUDA; CPU keeps the plain torch ops.
@@ -162,7 +165,9 @@ def _load_tokenizer(folder: Path) -> Any | None:
     return AutoTokenizer.from_pretrained(str(folder)) if has_tokenizer else None
 
 
-def _checkpoint_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _checkpoint_tensors(folder: Path, lazy: bool = False) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) for every checkpoint tensor. `lazy`: a safetensors slice instead, from
+    which each layer reads only its own shard (a rank never holds the whole model)."""
     from safetensors import safe_open
 
     index = folder / "model.safetensors.index.json"
@@ -175,11 +180,11 @@ def _checkpoint_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for filename in files:
         with safe_open(str(folder / filename), framework="pt") as f:
             for key in f.keys():
-                yield key, f.get_tensor(key)
+                yield key, f.get_slice(key) if lazy else f.get_tensor(key)
 
 
-def _load_checkpoint(net: LlamaForCausalLM, folder: Path) -> None:
-    loaded = net.load_weights(_checkpoint_tensors(folder))
+def _load_checkpoint(net: LlamaForCausalLM, folder: Path, lazy: bool = False) -> None:
+    loaded = net.load_weights(_checkpoint_tensors(folder, lazy))
     missing = net.expected_weight_keys() - loaded
     if missing:
         raise ValueError(f"checkpoint in {folder} lacks {len(missing)} tensors, e.g. "

@@ -36,11 +36,13 @@ def tiny_config(family: str, vocab_size: int = 512, tie: bool = False) -> dict:
 
 
 def save_tiny_hf_model(folder: Path, family: str, vocab_size: int = 512, tie: bool = False,
-                       seed: int = 0) -> Path:
-    """Build a random transformers model of the family and save it as an HF folder."""
+                       seed: int = 0, **overrides) -> Path:
+    """Build a random transformers model of the family and save it as an HF folder.
+    `overrides` replace config entries (e.g. num_key_value_heads=1)."""
     import transformers
 
     cfg_dict = tiny_config(family, vocab_size, tie)
+    cfg_dict.update(overrides)
     config = transformers.AutoConfig.for_model(**cfg_dict)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)

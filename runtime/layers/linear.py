@@ -3,20 +3,41 @@
 Each layer knows how a checkpoint tensor lands in its parameters (`weight_loader`), so tensor
 parallelism (shard the rows or columns) and quantized linears (other parameters, another
 `forward`) can replace a layer without the model code changing.
+
+Tensor parallelism (a `LinearShard`): a column-parallel layer holds a slice of each part's
+output rows, a row-parallel layer a slice of the input columns, and sums the ranks' partial
+products with an all-reduce. Sizes given to the constructors are always this rank's.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixlm.runtime.layers.weights import copy_weight
+from radixlm.runtime.distributed import all_reduce
+from radixlm.runtime.layers.weights import copy_weight, narrow, tensor_shape
 
 if TYPE_CHECKING:
     from radixlm.runtime.quantization.config import QuantConfig
+
+
+@dataclass(frozen=True)
+class LinearShard:
+    """Where this rank's share of a layer sits in the full (checkpoint) layer."""
+
+    # Column-parallel: the first checkpoint row of each part held here.
+    part_starts: tuple[int, ...] | None = None
+    # Row-parallel: the first checkpoint input column held here; outputs are all-reduced.
+    in_start: int | None = None
+
+
+# Quantized formats whose parameters shard like a float weight ([out, in], and per-output
+# scales): the others pack or group along the input and are refused with tp_size > 1.
+_SHARDABLE_QUANT_PARAMS = {"weight", "weight_scale"}
 
 
 class Linear(nn.Module):
@@ -30,8 +51,10 @@ class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  dtype: torch.dtype | None = None, quant: QuantConfig | None = None, *,
                  output_sizes: Sequence[int] | None = None,
-                 shard_names: Sequence[int | str | None] | None = None) -> None:
+                 shard_names: Sequence[int | str | None] | None = None,
+                 shard: LinearShard | None = None) -> None:
         super().__init__()
+        self.shard = shard
         self.in_features = in_features
         self.out_features = out_features
         # Parts of a merged layer: output channels [offsets[i], offsets[i + 1]) are part i.
@@ -50,24 +73,46 @@ class Linear(nn.Module):
             self.quant_method = quant.linear_method(in_features, self.output_sizes,
                                                     dtype or torch.get_default_dtype())
             self.quant_method.create_weights(self)
+            if shard is not None and set(self.quant_method.specs) - _SHARDABLE_QUANT_PARAMS:
+                raise ValueError(
+                    f"{type(self.quant_method).__name__}: this quantization format packs or "
+                    "groups weights along the input dimension and is not supported with "
+                    "tp_size > 1 yet; use fp8 or int8, or tp_size=1")
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
                      if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant_method is None:
+        reduce = self.shard is not None and self.shard.in_start is not None
+        if self.quant_method is None and not reduce:
             return F.linear(x, self.weight, self.bias)
-        out = self.quant_method.apply(self, x)
+        out = (F.linear(x, self.weight) if self.quant_method is None
+               else self.quant_method.apply(self, x))
+        if reduce:  # partial sums over this rank's input columns; the bias is added once
+            out = all_reduce(out)
         return out if self.bias is None else out + self.bias
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+    def weight_loader(self, param: nn.Parameter, loaded: Any,
                       shard_id: int | str | None = None) -> None:
         part = self._part_index(shard_id)
+        loaded = self._my_share(param, loaded, part)
         if self.quant_method is not None and param is not self.bias:
             name = next(n for n, p in self._parameters.items() if p is param)
             self.quant_method.load(self, name, param, loaded, part)
             return
         rows = slice(self.offsets[part], self.offsets[part + 1])
         copy_weight(param.data[rows], loaded)
+
+    def _my_share(self, param: nn.Parameter, loaded: Any, part: int) -> Any:
+        """The rows (column-parallel) or columns (row-parallel) of a checkpoint tensor this
+        rank holds; 1-D tensors (biases, per-output scales) follow the output rows."""
+        shard = self.shard
+        if shard is None:
+            return loaded
+        if shard.part_starts is not None:
+            return narrow(loaded, 0, shard.part_starts[part], self.output_sizes[part])
+        if shard.in_start is not None and len(tensor_shape(loaded)) == 2:
+            return narrow(loaded, 1, shard.in_start, self.in_features)
+        return loaded
 
     def required_in_checkpoint(self, param_name: str) -> bool:
         """Whether a complete checkpoint must hold this parameter (for each part)."""
@@ -97,18 +142,20 @@ class MergedLinear(Linear):
 
     def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool = False,
                  dtype: torch.dtype | None = None, shard_names: Sequence[str] | None = None,
-                 quant: QuantConfig | None = None):
+                 quant: QuantConfig | None = None, shard: LinearShard | None = None):
         super().__init__(in_features, sum(output_sizes), bias, dtype, quant,
                          output_sizes=output_sizes,
-                         shard_names=list(shard_names or range(len(output_sizes))))
+                         shard_names=list(shard_names or range(len(output_sizes))),
+                         shard=shard)
 
 
 class QKVLinear(MergedLinear):
-    """The q, k and v projections fused: rows are [q heads | k heads | v heads]."""
+    """The q, k and v projections fused: rows are [q heads | k heads | v heads]. With tensor
+    parallelism the head counts are this rank's, and `shard` says which heads they are."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False, dtype: torch.dtype | None = None,
-                 quant: QuantConfig | None = None) -> None:
+                 quant: QuantConfig | None = None, shard: LinearShard | None = None) -> None:
         sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
         super().__init__(hidden_size, sizes, bias, dtype, shard_names=["q", "k", "v"],
-                         quant=quant)
+                         quant=quant, shard=shard)

@@ -11,6 +11,11 @@ round where the torch ops round, so the two paths agree to an ulp; CPU keeps the
 
 With a QuantConfig (radixlm.runtime.quantization) the decoder's linears (qkv, o, gate_up,
 down) are quantized; the embeddings and the output head always stay in float.
+
+With a TPInfo of size > 1 the model is this rank's shard (Megatron-style): qkv and gate_up
+are column-parallel (heads and intermediate channels split across ranks, KV heads replicated
+when there are fewer than ranks), o and down row-parallel with an all-reduce, the embedding
+and the output head vocab-parallel. Hidden states between layers are whole on every rank.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlm.runtime.attention.base import AttentionBackend, ForwardBatch
+from radixlm.runtime.distributed import TPInfo
 from radixlm.runtime.layers.embedding import VocabEmbedding
-from radixlm.runtime.layers.linear import Linear, MergedLinear, QKVLinear
+from radixlm.runtime.layers.linear import Linear, LinearShard, MergedLinear, QKVLinear
 from radixlm.runtime.layers.norm import RMSNorm
 from radixlm.runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from radixlm.runtime.models.config import ModelConfig
@@ -32,15 +38,23 @@ from radixlm.runtime.quantization.config import QuantConfig
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype,
-                 quant: QuantConfig | None = None) -> None:
+                 quant: QuantConfig | None = None, tp: TPInfo | None = None) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
-                                  bias=cfg.attention_bias, dtype=dtype, quant=quant)
-        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
-                             bias=False, dtype=dtype, quant=quant)
+        d = self.head_dim = cfg.head_dim
+        qkv_shard = o_shard = None
+        if tp is None:
+            self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        else:
+            q0, self.num_heads = tp.split(cfg.num_heads, "num_attention_heads")
+            kv0, self.num_kv_heads = tp.kv_heads(cfg.num_kv_heads)
+            qkv_shard = LinearShard(part_starts=(q0 * d, kv0 * d, kv0 * d))
+            o_shard = LinearShard(in_start=q0 * d)
+        self.qkv_proj = QKVLinear(cfg.hidden_size, d, self.num_heads, self.num_kv_heads,
+                                  bias=cfg.attention_bias, dtype=dtype, quant=quant,
+                                  shard=qkv_shard)
+        self.o_proj = Linear(self.num_heads * d, cfg.hidden_size, bias=False, dtype=dtype,
+                             quant=quant, shard=o_shard)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.fused: Any = None  # radixlm.kernels.fused when the fused kernels are on
@@ -65,12 +79,18 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype,
-                 quant: QuantConfig | None = None) -> None:
+                 quant: QuantConfig | None = None, tp: TPInfo | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
-                                         bias=cfg.mlp_bias, dtype=dtype, quant=quant)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias,
-                                dtype=dtype, quant=quant)
+        start, size = 0, cfg.intermediate_size
+        up_shard = down_shard = None
+        if tp is not None:
+            start, size = tp.split(cfg.intermediate_size, "intermediate_size")
+            up_shard = LinearShard(part_starts=(start, start))
+            down_shard = LinearShard(in_start=start)
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [size] * 2, bias=cfg.mlp_bias,
+                                         dtype=dtype, quant=quant, shard=up_shard)
+        self.down_proj = Linear(size, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype,
+                                quant=quant, shard=down_shard)
         self.fused: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,12 +102,12 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype,
-                 quant: QuantConfig | None = None) -> None:
+                 quant: QuantConfig | None = None, tp: TPInfo | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(cfg, layer_id, dtype, quant)
+        self.self_attn = LlamaAttention(cfg, layer_id, dtype, quant, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(cfg, dtype, quant)
+        self.mlp = LlamaMLP(cfg, dtype, quant, tp)
 
     def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
@@ -113,11 +133,11 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype,
-                 quant: QuantConfig | None = None) -> None:
+                 quant: QuantConfig | None = None, tp: TPInfo | None = None) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, dtype, quant) for i in range(cfg.num_layers))
+            LlamaDecoderLayer(cfg, i, dtype, quant, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
@@ -133,13 +153,15 @@ _FUSED = {
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int,
-                 quant: QuantConfig | None = None) -> None:
+                 quant: QuantConfig | None = None, tp: TPInfo | None = None) -> None:
         super().__init__()
+        tp = tp if tp is not None and tp.size > 1 else None
         self.config = cfg
         self.quant = quant
-        self.model = LlamaModel(cfg, dtype, quant)
+        self.tp = tp
+        self.model = LlamaModel(cfg, dtype, quant, tp)
         self.lm_head = None if cfg.tie_word_embeddings else VocabEmbedding(
-            cfg.vocab_size, cfg.hidden_size, dtype)
+            cfg.vocab_size, cfg.hidden_size, dtype, tp)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta,
                                       cfg.rope_scaling)
         self.fused: Any = None
@@ -172,10 +194,9 @@ class LlamaForCausalLM(nn.Module):
         return fused.rms_norm(hidden, norm.weight, norm.eps, residual=residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, d] -> [N, vocab] float32 logits."""
-        weight = (self.model.embed_tokens.weight if self.lm_head is None
-                  else self.lm_head.weight)
-        return F.linear(hidden, weight).float()
+        """[N, d] -> [N, vocab] float32 logits (gathered from every rank's vocab shard)."""
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return head.logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load checkpoint tensors (Hugging Face names) through each owning layer's

@@ -73,6 +73,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser.add_argument_group("engine (see docs/engine.md)"))
 
 
+_ALIASES = {"tp_size": ["--tp"]}  # short spellings of some engine flags
+
+
 def add_engine_args(group: Any) -> None:
     """One flag per EngineConfig field but `model`: --page-size, --disable-radix-cache, ..."""
     hints = typing.get_type_hints(EngineConfig)
@@ -80,14 +83,14 @@ def add_engine_args(group: Any) -> None:
     for f in dataclasses.fields(EngineConfig):
         if f.name == "model":
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-")] + _ALIASES.get(f.name, [])
         kind = _scalar_type(hints[f.name])
         help_ = f"{docs.get(f.name, '')} (default: {f.default})".strip()
         if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default,
                                help=help_)
         else:
-            group.add_argument(flag, type=kind, default=f.default, help=help_)
+            group.add_argument(*flags, type=kind, default=f.default, help=help_)
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
