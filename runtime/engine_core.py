@@ -254,20 +254,22 @@ class EngineCore:
                 self._jump_forward(request)
         for request, emitted in result.verified.items():
             if not request.finished:
-                self._append_verified(request, emitted)
+                self._append_verified(request, emitted,
+                                      result.verified_logprobs.get(request, [None] * len(emitted)))
             self.speculator.finish(request, emitted)
 
-    def _append_verified(self, request: Request, emitted: list[int]) -> None:
+    def _append_verified(self, request: Request, emitted: list[int],
+                         logprobs: list[Any]) -> None:
         """Append a speculating request's accepted drafts and the token after them. Each
         accepted draft's KV was computed by the step, so it counts as computed once it is
         in token_ids; a stop among them ends the request there."""
         *accepted, last = emitted
-        for token in accepted:
-            self._append_token(request, token, None)
+        for token, logprob in zip(accepted, logprobs):
+            self._append_token(request, token, logprob)
             if request.finished:
                 return
             request.num_computed_tokens += 1
-        self._append_token(request, last, None)
+        self._append_token(request, last, logprobs[-1])
         if not request.finished:
             self.kv.cache_computed(request)
 

@@ -33,8 +33,10 @@ class StepResult:
     prompt_logprobs: dict[Request, list[tuple[int, TokenLogprob]]] = field(default_factory=dict)
     # Requests whose grammar failed this step, with why; their sampled token is not used.
     failed: dict[Request, str] = field(default_factory=dict)
-    # Speculating requests: the tokens verification emits (accepted drafts, then one more).
+    # Speculating requests: the tokens verification emits (accepted drafts, then one more),
+    # and their logprobs for requests that asked.
     verified: dict[Request, list[int]] = field(default_factory=dict)
+    verified_logprobs: dict[Request, list[TokenLogprob]] = field(default_factory=dict)
 
 
 class LaunchedStep:
@@ -49,6 +51,7 @@ class LaunchedStep:
         self.tokens: torch.Tensor | None = None  # [len(sampled)] on the device
         self.failed: dict[Request, str] = {}
         self.verified: dict[Request, list[int]] = {}
+        self.verified_logprobs: dict[Request, list[TokenLogprob]] = {}
         self._logprobs: tuple | None = None  # (chosen, top values, top ids) for sampled rows
         self._prompt: tuple | None = None  # (rows, targets, chosen, top values, top ids)
         self._host_tokens: torch.Tensor | None = None
@@ -79,7 +82,8 @@ class LaunchedStep:
             tokens = self._host_tokens
         else:
             tokens = self.tokens
-        result = StepResult(failed=self.failed, verified=self.verified)
+        result = StepResult(failed=self.failed, verified=self.verified,
+                            verified_logprobs=self.verified_logprobs)
         if tokens is not None:
             result.sampled = self.sampled
             result.next_tokens = tokens.tolist()
@@ -230,12 +234,8 @@ class ModelRunner:
         if sbatch.needs_penalties:
             logits = sampler.apply_penalties(logits, sbatch, [r.prompt_ids for r in requests],
                                              [r.output_ids for r in requests])
-        banned_rows, banned_ids = [], []
-        for i, r in enumerate(requests):
-            if r.num_output_tokens < r.params.min_new_tokens:
-                banned_rows.append(i)
-                eos = () if r.params.ignore_eos else tuple(r.eos_token_ids)
-                banned_ids.append(eos + r.params.stop_token_ids)
+        banned_rows, banned_ids = _min_token_bans(requests,
+                                                  [r.num_output_tokens for r in requests])
         if banned_rows:
             logits = sampler.mask_tokens(logits, banned_rows, banned_ids)
         if constrained:
@@ -257,7 +257,23 @@ class ModelRunner:
         # Row b, position j reads flat row first_b + j; rows with fewer drafts repeat their
         # last position (it is never compared, only padding).
         index = [first + min(j, n) for (_, first), n in zip(rows, counts) for j in range(k + 1)]
-        logits = self.model.compute_logits(hidden[to_device(index, torch.int64, self.device)])
+        raw = self.model.compute_logits(hidden[to_device(index, torch.int64, self.device)])
+        # Position j is processed as plain decoding would process it after the first j
+        # drafts: they count as output for penalties and for the min_new_tokens ban.
+        per_row = [r for r in requests for _ in range(k + 1)]
+        drafted = [min(j, n) for n in counts for j in range(k + 1)]
+        logits = raw
+        if any(r.params.has_penalties for r in requests):
+            penalties = sampler.SamplingBatch.build([r.params for r in per_row],
+                                                    [None] * len(per_row), self.vocab_size,
+                                                    self.device)
+            logits = sampler.apply_penalties(
+                logits, penalties, [r.prompt_ids for r in per_row],
+                [r.output_ids + r.draft_tokens[:d] for r, d in zip(per_row, drafted)])
+        banned_rows, banned_ids = _min_token_bans(
+            per_row, [r.num_output_tokens + d for r, d in zip(per_row, drafted)])
+        if banned_rows:
+            logits = sampler.mask_tokens(logits, banned_rows, banned_ids)
         constrained = [b for b, r in enumerate(requests) if r.grammar is not None]
         if constrained:  # each position under the grammar state the drafts before it reach
             masks = np.concatenate([
@@ -282,7 +298,15 @@ class ModelRunner:
             verified = speculative.verify_sampling(
                 drafts, draft_probs, speculative.sampling_probs(logits, sbatch), counts,
                 sbatch.generators)
-        step.verified = dict(zip(requests, verified.emitted()))
+        emitted = verified.emitted()
+        step.verified = dict(zip(requests, emitted))
+        if any(r.params.wants_logprobs for r in requests):  # of the model's own distribution
+            tokens = verified.output_tokens.clamp_min(0).reshape(-1)
+            top_n = max(r.params.top_logprobs_num for r in requests)
+            entries = _entries(per_row, tokens, *sampler.compute_logprobs(raw, tokens, top_n))
+            step.verified_logprobs = {
+                r: entries[b * (k + 1): b * (k + 1) + len(emitted[b])]
+                for b, r in enumerate(requests) if r.params.wants_logprobs}
 
     def _grammar_masks(self, requests: list[Request]):
         if self.grammar_masks is None:
@@ -297,6 +321,20 @@ class ModelRunner:
         raw = self.model.compute_logits(hidden[index])
         top_n = max(r.params.top_logprobs_num for r, _, _ in rows)
         step._prompt = (rows, targets, *sampler.compute_logprobs(raw, targets, top_n))
+
+
+def _min_token_bans(requests: list[Request], num_outputs: list[int]
+                    ) -> tuple[list[int], list[tuple[int, ...]]]:
+    """Rows whose request has fewer than min_new_tokens outputs (counting `num_outputs`),
+    and the ids each must not produce yet: EOS (unless ignored) and its stop ids."""
+    rows, ids = [], []
+    for i, (request, count) in enumerate(zip(requests, num_outputs)):
+        params = request.params
+        if count < params.min_new_tokens:
+            rows.append(i)
+            ids.append((() if params.ignore_eos else tuple(request.eos_token_ids))
+                       + params.stop_token_ids)
+    return rows, ids
 
 
 def _one_row_per_token(scheduled: ScheduledBatch, inputs: StepInputs, limit: int):

@@ -94,16 +94,42 @@ def test_sampling_with_a_draft_model_is_seeded_and_complete(tiny_chat_model):
     assert all(len(o.token_ids) == 20 for o in runs[0])
 
 
-def test_requests_that_cannot_speculate_still_run(tiny_chat_model):
-    params = [SamplingParams(temperature=0, max_new_tokens=12, regex=r"[0-9]{3}-[a-z]{2,5}"),
-              SamplingParams(temperature=0, max_new_tokens=12, logprobs=True,
-                             ignore_eos=True),
-              SamplingParams(temperature=0, max_new_tokens=12, repetition_penalty=1.2,
-                             ignore_eos=True)]
-    base, _ = generate(tiny_chat_model, PROMPTS[:3], params)
-    outputs, _ = generate(tiny_chat_model, PROMPTS[:3], params, speculative="ngram")
+def test_penalties_min_tokens_and_logprobs_under_speculation(tiny_chat_model):
+    """Position j of a verify step must be processed as plain decoding processes it after
+    the first j drafts (they count as output for penalties and the min_new_tokens ban).
+    Drafts here are the plain run's own tokens, so a correct verifier accepts every one;
+    any position processed differently shows up as a rejection and a changed token."""
+    params = [SamplingParams(temperature=0, max_new_tokens=16, logprobs=True,
+                             top_logprobs_num=2, ignore_eos=True),
+              SamplingParams(temperature=0, max_new_tokens=24, repetition_penalty=3.0,
+                             frequency_penalty=2.0, presence_penalty=2.0, ignore_eos=True),
+              None]
+    prompts = [PROMPTS[0], "A" * 40, "The capital of France is"]
+    # min_new_tokens: a stop id the model picks right at the first allowed position m, so
+    # the ban must lift exactly there, also inside a verify step.
+    free = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+    probe = generate(tiny_chat_model, prompts[2:], [free])[0][0].token_ids
+    m = next(i for i in range(1, 16) if probe[i] not in probe[:i])
+    params[2] = SamplingParams(temperature=0, max_new_tokens=16, min_new_tokens=m,
+                               stop_token_ids=(probe[m],), ignore_eos=True)
+    base, _ = generate(tiny_chat_model, prompts, params)
+    assert base[2].finish_reason == "stop" and len(base[2].token_ids) == m + 1
+    with Engine(str(tiny_chat_model), max_total_tokens=8192, page_size=4,
+                speculative="ngram", speculative_adaptive=False) as engine:
+        truth: list[int] = []
+        engine.core.speculator._ngram = lambda request, k: truth[
+            request.num_output_tokens:request.num_output_tokens + k]
+        outputs = []
+        for prompt, p, plain in zip(prompts, params, base):  # one at a time: one truth
+            truth[:] = plain.token_ids
+            outputs.append(engine.generate(prompt, p))
+        stats = engine.stats()
     assert [o.token_ids for o in outputs] == [o.token_ids for o in base]
-    assert len(outputs[1].logprobs) == 12
+    assert stats["spec_acceptance_rate"] == 1.0 and stats["spec_accepted_tokens"] > 20
+    got, want = outputs[0].logprobs, base[0].logprobs
+    assert [e.token_id for e in got] == [e.token_id for e in want]
+    assert [e.logprob for e in got] == pytest.approx([e.logprob for e in want], abs=1e-4)
+    assert [[i for i, _ in e.top] for e in got] == [[i for i, _ in e.top] for e in want]
 
 
 @pytest.mark.parametrize("options, field", [

@@ -12,8 +12,9 @@ With a grammar (regex, JSON schema), a draft model samples its drafts under the 
 masks, n-gram drafts are cut at their first token the grammar forbids, and verification
 masks each position with the grammar's state after the drafts before it
 (`request.draft_states`); the tokens a grammar forces are appended by jump-forward without
-drafting. Requests whose next-token distribution depends on tokens not yet verified
-(penalties, a `min_new_tokens` ban) or that ask for logprobs decode one token at a time.
+drafting. Penalties and the `min_new_tokens` ban are applied at each draft position as if
+the drafts before it were output, and logprobs are reported for every emitted token, so
+speculation changes none of them.
 """
 
 from __future__ import annotations
@@ -116,7 +117,6 @@ class Speculator:
 
 
 def _eligible(request: Request) -> bool:
-    params = request.params
-    return ((request.grammar is not None or not params.constrained)
-            and not params.has_penalties and not params.wants_logprobs
-            and request.num_output_tokens >= params.min_new_tokens)
+    # A constrained request speculates once its grammar is attached: drafts are checked
+    # against it.
+    return request.grammar is not None or not request.params.constrained
