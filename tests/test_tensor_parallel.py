@@ -105,6 +105,19 @@ def test_tp2_greedy_matches_tp1(tmp_path, family, overrides, tp_options):
     assert all(p.poll() is not None for p in workers)  # clean shutdown, no orphans
 
 
+def test_tp4_greedy_matches_tp1(tmp_path):
+    """Four ranks: one query head each, and the two KV heads replicated over pairs of
+    ranks (the shape a 70B model has at TP=8 over its 8 KV heads, scaled down)."""
+    folder = save_tiny_hf_model(tmp_path, "llama", vocab_size=510, tie=True)
+    with Engine(str(folder), **_options()) as engine:
+        expected = _greedy(engine, PROMPTS)
+    with Engine(str(folder), **_options(tp_size=4)) as engine:
+        assert _greedy(engine, PROMPTS) == expected
+        workers = list(engine._tp.workers.values())
+        assert len(workers) == 3
+    assert all(p.poll() is not None for p in workers)
+
+
 def test_tp2_draft_model_matches_tp1_and_int8_runs(tmp_path):
     """The draft model runs whole on rank 0. int8 linears shard like float ones; each rank
     quantizes its own shard (row-parallel layers get per-shard scales), so int8 at TP=2 is
