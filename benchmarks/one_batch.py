@@ -39,15 +39,19 @@ def model_costs(engine: Engine) -> dict[str, int]:
     model = engine.core.runner.model
     embed = model.model.embed_tokens.weight
     size = embed.element_size()
-    total = sum(p.numel() for p in model.parameters())
-    head = (embed if model.lm_head is None else model.lm_head.weight).numel()
-    norms = sum(p.numel() for n, p in model.named_parameters() if n.endswith("norm.weight"))
-    streamed = total - embed.numel() + (head if model.lm_head is None else 0)
+    head = embed if model.lm_head is None else model.lm_head.weight
+    # Bytes as stored, so that quantized (packed) linears count what they really stream.
+    stored = sum(p.numel() * p.element_size() for p in model.parameters())
+    streamed_bytes = (stored - embed.numel() * size
+                      + (head.numel() * size if model.lm_head is None else 0))
     cfg = engine.model_config
-    return {"weight_bytes": streamed * size,
+    # FLOPs from the logical shapes: 2 per multiply-add of each decoder linear.
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    per_layer = h * d * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * h * i
+    return {"weight_bytes": streamed_bytes,
             "kv_bytes_per_token": 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * size,
-            "layer_flops_per_token": 2 * (streamed - head - norms),
-            "head_flops_per_row": 2 * head}
+            "layer_flops_per_token": 2 * cfg.num_layers * per_layer,
+            "head_flops_per_row": 2 * head.numel()}
 
 
 def time_graph(engine: Engine, batch: int, reps: int = 20) -> float | None:
