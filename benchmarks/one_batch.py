@@ -28,6 +28,8 @@ import torch
 
 from radixlm.runtime import Engine
 
+from gpu_timing import median_replay_ms
+
 COPY_BANDWIDTH = 4.1e12  # bytes/s, device-to-device copy measured on the H200
 GEMM_RATE = 753e12  # bf16 FLOP/s, 8192^3 GEMM measured on the same card
 
@@ -61,15 +63,7 @@ def time_graph(engine: Engine, batch: int, reps: int = 20) -> float | None:
     if graphs is None:
         return None
     graph = graphs.graphs[graphs.padded_size(batch)]
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return median_replay_ms(graph, reps)
 
 
 # Kernel name fragments -> what they do, for the per-step GPU time breakdown.

@@ -32,6 +32,8 @@ import torch
 from radixlm.runtime import Engine
 from radixlm.runtime.layers.linear import Linear
 
+from gpu_timing import median_replay_ms
+
 COPY_BANDWIDTH = 4.1e12  # bytes/s, device-to-device copy measured on the H200
 QUANTIZATION = {"bf16": None, "fp8": "fp8", "int8": "int8", "int4": "awq"}
 # The decoder linears of the 8B shape as (N, K): qkv, o, gate_up, down.
@@ -67,15 +69,7 @@ def linears_ms(model: torch.nn.Module, batch: int, reps: int = 50) -> float:
         with torch.cuda.graph(graph, stream=stream):
             run()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return median_replay_ms(graph, reps)
 
 
 def decode(engine: Engine, batch: int, input_len: int, output_len: int) -> dict:

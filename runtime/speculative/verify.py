@@ -33,6 +33,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from radixlm.runtime.host_copy import to_device
 from radixlm.runtime.sampler import SamplingBatch, apply_min_p, apply_top_k_top_p
 
 # Fills output_tokens past each row's emitted tokens. Negative on purpose: used as a token id
@@ -255,7 +256,7 @@ def _draw(
 def _as_tensor(num_drafts: torch.Tensor | Sequence[int], device: torch.device) -> torch.Tensor:
     if isinstance(num_drafts, torch.Tensor):
         return num_drafts.to(device=device, dtype=torch.int64)
-    return torch.tensor(list(num_drafts), dtype=torch.int64, device=device)
+    return to_device(list(num_drafts), torch.int64, device)
 
 
 def _host_counts(num_drafts: torch.Tensor | Sequence[int], rows: int, k: int) -> list[int]:
