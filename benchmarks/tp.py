@@ -6,14 +6,15 @@ random weights:
 - decode ms/token at batch 1: (time of N new tokens - time of 1 new token) / (N - 1), so the
   prefill drops out;
 - large-batch throughput: B prompts decoding together, generated tokens per second;
-- the all-reduce share of a decode step: rank 0's all-reduces are timed where they are called
-  (CUDA events around each one on GPU, so the stream is never synchronized; wall clock on
-  CPU), during the batch-1 run, and divided by that run's time per step. The time includes
-  waiting for the slower rank, which is what the step pays.
+- the all-reduce share of a decode step. Eager runs time rank 0's all-reduces where they are
+  called (CUDA events around each one, so the stream is never synchronized; wall clock on
+  CPU); that time includes waiting for the slower rank, which is what the step pays. Inside
+  a CUDA graph nothing can be timed per call, so for graph runs the share is the time of the
+  step's all-reduces (2 per layer + 1 for the embedding, at the step's size) replayed alone in
+  a CUDA graph on the same GPUs, divided by the measured step.
 
-TP > 1 runs eagerly (CUDA graphs are not captured with tensor parallelism yet), so the TP=1
-baseline is given both with graphs and eagerly. NVLink multicast (NVLS) is turned off unless
-NCCL_NVLS_ENABLE is already set; every NCCL_* variable in effect is recorded.
+NVLink multicast (NVLS) is turned off unless NCCL_NVLS_ENABLE is already set; every NCCL_*
+variable in effect is recorded.
 
     python benchmarks/tp.py                                # 2 GPUs, llama-3-8b, bf16
     python benchmarks/tp.py --device cpu --model PATH --load-format auto \\
@@ -30,11 +31,14 @@ import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from radixlm.runtime import Engine
+from radixlm.runtime.distributed import free_port
 from radixlm.runtime.layers import embedding, linear
 
 
@@ -71,6 +75,55 @@ def timed_all_reduces(device: torch.device) -> Iterator[list[float]]:
             total.append(sum(spans))
 
 
+def _graph_all_reduce_worker(rank: int, world: int, port: int, shapes: list[tuple[int, int]],
+                             count: int, reps: int, out: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    results = {}
+    for rows, hidden in shapes:
+        x = torch.ones(rows, hidden, dtype=torch.bfloat16, device="cuda")
+        dist.all_reduce(x)  # the communicator exists before capture
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(count):
+                dist.all_reduce(x)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            start, end = (torch.cuda.Event(enable_timing=True),
+                          torch.cuda.Event(enable_timing=True))
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        results[rows] = sorted(times)[len(times) // 2]  # ms for `count` all-reduces
+    if rank == 0:
+        out.put(results)
+    dist.destroy_process_group()
+
+
+def graph_all_reduce_ms(world: int, hidden: int, rows: list[int], count: int) -> dict[int, float]:
+    """Median ms of `count` in-place all-reduces of [rows, hidden] bf16, replayed in one CUDA
+    graph over `world` GPUs (fresh processes: the engines' groups are closed by then)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_graph_all_reduce_worker,
+                         args=(r, world, port, [(n, hidden) for n in rows], count, 20, queue))
+             for r in range(world)]
+    for proc in procs:
+        proc.start()
+    result = queue.get(timeout=300)
+    for proc in procs:
+        proc.join(timeout=60)
+    return result
+
+
 def prompts(engine: Engine, batch: int, length: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, engine.model_config.vocab_size, (batch, length),
@@ -102,10 +155,16 @@ def measure(args: argparse.Namespace, tp: int, graphs: bool) -> dict:
         steps = engine.stats()["steps"] - steps0
         batch_s = timed_generate(engine, prompts(engine, args.batch, args.input_len, seed + 3),
                                  n)
-        return {"tp": tp, "cuda_graphs": graphs and engine.device.type == "cuda",
+        graphed = graphs and engine.device.type == "cuda"
+        layers = engine.model_config.num_layers
+        return {"tp": tp, "cuda_graphs": graphed,
                 "decode_ms_per_token_b1": round(decode_ms, 3),
-                "all_reduce_ms_per_step_b1": round(reduce_ms[0] / steps, 3),
-                "all_reduce_share_b1": round(reduce_ms[0] / steps / decode_ms, 3),
+                # Graph runs: filled in from the replayed all-reduces (see main).
+                "all_reduce_ms_per_step_b1": None if graphed else round(reduce_ms[0] / steps, 3),
+                "all_reduce_share_b1": (None if graphed
+                                        else round(reduce_ms[0] / steps / decode_ms, 3)),
+                "all_reduces_per_step": 2 * layers + 1 if tp > 1 else 0,
+                "hidden_size": engine.model_config.hidden_size,
                 "batch": args.batch,
                 "throughput_tokens_per_s": round(args.batch * n / batch_s, 1)}
     finally:
@@ -129,7 +188,7 @@ def main() -> None:
     parser.add_argument("--load-format", default="dummy")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--configs", nargs="+", default=["1:graphs", "1:eager", "2:eager"],
+    parser.add_argument("--configs", nargs="+", default=["1:graphs", "2:graphs", "2:eager"],
                         help="TP:graphs|eager, run in this order")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -143,13 +202,29 @@ def main() -> None:
         tp, mode = spec.split(":")
         rows.append(measure(args, int(tp), mode == "graphs"))
         print(json.dumps(rows[-1]), flush=True)
-    base = next((r for r in rows if r["tp"] == 1 and not r["cuda_graphs"]), rows[0])
-    print(f"\n{'tp':>3} {'graphs':>6} {'b1 ms/tok':>10} {'x tp1-eager':>11} "
+    replayed = [r for r in rows if r["cuda_graphs"] and r["tp"] > 1]
+    replay_ms: dict[str, dict] = {}
+    for world in sorted({r["tp"] for r in replayed}):
+        example = next(r for r in replayed if r["tp"] == world)
+        count = example["all_reduces_per_step"]
+        ms = graph_all_reduce_ms(world, example["hidden_size"], [1, args.batch], count)
+        replay_ms[str(world)] = {"all_reduces": count, "rows_1_ms": round(ms[1], 4),
+                                 f"rows_{args.batch}_ms": round(ms[args.batch], 4)}
+        for r in rows:
+            if r in replayed and r["tp"] == world:
+                r["all_reduce_ms_per_step_b1"] = round(ms[1], 3)
+                r["all_reduce_share_b1"] = round(ms[1] / r["decode_ms_per_token_b1"], 3)
+    # The ratio is against TP=1 in the same mode as the row (graphs with graphs).
+    print(f"\n{'tp':>3} {'graphs':>6} {'b1 ms/tok':>10} {'x tp1':>6} "
           f"{'all-reduce':>10} {'tok/s @B':>10}")
     for r in rows:
+        base = next((b for b in rows if b["tp"] == 1 and b["cuda_graphs"] == r["cuda_graphs"]),
+                    rows[0])
+        r["vs_tp1"] = round(r["decode_ms_per_token_b1"] / base["decode_ms_per_token_b1"], 3)
+        share = r["all_reduce_share_b1"]
         print(f"{r['tp']:>3} {str(r['cuda_graphs']):>6} {r['decode_ms_per_token_b1']:>10.2f} "
-              f"{r['decode_ms_per_token_b1'] / base['decode_ms_per_token_b1']:>11.2f} "
-              f"{r['all_reduce_share_b1']:>10.1%} {r['throughput_tokens_per_s']:>10.0f}")
+              f"{r['vs_tp1']:>6.2f} {'' if share is None else f'{share:.1%}':>10} "
+              f"{r['throughput_tokens_per_s']:>10.0f}")
     device = ("h200" if torch.cuda.is_available() and "H200" in torch.cuda.get_device_name()
               else args.device)
     nccl = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
@@ -157,7 +232,7 @@ def main() -> None:
               "input_len": args.input_len, "output_len": args.output_len,
               "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
               "nccl_version": nccl_version(),
-              "nccl_env": nccl, "results": rows}
+              "nccl_env": nccl, "results": rows, "graph_all_reduce_replay": replay_ms}
     out = Path(args.out or Path(__file__).parent / "results" /
                f"tp_{device}_{datetime.date.today()}.json")
     out.write_text(json.dumps(record, indent=2) + "\n")

@@ -16,6 +16,10 @@ near its weight-streaming time. A graph replays fixed kernels on fixed addresses
   still hold valid slots, so padded rows read real memory).
 - The attention backend plans into its own fixed buffers (`plan_cuda_graph`), outside the
   graph, right before capture and before every replay.
+- With tensor parallelism every rank captures the same graphs at the same time (the NCCL
+  all-reduces inside the layers are captured with them). Before each replay rank 0 sends the
+  step's device inputs and slot-table rows to the other ranks (`followers`), which copy them
+  into their own buffers and replay (`replay_received`): they hold no slot table of their own.
 
 Only steps where every sequence has exactly one new token (decode, or a one-token prompt)
 go through here; the model runner sends every other step down the eager path.
@@ -26,7 +30,7 @@ CPU tests check this module's bookkeeping under the Triton interpreter.
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -43,6 +47,7 @@ CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 
 MAX_CAPTURE_SIZE = CAPTURE_SIZES[-1]
 # Rows of the packed per-step input tensor.
 IDS, POSITIONS, KV_LENS, OUT_SLOTS, TABLE_ROWS = range(5)
+SENT_ROWS = 4  # the rows other tensor-parallel ranks need: all but TABLE_ROWS
 
 
 def capture_sizes(limit: int) -> list[int]:
@@ -53,11 +58,14 @@ def capture_sizes(limit: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: LlamaForCausalLM, attn: AttentionBackend, kv_cache: KVCache,
-                 table: ReqToTokenTable, scratch_slot: int, max_batch_size: int, max_len: int,
-                 capture: bool = True) -> None:
+                 table: ReqToTokenTable | None, scratch_slot: int, max_batch_size: int,
+                 max_len: int, capture: bool = True, followers: Any = None) -> None:
         """scratch_slot: a KV slot outside every page the allocator hands out. max_len: the
-        longest context a sequence can have (the engine's max_model_len)."""
+        longest context a sequence can have (the engine's max_model_len). table: None on a
+        tensor-parallel rank other than 0 (it replays what rank 0 sends). followers: rank 0's
+        tensor_parallel.TensorParallelGroup, to send each replayed step to."""
         self.model = model
+        self.followers = followers
         self.attn = attn
         self.kv_cache = kv_cache
         self.table = table
@@ -106,6 +114,30 @@ class DecodeGraphs:
         width = max(kv_lens)
         table_rows = self.inputs[TABLE_ROWS, :num]
         self.slot_table[:num, :width] = self.table.table[table_rows, :width]
+        if self.followers is not None:
+            self.followers.graph_step(self.inputs[:SENT_ROWS, :bs],
+                                      self.slot_table[:num, :width])
+        return self._run(batch, num)
+
+    @torch.inference_mode()
+    def replay_received(self, inputs: torch.Tensor, table_rows: torch.Tensor,
+                        kv_lens: list[int] | None) -> None:
+        """A tensor-parallel rank's side of rank 0's `forward`: inputs [SENT_ROWS, bs] and
+        the [num, width] slot-table rows as rank 0 staged them; kv_lens (padded to bs) only
+        for a backend that plans from host lengths."""
+        bs = inputs.shape[1]
+        num, width = table_rows.shape
+        self.inputs[:SENT_ROWS, :bs].copy_(inputs)
+        self.slot_table[:num, :width].copy_(table_rows)
+        batch = ForwardBatch(
+            input_ids=self.inputs[IDS, :bs], positions=self.inputs[POSITIONS, :bs],
+            q_lens=[1] * bs, kv_lens=kv_lens or [1] * bs,
+            out_slots=self.inputs[OUT_SLOTS, :bs], slot_table=self.slot_table[:bs],
+            kv_cache=self.kv_cache)
+        self._run(batch, num)
+
+    def _run(self, batch: ForwardBatch, num: int) -> torch.Tensor:
+        bs = len(batch.q_lens)
         self.attn.plan_cuda_graph(batch, self.inputs[KV_LENS, :bs])
         if bs in self.graphs:
             self.graphs[bs].replay()

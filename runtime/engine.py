@@ -228,8 +228,6 @@ class Engine:
                 loaded, model=ShardedModel(loaded.model, tp),
                 config=dataclasses.replace(loaded.config, num_kv_heads=kv_heads))
         self.core = EngineCore(self.config, loaded, self.device, self.dtype, draft)
-        if tp is not None:
-            tp.start(self.core.kv_cache.num_slots)
 
     # -- building requests (caller's thread) --------------------------------------------------
 

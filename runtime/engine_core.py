@@ -37,8 +37,16 @@ from radixlm.runtime.request import Request, RequestStatus
 from radixlm.runtime.scheduler import ScheduledBatch, Scheduler
 from radixlm.runtime.speculative.draft_model import DraftModel
 from radixlm.runtime.speculative.speculator import Speculator
+from radixlm.runtime.tensor_parallel import ShardedModel
 
 log = logging.getLogger(__name__)
+
+
+def uses_decode_graphs(config: EngineConfig, device: torch.device, attn: Any) -> bool:
+    """Whether decode steps replay CUDA graphs (see cuda_graph). Off the GPU the graph
+    runner can still run uncaptured: tests switch it on here to check its bookkeeping."""
+    return (device.type == "cuda" and not config.disable_cuda_graph
+            and attn.supports_cuda_graph)
 
 
 class EngineCore:
@@ -52,9 +60,10 @@ class EngineCore:
         self.max_model_len = max_model_len(config, mc, num_pages * config.page_size)
         attn = create_backend(config.attention_backend, scale=mc.head_dim ** -0.5,
                               device=device, dtype=dtype, head_dim=mc.head_dim)
-        # Not with tensor parallelism yet: the steps' broadcasts would have to be captured too.
-        graphs = (device.type == "cuda" and not config.disable_cuda_graph
-                  and attn.supports_cuda_graph and config.tp_size == 1)
+        graphs = uses_decode_graphs(config, device, attn)
+        # Tensor parallelism: rank 0's model is the stand-in that sends each call to the other
+        # ranks; graphs capture the shard itself, and send each replay (see cuda_graph).
+        tp_group = loaded.model.group if isinstance(loaded.model, ShardedModel) else None
         # With CUDA graphs, one page past the allocator's: padded rows write their K/V there.
         scratch_pages = 1 if graphs else 0
         self.kv_cache = KVCache(mc.num_layers, (num_pages + scratch_pages) * config.page_size,
@@ -73,11 +82,15 @@ class EngineCore:
         rows = config.max_running_requests * (1 + (config.num_speculative_tokens
                                                     if config.speculative else 0))
         self._graph_args = (dict(scratch_slot=num_pages * config.page_size,
-                                 max_batch_size=rows, max_len=self.max_model_len)
+                                 max_batch_size=rows, max_len=self.max_model_len,
+                                 capture=device.type == "cuda")
                             if graphs else None)
+        if tp_group is not None:  # the other ranks allocate their KV and capture alongside
+            tp_group.start(self.kv_cache.num_slots, self._graph_args)
         if graphs:
-            self.runner.cuda_graphs = DecodeGraphs(loaded.model, attn, self.kv_cache,
-                                                   self.table, **self._graph_args)
+            self.runner.cuda_graphs = DecodeGraphs(
+                loaded.model.model if tp_group else loaded.model, attn, self.kv_cache,
+                self.table, **self._graph_args, followers=tp_group)
         self.speculator = (None if config.speculative is None
                            else self._build_speculator(draft, mc.vocab_size, dtype))
         self.requests: dict[str, Request] = {}

@@ -44,7 +44,7 @@ from radixlm.runtime.memory import KVCache
 
 log = logging.getLogger(__name__)
 
-FORWARD, LOGITS, HEARTBEAT, STOP = 1, 2, 3, 4
+FORWARD, LOGITS, HEARTBEAT, STOP, GRAPH = 1, 2, 3, 4, 5
 HEADER = 4  # int64 words: (command, a, b, c)
 # Workers launched here (not by hand for a multi-node run) watch this process id and exit
 # when it goes away, so a killed engine leaves no orphans.
@@ -87,6 +87,22 @@ class StepChannel:
                             kv_lens=lens_l[seqs:], out_slots=out_slots,
                             slot_table=table.view(seqs, cols), kv_cache=kv_cache)
 
+    def send_graph_step(self, inputs: torch.Tensor, table_rows: torch.Tensor) -> None:
+        """A decode step the ranks replay as a CUDA graph: the graph's staged inputs
+        [rows, bs] and the step's slot-table rows [num, width], already on the device."""
+        rows, bs = inputs.shape
+        num, width = table_rows.shape
+        self.send_header(GRAPH, bs, num, width)
+        dist.broadcast(torch.cat([inputs.reshape(-1), table_rows.reshape(-1)]), src=0)
+
+    def recv_graph_step(self, header: list[int], rows: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        _, bs, num, width = header
+        packed = torch.empty(rows * bs + num * width, dtype=torch.int64, device=self.device)
+        dist.broadcast(packed, src=0)
+        inputs, table_rows = packed.split([rows * bs, num * width])
+        return inputs.view(rows, bs), table_rows.view(num, width)
+
     def send_hidden(self, hidden: torch.Tensor) -> None:
         self.send_header(LOGITS, hidden.shape[0], hidden.shape[1])
         dist.broadcast(hidden.contiguous(), src=0)
@@ -123,13 +139,17 @@ class TensorParallelGroup:
             destroy_group()
             raise
 
-    def start(self, num_slots: int) -> None:
-        """Tell the workers how many KV slots to allocate (rank 0 sized the pool); they then
-        wait for steps."""
-        self._broadcast(lambda: dist.broadcast_object_list([num_slots], src=0))
+    def start(self, num_slots: int, graph_args: dict | None) -> None:
+        """Tell the workers how many KV slots to allocate (rank 0 sized the pool) and how to
+        capture decode graphs (None: no graphs); they capture alongside rank 0, then wait for
+        steps."""
+        self._broadcast(lambda: dist.broadcast_object_list([(num_slots, graph_args)], src=0))
 
     def forward(self, batch: ForwardBatch) -> None:
         self._broadcast(lambda: self.channel.send_forward(batch))
+
+    def graph_step(self, inputs: torch.Tensor, table_rows: torch.Tensor) -> None:
+        self._broadcast(lambda: self.channel.send_graph_step(inputs, table_rows))
 
     def hidden_for_logits(self, hidden: torch.Tensor) -> None:
         self._broadcast(lambda: self.channel.send_hidden(hidden))

@@ -3,8 +3,10 @@
 Started by rank 0's engine for each other rank on its machine, or by hand (one per rank, with
 RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set) for a launch across machines.
 It joins the group, receives the engine config from rank 0, loads its shard of the model,
-allocates its shard of the KV pool, then runs every forward and logits call rank 0 sends until
-told to stop. It keeps no requests, no slot table and samples nothing (see tensor_parallel).
+allocates its shard of the KV pool, captures the same decode CUDA graphs as rank 0 (at the same
+time: the collectives inside pair up), then runs every forward, graph replay and logits call
+rank 0 sends until told to stop. It keeps no requests, no slot table and samples nothing
+(see tensor_parallel).
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ import torch.distributed as dist
 
 from radixlm.runtime.attention.base import create_backend
 from radixlm.runtime.config import EngineConfig
+from radixlm.runtime.cuda_graph import KV_LENS, SENT_ROWS, DecodeGraphs
 from radixlm.runtime.distributed import destroy_group, init_group
 from radixlm.runtime.loader import load_model
 from radixlm.runtime.memory import KVCache
 from radixlm.runtime.tensor_parallel import (
     FORWARD,
+    GRAPH,
     HEARTBEAT,
     LOGITS,
     PARENT_ENV,
@@ -74,12 +78,15 @@ def serve(rank: int, world_size: int, local_rank: int) -> None:
                         quantization=config.quantization, tp=tp)
     mc, model = loaded.config, loaded.model
     dist.broadcast_object_list(box, src=0)
-    num_slots: int = box[0]
+    num_slots, graph_args = box[0]
     kv_heads = tp.kv_heads(mc.num_kv_heads)[1]
     kv_cache = KVCache(mc.num_layers, num_slots, kv_heads, mc.head_dim, dtype, device,
                        config.page_size)
     attn = create_backend(config.attention_backend, scale=mc.head_dim ** -0.5, device=device,
                           dtype=dtype, head_dim=mc.head_dim)
+    # Captured at the same time as rank 0's graphs: their all-reduces pair up.
+    graphs = (None if graph_args is None else
+              DecodeGraphs(model, attn, kv_cache, None, **graph_args))
     channel = StepChannel(device, dtype)
     while True:
         header = channel.recv_header()
@@ -88,6 +95,11 @@ def serve(rank: int, world_size: int, local_rank: int) -> None:
             batch = channel.recv_forward(header, kv_cache)
             attn.plan(batch)
             model(batch, attn)
+        elif command == GRAPH:
+            inputs, table_rows = channel.recv_graph_step(header, SENT_ROWS)
+            kv_lens = (inputs[KV_LENS].tolist() if attn.graph_plan_reads_host_lens
+                       else None)
+            graphs.replay_received(inputs, table_rows, kv_lens)
         elif command == LOGITS:
             model.compute_logits(channel.recv_hidden(header))
         elif command == STOP:

@@ -215,10 +215,15 @@ def test_killed_engine_process_leaves_no_workers(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_tp2_on_two_gpus_with_nccl_matches_tp1(tmp_path):
-    """NCCL, ranks on cuda:0 and cuda:1, fp32 (run on the GPU machine: `pytest -m gpu`)."""
+    """NCCL, ranks on cuda:0 and cuda:1, fp32, with the decode steps in CUDA graphs (their
+    all-reduces captured) and without (run on the GPU machine: `pytest -m gpu`)."""
     folder = save_tiny_hf_model(tmp_path, "llama", vocab_size=511, num_key_value_heads=1)
     options = dict(dtype="float32", device="cuda", max_total_tokens=4096)
     with Engine(str(folder), **options) as engine:
         expected = _greedy(engine, PROMPTS)
     with Engine(str(folder), tp_size=2, **options) as engine:
+        assert engine.core.runner.cuda_graphs is not None  # every rank replays its graphs
+        assert _greedy(engine, PROMPTS) == expected
+        assert engine.stats()["overlapped_steps"] > 0
+    with Engine(str(folder), tp_size=2, disable_cuda_graph=True, **options) as engine:
         assert _greedy(engine, PROMPTS) == expected

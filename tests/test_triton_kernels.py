@@ -271,6 +271,39 @@ def case_decode_graph_padding_matches_eager():
     return f"same greedy tokens; decode batch sizes {sorted(set(seen))}"
 
 
+def case_tp2_decode_graph_steps_match_tp1():
+    """Tensor parallelism through the graph runner, uncaptured: rank 0 sends each padded
+    decode step's inputs and slot-table rows, the other rank replays them on its own
+    buffers (gloo, two processes). Greedy tokens equal TP=1's, with overlap scheduling
+    feeding the sampled tokens on the device."""
+    import tempfile
+
+    from radixlm.runtime import cuda_graph, engine_core
+
+    folder = save_llama(Path(tempfile.mkdtemp()), head_dim=32)
+    prompts = PROMPTS[:3]
+    params = {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True, "logprobs": True}
+    expected = _engine_tokens(folder, prompts, params, attention_backend="triton")[0]
+    sent: list[int] = []
+    send, graphs_on = cuda_graph.DecodeGraphs.forward, engine_core.uses_decode_graphs
+
+    def counting_forward(self, requests, *args):
+        sent.append(len(requests))
+        return send(self, requests, *args)
+
+    engine_core.uses_decode_graphs = lambda *args: True
+    cuda_graph.DecodeGraphs.forward = counting_forward
+    try:
+        got = _engine_tokens(folder, prompts, params, attention_backend="triton", tp_size=2,
+                             overlap_schedule="on", tp_timeout=120)[0]
+    finally:
+        cuda_graph.DecodeGraphs.forward = send
+        engine_core.uses_decode_graphs = graphs_on
+    assert got == expected, (got, expected)
+    assert sent and max(sent) == len(prompts), sent
+    return f"same greedy tokens; {len(sent)} graph steps sent"
+
+
 def case_fused_model_matches_torch():
     """The Llama forward with the fused norm/activation/rotary kernels, under the
     interpreter: the same greedy tokens as the torch ops in fp32."""

@@ -49,6 +49,8 @@ class AttentionBackend(ABC):
     """
 
     supports_cuda_graph = False
+    # Whether plan_cuda_graph reads batch.kv_lens on the host (not only the device copy).
+    graph_plan_reads_host_lens = False
 
     @abstractmethod
     def plan(self, batch: ForwardBatch) -> None: ...

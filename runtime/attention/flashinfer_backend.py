@@ -49,6 +49,7 @@ def import_flashinfer() -> Any:
 
 class FlashInferAttention(AttentionBackend):
     supports_cuda_graph = True
+    graph_plan_reads_host_lens = True  # FlashInfer plans on the host
 
     def __init__(self, scale: float, decode_tensor_cores: bool = False) -> None:
         """decode_tensor_cores: run decode on FlashInfer's tensor-core (prefill) kernels. Off:
