@@ -38,7 +38,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from radixlm.runtime import Engine
-from radixlm.runtime.distributed import free_port
+from radixlm.runtime.distributed import (
+    active_all_reduce,
+    all_reduce,
+    free_port,
+    setup_all_reduce,
+)
 from radixlm.runtime.layers import embedding, linear
 
 
@@ -75,21 +80,25 @@ def timed_all_reduces(device: torch.device) -> Iterator[list[float]]:
             total.append(sum(spans))
 
 
-def _graph_all_reduce_worker(rank: int, world: int, port: int, shapes: list[tuple[int, int]],
-                             count: int, reps: int, out: Any) -> None:
+def _graph_all_reduce_worker(rank: int, world: int, port: int, mode: str,
+                             shapes: list[tuple[int, int]], count: int, reps: int,
+                             out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world)
+    device = torch.device("cuda", rank)
+    # The engine's own all-reduce, set up as the engine sets it up.
+    setup_all_reduce(mode, max(r for r, _ in shapes) * shapes[0][1], torch.bfloat16, device)
     results = {}
     for rows, hidden in shapes:
         x = torch.ones(rows, hidden, dtype=torch.bfloat16, device="cuda")
-        dist.all_reduce(x)  # the communicator exists before capture
+        all_reduce(x)  # the communicator exists before capture
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             for _ in range(count):
-                dist.all_reduce(x)
+                all_reduce(x)
         torch.cuda.synchronize()
         times = []
         for _ in range(reps):
@@ -107,14 +116,17 @@ def _graph_all_reduce_worker(rank: int, world: int, port: int, shapes: list[tupl
     dist.destroy_process_group()
 
 
-def graph_all_reduce_ms(world: int, hidden: int, rows: list[int], count: int) -> dict[int, float]:
-    """Median ms of `count` in-place all-reduces of [rows, hidden] bf16, replayed in one CUDA
-    graph over `world` GPUs (fresh processes: the engines' groups are closed by then)."""
+def graph_all_reduce_ms(world: int, mode: str, hidden: int, rows: list[int],
+                        count: int) -> dict[int, float]:
+    """Median ms of `count` in-place all-reduces of [rows, hidden] bf16 by the engine's
+    all-reduce (`mode`), replayed in one CUDA graph over `world` GPUs (fresh processes: the
+    engines' groups are closed by then)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_graph_all_reduce_worker,
-                         args=(r, world, port, [(n, hidden) for n in rows], count, 20, queue))
+                         args=(r, world, port, mode, [(n, hidden) for n in rows], count, 20,
+                               queue))
              for r in range(world)]
     for proc in procs:
         proc.start()
@@ -139,9 +151,10 @@ def timed_generate(engine: Engine, ids: list[list[int]], new_tokens: int) -> flo
     return elapsed
 
 
-def measure(args: argparse.Namespace, tp: int, graphs: bool) -> dict:
+def measure(args: argparse.Namespace, tp: int, graphs: bool, all_reduce: str) -> dict:
     engine = Engine(args.model, load_format=args.load_format, device=args.device,
                     dtype=args.dtype, tp_size=tp, disable_cuda_graph=not graphs,
+                    tp_all_reduce=all_reduce,
                     disable_radix_cache=True, max_total_tokens=args.max_total_tokens,
                     max_running_requests=max(args.batch, 1))
     try:
@@ -157,7 +170,7 @@ def measure(args: argparse.Namespace, tp: int, graphs: bool) -> dict:
                                  n)
         graphed = graphs and engine.device.type == "cuda"
         layers = engine.model_config.num_layers
-        return {"tp": tp, "cuda_graphs": graphed,
+        return {"tp": tp, "cuda_graphs": graphed, "all_reduce": active_all_reduce(),
                 "decode_ms_per_token_b1": round(decode_ms, 3),
                 # Graph runs: filled in from the replayed all-reduces (see main).
                 "all_reduce_ms_per_step_b1": None if graphed else round(reduce_ms[0] / steps, 3),
@@ -188,8 +201,10 @@ def main() -> None:
     parser.add_argument("--load-format", default="dummy")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--configs", nargs="+", default=["1:graphs", "2:graphs", "2:eager"],
-                        help="TP:graphs|eager, run in this order")
+    parser.add_argument("--configs", nargs="+",
+                        default=["1:graphs", "2:graphs", "2:eager", "2:graphs:nccl"],
+                        help="TP:graphs|eager[:auto|symmetric|nccl] (the all-reduce), run in "
+                             "this order")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--batch", type=int, default=128, help="large-batch size")
@@ -199,31 +214,32 @@ def main() -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off
     rows = []
     for spec in args.configs:
-        tp, mode = spec.split(":")
-        rows.append(measure(args, int(tp), mode == "graphs"))
+        tp, mode, *all_reduce = spec.split(":")
+        rows.append(measure(args, int(tp), mode == "graphs", (all_reduce or ["auto"])[0]))
         print(json.dumps(rows[-1]), flush=True)
     replayed = [r for r in rows if r["cuda_graphs"] and r["tp"] > 1]
     replay_ms: dict[str, dict] = {}
-    for world in sorted({r["tp"] for r in replayed}):
-        example = next(r for r in replayed if r["tp"] == world)
+    for world, mode in sorted({(r["tp"], r["all_reduce"]) for r in replayed}):
+        example = next(r for r in replayed if (r["tp"], r["all_reduce"]) == (world, mode))
         count = example["all_reduces_per_step"]
-        ms = graph_all_reduce_ms(world, example["hidden_size"], [1, args.batch], count)
-        replay_ms[str(world)] = {"all_reduces": count, "rows_1_ms": round(ms[1], 4),
-                                 f"rows_{args.batch}_ms": round(ms[args.batch], 4)}
+        ms = graph_all_reduce_ms(world, mode, example["hidden_size"], [1, args.batch], count)
+        replay_ms[f"{world}:{mode}"] = {"all_reduces": count, "rows_1_ms": round(ms[1], 4),
+                                        f"rows_{args.batch}_ms": round(ms[args.batch], 4)}
         for r in rows:
-            if r in replayed and r["tp"] == world:
+            if r in replayed and (r["tp"], r["all_reduce"]) == (world, mode):
                 r["all_reduce_ms_per_step_b1"] = round(ms[1], 3)
                 r["all_reduce_share_b1"] = round(ms[1] / r["decode_ms_per_token_b1"], 3)
     # The ratio is against TP=1 in the same mode as the row (graphs with graphs).
-    print(f"\n{'tp':>3} {'graphs':>6} {'b1 ms/tok':>10} {'x tp1':>6} "
-          f"{'all-reduce':>10} {'tok/s @B':>10}")
+    print(f"\n{'tp':>3} {'graphs':>6} {'all-reduce':>10} {'b1 ms/tok':>10} {'x tp1':>6} "
+          f"{'AR share':>9} {'tok/s @B':>10}")
     for r in rows:
         base = next((b for b in rows if b["tp"] == 1 and b["cuda_graphs"] == r["cuda_graphs"]),
                     rows[0])
         r["vs_tp1"] = round(r["decode_ms_per_token_b1"] / base["decode_ms_per_token_b1"], 3)
         share = r["all_reduce_share_b1"]
-        print(f"{r['tp']:>3} {str(r['cuda_graphs']):>6} {r['decode_ms_per_token_b1']:>10.2f} "
-              f"{r['vs_tp1']:>6.2f} {'' if share is None else f'{share:.1%}':>10} "
+        print(f"{r['tp']:>3} {str(r['cuda_graphs']):>6} {r['all_reduce']:>10} "
+              f"{r['decode_ms_per_token_b1']:>10.2f} "
+              f"{r['vs_tp1']:>6.2f} {'' if share is None else f'{share:.1%}':>9} "
               f"{r['throughput_tokens_per_s']:>10.0f}")
     device = ("h200" if torch.cuda.is_available() and "H200" in torch.cuda.get_device_name()
               else args.device)

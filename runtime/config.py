@@ -67,6 +67,11 @@ class EngineConfig:
     # `tp_timeout` seconds (a lost rank) fails the running requests instead of hanging.
     tp_size: int = 1
     tp_timeout: float = 60.0
+    # The all-reduce of activations on CUDA: "symmetric" (PyTorch symmetric memory over
+    # NVLink: each rank reads its peers' buffers; lower latency than NCCL for decode-sized
+    # tensors, used up to the decode graphs' largest batch), "nccl", or "auto" (symmetric
+    # where the GPUs support it, else NCCL). Larger tensors (prefill) always use NCCL.
+    tp_all_reduce: str = "auto"
     # Prefix cache (RadixAttention) and the waiting-queue order: "lpm" serves the longest
     # cached prefix first and lets requests that share an uncached prefix wait for it.
     disable_radix_cache: bool = False
@@ -100,6 +105,7 @@ class EngineConfig:
         _one_of(self.overlap_schedule, OVERLAP_MODES, "overlap_schedule")
         self._check_speculative_options()
         _positive_int(self.tp_size, "tp_size")
+        _one_of(self.tp_all_reduce, ("auto", "symmetric", "nccl"), "tp_all_reduce")
         if (isinstance(self.tp_timeout, bool) or not isinstance(self.tp_timeout, (int, float))
                 or not self.tp_timeout > 0):
             raise ValueError(f"tp_timeout must be a positive number of seconds, "

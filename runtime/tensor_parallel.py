@@ -139,11 +139,14 @@ class TensorParallelGroup:
             destroy_group()
             raise
 
-    def start(self, num_slots: int, graph_args: dict | None) -> None:
-        """Tell the workers how many KV slots to allocate (rank 0 sized the pool) and how to
-        capture decode graphs (None: no graphs); they capture alongside rank 0, then wait for
-        steps."""
-        self._broadcast(lambda: dist.broadcast_object_list([(num_slots, graph_args)], src=0))
+    def start(self, num_slots: int, graph_args: dict | None, all_reduce_numel: int) -> None:
+        """Tell the workers how many KV slots to allocate (rank 0 sized the pool), the largest
+        activation the fast all-reduce takes, and how to capture decode graphs (None: no
+        graphs). Then every rank sets up its all-reduce, and the workers capture alongside
+        rank 0 and wait for steps."""
+        message = {"num_slots": num_slots, "graph_args": graph_args,
+                   "all_reduce_numel": all_reduce_numel}
+        self._broadcast(lambda: dist.broadcast_object_list([message], src=0))
 
     def forward(self, batch: ForwardBatch) -> None:
         self._broadcast(lambda: self.channel.send_forward(batch))

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from radixlm.runtime.attention.base import create_backend
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.cuda_graph import KV_LENS, SENT_ROWS, DecodeGraphs
-from radixlm.runtime.distributed import destroy_group, init_group
+from radixlm.runtime.distributed import destroy_group, init_group, setup_all_reduce
 from radixlm.runtime.loader import load_model
 from radixlm.runtime.memory import KVCache
 from radixlm.runtime.tensor_parallel import (
@@ -78,15 +78,16 @@ def serve(rank: int, world_size: int, local_rank: int) -> None:
                         quantization=config.quantization, tp=tp)
     mc, model = loaded.config, loaded.model
     dist.broadcast_object_list(box, src=0)
-    num_slots, graph_args = box[0]
+    start = box[0]
+    setup_all_reduce(config.tp_all_reduce, start["all_reduce_numel"], dtype, device)
     kv_heads = tp.kv_heads(mc.num_kv_heads)[1]
-    kv_cache = KVCache(mc.num_layers, num_slots, kv_heads, mc.head_dim, dtype, device,
+    kv_cache = KVCache(mc.num_layers, start["num_slots"], kv_heads, mc.head_dim, dtype, device,
                        config.page_size)
     attn = create_backend(config.attention_backend, scale=mc.head_dim ** -0.5, device=device,
                           dtype=dtype, head_dim=mc.head_dim)
     # Captured at the same time as rank 0's graphs: their all-reduces pair up.
-    graphs = (None if graph_args is None else
-              DecodeGraphs(model, attn, kv_cache, None, **graph_args))
+    graphs = (None if start["graph_args"] is None else
+              DecodeGraphs(model, attn, kv_cache, None, **start["graph_args"]))
     channel = StepChannel(device, dtype)
     while True:
         header = channel.recv_header()
