@@ -166,6 +166,8 @@ def measure(args: argparse.Namespace, tp: int, graphs: bool, all_reduce: str) ->
             many = timed_generate(engine, prompts(engine, 1, args.input_len, seed + 2), n)
         decode_ms = 1e3 * (many - one) / (n - 1)
         steps = engine.stats()["steps"] - steps0
+        # Warm-up at the large batch too: its first steps compile kernels for new shapes.
+        timed_generate(engine, prompts(engine, args.batch, args.input_len, seed + 4), 4)
         batch_s = timed_generate(engine, prompts(engine, args.batch, args.input_len, seed + 3),
                                  n)
         graphed = graphs and engine.device.type == "cuda"

@@ -116,22 +116,21 @@ class DecodeGraphs:
         self.slot_table[:num, :width] = self.table.table[table_rows, :width]
         if self.followers is not None:
             self.followers.graph_step(self.inputs[:SENT_ROWS, :bs],
-                                      self.slot_table[:num, :width])
+                                      self.slot_table[:num, :width], batch.kv_lens)
         return self._run(batch, num)
 
     @torch.inference_mode()
     def replay_received(self, inputs: torch.Tensor, table_rows: torch.Tensor,
-                        kv_lens: list[int] | None) -> None:
+                        kv_lens: list[int]) -> None:
         """A tensor-parallel rank's side of rank 0's `forward`: inputs [SENT_ROWS, bs] and
-        the [num, width] slot-table rows as rank 0 staged them; kv_lens (padded to bs) only
-        for a backend that plans from host lengths."""
+        the [num, width] slot-table rows as rank 0 staged them, and the padded kv_lens."""
         bs = inputs.shape[1]
         num, width = table_rows.shape
         self.inputs[:SENT_ROWS, :bs].copy_(inputs)
         self.slot_table[:num, :width].copy_(table_rows)
         batch = ForwardBatch(
             input_ids=self.inputs[IDS, :bs], positions=self.inputs[POSITIONS, :bs],
-            q_lens=[1] * bs, kv_lens=kv_lens or [1] * bs,
+            q_lens=[1] * bs, kv_lens=kv_lens,
             out_slots=self.inputs[OUT_SLOTS, :bs], slot_table=self.slot_table[:bs],
             kv_cache=self.kv_cache)
         self._run(batch, num)

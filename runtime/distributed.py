@@ -10,20 +10,25 @@ torch.distributed.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TPInfo:
-    """This process's place in the tensor-parallel group (the default process group)."""
+    """This process's place in the tensor-parallel group (the default process group), and
+    the gloo group that carries host-side messages (the default group itself on CPU)."""
 
     rank: int
     size: int
+    host_group: Any = None
 
     def split(self, total: int, what: str) -> tuple[int, int]:
         """(start, length) of this rank's equal share of `total` items."""
@@ -61,10 +66,15 @@ def free_port() -> int:
 
 
 def rendezvous_env(world_size: int) -> dict[str, str]:
-    """MASTER_ADDR/MASTER_PORT from the environment, or localhost and a free port."""
-    return {"MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
-            "MASTER_PORT": os.environ.get("MASTER_PORT", str(free_port())),
-            "WORLD_SIZE": str(world_size)}
+    """MASTER_ADDR/MASTER_PORT from the environment, or localhost and a free port. A launch
+    on this machine alone keeps gloo on the loopback interface (unless GLOO_SOCKET_IFNAME
+    says otherwise): the host name may resolve to an address the ranks cannot reach."""
+    env = {"MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
+           "MASTER_PORT": os.environ.get("MASTER_PORT", str(free_port())),
+           "WORLD_SIZE": str(world_size)}
+    if env["MASTER_ADDR"] in ("127.0.0.1", "localhost"):
+        env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+    return env
 
 
 def init_group(rank: int, world_size: int, backend: str, timeout_s: float,
@@ -74,12 +84,25 @@ def init_group(rank: int, world_size: int, backend: str, timeout_s: float,
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialized in this process; one "
                            "tensor-parallel engine per process")
-    for key, value in (env or {}).items():
-        os.environ[key] = value
-    dist.init_process_group(backend, init_method="env://", rank=rank,
-                            world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    return TPInfo(rank, world_size)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # The variables hold only while the groups form: a later engine in this process must
+    # not meet at this one's port (a store still alive there would hand it stale peers).
+    saved = {key: os.environ.get(key) for key in env or {}}
+    os.environ.update(env or {})
+    try:
+        dist.init_process_group(backend, init_method="env://", rank=rank,
+                                world_size=world_size, timeout=timeout)
+        # Step descriptions travel host to host, so a rank can queue its GPU work without
+        # waiting for its GPU to receive them first (see tensor_parallel.StepChannel).
+        host_group = (dist.group.WORLD if backend == "gloo"
+                      else dist.new_group(backend="gloo", timeout=timeout))
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return TPInfo(rank, world_size, host_group)
 
 
 def destroy_group() -> None:
@@ -132,21 +155,42 @@ def active_all_reduce() -> str:
 
 def setup_all_reduce(mode: str, max_numel: int, dtype: torch.dtype,
                      device: torch.device) -> str:
-    """Choose this process's all-reduce for tensors of up to max_numel elements; every rank
-    calls it at the same point (the symmetric buffer's rendezvous is collective). Returns
-    the one in use: "symmetric" or "nccl" ("gloo" off the GPU)."""
+    """Set up this process's all-reduce (`mode`: "symmetric" or "nccl", as rank 0 chose)
+    for tensors of up to max_numel elements; every rank calls it at the same point (the
+    symmetric buffer's rendezvous is collective). Returns the one in use ("gloo" off the
+    GPU)."""
     global _symmetric, _active
     _symmetric = None
     if device.type != "cuda":
         _active = "gloo"
-    elif mode == "nccl" or mode == "auto" and not symmetric_memory_available():
-        # The availability check gives every rank of one machine the same answer: the
-        # ranks never disagree on the choice.
+    elif mode == "nccl":
         _active = "nccl"
     else:
         _symmetric = SymmetricAllReduce(max_numel, dtype, device)
         _active = "symmetric"
     return _active
+
+
+_symmetric_rendezvous_done = False  # PyTorch numbers rendezvous per process, never resets
+
+
+def choose_all_reduce(configured: str, device: torch.device) -> str:
+    """Rank 0's choice, sent to the other ranks so that none disagrees: "symmetric" where
+    configured ("auto" too) and available, else "nccl". Symmetric memory is set up at most
+    once per process: a later engine's fresh workers would count their rendezvous from zero
+    while this process goes on from one, and wait for each other forever. A later
+    tensor-parallel engine in the same process therefore uses NCCL."""
+    global _symmetric_rendezvous_done
+    if device.type != "cuda" or configured == "nccl":
+        return "nccl"
+    if _symmetric_rendezvous_done or not symmetric_memory_available():
+        if configured == "symmetric":
+            log.warning("symmetric-memory all-reduce unavailable (%s); using NCCL",
+                        "set up once already in this process" if _symmetric_rendezvous_done
+                        else "this PyTorch build lacks it")
+        return "nccl"
+    _symmetric_rendezvous_done = True
+    return "symmetric"
 
 
 def symmetric_memory_available() -> bool:

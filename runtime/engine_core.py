@@ -24,7 +24,7 @@ import torch
 from radixlm.runtime.attention.base import create_backend
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.cuda_graph import DecodeGraphs
-from radixlm.runtime.distributed import setup_all_reduce
+from radixlm.runtime.distributed import choose_all_reduce, setup_all_reduce
 from radixlm.runtime.grammar.spec import GrammarSpec
 from radixlm.runtime.kv_manager import KVManager
 from radixlm.runtime.kv_sizing import max_model_len, pool_pages
@@ -88,9 +88,10 @@ class EngineCore:
                             if graphs else None)
         if tp_group is not None:  # the other ranks allocate their KV and capture alongside
             numel = rows * mc.hidden_size  # a decode step's activations, verify rows included
-            tp_group.start(self.kv_cache.num_slots, self._graph_args, numel)
+            mode = choose_all_reduce(config.tp_all_reduce, device)
+            tp_group.start(self.kv_cache.num_slots, self._graph_args, mode, numel)
             log.info("tensor parallelism: %d ranks, %s all-reduce", tp_group.size,
-                     setup_all_reduce(config.tp_all_reduce, numel, dtype, device))
+                     setup_all_reduce(mode, numel, dtype, device))
         if graphs:
             self.runner.cuda_graphs = DecodeGraphs(
                 loaded.model.model if tp_group else loaded.model, attn, self.kv_cache,

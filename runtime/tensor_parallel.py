@@ -38,7 +38,6 @@ from radixlm.runtime.distributed import (
     init_group,
     rendezvous_env,
 )
-from radixlm.runtime.host_copy import to_device
 from radixlm.runtime.loader import ARCHITECTURE_PRESETS, resolve_model
 from radixlm.runtime.memory import KVCache
 
@@ -52,56 +51,71 @@ PARENT_ENV = "RADIXLM_TP_PARENT_PID"
 
 
 class StepChannel:
-    """The broadcasts that carry each step from rank 0 to the other ranks."""
+    """The broadcasts that carry each step from rank 0 to the other ranks.
 
-    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+    Two kinds: what the other ranks' hosts need (the command header and the step's
+    lengths) goes host to host through the gloo group, so a rank queues its GPU work as
+    soon as rank 0 has decided the step, without first waiting for its own GPU to receive
+    anything; what rank 0 already has on its device (token ids, positions, KV slots, hidden
+    rows) goes device to device (NCCL on CUDA), ordered on the GPUs' streams."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, host_group: Any) -> None:
         self.device = device
         self.dtype = dtype
+        self.host_group = host_group
+
+    def _send_host(self, values: list[int]) -> None:
+        dist.broadcast(torch.tensor(values, dtype=torch.int64), src=0, group=self.host_group)
+
+    def _recv_host(self, count: int) -> list[int]:
+        values = torch.empty(count, dtype=torch.int64)
+        dist.broadcast(values, src=0, group=self.host_group)
+        return values.tolist()
 
     def send_header(self, command: int, a: int = 0, b: int = 0, c: int = 0) -> None:
-        dist.broadcast(to_device([command, a, b, c], torch.int64, self.device), src=0)
+        self._send_host([command, a, b, c])
 
     def recv_header(self) -> list[int]:
-        header = torch.empty(HEADER, dtype=torch.int64, device=self.device)
-        dist.broadcast(header, src=0)
-        return header.tolist()
+        return self._recv_host(HEADER)
 
     def send_forward(self, batch: ForwardBatch) -> None:
         num, seqs = batch.num_tokens, len(batch.q_lens)
         cols = batch.slot_table.shape[1]
         self.send_header(FORWARD, num, seqs, cols)
-        lens = to_device(batch.q_lens + batch.kv_lens, torch.int64, self.device)
+        self._send_host(batch.q_lens + batch.kv_lens)
         packed = torch.cat([batch.input_ids.to(torch.int64), batch.positions, batch.out_slots,
-                            lens, batch.slot_table.reshape(-1)])
+                            batch.slot_table.reshape(-1)])
         dist.broadcast(packed, src=0)
 
     def recv_forward(self, header: list[int], kv_cache: KVCache) -> ForwardBatch:
         _, num, seqs, cols = header
-        packed = torch.empty(3 * num + 2 * seqs + seqs * cols, dtype=torch.int64,
-                             device=self.device)
+        lens = self._recv_host(2 * seqs)
+        packed = torch.empty(3 * num + seqs * cols, dtype=torch.int64, device=self.device)
         dist.broadcast(packed, src=0)
-        ids, positions, out_slots, lens, table = packed.split(
-            [num, num, num, 2 * seqs, seqs * cols])
-        lens_l = lens.tolist()
-        return ForwardBatch(input_ids=ids, positions=positions, q_lens=lens_l[:seqs],
-                            kv_lens=lens_l[seqs:], out_slots=out_slots,
+        ids, positions, out_slots, table = packed.split([num, num, num, seqs * cols])
+        return ForwardBatch(input_ids=ids, positions=positions, q_lens=lens[:seqs],
+                            kv_lens=lens[seqs:], out_slots=out_slots,
                             slot_table=table.view(seqs, cols), kv_cache=kv_cache)
 
-    def send_graph_step(self, inputs: torch.Tensor, table_rows: torch.Tensor) -> None:
+    def send_graph_step(self, inputs: torch.Tensor, table_rows: torch.Tensor,
+                        kv_lens: list[int]) -> None:
         """A decode step the ranks replay as a CUDA graph: the graph's staged inputs
-        [rows, bs] and the step's slot-table rows [num, width], already on the device."""
+        [rows, bs] and the step's slot-table rows [num, width], already on the device, and
+        the padded context lengths [bs] (a backend may plan from them on the host)."""
         rows, bs = inputs.shape
         num, width = table_rows.shape
         self.send_header(GRAPH, bs, num, width)
+        self._send_host(kv_lens)
         dist.broadcast(torch.cat([inputs.reshape(-1), table_rows.reshape(-1)]), src=0)
 
     def recv_graph_step(self, header: list[int], rows: int
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         _, bs, num, width = header
+        kv_lens = self._recv_host(bs)
         packed = torch.empty(rows * bs + num * width, dtype=torch.int64, device=self.device)
         dist.broadcast(packed, src=0)
         inputs, table_rows = packed.split([rows * bs, num * width])
-        return inputs.view(rows, bs), table_rows.view(num, width)
+        return inputs.view(rows, bs), table_rows.view(num, width), kv_lens
 
     def send_hidden(self, hidden: torch.Tensor) -> None:
         self.send_header(LOGITS, hidden.shape[0], hidden.shape[1])
@@ -119,7 +133,6 @@ class TensorParallelGroup:
     def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
         self.config = config
         self.size = config.tp_size
-        self.channel = StepChannel(device, dtype)
         self.error: str | None = None  # set once a rank is lost; the group is then broken
         self._last_message = time.monotonic()
         backend = backend_for(device)
@@ -133,26 +146,29 @@ class TensorParallelGroup:
             torch.cuda.set_device(device)  # NCCL's objects go to the current device
         try:
             self.info: TPInfo = init_group(0, self.size, backend, config.tp_timeout, env)
+            self.channel = StepChannel(device, dtype, self.info.host_group)
             dist.broadcast_object_list([_resolved(config)], src=0)
         except BaseException:
             self._kill_workers()
             destroy_group()
             raise
 
-    def start(self, num_slots: int, graph_args: dict | None, all_reduce_numel: int) -> None:
-        """Tell the workers how many KV slots to allocate (rank 0 sized the pool), the largest
-        activation the fast all-reduce takes, and how to capture decode graphs (None: no
-        graphs). Then every rank sets up its all-reduce, and the workers capture alongside
-        rank 0 and wait for steps."""
-        message = {"num_slots": num_slots, "graph_args": graph_args,
+    def start(self, num_slots: int, graph_args: dict | None, all_reduce: str,
+              all_reduce_numel: int) -> None:
+        """Tell the workers how many KV slots to allocate (rank 0 sized the pool), which
+        all-reduce to set up for activations of up to all_reduce_numel elements, and how to
+        capture decode graphs (None: no graphs). Then every rank sets up its all-reduce, and
+        the workers capture alongside rank 0 and wait for steps."""
+        message = {"num_slots": num_slots, "graph_args": graph_args, "all_reduce": all_reduce,
                    "all_reduce_numel": all_reduce_numel}
         self._broadcast(lambda: dist.broadcast_object_list([message], src=0))
 
     def forward(self, batch: ForwardBatch) -> None:
         self._broadcast(lambda: self.channel.send_forward(batch))
 
-    def graph_step(self, inputs: torch.Tensor, table_rows: torch.Tensor) -> None:
-        self._broadcast(lambda: self.channel.send_graph_step(inputs, table_rows))
+    def graph_step(self, inputs: torch.Tensor, table_rows: torch.Tensor,
+                   kv_lens: list[int]) -> None:
+        self._broadcast(lambda: self.channel.send_graph_step(inputs, table_rows, kv_lens))
 
     def hidden_for_logits(self, hidden: torch.Tensor) -> None:
         self._broadcast(lambda: self.channel.send_hidden(hidden))

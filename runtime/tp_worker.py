@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from radixlm.runtime.attention.base import create_backend
 from radixlm.runtime.config import EngineConfig
-from radixlm.runtime.cuda_graph import KV_LENS, SENT_ROWS, DecodeGraphs
+from radixlm.runtime.cuda_graph import SENT_ROWS, DecodeGraphs
 from radixlm.runtime.distributed import destroy_group, init_group, setup_all_reduce
 from radixlm.runtime.loader import load_model
 from radixlm.runtime.memory import KVCache
@@ -79,7 +79,7 @@ def serve(rank: int, world_size: int, local_rank: int) -> None:
     mc, model = loaded.config, loaded.model
     dist.broadcast_object_list(box, src=0)
     start = box[0]
-    setup_all_reduce(config.tp_all_reduce, start["all_reduce_numel"], dtype, device)
+    setup_all_reduce(start["all_reduce"], start["all_reduce_numel"], dtype, device)
     kv_heads = tp.kv_heads(mc.num_kv_heads)[1]
     kv_cache = KVCache(mc.num_layers, start["num_slots"], kv_heads, mc.head_dim, dtype, device,
                        config.page_size)
@@ -88,7 +88,7 @@ def serve(rank: int, world_size: int, local_rank: int) -> None:
     # Captured at the same time as rank 0's graphs: their all-reduces pair up.
     graphs = (None if start["graph_args"] is None else
               DecodeGraphs(model, attn, kv_cache, None, **start["graph_args"]))
-    channel = StepChannel(device, dtype)
+    channel = StepChannel(device, dtype, tp.host_group)
     while True:
         header = channel.recv_header()
         command = header[0]
@@ -97,10 +97,7 @@ def serve(rank: int, world_size: int, local_rank: int) -> None:
             attn.plan(batch)
             model(batch, attn)
         elif command == GRAPH:
-            inputs, table_rows = channel.recv_graph_step(header, SENT_ROWS)
-            kv_lens = (inputs[KV_LENS].tolist() if attn.graph_plan_reads_host_lens
-                       else None)
-            graphs.replay_received(inputs, table_rows, kv_lens)
+            graphs.replay_received(*channel.recv_graph_step(header, SENT_ROWS))
         elif command == LOGITS:
             model.compute_logits(channel.recv_hidden(header))
         elif command == STOP:
