@@ -7,18 +7,25 @@ Weights use our runtime INT layout (radixlm.runtime.quantization.int_weight):
     scales  [G, N]                 G = ceil(K / group_size), the activation dtype
     zeros   [G, N] uint8
 
-Two kernels, chosen by the number of rows M (`pick_config`):
+Kernels, chosen by the number of rows M (`pick_config`; `config` overrides):
 
-- M <= 2, decode: a GEMV on CUDA cores (`_w4a16_gemv_kernel`). Batch 1 is memory-bound: the
-  floor is the packed bytes (K * N / 2 at 4 bits) at the card's bandwidth, so the kernel loads
-  each word once, splits it in registers, and applies scale and zero once per group. K is split
-  over SPLIT_K programs so that enough loads are in flight; the float32 partial sums are added
-  by one small kernel (deterministic, unlike atomics). Tilings measured best on a GPU live in
-  w4a16_tuned.py (`benchmarks/quant_speed.py --sweep --write-tuned`); other shapes use a rule.
-- larger M: tensor-core tiles (`_w4a16_kernel`): each program owns a BLOCK_M x BLOCK_N tile,
-  dequantizes a [BLOCK_K, BLOCK_N] block of W per step with the block's one group row of
-  scale/zero (BLOCK_K divides the group size), rounds it to the activation dtype exactly as
-  the torch reference rounds `(q - z) * s`, and accumulates with tl.dot in float32.
+- KERNEL "gemv", M <= 4, decode: the one-launch GEMV on CUDA cores of w4a16_gemv.py. Small
+  batches are memory-bound: the floor is the packed bytes (K * N / 2 at 4 bits) at the card's
+  bandwidth, so each word is loaded once for all rows and split in registers, K is split over
+  SPLIT_K programs per column tile for loads in flight, and the last program of a tile adds
+  the partial sums (radixlm.kernels.split_k). Tilings measured best on a GPU live in
+  w4a16_tuned.py (`benchmarks/quant_speed.py --sweep --write-tuned`), per shape and batch
+  size 1, 2 or 4 (and may name any kernel); other shapes use `gemv_config`'s rule.
+- KERNEL "gemv_split": the earlier GEMV (`_w4a16_gemv_kernel`, one row per program, split-K
+  partials added by a second launch), kept as a fallback and for comparison.
+- KERNEL "dot", larger M: tensor-core tiles (`_w4a16_kernel`): each program owns a BLOCK_M x
+  BLOCK_N tile, dequantizes a [BLOCK_K, BLOCK_N] block of W per step with the block's one
+  group row of scale/zero (BLOCK_K divides the group size), rounds it to the activation dtype
+  exactly as the torch reference rounds `(q - z) * s`, and accumulates with tl.dot in float32.
+
+The GEMVs compute in float32 from the exact dequantized weights (no rounding of (q - z) * s
+to the activation dtype): the reference's function up to that rounding and the order of the
+float32 additions.
 """
 
 from __future__ import annotations
@@ -29,6 +36,9 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from radixlm.kernels.split_k import num_sms, split_for
+from radixlm.kernels.w4a16_gemv import MAX_ROWS, int_gemv
 
 
 @triton.jit
@@ -159,31 +169,32 @@ def supports(x: torch.Tensor, qweight: torch.Tensor, group_size: int, bits: int)
             and qweight.is_contiguous())
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8  # the interpreter: any count works
-    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_sms(index: int) -> int:  # a property query per matmul would cost host time
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def tuned_config(device: torch.device, n: int, k: int, group_size: int,
+def tuned_config(device: torch.device, m: int, n: int, k: int, group_size: int,
                  bits: int) -> dict | None:
-    """The batch-1 configuration measured best for this GPU and shape, if one was recorded
-    (`benchmarks/quant_speed.py --sweep` writes radixlm/kernels/w4a16_tuned.py)."""
+    """The configuration measured best for this GPU, shape and batch size, if one was recorded
+    (`benchmarks/quant_speed.py --sweep --write-tuned` writes radixlm/kernels/w4a16_tuned.py)."""
+    if m > GEMV_MAX_ROWS:
+        return None
+    return tuned_entry(device, f"{bits}:{group_size}:{n}:{k}:{rows_key(m)}")
+
+
+def rows_key(m: int) -> str:
+    """Batch sizes 1, 2 and 4 are measured; 3 runs as 4 would."""
+    return f"m{m if m <= 2 else 4}"
+
+
+def tuned_entry(device: torch.device, key: str) -> dict | None:
+    """An entry of the measured table for this GPU (also holds the fp8 GEMV's, "fp8:N:K:m1")."""
     if device.type != "cuda":
         return None
-    return _tuned_table().get(_device_name(device), {}).get(f"{bits}:{group_size}:{n}:{k}")
+    return _tuned_table().get(_device_name(device), {}).get(key)
 
 
 @functools.lru_cache(maxsize=None)
 def _tuned_table() -> dict:
     try:
         from radixlm.kernels.w4a16_tuned import TUNED
-    except ImportError:  # a build without the table: the heuristic alone
+    except ImportError:  # a build without the table: the rules alone
         return {}
     return TUNED
 
@@ -198,28 +209,33 @@ def _device_name(device: torch.device) -> str:
                         else torch.cuda.current_device())
 
 
-GEMV_MAX_ROWS = 2  # up to this many rows: the CUDA-core kernel, one row per program
+GEMV_MAX_ROWS = MAX_ROWS  # up to this many rows: the GEMV, each weight read once for all rows
+
+
+def gemv_config(n: int, k: int, group_size: int, bits: int, device: torch.device) -> dict:
+    """The GEMV's tiling by rule, for shapes without a measured entry.
+
+    128 threads per program on [BLOCK_W=16, BLOCK_N=128] word tiles (K blocks of 128 inputs at
+    4 bits, fewer when the group is smaller): Triton gives each thread 16 consecutive words of
+    one row, four 16-byte loads per block, and with the next block prefetched 128 bytes in
+    flight per thread. K is split (in powers of two, at most 16 ways) until there are ~4
+    programs per SM (528 on an H200), which at ~80 registers a thread are all resident at
+    once: every SM streams from the first moment to the last."""
+    pack = 32 // bits
+    words = math.gcd(group_size // pack, 16)  # K blocks inside one group
+    tiles, blocks = triton.cdiv(n, 128), triton.cdiv(k, words * pack)
+    return dict(KERNEL="gemv", BLOCK_N=128, BLOCK_W=words, num_warps=4,
+                SPLIT_K=split_for(tiles, blocks, num_sms(device)))
 
 
 def pick_config(m: int, n: int, k: int, group_size: int, bits: int,
                 device: torch.device) -> dict:
     """Kernel, tiles and K split by batch size. Small batches are memory-bound: the GEMV
-    kernel, with K split until the GPU holds ~4 programs per SM (enough loads in flight to
-    stream at full bandwidth). Large batches are compute-bound: tensor-core tiles, no split."""
+    (a measured entry if there is one, else `gemv_config`). Large batches are compute-bound:
+    tensor-core tiles, K split only when the tiles alone would leave SMs idle."""
     if m <= GEMV_MAX_ROWS:
-        # Measured on an H200 at the 8B shapes: 128-column tiles, K split 8-16 ways.
-        pack = 32 // bits
-        words = math.gcd(group_size // pack, 16)  # K blocks inside one group: MODE 2
-        cfg = dict(KERNEL="gemv", BLOCK_N=128, BLOCK_W=words, MODE=2, num_warps=4,
-                   num_stages=3)
-        if words < 4:  # tiny groups: dequantize per weight over wider blocks
-            cfg.update(BLOCK_W=8, MODE=0)
-        tuned = tuned_config(device, n, k, group_size, bits)
-        if tuned is not None:
-            return dict(tuned)
-        block_k, tiles = cfg["BLOCK_W"] * pack, triton.cdiv(n, 128)
-        split = min(triton.cdiv(k, block_k), 16 if tiles < 64 else 8)
-        return dict(cfg, SPLIT_K=max(1, split))
+        tuned = tuned_config(device, m, n, k, group_size, bits)
+        return dict(tuned) if tuned is not None else gemv_config(n, k, group_size, bits, device)
     block_k = block_k_for(group_size)
     if m <= 64:
         cfg = dict(KERNEL="dot", BLOCK_M=64 if m > 16 else 16, BLOCK_N=64, num_warps=4,
@@ -229,7 +245,7 @@ def pick_config(m: int, n: int, k: int, group_size: int, bits: int,
         block_k = min(block_k, 64)
     cfg["BLOCK_K"] = block_k
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
-    split = max(1, min(triton.cdiv(k, block_k), triton.cdiv(4 * _num_sms(device), tiles)))
+    split = max(1, min(triton.cdiv(k, block_k), triton.cdiv(4 * num_sms(device), tiles)))
     return dict(cfg, SPLIT_K=split)
 
 
@@ -237,14 +253,20 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                  zeros: torch.Tensor, group_size: int, bits: int = 4,
                  config: dict | None = None) -> torch.Tensor:
     """x [M, K] (rows contiguous) @ W -> [M, N] in x's dtype. `config` overrides the choice
-    of kernel and tiling: KERNEL "gemv" (BLOCK_N, BLOCK_W words along K) or "dot" (BLOCK_M/N/K,
-    BLOCK_K dividing group_size), SPLIT_K, num_warps, num_stages."""
+    of kernel and tiling: KERNEL "gemv" (M <= 4; BLOCK_N, BLOCK_W words along K inside one
+    group), "gemv_split" (BLOCK_N, BLOCK_W, MODE) or "dot" (BLOCK_M/N/K, BLOCK_K dividing
+    group_size), and SPLIT_K, num_warps, num_stages."""
     m, k = x.shape
     n = qweight.shape[1]
     cfg = dict(config or pick_config(m, n, k, group_size, bits, x.device))
-    kernel, split = cfg.pop("KERNEL"), cfg.pop("SPLIT_K")
-    pack = 32 // bits
+    kernel = cfg.pop("KERNEL")
     if kernel == "gemv":
+        return int_gemv(x, qweight, scales, zeros, group_size, bits, **cfg)
+    if kernel not in ("gemv_split", "dot"):
+        raise ValueError(f"unknown W4A16 kernel {kernel!r}")
+    split = cfg.pop("SPLIT_K")
+    pack = 32 // bits
+    if kernel == "gemv_split":
         block_k = cfg["BLOCK_W"] * pack
         if group_size % pack:
             raise ValueError(f"the group size {group_size} must be a multiple of {pack}")
@@ -265,7 +287,7 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     args = (x, qweight, scales, zeros, out)
     strides = (x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0),
                out.stride(0), out.stride(1))
-    if kernel == "gemv":
+    if kernel == "gemv_split":
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), split, m)
         _w4a16_gemv_kernel[grid](*args, n, k, group_size, k_per_split, *strides, BITS=bits,
                                  **cfg)

@@ -36,6 +36,113 @@ def test_w4a16_kernel_bf16(m, n, k, group):
     assert rel_err(out, w4a16_matmul_reference(x, qweight, scales, zeros, group)) < 5e-3
 
 
+# The decoder linears of Llama-3-8B as (N, K): qkv, o, gate_up, down.
+SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+
+
+def _int_weight(n: int, k: int, group: int, bits: int,
+                seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    groups = -(-k // group)
+    q = torch.randint(0, 2 ** bits, (k, n), generator=gen, dtype=torch.int32)
+    scales = (torch.rand(groups, n, generator=gen) * 0.02 + 0.001).bfloat16()
+    zeros = torch.randint(0, 2 ** bits, (groups, n), generator=gen).to(torch.uint8)
+    return pack_gptq_weight(q, bits).cuda(), scales.cuda(), zeros.cuda()
+
+
+def _split_counters_are_zero() -> bool:
+    from radixlm.kernels import split_k
+
+    return all(not b.counters.any() for b in split_k._BUFFERS.values())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n, k", SHAPES_8B)
+def test_int_gemv_at_8b_shapes_bf16(n, k, bits):
+    """The one-launch GEMV (the rule's tiling, and whatever pick_config chooses) at batch 1-4
+    against the reference; a second call is bit-identical and leaves the split-K counters at
+    zero."""
+    from radixlm.kernels.w4a16 import gemv_config, w4a16_matmul
+
+    group = 128 if bits == 4 else k
+    qweight, scales, zeros = _int_weight(n, k, group, bits)
+    rule = gemv_config(n, k, group, bits, qweight.device)
+    for m in (1, 2, 3, 4):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        # The float32 function (the GEMV does not round the dequantized weight to bf16).
+        want = w4a16_matmul_reference(x.float(), qweight, scales.float(), zeros, group, bits)
+        for config in (rule, None):
+            out = w4a16_matmul(x, qweight, scales, zeros, group, bits, config=config)
+            assert rel_err(out, want) < 5e-3
+            again = w4a16_matmul(x, qweight, scales, zeros, group, bits, config=config)
+            assert torch.equal(out, again)
+            assert _split_counters_are_zero()
+
+
+@pytest.mark.parametrize("fresh_shape", [False, True])
+def test_split_k_gemvs_replay_in_cuda_graphs(fresh_shape):
+    """Both GEMVs with K split, captured in one graph: replays give the eager results exactly
+    and leave every counter at zero. fresh_shape: the split-K buffers are first made during
+    the capture (the kernels themselves are compiled before, on another shape)."""
+    from radixlm.kernels.fp8 import fp8_gemv
+    from radixlm.kernels.w4a16 import w4a16_matmul
+
+    if not scaled_mm_available(torch.device("cuda")):
+        pytest.skip("no native e4m3 conversions (needs compute capability 8.9+)")
+    int_cfg = dict(KERNEL="gemv", BLOCK_N=128, BLOCK_W=16, SPLIT_K=8, num_warps=4)
+    fp8_cfg = dict(BLOCK_N=16, BLOCK_K=256, SPLIT_K=4, num_warps=4)
+
+    def runner(n: int, k: int):
+        qweight, scales, zeros = _int_weight(n, k, 128, 4, seed=1)
+        w8, w_scale = quantize_fp8_rows(torch.randn(n, k, device="cuda"))
+        x = torch.randn(2, k, device="cuda", dtype=torch.bfloat16)
+
+        def run() -> tuple[torch.Tensor, torch.Tensor]:
+            x8, x_scale = quantize_fp8_rows(x)
+            return (w4a16_matmul(x, qweight, scales, zeros, 128, 4, config=int_cfg),
+                    fp8_gemv(x8, x_scale, w8, w_scale.view(-1), torch.bfloat16, config=fp8_cfg))
+        return run
+
+    warm = runner(4096, 4096)
+    warm()  # compiles the kernels (and makes this shape's buffers)
+    run = runner(2048, 6144) if fresh_shape else warm
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            outs = run()
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = run()
+        assert all(torch.equal(a, b) for a, b in zip(outs, eager))
+        assert _split_counters_are_zero()
+
+
+@pytest.mark.parametrize("n, k", SHAPES_8B)
+def test_fp8_gemv_at_8b_shapes_bf16(n, k):
+    """The fp8 GEMV computes _scaled_mm's function (up to the order of float32 additions),
+    and fp8_linear sends batches of up to 4 rows to it."""
+    if not scaled_mm_available(torch.device("cuda")):
+        pytest.skip("no fp8 tensor cores (needs compute capability 8.9+)")
+    from radixlm.kernels.fp8 import fp8_gemv, per_token_fp8
+
+    w8, w_scale = quantize_fp8_rows(torch.randn(n, k, device="cuda"))
+    w_scale = w_scale.view(-1)
+    for m in (1, 2, 3, 4):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        x8, x_scale = per_token_fp8(x)
+        out = fp8_gemv(x8, x_scale, w8, w_scale, torch.bfloat16)
+        want = (x8.float() * x_scale) @ (w8.float() * w_scale[:, None]).t()
+        assert rel_err(out, want) < 5e-3
+        scaled_mm = fp8_linear(x, w8, w_scale, use_scaled_mm=True)
+        assert rel_err(out, scaled_mm) < 5e-3
+        assert torch.equal(fp8_linear(x, w8, w_scale), out)  # the routing for m <= 4
+        assert _split_counters_are_zero()
+
+
 def test_fp8_scaled_mm_agrees_with_the_cpu_fallback():
     if not scaled_mm_available(torch.device("cuda")):
         pytest.skip("no fp8 tensor cores (needs compute capability 8.9+)")

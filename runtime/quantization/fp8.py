@@ -5,9 +5,12 @@ token computed on the fly.
     x_scale = max|x_row| / 448 (448 is e4m3's largest value), x8 = e4m3(x / x_scale)
     y = (x8 * x_scale) @ W.T
 
-On Hopper (and Ada) the product is one `torch._scaled_mm` with row-wise scales: fp8 tensor
-cores, fp32 accumulation. Elsewhere (CPU, older GPUs) the fallback dequantizes both operands
-and multiplies in float32: the same function, up to accumulation order and the output rounding.
+On Hopper (and Ada), up to 4 rows (decode) go through our fp8 GEMV (radixlm.kernels.fp8:
+one read of the weight at the card's bandwidth, where `_scaled_mm`, a GEMM, is slower than
+bf16 at batch 1); more rows through one `torch._scaled_mm` with row-wise scales: fp8 tensor
+cores, fp32 accumulation. Both compute the same function up to the order of the float32
+additions. Elsewhere (CPU, older GPUs) the fallback dequantizes both operands and multiplies
+in float32: the same function, up to accumulation order and the output rounding.
 
 Weights come from a float checkpoint (quantized after loading) or from an FP8 checkpoint
 (`quant_method: fp8`): per-tensor `weight_scale`s (one per q/k/v part of a merged layer) are
@@ -16,6 +19,8 @@ is never coarser.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -42,7 +47,8 @@ def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                use_scaled_mm: bool | None = None) -> torch.Tensor:
     """x [..., K] (float) times an e4m3 weight [N, K] with per-channel scales [N] -> [..., N]
-    in x's dtype. use_scaled_mm None: whenever the device has fp8 tensor cores."""
+    in x's dtype. use_scaled_mm None: on a device with fp8 tensor cores, the fp8 GEMV for up
+    to 4 rows and `_scaled_mm` beyond; True or False forces `_scaled_mm` or the fallback."""
     k, n = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, k)
     if x.is_cuda and x2.stride(-1) == 1 and k <= 65536:
@@ -52,6 +58,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     else:
         x8, x_scale = quantize_fp8_rows(x2)
     if use_scaled_mm is None:
+        if _use_gemv(x8, weight):
+            from radixlm.kernels.fp8 import fp8_gemv
+
+            out = fp8_gemv(x8, x_scale, weight, weight_scale.float(), x.dtype)
+            return out.view(*x.shape[:-1], n)
         use_scaled_mm = scaled_mm_available(x.device) and k % 16 == 0 and n % 16 == 0
     if use_scaled_mm:
         # Row-wise scaling wants a row-major A, a column-major B and a bf16 output.
@@ -64,7 +75,21 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 
 def scaled_mm_available(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cuda" and _capability(device.index if device.index is not None
+                                                 else torch.cuda.current_device()) >= (8, 9)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:  # a query per linear would cost host time
+    return torch.cuda.get_device_capability(index)
+
+
+def _use_gemv(x8: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Decode-sized batches on a GPU with native e4m3 conversions (the GEMV's fp8 loads)."""
+    from radixlm.kernels.fp8 import GEMV_MAX_ROWS
+
+    return (x8.shape[0] <= GEMV_MAX_ROWS and scaled_mm_available(x8.device)
+            and weight.stride(-1) == 1)
 
 
 class Fp8LinearMethod(LinearMethod):
