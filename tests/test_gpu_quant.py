@@ -7,7 +7,12 @@ import torch
 
 from radixlm.kernels.reference import w4a16_matmul_reference
 from radixlm.runtime import Engine
-from radixlm.runtime.quantization.fp8 import fp8_linear, quantize_fp8_rows, scaled_mm_available
+from radixlm.runtime.quantization.fp8 import (
+    GEMV_ROWS,
+    fp8_linear,
+    quantize_fp8_rows,
+    scaled_mm_available,
+)
 from radixlm.runtime.quantization.packing import pack_gptq_weight
 
 from conftest import save_tiny_hf_model
@@ -124,7 +129,7 @@ def test_split_k_gemvs_replay_in_cuda_graphs(fresh_shape):
 @pytest.mark.parametrize("n, k", SHAPES_8B)
 def test_fp8_gemv_at_8b_shapes_bf16(n, k):
     """The fp8 GEMV computes _scaled_mm's function (up to the order of float32 additions),
-    and fp8_linear sends batches of up to 4 rows to it."""
+    and fp8_linear sends batches of up to GEMV_ROWS rows to it."""
     if not scaled_mm_available(torch.device("cuda")):
         pytest.skip("no fp8 tensor cores (needs compute capability 8.9+)")
     from radixlm.kernels.fp8 import fp8_gemv, per_token_fp8
@@ -139,7 +144,8 @@ def test_fp8_gemv_at_8b_shapes_bf16(n, k):
         assert rel_err(out, want) < 5e-3
         scaled_mm = fp8_linear(x, w8, w_scale, use_scaled_mm=True)
         assert rel_err(out, scaled_mm) < 5e-3
-        assert torch.equal(fp8_linear(x, w8, w_scale), out)  # the routing for m <= 4
+        routed = out if m <= GEMV_ROWS else scaled_mm  # small batches take the GEMV
+        assert torch.equal(fp8_linear(x, w8, w_scale), routed)
         assert _split_counters_are_zero()
 
 

@@ -84,11 +84,15 @@ def _capability(index: int) -> tuple[int, int]:  # a query per linear would cost
     return torch.cuda.get_device_capability(index)
 
 
+# Up to this many rows fp8_linear takes the GEMV (which serves up to 4). Measured on an H200
+# (benchmarks/quant_speed.py --sweep): at 1-2 rows it beats _scaled_mm by up to 1.7x on the 8B
+# linears; at 4 rows _scaled_mm wins on most of them (gate_up: 45 against 87 µs).
+GEMV_ROWS = 2
+
+
 def _use_gemv(x8: torch.Tensor, weight: torch.Tensor) -> bool:
     """Decode-sized batches on a GPU with native e4m3 conversions (the GEMV's fp8 loads)."""
-    from radixlm.kernels.fp8 import GEMV_MAX_ROWS
-
-    return (x8.shape[0] <= GEMV_MAX_ROWS and scaled_mm_available(x8.device)
+    return (x8.shape[0] <= GEMV_ROWS and scaled_mm_available(x8.device)
             and weight.stride(-1) == 1)
 
 
