@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from radixlm.runtime.distributed import TPInfo
+from radixlm.runtime.distributed import TPInfo, active_all_reduce
 from radixlm.runtime.engine import Engine
 from radixlm.runtime.layers.linear import Linear, LinearShard
 from radixlm.runtime.quantization.config import QuantConfig
@@ -77,6 +77,8 @@ def test_tp_options_are_validated():
             Engine(tp_size=bad)
     with pytest.raises(ValueError, match="tp_timeout"):
         Engine(tp_size=2, tp_timeout=0)
+    with pytest.raises(ValueError, match="tp_all_reduce"):
+        Engine(tp_size=2, tp_all_reduce="mpi")
 
 
 @pytest.mark.parametrize("family, overrides, tp_options", [
@@ -214,15 +216,17 @@ def test_killed_engine_process_leaves_no_workers(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-def test_tp2_on_two_gpus_with_nccl_matches_tp1(tmp_path):
-    """NCCL, ranks on cuda:0 and cuda:1, fp32, with the decode steps in CUDA graphs (their
-    all-reduces captured) and without (run on the GPU machine: `pytest -m gpu`)."""
+def test_tp2_on_two_gpus_matches_tp1(tmp_path):
+    """Ranks on cuda:0 and cuda:1, fp32: with the decode steps in CUDA graphs (symmetric-memory
+    all-reduces captured in them), and eagerly (the second engine of the process: NCCL
+    all-reduces). Run on the GPU machine: `pytest -m gpu`."""
     folder = save_tiny_hf_model(tmp_path, "llama", vocab_size=511, num_key_value_heads=1)
     options = dict(dtype="float32", device="cuda", max_total_tokens=4096)
     with Engine(str(folder), **options) as engine:
         expected = _greedy(engine, PROMPTS)
     with Engine(str(folder), tp_size=2, **options) as engine:
         assert engine.core.runner.cuda_graphs is not None  # every rank replays its graphs
+        assert active_all_reduce() == "symmetric"
         assert _greedy(engine, PROMPTS) == expected
         assert engine.stats()["overlapped_steps"] > 0
     with Engine(str(folder), tp_size=2, disable_cuda_graph=True, **options) as engine:
