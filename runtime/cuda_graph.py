@@ -16,7 +16,7 @@ near its weight-streaming time. A graph replays fixed kernels on fixed addresses
   still hold valid slots, so padded rows read real memory).
 - The attention backend plans into its own fixed buffers (`plan_cuda_graph`), outside the
   graph, right before capture and before every replay.
-- With tensor parallelism every rank captures the same graphs at the same time (the NCCL
+- With tensor parallelism every rank captures the same graphs at the same time (the
   all-reduces inside the layers are captured with them). Before each replay rank 0 sends the
   step's device inputs and slot-table rows to the other ranks (`followers`), which copy them
   into their own buffers and replay (`replay_received`): they hold no slot table of their own.

@@ -5,7 +5,7 @@ token computed on the fly.
     x_scale = max|x_row| / 448 (448 is e4m3's largest value), x8 = e4m3(x / x_scale)
     y = (x8 * x_scale) @ W.T
 
-On Hopper (and Ada), up to 4 rows (decode) go through our fp8 GEMV (radixlm.kernels.fp8:
+On Hopper (and Ada), 1-2 rows (decode) go through our fp8 GEMV (radixlm.kernels.fp8:
 one read of the weight at the card's bandwidth, where `_scaled_mm`, a GEMM, is slower than
 bf16 at batch 1); more rows through one `torch._scaled_mm` with row-wise scales: fp8 tensor
 cores, fp32 accumulation. Both compute the same function up to the order of the float32
@@ -48,7 +48,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                use_scaled_mm: bool | None = None) -> torch.Tensor:
     """x [..., K] (float) times an e4m3 weight [N, K] with per-channel scales [N] -> [..., N]
     in x's dtype. use_scaled_mm None: on a device with fp8 tensor cores, the fp8 GEMV for up
-    to 4 rows and `_scaled_mm` beyond; True or False forces `_scaled_mm` or the fallback."""
+    to GEMV_ROWS rows and `_scaled_mm` beyond; True or False forces `_scaled_mm` or the
+    fallback."""
     k, n = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, k)
     if x.is_cuda and x2.stride(-1) == 1 and k <= 65536:
