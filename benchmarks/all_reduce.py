@@ -33,6 +33,8 @@ import torch.multiprocessing as mp
 
 from radixlm.runtime.distributed import free_port
 
+from gpu_timing import capture, median_replay_ms
+
 NVLINK_GBPS = 450.0  # per direction, per GPU (H200: 900 GB/s bidirectional)
 
 
@@ -66,27 +68,11 @@ def _variants(rows: int, hidden: int, group: str) -> dict[str, Callable[[], torc
 
 
 def _time_graph(fn: Callable[[], torch.Tensor], count: int, reps: int) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(count):
-            fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
+    """µs per call of fn, from a graph of `count` calls replayed by every rank together."""
+    def together() -> None:
         dist.barrier()
         torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2] * 1e3 / count  # µs per all-reduce
+    return median_replay_ms(capture(fn, count), reps, before=together) * 1e3 / count
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:

@@ -46,6 +46,8 @@ from radixlm.runtime.distributed import (
 )
 from radixlm.runtime.layers import embedding, linear
 
+from gpu_timing import capture, median_replay_ms
+
 
 @contextmanager
 def timed_all_reduces(device: torch.device) -> Iterator[list[float]]:
@@ -92,25 +94,8 @@ def _graph_all_reduce_worker(rank: int, world: int, port: int, mode: str,
     results = {}
     for rows, hidden in shapes:
         x = torch.ones(rows, hidden, dtype=torch.bfloat16, device="cuda")
-        all_reduce(x)  # the communicator exists before capture
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(count):
-                all_reduce(x)
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            dist.barrier()
-            start, end = (torch.cuda.Event(enable_timing=True),
-                          torch.cuda.Event(enable_timing=True))
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        results[rows] = sorted(times)[len(times) // 2]  # ms for `count` all-reduces
+        graph = capture(lambda: all_reduce(x), count)
+        results[rows] = median_replay_ms(graph, reps, before=dist.barrier)  # `count` of them
     if rank == 0:
         out.put(results)
     dist.destroy_process_group()
