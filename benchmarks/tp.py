@@ -17,8 +17,8 @@ NVLink multicast (NVLS) is turned off unless NCCL_NVLS_ENABLE is already set; ev
 variable in effect is recorded.
 
     python benchmarks/tp.py                                # 2 GPUs, llama-3-8b, bf16
-    python benchmarks/tp.py --device cpu --model PATH --load-format auto \\
-        --configs 1:eager 2:eager --output-len 8 --batch 4  # a CPU smoke run (gloo)
+    python benchmarks/tp.py --device cpu --model smollm2-135m-instruct --load-format auto \\
+        --dtype float32 --configs 1:eager 3:eager --output-len 8 --batch 4  # CPU smoke (gloo)
 """
 
 from __future__ import annotations
