@@ -324,7 +324,7 @@ def sweep_int(bits: int, n: int, k: int, m: int) -> tuple[dict, dict]:
 
     timings = time_configs(calls_for, int_configs(bits, n, k, m),
                            lambda out: rel_err(out, want))
-    rule = gemv_config(n, k, group, bits, x.device)
+    rule = gemv_config(m, n, k, group, bits, x.device)
     rule_us = graph_us(calls_for(rule))
     dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
              for _ in range(copies_for(2 * n * k))]
@@ -405,7 +405,7 @@ def sweep(write_tuned: str | None, workers: int) -> dict:
         card = torch.cuda.get_device_name()
         Path(write_tuned).write_text(
             '"""W4A16 configurations measured best at batch 1, 2 and 4, by GPU and '
-            '"bits:group:N:K:m<rows>",\nand the fp8 GEMV\'s by "fp8:N:K:m<rows>" (written by '
+            '"bits:group:N:K:m<rows>",\nand the fp8 GEMV\'s by "fp8:N:K:m<rows>"\n(written by '
             'benchmarks/quant_speed.py --sweep --write-tuned)."""\n\n'
             f"TUNED = {json.dumps({card: tuned}, indent=4)}\n")
         print(f"wrote {write_tuned}")

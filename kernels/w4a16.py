@@ -212,20 +212,23 @@ def _device_name(device: torch.device) -> str:
 GEMV_MAX_ROWS = MAX_ROWS  # up to this many rows: the GEMV, each weight read once for all rows
 
 
-def gemv_config(n: int, k: int, group_size: int, bits: int, device: torch.device) -> dict:
-    """The GEMV's tiling by rule, for shapes without a measured entry.
+def gemv_config(m: int, n: int, k: int, group_size: int, bits: int,
+                device: torch.device) -> dict:
+    """The GEMV's tiling by rule, for shapes without a measured entry: what the H200 sweep
+    (benchmarks/quant_speed.py --sweep) found best on every 8B linear at 1, 2 and 4 rows.
 
-    128 threads per program on [BLOCK_W=16, BLOCK_N=128] word tiles (K blocks of 128 inputs at
-    4 bits, fewer when the group is smaller): Triton gives each thread 16 consecutive words of
-    one row, four 16-byte loads per block, and with the next block prefetched 128 bytes in
-    flight per thread. K is split (in powers of two, at most 16 ways) until there are ~4
-    programs per SM (528 on an H200), which at ~80 registers a thread are all resident at
-    once: every SM streams from the first moment to the last."""
+    64 threads per program on [BLOCK_W=16, BLOCK_N=64] word tiles (K blocks of 128 inputs at
+    4 bits, fewer when the group is smaller). K is split (in powers of two, at most 16 ways)
+    until there are ~8 programs per SM at one row, fewer with more rows (each program then
+    does more arithmetic per weight it loads): within 10% of the best tiling measured on each
+    shape, where the previous rule (128 columns, 4 warps, 4 programs per SM) lost up to 1.8x
+    at 4 rows."""
     pack = 32 // bits
     words = math.gcd(group_size // pack, 16)  # K blocks inside one group
-    tiles, blocks = triton.cdiv(n, 128), triton.cdiv(k, words * pack)
-    return dict(KERNEL="gemv", BLOCK_N=128, BLOCK_W=words, num_warps=4,
-                SPLIT_K=split_for(tiles, blocks, num_sms(device)))
+    tiles, blocks = triton.cdiv(n, 64), triton.cdiv(k, words * pack)
+    per_sm = max(1, 8 // max(1, m))
+    return dict(KERNEL="gemv", BLOCK_N=64, BLOCK_W=words, num_warps=2,
+                SPLIT_K=split_for(tiles, blocks, num_sms(device), programs_per_sm=per_sm))
 
 
 def pick_config(m: int, n: int, k: int, group_size: int, bits: int,
@@ -235,7 +238,8 @@ def pick_config(m: int, n: int, k: int, group_size: int, bits: int,
     tensor-core tiles, K split only when the tiles alone would leave SMs idle."""
     if m <= GEMV_MAX_ROWS:
         tuned = tuned_config(device, m, n, k, group_size, bits)
-        return dict(tuned) if tuned is not None else gemv_config(n, k, group_size, bits, device)
+        return (dict(tuned) if tuned is not None
+                else gemv_config(m, n, k, group_size, bits, device))
     block_k = block_k_for(group_size)
     if m <= 64:
         cfg = dict(KERNEL="dot", BLOCK_M=64 if m > 16 else 16, BLOCK_N=64, num_warps=4,

@@ -1,5 +1,6 @@
 """W4A16 configurations measured best at batch 1, 2 and 4, by GPU and "bits:group:N:K:m<rows>",
-and the fp8 GEMV's by "fp8:N:K:m<rows>" (written by benchmarks/quant_speed.py --sweep --write-tuned)."""
+and the fp8 GEMV's by "fp8:N:K:m<rows>"
+(written by benchmarks/quant_speed.py --sweep --write-tuned)."""
 
 TUNED = {
     "NVIDIA H200": {

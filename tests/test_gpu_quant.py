@@ -71,8 +71,8 @@ def test_int_gemv_at_8b_shapes_bf16(n, k, bits):
 
     group = 128 if bits == 4 else k
     qweight, scales, zeros = _int_weight(n, k, group, bits)
-    rule = gemv_config(n, k, group, bits, qweight.device)
     for m in (1, 2, 3, 4):
+        rule = gemv_config(m, n, k, group, bits, qweight.device)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         # The float32 function (the GEMV does not round the dequantized weight to bf16).
         want = w4a16_matmul_reference(x.float(), qweight, scales.float(), zeros, group, bits)
