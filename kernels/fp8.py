@@ -141,11 +141,14 @@ def fp8_gemv_config(m: int, n: int, k: int, device: torch.device) -> dict:
 
 
 def fp8_gemv_rule(n: int, k: int, device: torch.device) -> dict:
-    """[16, 256] weight tiles over 4 warps: Triton gives each thread 16 contiguous bytes (one
-    16-byte load) of two rows, so the x values it converts serve both; K split until the GPU
-    holds ~4 programs per SM."""
-    block_n, block_k = 16, 256
-    split = split_for(triton.cdiv(n, block_n), triton.cdiv(k, block_k), num_sms(device))
+    """[8, 512] weight tiles over 4 warps, K split only while the GPU holds fewer than ~2
+    programs per SM. On an H200 (benchmarks/quant_speed.py --sweep) this was the best tiling
+    or within 7% of it on the 8B linears at 1 and 2 rows (down_proj at 1 row: not timed
+    unsplit), where [16, 256] tiles split for 4 programs per SM were up to 26% slower. Each
+    thread loads 16 contiguous bytes of a row."""
+    block_n, block_k = 8, 512
+    split = split_for(triton.cdiv(n, block_n), triton.cdiv(k, block_k), num_sms(device),
+                      programs_per_sm=2)
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4)
 
 
