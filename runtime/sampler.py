@@ -268,17 +268,22 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.all_greedy:
         return greedy_tokens
 
-    greedy_rows = batch.temperatures == 0
-    # Greedy rows go through the arithmetic with temperature 1 and are then discarded; that
-    # is cheaper than splitting the batch and keeps every step the same shape.
-    temperatures = torch.where(greedy_rows, 1.0, batch.temperatures).unsqueeze(1)
+    sampled = _exponential_race(truncated_logits(logits, batch), batch.generators)
+    return torch.where(batch.temperatures == 0, greedy_tokens, sampled)
+
+
+def truncated_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """[B, V] float logits divided by each row's temperature, then top-k, top-p and min-p
+    applied (dropped tokens at -inf): the distribution a sampled row draws from. Greedy rows
+    go through the arithmetic with temperature 1 and their result is for the caller to
+    discard; that is cheaper than splitting the batch and keeps every step the same shape."""
+    temperatures = torch.where(batch.temperatures == 0, 1.0, batch.temperatures).unsqueeze(1)
     scaled = logits / temperatures
     if batch.needs_top_k or batch.needs_top_p:
         scaled = apply_top_k_top_p(scaled, batch)
     if batch.needs_min_p:
         scaled = apply_min_p(scaled, batch.min_ps)
-    sampled = _exponential_race(scaled, batch.generators)
-    return torch.where(greedy_rows, greedy_tokens, sampled)
+    return scaled
 
 
 def apply_top_k_top_p(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -34,7 +34,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from radixlm.runtime.host_copy import to_device
-from radixlm.runtime.sampler import SamplingBatch, apply_min_p, apply_top_k_top_p
+from radixlm.runtime.sampler import SamplingBatch, truncated_logits
 
 # Fills output_tokens past each row's emitted tokens. Negative on purpose: used as a token id
 # by mistake, it fails loudly instead of embedding token 0.
@@ -223,12 +223,7 @@ def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         batch, temperatures=expand(batch.temperatures), top_ks=expand(batch.top_ks),
         top_ps=expand(batch.top_ps), min_ps=expand(batch.min_ps),
         generators=[g for g in batch.generators for _ in range(positions)])
-    temperatures = torch.where(greedy_rows, 1.0, per_position.temperatures).unsqueeze(1)
-    scaled = flat / temperatures
-    if batch.needs_top_k or batch.needs_top_p:
-        scaled = apply_top_k_top_p(scaled, per_position)
-    if batch.needs_min_p:
-        scaled = apply_min_p(scaled, per_position.min_ps)
+    scaled = truncated_logits(flat, per_position)
     probs = torch.where(greedy_rows[:, None], one_hot, scaled.softmax(dim=1))
     return probs.view(rows, positions, vocab_size)
 
