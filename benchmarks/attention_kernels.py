@@ -26,9 +26,9 @@ from triton.testing import do_bench
 from radixlm.kernels import fused
 from radixlm.kernels import triton_attention as ta
 from radixlm.runtime.attention.base import ForwardBatch
+from radixlm.runtime.attention.kv_cache import KVCache
 from radixlm.runtime.attention.torch_native import TorchNativeAttention
 from radixlm.runtime.attention.triton_backend import TritonAttention
-from radixlm.runtime.memory import KVCache
 
 HEADS, KV_HEADS, DIM, DTYPE = 32, 8, 128, torch.bfloat16
 DECODE = {  # name: (batch, context, page_size)
@@ -216,7 +216,7 @@ def sweep_extend(spec) -> list[dict]:
 def bench_fused(rows):
     import torch.nn.functional as F
 
-    from radixlm.runtime.layers.rotary import apply_rotary
+    from radixlm.runtime.models.layers.rotary import apply_rotary
 
     tokens, hidden, inter = 4096, 4096, 14336
     x, r = (torch.randn(tokens, hidden, device="cuda", dtype=DTYPE) for _ in range(2))

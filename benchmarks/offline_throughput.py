@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from radixlm.runtime import Engine
-from radixlm.runtime.loader import resolve_model
+from radixlm.runtime.models.loader import resolve_model
 
 TOPICS = ["the ocean", "a lost key", "mathematics", "a small village", "the moon", "coffee",
           "an old library", "trains", "winter", "a robot", "music", "gardening", "volcanoes",

@@ -168,7 +168,7 @@ def hf_eager_decode_ms(model_name: str, batch: int, input_len: int, steps: int =
     reading the token back (as any generation loop must)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from radixlm.runtime.loader import ARCHITECTURE_PRESETS
+    from radixlm.runtime.models.loader import ARCHITECTURE_PRESETS
 
     preset = dict(ARCHITECTURE_PRESETS[model_name])
     model_type = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}[

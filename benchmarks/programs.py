@@ -27,7 +27,7 @@ import torch
 import radixlm as rl
 from radixlm.backends.base import Backend
 from radixlm.runtime import Engine
-from radixlm.runtime.tokenization import encode_prompt
+from radixlm.runtime.engine.tokenization import encode_prompt
 
 CAPITALS = [("Germany", "Berlin"), ("Spain", "Madrid"), ("Canada", "Ottawa"),
             ("Kenya", "Nairobi"), ("Peru", "Lima"), ("Norway", "Oslo"), ("Chile", "Santiago"),

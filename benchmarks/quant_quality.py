@@ -30,16 +30,16 @@ from pathlib import Path
 
 import torch
 
-from radixlm.runtime.layers.linear import Linear
-from radixlm.runtime.loader import load_model, resolve_model
-from radixlm.runtime.quantization.calibration import (
+from radixlm.runtime.models.layers.linear import Linear
+from radixlm.runtime.models.loader import load_model, resolve_model
+from radixlm.runtime.models.quantization.calibration import (
     calibration_text,
     pydoc_texts,
     sequence_logprobs,
     token_windows,
 )
-from radixlm.runtime.quantization.checkpoint import save_quantized
-from radixlm.runtime.quantization.quantize import QuantizeOptions, quantize_model
+from radixlm.runtime.models.quantization.checkpoint import save_quantized
+from radixlm.runtime.models.quantization.quantize import QuantizeOptions, quantize_model
 
 CPU = torch.device("cpu")
 # name -> (load dtype, online quantization, offline quantizer options)

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from radixlm.runtime import Engine
-from radixlm.runtime.layers.linear import Linear
+from radixlm.runtime.models.layers.linear import Linear
 
 from gpu_timing import median_replay_ms
 
@@ -202,7 +202,7 @@ def int_weights(bits: int, n: int, k: int, copies: int = 1) -> list[tuple]:
 
 
 def fp8_weights(n: int, k: int, copies: int = 1) -> list[tuple]:
-    from radixlm.runtime.quantization.fp8 import quantize_fp8_rows
+    from radixlm.runtime.models.quantization.fp8 import quantize_fp8_rows
 
     w8, scale = quantize_fp8_rows(torch.randn(n, k, device="cuda"))
     return [(w8.clone(), scale.view(-1).clone()) for _ in range(copies)]

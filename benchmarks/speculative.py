@@ -40,7 +40,8 @@ from pathlib import Path
 
 import torch
 
-from radixlm.runtime import Engine, SamplingParams, speculative
+from radixlm.runtime import Engine, SamplingParams
+from radixlm.runtime.execution import speculative
 
 VERIFY_GREEDY = speculative.verify_greedy
 SCHEMA = {"type": "object", "properties": {

@@ -32,11 +32,12 @@ from pathlib import Path
 import jsonschema
 import torch
 
-from radixlm.runtime import Engine, SamplingParams, sampler
+from radixlm.runtime import Engine, SamplingParams
+from radixlm.runtime.execution import sampler
+from radixlm.runtime.execution.model_runner import ModelRunner
 from radixlm.runtime.grammar.backend import GrammarBackend
 from radixlm.runtime.grammar.matcher import GrammarMatcher
 from radixlm.runtime.grammar.spec import GrammarSpec
-from radixlm.runtime.model_runner import ModelRunner
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschemabench"
 SPLITS = ("Glaiveai2K", "Github_easy")

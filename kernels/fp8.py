@@ -1,7 +1,7 @@
 """FP8 (e4m3) W8A8 kernels: per-token quantization of activations, and the small-batch GEMV.
 
 per_token_fp8: for each row, scale = max(max|x| / 448, 1e-12), q = e4m3(clamp(x / scale,
--448, 448)), the rule of radixlm.runtime.quantization.fp8.quantize_fp8_rows. In torch that
+-448, 448)), the rule of radixlm.runtime.models.quantization.fp8.quantize_fp8_rows. In torch that
 rule is five or six elementwise and reduction kernels per linear layer; at batch 1 their
 launches cost more than the fp8 matmul saves, so on CUDA the whole rule is one kernel, one
 program per row.

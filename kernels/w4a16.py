@@ -1,7 +1,7 @@
 """Weight-only quantized matmul in Triton: y = x @ W with W stored as 4-bit (or 8-bit) integers,
 a scale and a zero point per group of input channels (W4A16: 4-bit weights, 16-bit activations).
 
-Weights use our runtime INT layout (radixlm.runtime.quantization.int_weight):
+Weights use our runtime INT layout (radixlm.runtime.models.quantization.int_weight):
 
     qweight [K / pack, N] int32    pack = 32 / BITS values along K, the first in the low bits
     scales  [G, N]                 G = ceil(K / group_size), the activation dtype

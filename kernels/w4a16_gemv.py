@@ -1,7 +1,7 @@
 """The small-batch (1 to 4 rows) INT4/INT8 weight-only GEMV: y = x @ W on CUDA cores, in one
 launch, near the weights' streaming speed.
 
-Layout (radixlm.runtime.quantization.int_weight): qweight [K / PACK, N] int32 with N
+Layout (radixlm.runtime.models.quantization.int_weight): qweight [K / PACK, N] int32 with N
 contiguous and PACK = 32 / BITS values of consecutive inputs per word, the first in the low
 bits; scales [G, N] and zeros [G, N] uint8 per group of inputs. The function is the
 reference's, sum_k x_k (q_kn - z_gn) s_gn, accumulated in float32.

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence, Union
 
 from radixlm.choices import ChoicesMethod, token_length_normalized
-from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.config.sampling_params import SamplingParams
 
 # Friendlier names users know from the OpenAI API and SGLang's frontend, mapped onto the
 # runtime's one SamplingParams. Every other field keeps its SamplingParams name.

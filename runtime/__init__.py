@@ -11,10 +11,10 @@ from typing import Any
 __all__ = ["Engine", "EngineConfig", "Output", "SamplingParams"]
 
 _EXPORTS = {
-    "Engine": "radixlm.runtime.engine",
-    "EngineConfig": "radixlm.runtime.config",
-    "Output": "radixlm.runtime.request",
-    "SamplingParams": "radixlm.runtime.sampling_params",
+    "Engine": "radixlm.runtime.engine.engine",
+    "EngineConfig": "radixlm.runtime.config.engine_config",
+    "Output": "radixlm.runtime.scheduling.request",
+    "SamplingParams": "radixlm.runtime.config.sampling_params",
 }
 
 

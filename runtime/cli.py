@@ -62,8 +62,8 @@ async def _stream(engine, prompt: dict, params) -> None:
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-    from radixlm.runtime.loader import ARCHITECTURE_PRESETS, DEFAULT_MODEL, EMBEDDED_MODELS
     from radixlm.runtime.models.config import SUPPORTED_ARCHITECTURES
+    from radixlm.runtime.models.loader import ARCHITECTURE_PRESETS, DEFAULT_MODEL, EMBEDDED_MODELS
 
     print(f"default model: {DEFAULT_MODEL}")
     print("embedded models: " + ", ".join(EMBEDDED_MODELS))
@@ -73,7 +73,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_quantize(args: argparse.Namespace) -> int:
-    from radixlm.runtime.quantization.command import run_quantize
+    from radixlm.runtime.models.quantization.command import run_quantize
 
     return run_quantize(args)
 
@@ -85,7 +85,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from radixlm.runtime.quantization.command import add_quantize_args
+    from radixlm.runtime.models.quantization.command import add_quantize_args
     from radixlm.runtime.server.args import add_serve_args
 
     parser = argparse.ArgumentParser(prog="radixlm", description="radixlm LLM runtime")

@@ -57,7 +57,7 @@ def save_tiny_hf_model(folder: Path, family: str, vocab_size: int = 512, tie: bo
 @pytest.fixture(scope="session")
 def default_model_folder() -> Path:
     """The embedded SmolLM2-135M-Instruct, converted to an HF folder (cached on disk)."""
-    from radixlm.runtime.loader import resolve_model
+    from radixlm.runtime.models.loader import resolve_model
 
     try:
         return resolve_model(None)

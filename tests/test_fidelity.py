@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from radixlm.runtime import Engine
-from radixlm.runtime.loader import embedded_model_file
+from radixlm.runtime.models.loader import embedded_model_file
 
 NEW_TOKENS = 32
 QUESTIONS = [
@@ -86,7 +86,7 @@ def test_gguf_logits_match_transformers(hf, prompts):
         assert abs(entry.logprob - ref_logprobs[pos - 1, ids[pos]].item()) < 1e-4
         assert [t for t, _ in entry.top] == ref_logprobs[pos - 1].topk(5).indices.tolist()
     # Logits themselves, straight from our model on the same file.
-    from radixlm.runtime.loader import load_model
+    from radixlm.runtime.models.loader import load_model
 
     from test_models import run_chunks
 

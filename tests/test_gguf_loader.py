@@ -1,4 +1,5 @@
-"""Tests for radixlm.runtime.gguf_loader: GGUF -> HF folder conversion and its on-disk cache."""
+"""Tests for radixlm.runtime.models.gguf_loader: GGUF -> HF folder conversion and its on-disk
+cache."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from radixlm.runtime import gguf_loader
-from radixlm.runtime.gguf_loader import SUPPORTED_GGUF_ARCHITECTURES, convert_gguf
+from radixlm.runtime.models import gguf_loader
+from radixlm.runtime.models.gguf_loader import SUPPORTED_GGUF_ARCHITECTURES, convert_gguf
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TOKENIZER_SAMPLES = [

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from radixlm.runtime import Engine
-from radixlm.runtime.loader import load_model
+from radixlm.runtime.models.loader import load_model
 
 from conftest import save_tiny_hf_model
 from test_models import run_chunks

@@ -16,8 +16,8 @@ import torch
 
 from radixlm.runtime import Engine
 from radixlm.runtime.attention.base import ForwardBatch, create_backend
-from radixlm.runtime.loader import load_model
-from radixlm.runtime.memory import KVCache
+from radixlm.runtime.attention.kv_cache import KVCache
+from radixlm.runtime.models.loader import load_model
 
 from conftest import save_tiny_hf_model
 from test_triton_kernels import PROMPTS, rel_err, save_llama

@@ -7,13 +7,13 @@ import torch
 
 from radixlm.kernels.reference import w4a16_matmul_reference
 from radixlm.runtime import Engine
-from radixlm.runtime.quantization.fp8 import (
+from radixlm.runtime.models.quantization.fp8 import (
     GEMV_ROWS,
     fp8_linear,
     quantize_fp8_rows,
     scaled_mm_available,
 )
-from radixlm.runtime.quantization.packing import pack_gptq_weight
+from radixlm.runtime.models.quantization.packing import pack_gptq_weight
 
 from conftest import save_tiny_hf_model
 
@@ -196,9 +196,9 @@ def test_engine_awq_checkpoint_on_cuda_matches_cpu(tmp_path):
     greedy tokens of the CPU dequantize-and-multiply path, in float32."""
     import transformers
 
-    from radixlm.runtime.loader import load_model
-    from radixlm.runtime.quantization.checkpoint import save_quantized
-    from radixlm.runtime.quantization.quantize import QuantizeOptions, quantize_model
+    from radixlm.runtime.models.loader import load_model
+    from radixlm.runtime.models.quantization.checkpoint import save_quantized
+    from radixlm.runtime.models.quantization.quantize import QuantizeOptions, quantize_model
 
     from conftest import tiny_config
 

@@ -14,13 +14,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from radixlm.runtime import SamplingParams
+from radixlm.runtime.execution.sampler import apply_token_bitmask
 from radixlm.runtime.grammar import json_regex as jr
 from radixlm.runtime.grammar.json_schema import json_object_regex, schema_to_regex
 from radixlm.runtime.grammar.matcher import CompiledGrammar
 from radixlm.runtime.grammar.regex_check import check_regex, json_string_pattern
 from radixlm.runtime.grammar.spec import choices_regex
 from radixlm.runtime.grammar.vocabulary import build_vocabulary
-from radixlm.runtime.sampler import apply_token_bitmask
 
 
 @pytest.fixture(scope="module")
@@ -284,7 +284,7 @@ def test_jump_forward_tokens_are_canonical_and_back_off(smol_vocab, smol_tokeniz
 
 @pytest.mark.parametrize("path", ["table", "shifts"])
 def test_apply_token_bitmask_matches_a_loop(path, monkeypatch):
-    from radixlm.runtime import sampler
+    from radixlm.runtime.execution import sampler
 
     if path == "shifts":  # the GPU path, checked here on CPU
         monkeypatch.setattr(sampler, "_apply_by_byte_table", sampler._apply_by_shifts)

@@ -7,9 +7,9 @@ import math
 import pytest
 
 from radixlm.runtime import Engine
-from radixlm.runtime.leases import LeaseTable
-from radixlm.runtime.memory import PageAllocator
-from radixlm.runtime.radix_cache import RadixCache
+from radixlm.runtime.scheduling.leases import LeaseTable
+from radixlm.runtime.scheduling.pages import PageAllocator
+from radixlm.runtime.scheduling.radix_cache import RadixCache
 
 PAGE = 16
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from radixlm.runtime.attention.base import ForwardBatch, create_backend
-from radixlm.runtime.loader import load_model
-from radixlm.runtime.memory import KVCache, ReqToTokenTable
+from radixlm.runtime.attention.kv_cache import KVCache
+from radixlm.runtime.models.loader import load_model
+from radixlm.runtime.scheduling.pages import ReqToTokenTable
 
 from conftest import FAMILIES, save_tiny_hf_model
 
@@ -84,9 +85,9 @@ def test_dummy_weights_have_the_right_shapes(tmp_path):
                                          ("qwen2.5-7b", 7_615_616_512),
                                          ("llama-3-70b", 70_553_706_496)])
 def test_dummy_presets_have_the_public_parameter_counts(name, params):
-    from radixlm.runtime.loader import ARCHITECTURE_PRESETS
     from radixlm.runtime.models.config import ModelConfig
     from radixlm.runtime.models.llama import LlamaForCausalLM
+    from radixlm.runtime.models.loader import ARCHITECTURE_PRESETS
 
     config = ModelConfig.from_dict(ARCHITECTURE_PRESETS[name])
     with torch.device("meta"):  # shapes only, no memory

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixlm.runtime.config import EngineConfig
-from radixlm.runtime.quantization import QUANTIZATION_METHODS, packing, resolve_quant_config
+from radixlm.runtime.config.engine_config import EngineConfig
+from radixlm.runtime.models.quantization import QUANTIZATION_METHODS, packing, resolve_quant_config
 
 GEN = torch.Generator().manual_seed(0)
 

@@ -18,7 +18,7 @@ def _case(m: int, n: int, k: int, group: int, bits: int, dtype: torch.dtype,
           config: dict | None = None, seed: int = 0) -> str:
     from radixlm.kernels.reference import w4a16_matmul_reference
     from radixlm.kernels.w4a16 import w4a16_matmul
-    from radixlm.runtime.quantization.packing import pack_gptq_weight
+    from radixlm.runtime.models.quantization.packing import pack_gptq_weight
 
     gen = torch.Generator().manual_seed(seed)
     groups = -(-k // group)
@@ -95,7 +95,7 @@ def case_bad_block_k_is_refused():
 
 def _int_weights(n: int, k: int, group: int, bits: int, dtype: torch.dtype,
                  seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Generator]:
-    from radixlm.runtime.quantization.packing import pack_gptq_weight
+    from radixlm.runtime.models.quantization.packing import pack_gptq_weight
 
     gen = torch.Generator().manual_seed(seed)
     groups = -(-k // group)
@@ -198,7 +198,7 @@ def case_gemv_block_across_groups_is_refused():
 def _fp8_case(m: int, n: int, k: int, dtype: torch.dtype, config: dict | None,
               seed: int = 0) -> str:
     from radixlm.kernels.fp8 import fp8_gemv
-    from radixlm.runtime.quantization.fp8 import quantize_fp8_rows
+    from radixlm.runtime.models.quantization.fp8 import quantize_fp8_rows
 
     gen = torch.Generator().manual_seed(seed)
     w8, w_scale = quantize_fp8_rows(torch.randn(n, k, generator=gen))

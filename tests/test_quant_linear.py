@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from radixlm.kernels.reference import dequantize_int_reference, fp8_linear_reference
-from radixlm.runtime.layers.linear import Linear, MergedLinear, QKVLinear
-from radixlm.runtime.quantization import QuantConfig, packing
-from radixlm.runtime.quantization.fp8 import FP8, fp8_linear, quantize_fp8_rows
+from radixlm.runtime.models.layers.linear import Linear, MergedLinear, QKVLinear
+from radixlm.runtime.models.quantization import QuantConfig, packing
+from radixlm.runtime.models.quantization.fp8 import FP8, fp8_linear, quantize_fp8_rows
 
 
 def load(layer, parts: list[dict[str, torch.Tensor]]) -> None:

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from radixlm.runtime.cli import main
-from radixlm.runtime.loader import load_model
-from radixlm.runtime.quantization import awq_quantizer
-from radixlm.runtime.quantization.calibration import sequence_logprobs
-from radixlm.runtime.quantization.checkpoint import save_quantized
-from radixlm.runtime.quantization.gptq_quantizer import accumulate_hessian, gptq_quantize
-from radixlm.runtime.quantization.int_weight import IntWeight, dequantize
-from radixlm.runtime.quantization.quantize import QuantizeOptions, quantize_model
-from radixlm.runtime.quantization.rtn import dequantize_groups, fake_quantize, rtn_quantize
+from radixlm.runtime.models.loader import load_model
+from radixlm.runtime.models.quantization import awq_quantizer
+from radixlm.runtime.models.quantization.calibration import sequence_logprobs
+from radixlm.runtime.models.quantization.checkpoint import save_quantized
+from radixlm.runtime.models.quantization.gptq_quantizer import accumulate_hessian, gptq_quantize
+from radixlm.runtime.models.quantization.int_weight import IntWeight, dequantize
+from radixlm.runtime.models.quantization.quantize import QuantizeOptions, quantize_model
+from radixlm.runtime.models.quantization.rtn import dequantize_groups, fake_quantize, rtn_quantize
 
 from conftest import save_tiny_hf_model
 
@@ -159,7 +159,7 @@ def test_fp8_checkpoint_with_static_input_scales(tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from radixlm.runtime.quantization.fp8 import FP8
+    from radixlm.runtime.models.quantization.fp8 import FP8
 
     src = save_tiny_hf_model(tmp_path / "float", "llama")
     tensors = load_file(str(src / "model.safetensors"))

@@ -1,5 +1,5 @@
-"""Tests for radixlm.runtime.radix_cache: a hypothesis state machine against a naive model
-(a flat dict from page-aligned prefixes to pages), plus unit tests of the tricky cases."""
+"""Tests for radixlm.runtime.scheduling.radix_cache: a hypothesis state machine against a naive
+model (a flat dict from page-aligned prefixes to pages), plus unit tests of the tricky cases."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from radixlm.runtime.memory import PageAllocator
-from radixlm.runtime.radix_cache import RadixCache, TreeNode
+from radixlm.runtime.scheduling.pages import PageAllocator
+from radixlm.runtime.scheduling.radix_cache import RadixCache, TreeNode
 
 Key = tuple[Hashable, tuple[int, ...]]  # (namespace, page-aligned token prefix)
 

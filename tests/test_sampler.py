@@ -1,5 +1,6 @@
-"""Tests for radixlm.runtime.sampler: exactness of greedy, distributional correctness of sampling
-(chi-square goodness of fit), per-request seeded reproducibility, penalties, masks, logprobs."""
+"""Tests for radixlm.runtime.execution.sampler: exactness of greedy, distributional correctness of
+sampling (chi-square goodness of fit), per-request seeded reproducibility, penalties, masks,
+logprobs."""
 
 from __future__ import annotations
 
@@ -9,14 +10,14 @@ from typing import Sequence
 import pytest
 import torch
 
-from radixlm.runtime.sampler import (
+from radixlm.runtime.config.sampling_params import SamplingParams
+from radixlm.runtime.execution.sampler import (
     SamplingBatch,
     apply_penalties,
     compute_logprobs,
     mask_tokens,
     sample,
 )
-from radixlm.runtime.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 # A toy distribution over 8 tokens, deliberately not sorted so that index bookkeeping in the

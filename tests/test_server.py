@@ -19,8 +19,8 @@ import openai
 import pytest
 
 from radixlm.runtime import Engine
+from radixlm.runtime.engine.tokenization import encode_prompt
 from radixlm.runtime.server.process import ServerProcess
-from radixlm.runtime.tokenization import encode_prompt
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -416,7 +416,7 @@ def test_bad_fields_are_400_naming_the_field(http, path, body, param):
 def test_response_format_is_passed_on_or_refused_never_ignored(http):
     import dataclasses
 
-    from radixlm.runtime.sampling_params import SamplingParams
+    from radixlm.runtime.config.sampling_params import SamplingParams
 
     supported = "json_schema" in {f.name for f in dataclasses.fields(SamplingParams)}
     chat = {"messages": [{"role": "user", "content": "Give me JSON."}], "max_tokens": 4}

@@ -18,7 +18,7 @@ import openai
 import pytest
 from test_server import Http, running
 
-from radixlm.runtime.config import EngineConfig
+from radixlm.runtime.config.engine_config import EngineConfig
 from radixlm.runtime.server.process import ServerProcess
 
 KEY = "lifecycle-key"
@@ -67,7 +67,7 @@ def test_real_text_through_the_openai_client(server):
 def test_response_format_json_schema(server):
     import dataclasses
 
-    from radixlm.runtime.sampling_params import SamplingParams
+    from radixlm.runtime.config.sampling_params import SamplingParams
 
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
     schema = {"type": "object", "properties": {"name": {"type": "string"},

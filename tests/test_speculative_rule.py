@@ -1,4 +1,4 @@
-"""Tests for radixlm.runtime.speculative: greedy verification against a naive loop, the
+"""Tests for radixlm.runtime.execution.speculative: greedy verification against a naive loop, the
 sampling rule's output distribution (chi-square goodness of fit on toy distributions, one
 position at a time and jointly over a Markov chain), seeded reproducibility, n-gram drafting
 against a naive search, grammar truncation and the adaptive draft length."""
@@ -14,9 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixlm.runtime.sampler import SamplingBatch, sample
-from radixlm.runtime.sampling_params import SamplingParams
-from radixlm.runtime.speculative import (
+from radixlm.runtime.config.sampling_params import SamplingParams
+from radixlm.runtime.execution.sampler import SamplingBatch, sample
+from radixlm.runtime.execution.speculative import (
     PAD_TOKEN,
     AdaptiveK,
     NgramIndex,

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from radixlm.runtime.distributed import TPInfo, active_all_reduce
-from radixlm.runtime.engine import Engine
-from radixlm.runtime.layers.linear import Linear, LinearShard
-from radixlm.runtime.quantization.config import QuantConfig
+from radixlm.runtime.engine.engine import Engine
+from radixlm.runtime.models.layers.linear import Linear, LinearShard
+from radixlm.runtime.models.quantization.config import QuantConfig
+from radixlm.runtime.parallel.groups import TPInfo, active_all_reduce
 
 from conftest import save_tiny_hf_model
 
@@ -53,7 +53,7 @@ def test_lazy_slices_read_only_the_shard(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from radixlm.runtime.layers.weights import copy_weight, narrow
+    from radixlm.runtime.models.layers.weights import copy_weight, narrow
 
     w = torch.arange(24.0).view(4, 6)
     save_file({"w": w}, str(tmp_path / "w.safetensors"))
@@ -199,7 +199,7 @@ def _running(pid: int) -> bool:
 
 def test_killed_engine_process_leaves_no_workers(tmp_path):
     folder = save_tiny_hf_model(tmp_path, "llama", vocab_size=512)
-    script = (f"import time\nfrom radixlm.runtime.engine import Engine\n"
+    script = (f"import time\nfrom radixlm.runtime.engine.engine import Engine\n"
               f"e = Engine({str(folder)!r}, device='cpu', max_total_tokens=1024, tp_size=2)\n"
               f"print(e._tp.workers[1].pid, flush=True)\ntime.sleep(120)\n")
     engine = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)

@@ -26,7 +26,7 @@ def random_paged_batch(device: str, dtype: torch.dtype, page_size: int, q_lens: 
     this step's q/k/v. With strided_qkv, q/k/v are views of one fused [T, H + 2 Hkv, D] tensor,
     as the model passes them."""
     from radixlm.runtime.attention.base import ForwardBatch
-    from radixlm.runtime.memory import KVCache
+    from radixlm.runtime.attention.kv_cache import KVCache
 
     gen = torch.Generator().manual_seed(seed)
     num_pages = sum(-(-kv // page_size) for kv in kv_lens) + 4
@@ -143,7 +143,7 @@ def _fused_cases(dtype):
 
     from radixlm.kernels import fused
     from radixlm.kernels import reference as ref
-    from radixlm.runtime.layers.rotary import apply_rotary
+    from radixlm.runtime.models.layers.rotary import apply_rotary
 
     exact = dtype == torch.float16  # fp32 may differ by an ulp (fma contraction, rsqrt)
     gen = torch.Generator().manual_seed(2)
@@ -239,7 +239,7 @@ def case_decode_graph_padding_matches_eager():
     requests finish at different lengths."""
     import tempfile
 
-    from radixlm.runtime.cuda_graph import DecodeGraphs
+    from radixlm.runtime.execution.cuda_graph import DecodeGraphs
 
     folder = save_llama(Path(tempfile.mkdtemp()), head_dim=32)
     prompts = PROMPTS[:5] + [[42]]  # a one-token prompt is a decode-shaped first step
@@ -278,7 +278,8 @@ def case_tp2_decode_graph_steps_match_tp1():
     feeding the sampled tokens on the device."""
     import tempfile
 
-    from radixlm.runtime import cuda_graph, engine_core
+    from radixlm.runtime.engine import engine_core
+    from radixlm.runtime.execution import cuda_graph
 
     folder = save_llama(Path(tempfile.mkdtemp()), head_dim=32)
     prompts = PROMPTS[:3]

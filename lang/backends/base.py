@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 from radixlm.choices import ChoiceScores
-from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.config.sampling_params import SamplingParams
 
 
 class BackendError(RuntimeError):

@@ -7,10 +7,10 @@ from typing import Any, Callable, Sequence
 
 from radixlm.backends.base import Backend, BackendError, Generation, Prompt
 from radixlm.choices import ChoiceScores
-from radixlm.runtime.engine import Engine as RuntimeEngine
-from radixlm.runtime.request import Output
-from radixlm.runtime.sampling_params import SamplingParams
-from radixlm.runtime.tokenization import encode_prompt
+from radixlm.runtime.config.sampling_params import SamplingParams
+from radixlm.runtime.engine.engine import Engine as RuntimeEngine
+from radixlm.runtime.engine.tokenization import encode_prompt
+from radixlm.runtime.scheduling.request import Output
 
 # A fork's prefix stays pinned at most this long if the program never joins (e.g. it hangs).
 LEASE_TTL_S = 600.0

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 from radixlm.backends.base import Backend, BackendError, Generation, Prompt
 from radixlm.backends.http import HttpClient
 from radixlm.choices import ChoiceScores
-from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.config.sampling_params import SamplingParams
 
 # SamplingParams fields with an OpenAI name; the rest go as extra fields (vLLM, SGLang and
 # radixlm servers accept them) only when they differ from the defaults.

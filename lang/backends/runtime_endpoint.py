@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 from radixlm.backends.base import Backend, BackendError, Generation, Prompt
 from radixlm.backends.http import HttpClient
 from radixlm.choices import ChoiceScores
-from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.config.sampling_params import SamplingParams
 
 # A fork's prefix stays pinned at most this long if the program never joins.
 LEASE_TTL_S = 600.0

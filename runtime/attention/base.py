@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixlm.runtime.memory import KVCache
+from radixlm.runtime.attention.kv_cache import KVCache
 
 
 @dataclass

@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
+from radixlm.kernels.host_copy import to_device
 from radixlm.runtime.attention.base import AttentionBackend, ForwardBatch
-from radixlm.runtime.host_copy import to_device
-from radixlm.runtime.memory import KVCache
+from radixlm.runtime.attention.kv_cache import KVCache
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from radixlm.kernels.host_copy import to_device
 from radixlm.runtime.attention.base import AttentionBackend, ForwardBatch
-from radixlm.runtime.host_copy import to_device
-from radixlm.runtime.memory import KVCache
+from radixlm.runtime.attention.kv_cache import KVCache
 
 try:
     from radixlm.kernels import triton_attention as ta

@@ -5,6 +5,9 @@
 - vocabulary.py: token ids -> bytes for any HF tokenizer;
 - compiler.py, _worker.py: index compilation in killable worker processes, LRU cache;
 - matcher.py: per-state masks and per-request positions; jump_forward.py; backend.py.
+
+A library of its own: it imports nothing else of the runtime. The batch masks that the model
+runner applies are built in `radixlm.runtime.execution.grammar_masks`.
 """
 
 from radixlm.runtime.grammar.spec import GrammarSpec, check_grammar_fields, choices_regex

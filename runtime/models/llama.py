@@ -9,7 +9,7 @@ in-place rotary, and add + RMSNorm that carries the residual stream between laye
 norm reads the sublayer output and the stream once instead of an add kernel and a norm. They
 round where the torch ops round, so the two paths agree to an ulp; CPU keeps the torch path.
 
-With a QuantConfig (radixlm.runtime.quantization) the decoder's linears (qkv, o, gate_up,
+With a QuantConfig (radixlm.runtime.models.quantization) the decoder's linears (qkv, o, gate_up,
 down) are quantized; the embeddings and the output head always stay in float.
 
 With a TPInfo of size > 1 the model is this rank's shard (Megatron-style): qkv and gate_up
@@ -27,13 +27,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlm.runtime.attention.base import AttentionBackend, ForwardBatch
-from radixlm.runtime.distributed import TPInfo
-from radixlm.runtime.layers.embedding import VocabEmbedding
-from radixlm.runtime.layers.linear import Linear, LinearShard, MergedLinear, QKVLinear
-from radixlm.runtime.layers.norm import RMSNorm
-from radixlm.runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from radixlm.runtime.models.config import ModelConfig
-from radixlm.runtime.quantization.config import QuantConfig
+from radixlm.runtime.models.layers.embedding import VocabEmbedding
+from radixlm.runtime.models.layers.linear import Linear, LinearShard, MergedLinear, QKVLinear
+from radixlm.runtime.models.layers.norm import RMSNorm
+from radixlm.runtime.models.layers.rotary import RotaryEmbedding, apply_rotary
+from radixlm.runtime.models.quantization.config import QuantConfig
+from radixlm.runtime.parallel.groups import TPInfo
 
 
 class LlamaAttention(nn.Module):

@@ -21,7 +21,7 @@ from typing import Awaitable, Callable
 
 from aiohttp import web
 
-from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.config.sampling_params import SamplingParams
 from radixlm.runtime.server import native_routes, openai_routes
 from radixlm.runtime.server.generation import Generation
 from radixlm.runtime.server.protocol import ApiError

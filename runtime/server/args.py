@@ -15,7 +15,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Union
 
-from radixlm.runtime.config import EngineConfig
+from radixlm.runtime.config.engine_config import EngineConfig
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ def run(options: dict[str, Any], conn: Connection, parent_pid: int, log_level: s
                         format="%(asctime)s %(levelname)s engine: %(message)s")
     _watch_parent(parent_pid)
     try:
-        from radixlm.runtime.engine import Engine
+        from radixlm.runtime.engine.engine import Engine
 
         engine = Engine(**options)
         tokenizer = engine.tokenizer

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.config.sampling_params import SamplingParams
 from radixlm.runtime.server.ipc import Chunk, EngineError, LogprobEntry
 from radixlm.runtime.server.protocol import ApiError
 from radixlm.runtime.server.state import ServerState

@@ -40,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def serve(args: argparse.Namespace) -> int:
     """Run the server until a signal; the exit code (0 after a clean shutdown)."""
-    from radixlm.runtime.config import EngineConfig
+    from radixlm.runtime.config.engine_config import EngineConfig
 
     try:
         config = server_config(args, os.environ.get("RADIXLM_API_KEY"))
@@ -55,7 +55,7 @@ def serve(args: argparse.Namespace) -> int:
 
 
 async def _serve(config: ServerConfig, options: dict[str, Any]) -> int:
-    from radixlm.runtime.loader import DEFAULT_MODEL
+    from radixlm.runtime.models.loader import DEFAULT_MODEL
 
     model = options.get("model")
     state = ServerState(config=config, engine=EngineClient(options, config.log_level),
@@ -118,7 +118,7 @@ async def _start_engine(state: ServerState, options: dict[str, Any]) -> None:
 
 
 def _resolve(options: dict[str, Any]) -> Path | None:
-    from radixlm.runtime.loader import ARCHITECTURE_PRESETS, resolve_model
+    from radixlm.runtime.models.loader import ARCHITECTURE_PRESETS, resolve_model
 
     if options.get("load_format") == "dummy" and options.get("model") in ARCHITECTURE_PRESETS:
         return None  # a weight-less shape: no folder, no tokenizer

@@ -7,7 +7,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.config.sampling_params import SamplingParams
 from radixlm.runtime.server.generation import Sample
 from radixlm.runtime.server.ipc import LogprobEntry
 from radixlm.runtime.server.protocol import (

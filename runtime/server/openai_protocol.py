@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.config.sampling_params import SamplingParams
 from radixlm.runtime.server.protocol import (
     MAX_TOP_LOGPROBS,
     Fields,

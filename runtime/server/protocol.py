@@ -14,7 +14,7 @@ import math
 import re
 from typing import Any, Iterable, Mapping
 
-from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.config.sampling_params import SamplingParams
 
 ERROR_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",

@@ -5,7 +5,7 @@ template) then delays only its own request, while the loop keeps answering /heal
 streaming other responses. One thread, not a pool, because a Hugging Face fast tokenizer
 shared between threads can fail with "Already borrowed" when one call reconfigures it.
 
-Prompt text is encoded with `radixlm.runtime.tokenization.encode_prompt`, the same rule the
+Prompt text is encoded with `radixlm.runtime.engine.tokenization.encode_prompt`, the same rule the
 offline Engine uses, so the server and `Engine.generate` see the same ids for the same text.
 """
 
@@ -15,8 +15,8 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+from radixlm.runtime.engine.tokenization import encode_prompt
 from radixlm.runtime.server.protocol import ApiError, bad
-from radixlm.runtime.tokenization import encode_prompt
 
 
 class TextCodec:

@@ -1,0 +1,192 @@
+"""The engine's one validated, frozen configuration.
+
+CLI parsing lives in the entry point; this module only checks values, so that a bad setting
+fails when the engine is built, naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LOAD_FORMATS = ("auto", "dummy")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+SCHEDULE_POLICIES = ("lpm", "fcfs")
+OVERLAP_MODES = ("auto", "on", "off")
+SPECULATIVE_METHODS = ("ngram", "draft")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # A model folder, a .gguf file, a short name (e.g. "smollm2-135m-instruct") or a Hub id.
+    # None means the embedded default model.
+    model: str | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # cuda when available, else cpu
+    seed: int = 0  # seeds requests that have no seed of their own, and dummy weights
+    # Quantized decoder linears: fp8 (W8A8) or int8 (weight-only) quantize any checkpoint on
+    # load; awq and gptq need such a checkpoint. None: what config.json declares, if anything.
+    quantization: str | None = None
+    # Paged KV memory. The pool holds `max_total_tokens` token slots in pages of `page_size`;
+    # when it is None the pool is sized from `kv_cache_memory_fraction` of the free memory.
+    page_size: int = 16
+    max_total_tokens: int | None = None
+    kv_cache_memory_fraction: float = 0.5
+    # Longest prompt + completion; None takes the model's own limit, clipped to the pool.
+    max_model_len: int | None = None
+    # Continuous batching bounds for one step.
+    max_running_requests: int = 256
+    max_num_batched_tokens: int = 2048
+    chunked_prefill_size: int = 512
+    # "auto": torch on CPU; on CUDA flashinfer when it imports (and fits the dtype and
+    # head_dim), else triton.
+    attention_backend: str = "auto"
+    # Decode-only steps replay CUDA graphs captured per padded batch size (CUDA, triton or
+    # flashinfer attention); this turns that off and runs every step eagerly.
+    disable_cuda_graph: bool = False
+    # Overlap scheduling: while the device runs a decode step, the host prepares and launches
+    # the next one (feeding it the tokens still on the device), then post-processes the
+    # first. "auto" turns it on for CUDA, where the device runs ahead of the host; on CPU the
+    # forward is synchronous and there is nothing to hide.
+    overlap_schedule: str = "auto"
+    # Speculative decoding: "ngram" (prompt lookup) or "draft" (`draft_model`, a small model
+    # with the target's tokenizer) proposes up to `num_speculative_tokens` tokens per decode
+    # step, verified losslessly in one target forward. Turns overlap scheduling off.
+    speculative: str | None = None
+    draft_model: str | None = None
+    num_speculative_tokens: int = 4
+    # Per request, draft fewer tokens while few are accepted (at most num_speculative_tokens).
+    speculative_adaptive: bool = True
+    # Tensor parallelism: the model and the KV pool are sharded over `tp_size` processes (this
+    # one is rank 0; see runtime/parallel/sharded.py). A collective that waits longer than
+    # `tp_timeout` seconds (a lost rank) fails the running requests instead of hanging.
+    tp_size: int = 1
+    tp_timeout: float = 60.0
+    # The all-reduce of activations on CUDA: "symmetric" (PyTorch symmetric memory over
+    # NVLink: each rank reads its peers' buffers; lower latency than NCCL for decode-sized
+    # tensors, used up to the decode graphs' largest batch), "nccl", or "auto" (symmetric
+    # where the GPUs support it, else NCCL). Larger tensors (prefill) always use NCCL.
+    tp_all_reduce: str = "auto"
+    # Prefix cache (RadixAttention) and the waiting-queue order: "lpm" serves the longest
+    # cached prefix first and lets requests that share an uncached prefix wait for it.
+    disable_radix_cache: bool = False
+    schedule_policy: str = "lpm"
+    # Prefixes pinned by leases (a program's fork, a server client's pin) may hold at most
+    # this fraction of the KV pool; further pins are refused and the program runs unpinned.
+    lease_memory_fraction: float = 0.25
+    # Structured output (regex / json_schema / json_object). Grammars compile in worker
+    # processes; one that takes longer than the timeout (seconds) or more memory than the
+    # limit (GiB, 0 = none) fails only its own request.
+    grammar_compile_timeout: float = 30.0
+    grammar_compile_workers: int = 2
+    grammar_compile_max_memory_gb: float = 4.0
+    # Compiled grammars kept (LRU, shared by the engines of a process): at most this many,
+    # and this much memory (an index for a large JSON schema can take hundreds of MB).
+    grammar_cache_size: int = 256
+    grammar_cache_memory_gb: float = 1.0
+    json_max_whitespace: int = 1  # spaces allowed between JSON tokens (0: compact JSON)
+    # Append the text a grammar forces (`{"name": "`) without sampling it token by token.
+    enable_jump_forward: bool = True
+
+    def __post_init__(self) -> None:
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"model must be a string or None, got {type(self.model).__name__}")
+        _one_of(self.load_format, LOAD_FORMATS, "load_format")
+        if self.quantization is not None:
+            _one_of(self.quantization, ("fp8", "int8", "awq", "gptq"), "quantization")
+        _one_of(self.dtype, ("auto", *DTYPES), "dtype")
+        _one_of(self.attention_backend, ATTENTION_BACKENDS, "attention_backend")
+        _one_of(self.schedule_policy, SCHEDULE_POLICIES, "schedule_policy")
+        _one_of(self.overlap_schedule, OVERLAP_MODES, "overlap_schedule")
+        self._check_speculative_options()
+        _positive_int(self.tp_size, "tp_size")
+        _one_of(self.tp_all_reduce, ("auto", "symmetric", "nccl"), "tp_all_reduce")
+        if (isinstance(self.tp_timeout, bool) or not isinstance(self.tp_timeout, (int, float))
+                or not self.tp_timeout > 0):
+            raise ValueError(f"tp_timeout must be a positive number of seconds, "
+                             f"got {self.tp_timeout!r}")
+        for name in ("disable_radix_cache", "disable_cuda_graph"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool")
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        for name in ("page_size", "max_running_requests", "max_num_batched_tokens",
+                     "chunked_prefill_size"):
+            _positive_int(getattr(self, name), name)
+        for name in ("max_total_tokens", "max_model_len"):
+            if getattr(self, name) is not None:
+                _positive_int(getattr(self, name), name)
+        if not 0 < self.kv_cache_memory_fraction < 1:
+            raise ValueError("kv_cache_memory_fraction must be in (0, 1), "
+                             f"got {self.kv_cache_memory_fraction}")
+        if not 0 <= self.lease_memory_fraction <= 1:
+            raise ValueError("lease_memory_fraction must be in [0, 1], "
+                             f"got {self.lease_memory_fraction}")
+        self._check_grammar_options()
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ValueError(f"max_total_tokens ({self.max_total_tokens}) must hold at least one "
+                             f"page of {self.page_size} tokens")
+
+    def _check_speculative_options(self) -> None:
+        if self.speculative is not None:
+            _one_of(self.speculative, SPECULATIVE_METHODS, "speculative")
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise ValueError("draft_model is needed for, and only for, speculative='draft'")
+        _positive_int(self.num_speculative_tokens, "num_speculative_tokens")
+        if not isinstance(self.speculative_adaptive, bool):
+            raise ValueError("speculative_adaptive must be a bool")
+        if self.num_speculative_tokens > 16:
+            raise ValueError("num_speculative_tokens must be at most 16, "
+                             f"got {self.num_speculative_tokens}")
+
+    def _check_grammar_options(self) -> None:
+        for name in ("grammar_compile_workers", "grammar_cache_size"):
+            _positive_int(getattr(self, name), name)
+        for name, zero_ok in (("grammar_compile_timeout", False),
+                              ("grammar_compile_max_memory_gb", True),
+                              ("grammar_cache_memory_gb", True)):
+            value = getattr(self, name)
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or value < 0 or value == 0 and not zero_ok):
+                raise ValueError(f"{name} must be a number {'>=' if zero_ok else '>'} 0, "
+                                 f"got {value!r}")
+        if isinstance(self.json_max_whitespace, bool) or not isinstance(
+                self.json_max_whitespace, int) or not 0 <= self.json_max_whitespace <= 8:
+            raise ValueError("json_max_whitespace must be an int in [0, 8], "
+                             f"got {self.json_max_whitespace!r}")
+        if not isinstance(self.enable_jump_forward, bool):
+            raise ValueError("enable_jump_forward must be a bool")
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> "EngineConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s): {', '.join(unknown)}; "
+                             f"known options are {', '.join(sorted(known))}")
+        return cls(model=model, **kwargs)
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return DTYPES[self.dtype]
+
+
+def _one_of(value: Any, choices: tuple[str, ...], name: str) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _positive_int(value: Any, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")

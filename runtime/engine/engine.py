@@ -1,0 +1,355 @@
+"""The public offline engine: `Engine().generate(...)`, streaming, chat, abort, stats.
+
+The engine core runs in a background thread of the caller's process. Calls validate and
+tokenize in the caller's thread (so bad input raises before anything is queued), hand requests
+to the loop through a queue, and wait for results (or stream them to an asyncio loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import sys
+import threading
+from typing import Any, AsyncIterator, Callable, Mapping, Sequence
+
+from tqdm.auto import tqdm
+
+from radixlm.runtime.config.engine_config import EngineConfig
+from radixlm.runtime.config.sampling_params import SamplingParams
+from radixlm.runtime.engine.engine_core import EngineCore
+from radixlm.runtime.engine.request_factory import RequestFactory
+from radixlm.runtime.models.loader import ARCHITECTURE_PRESETS, LoadedModel, load_model
+from radixlm.runtime.parallel.sharded import ShardedModel, TensorParallelGroup
+from radixlm.runtime.scheduling.request import Output, Request
+
+log = logging.getLogger(__name__)
+
+ParamsArg = SamplingParams | Mapping[str, Any] | None
+_STOP = object()
+
+
+class Engine:
+    """An LLM engine in this process.
+
+    >>> with Engine() as engine:                      # the embedded SmolLM2-135M-Instruct
+    ...     out = engine.generate("The capital of France is", {"max_new_tokens": 8,
+    ...                                                        "temperature": 0})
+    """
+
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model, **options)
+        self.device = self.config.torch_device()
+        self.dtype = self.config.torch_dtype(self.device)
+        # tp_size > 1: this process is rank 0; the other ranks start now and load their
+        # shards while this one loads its own.
+        self._tp = (TensorParallelGroup(self.config, self.device, self.dtype)
+                    if self.config.tp_size > 1 else None)
+        try:
+            self._build_core()
+        except BaseException:
+            if self._tp is not None:
+                self._tp.shutdown(graceful=False)
+            raise
+        self.max_model_len = self.core.max_model_len
+        self._factory = RequestFactory(self.tokenizer, self.model_config.vocab_size,
+                                       frozenset(self._eos_ids()), self.max_model_len,
+                                       self.device, self.config.seed)
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="radixlm-engine", daemon=True)
+        self._thread.start()
+
+    # -- public API ---------------------------------------------------------------------------
+
+    def generate(self, prompt: str | Sequence[str] | None = None,
+                 sampling_params: ParamsArg | Sequence[ParamsArg] = None, *,
+                 input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+                 request_id: str | Sequence[str] | None = None,
+                 cache_salt: str | None = None,
+                 use_tqdm: bool | None = None) -> Output | list[Output]:
+        """Generate for one prompt (-> Output, or a list of n Outputs when n > 1) or a list of
+        prompts (-> a flat list, n Outputs per prompt, in order).
+
+        Requests with different `cache_salt`s never share cached KV (e.g. one per tenant)."""
+        single, prompts = self._normalize_prompts(prompt, input_ids)
+        requests = self._make_requests(prompts, sampling_params, request_id, cache_salt,
+                                       stream=False)
+        show = use_tqdm if use_tqdm is not None else len(requests) >= 16 and sys.stderr.isatty()
+        ordered = self._run(requests, show)
+        return ordered[0] if single and len(ordered) == 1 else ordered
+
+    async def generate_stream(self, prompt: str | None = None,
+                              sampling_params: ParamsArg = None, *,
+                              input_ids: Sequence[int] | None = None,
+                              request_id: str | None = None,
+                              cache_salt: str | None = None) -> AsyncIterator[Output]:
+        """Yield an Output per new token (with `delta`), the last one with `finish_reason`."""
+        single, prompts = self._normalize_prompts(prompt, input_ids)
+        if not single:
+            raise ValueError("prompt: generate_stream takes one prompt")
+        loop = asyncio.get_running_loop()
+        chunks: asyncio.Queue[Output] = asyncio.Queue()
+        requests = self._make_requests(prompts, sampling_params, request_id, cache_salt,
+                                       stream=True)
+        for request in requests:
+            request.on_output = _threadsafe_put(loop, chunks)
+        self._submit(requests)
+        remaining = len(requests)
+        try:
+            while remaining:
+                out = await chunks.get()
+                remaining -= out.finished
+                yield out
+        finally:
+            if remaining:  # the consumer stopped early
+                for request in requests:
+                    self.abort(request.request_id)
+
+    def pin_prefix(self, prompt: str | None = None, *,
+                   input_ids: Sequence[int] | None = None, cache_salt: str | None = None,
+                   ttl: float = 600.0) -> str | None:
+        """Compute a prefix and pin its KV pages in the prefix cache for `ttl` seconds, so
+        requests that extend it always hit, even under memory pressure. Returns the lease id
+        for `release_prefix`, or None when nothing was pinned: the radix cache is off, the
+        prefix is shorter than a page, or leased memory is at `lease_memory_fraction` (a
+        warning is logged; requests still run, unpinned)."""
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0:
+            raise ValueError(f"ttl must be a positive number of seconds, got {ttl!r}")
+        single, prompts = self._normalize_prompts(prompt, input_ids)
+        if not single:
+            raise ValueError("prompt: pin_prefix takes one prefix")
+        requests = self._make_requests(prompts, SamplingParams(max_new_tokens=0, temperature=0),
+                                       None, cache_salt, stream=False)
+        requests[0].pin_ttl = float(ttl)
+        out = self._run(requests)[0]
+        if out.error is not None:
+            raise RuntimeError(f"pin_prefix failed: {out.error}")
+        return out.lease_id
+
+    def release_prefix(self, lease_id: str) -> bool:
+        """Release a lease from `pin_prefix`; False when it is unknown or already expired."""
+        if not isinstance(lease_id, str):
+            raise ValueError(f"lease_id must be a string, got {type(lease_id).__name__}")
+        return self._call(lambda core: core.release_lease(lease_id))
+
+    def score(self, prefix_ids: Sequence[int], continuation_ids: Sequence[Sequence[int]], *,
+              cache_salt: str | None = None) -> list[list[float]]:
+        """Logprob of every token of each continuation, given the prefix and the
+        continuation's earlier tokens. One batch: the prefix is computed once and shared
+        (prompt-token logprobs; nothing is generated)."""
+        prefix = self._check_ids(prefix_ids)
+        if not isinstance(continuation_ids, (list, tuple)) or not continuation_ids:
+            raise ValueError("continuation_ids must be a non-empty list of token id lists")
+        prompts = [prefix + self._check_ids(ids) for ids in continuation_ids]
+        params = SamplingParams(max_new_tokens=0, temperature=0, logprob_start_len=len(prefix))
+        outputs = self._run(self._make_requests(prompts, params, None, cache_salt,
+                                                stream=False))
+        failed = [o.error for o in outputs if o.error is not None or o.finish_reason == "abort"]
+        if failed:
+            raise RuntimeError(f"score failed: {failed[0]}")
+        return [[entry.logprob for entry in out.prompt_logprobs] for out in outputs]
+
+    def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping]],
+             sampling_params: ParamsArg | Sequence[ParamsArg] = None,
+             **kwargs: Any) -> Output | list[Output]:
+        """Apply the tokenizer's chat template and generate. A list of conversations batches."""
+        batch = bool(messages) and not isinstance(messages[0], Mapping)
+        conversations = list(messages) if batch else [messages]
+        ids = [self.encode_chat(c) for c in conversations]
+        return self.generate(input_ids=ids if batch else ids[0],
+                             sampling_params=sampling_params, **kwargs)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Token ids of a conversation with the assistant prompt appended. The template
+        already writes the special tokens (e.g. BOS), so the tokenizer must not add them."""
+        return self.tokenizer.encode(self.apply_chat_template(messages),
+                                     add_special_tokens=False)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
+                            add_generation_prompt: bool = True) -> str:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("messages: this model has no chat template")
+        if not messages:
+            raise ValueError("messages must not be empty")
+        return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (and its n samples); it finishes with finish_reason "abort"."""
+        self._inbox.put(("abort", request_id))
+
+    def flush_cache(self) -> None:
+        """Drop every cached prefix (e.g. after changing weights). Refused with a ValueError
+        while requests are running."""
+        self._call(EngineCore.flush_cache)
+
+    def stats(self) -> dict[str, Any]:
+        return self.core.stats()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._inbox.put(_STOP)
+            self._thread.join(timeout=30)
+            self.core.shutdown()
+            if self._tp is not None:
+                self._tp.shutdown()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _build_core(self) -> None:
+        tp = self._tp
+        loaded = load_model(self.config.model, self.config.load_format, self.dtype,
+                            self.device, max_positions=self.config.max_model_len,
+                            seed=self.config.seed, quantization=self.config.quantization,
+                            tp=None if tp is None else tp.info)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        # A draft model is not sharded: it runs on rank 0 only, on the host's side of the
+        # broadcasts (its steps involve no other rank).
+        draft = self._load_draft(loaded) if self.config.speculative == "draft" else None
+        if tp is not None:
+            # The core sizes and holds this rank's KV heads, and runs the model through the
+            # stand-in that sends each call to the other ranks first.
+            kv_heads = tp.info.kv_heads(loaded.config.num_kv_heads)[1]
+            loaded = dataclasses.replace(
+                loaded, model=ShardedModel(loaded.model, tp),
+                config=dataclasses.replace(loaded.config, num_kv_heads=kv_heads))
+        self.core = EngineCore(self.config, loaded, self.device, self.dtype, draft)
+
+    # -- building requests (caller's thread) --------------------------------------------------
+
+    def _load_draft(self, target: LoadedModel) -> LoadedModel:
+        name = self.config.draft_model
+        preset = self.config.load_format == "dummy" and name in ARCHITECTURE_PRESETS
+        draft = load_model(name, "dummy" if preset else "auto", self.dtype, self.device,
+                           max_positions=target.config.max_position_embeddings,
+                           seed=self.config.seed + 1)
+        if (draft.tokenizer is not None and target.tokenizer is not None
+                and draft.tokenizer.get_vocab() != target.tokenizer.get_vocab()):
+            raise ValueError(f"draft_model {name!r} does not share the target's tokenizer")
+        return draft
+
+    def _normalize_prompts(self, prompt: Any, input_ids: Any) -> tuple[bool, list[list[int]]]:
+        return self._factory.prompts(prompt, input_ids)
+
+    def _check_ids(self, ids: Any) -> list[int]:
+        return self._factory.check_ids(ids)
+
+    def _make_requests(self, prompts: list[list[int]], sampling_params: Any,
+                       request_id: Any, cache_salt: Any, stream: bool) -> list[Request]:
+        requests = self._factory.requests(prompts, sampling_params, request_id, cache_salt,
+                                          stream, on_output=_ignore)
+        if any(r.params.constrained for r in requests):
+            self.core.grammar_backend()  # built here, not on the engine thread
+        return requests
+
+    def _eos_ids(self) -> set[int]:
+        ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def _run(self, requests: list[Request], show_progress: bool = False) -> list[Output]:
+        """Submit requests and wait for all of them; outputs in request order."""
+        results: queue.SimpleQueue[Output] = queue.SimpleQueue()
+        for request in requests:
+            request.on_output = results.put
+        outputs: dict[str, Output] = {}
+        self._submit(requests)
+        try:
+            with tqdm(total=len(requests), disable=not show_progress, desc="generate") as bar:
+                while len(outputs) < len(requests):
+                    out = results.get()
+                    outputs[out.request_id] = out
+                    bar.update(1)
+        except BaseException:  # e.g. KeyboardInterrupt: don't leave work behind
+            for request in requests:
+                self.abort(request.request_id)
+            raise
+        return [outputs[r.request_id] for r in requests]
+
+    def _call(self, fn: Callable[[EngineCore], Any]) -> Any:
+        """Run fn(core) on the engine thread (the core is not thread-safe); return its result
+        or raise its exception here."""
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        reply: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
+        self._inbox.put(("call", (fn, reply)))
+        ok, value = reply.get()
+        if not ok:
+            raise value
+        return value
+
+    # -- the engine thread --------------------------------------------------------------------
+
+    def _submit(self, requests: list[Request]) -> None:
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        self._inbox.put(("add", requests))
+
+    def _loop(self) -> None:
+        core = self.core
+        # Idle tensor-parallel workers wait in a collective that times out: wake up to send
+        # them a heartbeat well within the timeout.
+        beat = None if self._tp is None else self.config.tp_timeout / 4
+        while True:
+            # Block only when idle; otherwise take what arrived and keep stepping.
+            try:
+                message = self._inbox.get(block=not core.has_work, timeout=beat)
+            except queue.Empty:
+                message = None
+            if beat is not None:  # sends only when nothing was sent for `beat` seconds
+                self._tp.heartbeat(beat)
+            while message is not None:
+                if message is _STOP:
+                    return
+                self._handle(message)
+                try:
+                    message = self._inbox.get_nowait()
+                except queue.Empty:
+                    message = None
+            core.expire_leases()
+            if core.has_work:
+                try:
+                    core.step()
+                except Exception as exc:  # a bug in postprocessing: fail the work, not the loop
+                    log.exception("engine step failed")
+                    for rid in list(core.requests):
+                        core.abort(rid, error=f"internal error: {exc}")
+
+    def _handle(self, message: tuple[str, Any]) -> None:
+        kind, payload = message
+        if kind == "add":
+            for request in payload:
+                self.core.add_request(request)
+        elif kind == "call":
+            fn, reply = payload
+            try:
+                reply.put((True, fn(self.core)))
+            except Exception as exc:
+                reply.put((False, exc))
+        elif kind == "abort":
+            if not self.core.abort(payload):
+                prefix = f"{payload}#"
+                for rid in [r for r in self.core.requests if r.startswith(prefix)]:
+                    self.core.abort(rid)
+
+
+def _ignore(_: Output) -> None:
+    pass
+
+
+def _threadsafe_put(loop: asyncio.AbstractEventLoop,
+                    chunks: asyncio.Queue[Output]) -> Callable[[Output], None]:
+    def put(out: Output) -> None:
+        if not loop.is_closed():  # a consumer that went away needs no more chunks
+            loop.call_soon_threadsafe(chunks.put_nowait, out)
+    return put

@@ -1,0 +1,134 @@
+"""Turning what a caller passes (text or token ids, sampling parameters, request ids) into
+engine requests, validating at the boundary: every bad field raises a ValueError naming it
+before anything reaches the engine thread.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+from typing import Any, Callable
+
+import torch
+
+from radixlm.runtime.config.sampling_params import SamplingParams
+from radixlm.runtime.engine.detokenizer import IncrementalDetokenizer
+from radixlm.runtime.engine.tokenization import encode_prompt
+from radixlm.runtime.scheduling.request import Output, Request
+
+
+class RequestFactory:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int],
+                 max_model_len: int, device: torch.device, seed: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.device = device
+        # Requests without a seed get one from here: runs are reproducible from the engine
+        # seed and the order of submission, and torch's global RNG is left alone.
+        self._seeds = random.Random(seed)
+
+    def prompts(self, prompt: Any, input_ids: Any) -> tuple[bool, list[list[int]]]:
+        """(whether one prompt was passed, the prompts as token ids) from exactly one of
+        `prompt` (a string or a list of them) and `input_ids` (ids or a list of id lists)."""
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("pass exactly one of prompt and input_ids")
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            if not single and not isinstance(prompt, (list, tuple)):
+                raise ValueError(f"prompt must be a string or a list of strings, "
+                                 f"got {type(prompt).__name__}")
+            texts = [prompt] if single else list(prompt)
+            if not texts:
+                raise ValueError("prompt: the list of prompts is empty")
+            return single, [self.encode(t) for t in texts]
+        if not isinstance(input_ids, (list, tuple)):
+            raise ValueError(f"input_ids must be a list of ints or of lists of ints, "
+                             f"got {type(input_ids).__name__}")
+        single = bool(input_ids) and not isinstance(input_ids[0], (list, tuple))
+        lists = [input_ids] if single or not input_ids else list(input_ids)
+        return single, [self.check_ids(ids) for ids in lists]
+
+    def encode(self, text: Any) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError(f"prompt must be a string or a list of strings, "
+                             f"got {type(text).__name__}")
+        if not text:
+            raise ValueError("prompt must not be empty")
+        if self.tokenizer is None:
+            raise ValueError("prompt: this model has no tokenizer; pass input_ids")
+        return encode_prompt(self.tokenizer, text)
+
+    def check_ids(self, ids: Any) -> list[int]:
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"input_ids must be a list of ints, got {type(ids).__name__}")
+        if not ids:
+            raise ValueError("input_ids must not be empty")
+        vocab = self.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"input_ids must hold token ids in [0, {vocab}), got {t!r}")
+        return list(ids)
+
+    def requests(self, prompts: list[list[int]], sampling_params: Any, request_id: Any,
+                 cache_salt: Any, stream: bool,
+                 on_output: Callable[[Output], None]) -> list[Request]:
+        """One request per prompt and sample (`n`), ids "<id>#<index>" when n > 1."""
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        params = _params_per_prompt(sampling_params, len(prompts))
+        ids = _request_ids(request_id, len(prompts))
+        constrained = next((p for p in params if p.constrained), None)
+        if constrained is not None and self.tokenizer is None:
+            field = next(f for f in ("regex", "json_schema", "json_object")
+                         if getattr(constrained, f))
+            raise ValueError(f"{field}: structured output needs a tokenizer; this model "
+                             "has none")
+        requests = []
+        for prompt_ids, p, rid in zip(prompts, params, ids):
+            if len(prompt_ids) >= self.max_model_len:
+                raise ValueError(f"prompt is {len(prompt_ids)} tokens; the context holds "
+                                 f"{self.max_model_len} (max_model_len), prompt included")
+            for index in range(p.n):
+                requests.append(Request(
+                    request_id=rid if p.n == 1 else f"{rid}#{index}",
+                    prompt_ids=prompt_ids,
+                    params=p,
+                    eos_token_ids=self.eos_token_ids,
+                    detokenizer=self._detokenizer(prompt_ids, p),
+                    on_output=on_output,
+                    stream=stream,
+                    index=index,
+                    generator=self._generator(p, index),
+                    namespace=cache_salt,
+                ))
+        return requests
+
+    def _detokenizer(self, prompt_ids: list[int], p: SamplingParams) -> Any:
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, p.skip_special_tokens, p.stop)
+
+    def _generator(self, p: SamplingParams, index: int) -> torch.Generator | None:
+        if p.greedy:
+            return None
+        seed = p.seed + index if p.seed is not None else self._seeds.getrandbits(63)
+        return torch.Generator(self.device).manual_seed(seed)
+
+
+def _params_per_prompt(value: Any, count: int) -> list[SamplingParams]:
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ValueError(f"sampling_params: got {len(value)} for {count} prompts")
+        return [SamplingParams.coerce(v) for v in value]
+    return [SamplingParams.coerce(value)] * count
+
+
+def _request_ids(value: Any, count: int) -> list[str]:
+    if value is None:
+        return [uuid.uuid4().hex for _ in range(count)]
+    ids = [value] if isinstance(value, str) else list(value)
+    if len(ids) != count or not all(isinstance(i, str) and i for i in ids):
+        raise ValueError(f"request_id: need {count} non-empty strings")
+    return ids

@@ -1,0 +1,66 @@
+"""One step's grammar masks: a preallocated int32 bitmask, a row per constrained request.
+
+Rows are filled on the host from each matcher's cached per-state mask (a copy of vocab/32
+words), plus the request's own EOS ids when its grammar accepts here and EOS is not banned.
+The sampler unpacks the bits with tensor ops (`sampler.apply_token_bitmask`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from radixlm.runtime.scheduling.request import Request
+
+
+class BatchBitmask:
+    def __init__(self, max_rows: int, words: int, device: torch.device) -> None:
+        self.words = words
+        self.device = device
+        # Pinned host memory makes the copy to the GPU asynchronous.
+        self.host = torch.zeros(max_rows, words, dtype=torch.int32,
+                                pin_memory=device.type == "cuda")
+        self.bits = self.host.numpy().view(np.uint32)
+
+    def fill(self, requests: Sequence[Request]) -> tuple[torch.Tensor, dict[Request, str]]:
+        """Masks for these (constrained) requests, on the device, and the requests whose
+        grammar failed, with why. A failed row allows nothing; its request is aborted."""
+        failed: dict[Request, str] = {}
+        limit = self.words * 32
+        for row, request in zip(self.bits, requests):
+            try:
+                matcher = request.grammar
+                matcher.fill_mask(row)
+                if matcher.is_final and _eos_allowed(request):
+                    for eos in request.eos_token_ids:
+                        if 0 <= eos < limit:
+                            row[eos >> 5] |= np.uint32(1 << (eos & 31))
+                if not row.any():
+                    raise RuntimeError("the grammar allows no token here")
+            except Exception as exc:  # one request's grammar must not fail the batch
+                row[:] = 0
+                failed[request] = f"grammar error: {exc}"
+        masks = self.host[: len(requests)]
+        return masks.to(self.device, non_blocking=True), failed
+
+
+def state_masks(request: Request, states: Sequence[int]) -> np.ndarray:
+    """[len(states), words] uint32 masks of a request's grammar at states it has not
+    reached yet (speculative draft positions), EOS included where the grammar may end."""
+    grammar = request.grammar.grammar
+    rows = np.stack([grammar.mask(state) for state in states])
+    if _eos_allowed(request):
+        limit = grammar.mask_words * 32
+        for row, state in zip(rows, states):
+            if grammar.info(state).final:
+                for eos in request.eos_token_ids:
+                    if 0 <= eos < limit:
+                        row[eos >> 5] |= np.uint32(1 << (eos & 31))
+    return rows
+
+
+def _eos_allowed(request: Request) -> bool:
+    params = request.params
+    return not params.ignore_eos and request.num_output_tokens >= params.min_new_tokens

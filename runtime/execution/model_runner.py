@@ -1,0 +1,372 @@
+"""Turns a scheduled batch into tensors, runs the model and samples the next tokens.
+
+Logits are computed only for the rows that need them: the last token of each request whose
+tokens are all computed after this step (it gets a next token), and prompt positions whose
+logprobs were asked for. Rows of requests with a grammar are masked to the tokens it allows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from radixlm.kernels.host_copy import to_device
+from radixlm.runtime.attention.base import AttentionBackend, ForwardBatch
+from radixlm.runtime.attention.kv_cache import KVCache
+from radixlm.runtime.execution import sampler, speculative
+from radixlm.runtime.execution.grammar_masks import BatchBitmask, state_masks
+from radixlm.runtime.models.llama import LlamaForCausalLM
+from radixlm.runtime.scheduling.pages import ReqToTokenTable
+from radixlm.runtime.scheduling.request import Request, TokenLogprob
+from radixlm.runtime.scheduling.scheduler import ScheduledBatch
+
+
+@dataclass
+class StepResult:
+    # Requests that got a next token this step, with it and (if asked) its logprob.
+    sampled: list[Request] = field(default_factory=list)
+    next_tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    # Prompt logprobs computed this step: request -> [(prompt position, logprob)].
+    prompt_logprobs: dict[Request, list[tuple[int, TokenLogprob]]] = field(default_factory=dict)
+    # Requests whose grammar failed this step, with why; their sampled token is not used.
+    failed: dict[Request, str] = field(default_factory=dict)
+    # Speculating requests: the tokens verification emits (accepted drafts, then one more),
+    # and their logprobs for requests that asked.
+    verified: dict[Request, list[int]] = field(default_factory=dict)
+    verified_logprobs: dict[Request, list[TokenLogprob]] = field(default_factory=dict)
+
+
+class LaunchedStep:
+    """A step whose device work is queued. `tokens` (device) can feed a following step
+    before the host has seen them; `result()` waits for this step alone (not for steps queued
+    after it) and reads what it produced back to the host."""
+
+    def __init__(self, scheduled: ScheduledBatch, device: torch.device) -> None:
+        self.scheduled = scheduled
+        self.device = device
+        self.sampled: list[Request] = []
+        self.tokens: torch.Tensor | None = None  # [len(sampled)] on the device
+        self.failed: dict[Request, str] = {}
+        self.verified: dict[Request, list[int]] = {}
+        self.verified_logprobs: dict[Request, list[TokenLogprob]] = {}
+        self._logprobs: tuple | None = None  # (chosen, top values, top ids) for sampled rows
+        self._prompt: tuple | None = None  # (rows, targets, chosen, top values, top ids)
+        self._host_tokens: torch.Tensor | None = None
+        self._done: torch.cuda.Event | None = None
+
+    def send_home(self) -> None:
+        """Start copying the outputs to pinned host memory; remember when they have landed."""
+        if self.device.type != "cuda":
+            return
+
+        def home(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return host.copy_(t, non_blocking=True)
+        self._host_tokens = home(self.tokens)
+        if self._logprobs is not None:
+            self._logprobs = tuple(home(t) for t in self._logprobs)
+        if self._prompt is not None:
+            rows, *tensors = self._prompt
+            self._prompt = (rows, *(home(t) for t in tensors))
+        self._done = torch.cuda.Event()
+        self._done.record()
+
+    def result(self) -> StepResult:
+        if self._done is not None:
+            self._done.synchronize()
+            tokens = self._host_tokens
+        else:
+            tokens = self.tokens
+        result = StepResult(failed=self.failed, verified=self.verified,
+                            verified_logprobs=self.verified_logprobs)
+        if tokens is not None:
+            result.sampled = self.sampled
+            result.next_tokens = tokens.tolist()
+            result.logprobs = ([None] * len(self.sampled) if self._logprobs is None else
+                               _entries(self.sampled, tokens, *self._logprobs))
+        if self._prompt is not None:
+            rows, targets, chosen, top_vals, top_ids = self._prompt
+            requests = [r for r, _, _ in rows]
+            for (request, _, position), entry in zip(
+                    rows, _entries(requests, targets, chosen, top_vals, top_ids)):
+                result.prompt_logprobs.setdefault(request, []).append((position + 1, entry))
+        return result
+
+
+class StepInputs(NamedTuple):
+    """A step's inputs on the host: flat token rows, and per-sequence rows and lengths."""
+
+    input_ids: list[int]
+    positions: list[int]
+    rows: list[int]  # slot-table row of each sequence
+    q_lens: list[int]
+    kv_lens: list[int]
+    sample_rows: list[tuple[Request, int]]  # (request, flat token index)
+    prompt_rows: list[tuple[Request, int, int]]  # (request, flat index, position)
+    # Speculating requests: (request, flat index of its first token); its drafts follow.
+    verify_rows: list[tuple[Request, int]]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, attn: AttentionBackend, kv_cache: KVCache,
+                 table: ReqToTokenTable, device: torch.device) -> None:
+        self.model = model
+        self.attn = attn
+        self.kv_cache = kv_cache
+        self.table = table
+        self.device = device
+        self.vocab_size = model.config.vocab_size
+        self.grammar_masks: BatchBitmask | None = None  # allocated on first use
+        self.cuda_graphs = None  # a cuda_graph.DecodeGraphs, set by the engine on CUDA
+        self.draft = None  # a speculative.DraftModel, set by the engine: it mirrors each step
+
+    def execute(self, scheduled: ScheduledBatch) -> StepResult:
+        """Run one step and wait for its result."""
+        return self.launch(scheduled).result()
+
+    @torch.inference_mode()
+    def launch(self, scheduled: ScheduledBatch) -> LaunchedStep:
+        """Queue one step's forward and sampling on the device; nothing here waits for it."""
+        inputs = self._collect(scheduled)
+        sample_rows, prompt_rows = inputs.sample_rows, inputs.prompt_rows
+        pending = scheduled.pending_tokens
+        graphs = self.cuda_graphs
+        token_rows = (None if graphs is None or prompt_rows
+                      else _one_row_per_token(scheduled, inputs, graphs.max_bs))
+        batch = None
+        if token_rows is not None:
+            hidden = graphs.forward(*token_rows, pending)
+        else:
+            batch = self._device_batch(inputs, pending)
+            self.attn.plan(batch)
+            hidden = self.model(batch, self.attn)
+        if self.draft is not None:  # the draft's KV follows the target's, slot for slot
+            self.draft.extend(token_rows, lambda: batch or self._device_batch(inputs, pending),
+                              pending)
+        step = LaunchedStep(scheduled, self.device)
+        if sample_rows:
+            self._sample(hidden, sample_rows, step)
+        if inputs.verify_rows:
+            self._verify(hidden, inputs.verify_rows, step)
+        if prompt_rows:
+            self._prompt_logprobs(hidden, prompt_rows, step)
+        step.send_home()
+        return step
+
+    def _collect(self, scheduled: ScheduledBatch) -> StepInputs:
+        ids: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []
+        q_lens, kv_lens = [], []
+        sample_rows: list[tuple[Request, int]] = []  # (request, flat token index)
+        prompt_rows: list[tuple[Request, int, int]] = []  # (request, flat index, position)
+        verify_rows: list[tuple[Request, int]] = []
+        follows = scheduled.pending_tokens is not None
+        for request, count in zip(scheduled.requests, scheduled.num_new_tokens):
+            # A step that follows one still on the device computes the token that step is
+            # sampling: it is not in token_ids yet, and sits at position len(token_ids).
+            start = len(request.token_ids) if follows else request.num_computed_tokens
+            end = start + count
+            flat = len(ids)
+            drafts = request.draft_tokens
+            if follows:
+                ids.append(0)  # the device fills in the pending token
+            elif drafts:  # its one uncomputed token, then the drafts to verify
+                ids.extend(request.token_ids[start:])
+                ids.extend(drafts)
+                verify_rows.append((request, flat))
+            else:
+                ids.extend(request.token_ids[start:end])
+            positions.extend(range(start, end))
+            rows.append(request.table_row)
+            q_lens.append(count)
+            kv_lens.append(end)
+            if not drafts and (follows or end == len(request.token_ids)):
+                sample_rows.append((request, flat + count - 1))
+            first = request.prompt_logprob_start
+            if first is not None:
+                # Hidden state at position p scores prompt token p + 1.
+                for p in range(max(start, first - 1, 0), min(end, request.prompt_len - 1)):
+                    prompt_rows.append((request, flat + p - start, p))
+        return StepInputs(ids, positions, rows, q_lens, kv_lens, sample_rows, prompt_rows,
+                          verify_rows)
+
+    def _device_batch(self, inputs: StepInputs, pending: torch.Tensor | None) -> ForwardBatch:
+        device = self.device
+        # One copy for the three index lists; the views below slice it.
+        num, seqs = len(inputs.input_ids), len(inputs.rows)
+        packed = to_device(inputs.input_ids + inputs.positions + inputs.rows + inputs.q_lens,
+                           torch.int64, device)
+        input_ids, positions_t, rows_t, q_lens_t = packed.split([num, num, seqs, seqs])
+        # output_size: the length is known here, so repeat_interleave need not ask the GPU.
+        token_rows = torch.repeat_interleave(rows_t, q_lens_t, output_size=num)
+        return ForwardBatch(
+            input_ids=input_ids if pending is None else pending,
+            positions=positions_t,
+            q_lens=inputs.q_lens,
+            kv_lens=inputs.kv_lens,
+            out_slots=self.table.table[token_rows, positions_t],
+            slot_table=self.table.table[rows_t, : max(inputs.kv_lens)],
+            kv_cache=self.kv_cache,
+        )
+
+    def _sample(self, hidden: torch.Tensor, rows: list[tuple[Request, int]],
+                step: LaunchedStep) -> None:
+        requests = [r for r, _ in rows]
+        # Grammar masks are built on the host first: on a GPU the forward pass is still
+        # running, so this work hides behind it.
+        constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if constrained:
+            masks, step.failed = self._grammar_masks([requests[i] for i in constrained])
+        flat = [i for _, i in rows]
+        if flat != list(range(hidden.shape[0])):  # decode steps sample every row, in order
+            hidden = hidden[to_device(flat, torch.int64, self.device)]
+        raw = self.model.compute_logits(hidden)  # [B, V] float32
+        params = [r.params for r in requests]
+        sbatch = sampler.SamplingBatch.build(params, [r.generator for r in requests],
+                                             self.vocab_size, self.device)
+        logits = raw
+        if sbatch.needs_penalties:
+            logits = sampler.apply_penalties(logits, sbatch, [r.prompt_ids for r in requests],
+                                             [r.output_ids for r in requests])
+        banned_rows, banned_ids = _min_token_bans(requests,
+                                                  [r.num_output_tokens for r in requests])
+        if banned_rows:
+            logits = sampler.mask_tokens(logits, banned_rows, banned_ids)
+        if constrained:
+            logits = sampler.apply_token_bitmask(logits, constrained, masks)
+        tokens = sampler.sample(logits, sbatch)
+        if any(p.wants_logprobs for p in params):
+            top_n = max(p.top_logprobs_num for p in params)
+            step._logprobs = sampler.compute_logprobs(raw, tokens, top_n)
+        step.sampled = requests
+        step.tokens = tokens
+
+    def _verify(self, hidden: torch.Tensor, rows: list[tuple[Request, int]],
+                step: LaunchedStep) -> None:
+        """Score every draft position of the speculating requests in one go and keep what
+        the lossless rule accepts (see speculative.verify)."""
+        requests = [r for r, _ in rows]
+        counts = [len(r.draft_tokens) for r in requests]
+        k = max(counts)
+        # Row b, position j reads flat row first_b + j; rows with fewer drafts repeat their
+        # last position (it is never compared, only padding).
+        index = [first + min(j, n) for (_, first), n in zip(rows, counts) for j in range(k + 1)]
+        raw = self.model.compute_logits(hidden[to_device(index, torch.int64, self.device)])
+        # Position j is processed as plain decoding would process it after the first j
+        # drafts: they count as output for penalties and for the min_new_tokens ban.
+        per_row = [r for r in requests for _ in range(k + 1)]
+        drafted = [min(j, n) for n in counts for j in range(k + 1)]
+        logits = raw
+        if any(r.params.has_penalties for r in requests):
+            penalties = sampler.SamplingBatch.build([r.params for r in per_row],
+                                                    [None] * len(per_row), self.vocab_size,
+                                                    self.device)
+            logits = sampler.apply_penalties(
+                logits, penalties, [r.prompt_ids for r in per_row],
+                [r.output_ids + r.draft_tokens[:d] for r, d in zip(per_row, drafted)])
+        banned_rows, banned_ids = _min_token_bans(
+            per_row, [r.num_output_tokens + d for r, d in zip(per_row, drafted)])
+        if banned_rows:
+            logits = sampler.mask_tokens(logits, banned_rows, banned_ids)
+        constrained = [b for b, r in enumerate(requests) if r.grammar is not None]
+        if constrained:  # each position under the grammar state the drafts before it reach
+            masks = np.concatenate([
+                state_masks(requests[b], [requests[b].draft_states[min(j, counts[b])]
+                                          for j in range(k + 1)]) for b in constrained])
+            flat_rows = [b * (k + 1) + j for b in constrained for j in range(k + 1)]
+            logits = sampler.apply_token_bitmask(
+                logits, flat_rows, to_device(torch.from_numpy(masks.view(np.int32)), torch.int32,
+                                             self.device))
+        logits = logits.view(len(rows), k + 1, self.vocab_size)
+        drafts = to_device([r.draft_tokens + [0] * (k - n) for r, n in zip(requests, counts)],
+                           torch.int64, self.device)
+        sbatch = sampler.SamplingBatch.build([r.params for r in requests],
+                                             [r.generator for r in requests],
+                                             self.vocab_size, self.device)
+        if sbatch.all_greedy:
+            verified = speculative.verify_greedy(drafts, logits, counts)
+        else:
+            draft_probs = None
+            if requests[0].draft_probs is not None:  # a draft model that sampled
+                draft_probs = torch.stack([r.draft_probs[:k] for r in requests])
+            verified = speculative.verify_sampling(
+                drafts, draft_probs, speculative.sampling_probs(logits, sbatch), counts,
+                sbatch.generators)
+        emitted = verified.emitted()
+        step.verified = dict(zip(requests, emitted))
+        if any(r.params.wants_logprobs for r in requests):  # of the model's own distribution
+            tokens = verified.output_tokens.clamp_min(0).reshape(-1)
+            top_n = max(r.params.top_logprobs_num for r in requests)
+            entries = _entries(per_row, tokens, *sampler.compute_logprobs(raw, tokens, top_n))
+            step.verified_logprobs = {
+                r: entries[b * (k + 1): b * (k + 1) + len(emitted[b])]
+                for b, r in enumerate(requests) if r.params.wants_logprobs}
+
+    def _grammar_masks(self, requests: list[Request]):
+        if self.grammar_masks is None:
+            words = requests[0].grammar.grammar.mask_words
+            self.grammar_masks = BatchBitmask(self.table.table.shape[0], words, self.device)
+        return self.grammar_masks.fill(requests)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, rows: list[tuple[Request, int, int]],
+                         step: LaunchedStep) -> None:
+        index = to_device([i for _, i, _ in rows], torch.int64, self.device)
+        targets = to_device([r.token_ids[p + 1] for r, _, p in rows], torch.int64, self.device)
+        raw = self.model.compute_logits(hidden[index])
+        top_n = max(r.params.top_logprobs_num for r, _, _ in rows)
+        step._prompt = (rows, targets, *sampler.compute_logprobs(raw, targets, top_n))
+
+
+def _min_token_bans(requests: list[Request], num_outputs: list[int]
+                    ) -> tuple[list[int], list[tuple[int, ...]]]:
+    """Rows whose request has fewer than min_new_tokens outputs (counting `num_outputs`),
+    and the ids each must not produce yet: EOS (unless ignored) and its stop ids."""
+    rows, ids = [], []
+    for i, (request, count) in enumerate(zip(requests, num_outputs)):
+        params = request.params
+        if count < params.min_new_tokens:
+            rows.append(i)
+            ids.append((() if params.ignore_eos else tuple(request.eos_token_ids))
+                       + params.stop_token_ids)
+    return rows, ids
+
+
+def _one_row_per_token(scheduled: ScheduledBatch, inputs: StepInputs, limit: int):
+    """A step of decode tokens and speculative verifications as one decode row per token,
+    the form CUDA graphs replay: (requests, input ids, positions, slot-table rows, kv lens),
+    or None when a prefill chunk is in it or it has more than `limit` tokens.
+
+    Draft position j of a sequence becomes a row of its own whose context ends at that
+    position. Each layer stores the K/V of every new token before attention reads any, so
+    these rows attend exactly as the causal verify step would."""
+    if len(inputs.input_ids) > limit:
+        return None
+    requests, rows, kv_lens = [], [], []
+    for request, row, q_len, kv_len in zip(scheduled.requests, inputs.rows, inputs.q_lens,
+                                           inputs.kv_lens):
+        if q_len > 1 and not request.draft_tokens:
+            return None
+        requests.extend([request] * q_len)
+        rows.extend([row] * q_len)
+        kv_lens.extend(range(kv_len - q_len + 1, kv_len + 1))
+    return requests, inputs.input_ids, inputs.positions, rows, kv_lens
+
+
+def _entries(requests: list[Request], tokens: torch.Tensor, chosen: torch.Tensor,
+             top_vals: torch.Tensor | None, top_ids: torch.Tensor | None) -> list[TokenLogprob]:
+    tokens_l, chosen_l = tokens.tolist(), chosen.tolist()
+    vals_l = top_vals.tolist() if top_vals is not None else None
+    ids_l = top_ids.tolist() if top_ids is not None else None
+    out = []
+    for i, request in enumerate(requests):
+        k = request.params.top_logprobs_num
+        top = list(zip(ids_l[i][:k], vals_l[i][:k])) if k and ids_l is not None else None
+        out.append(TokenLogprob(tokens_l[i], chosen_l[i], top))
+    return out

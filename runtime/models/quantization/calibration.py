@@ -1,0 +1,126 @@
+"""Calibration text, and running a model's decoder layers one at a time over whole sequences.
+
+The default text is Python's own documentation (`pydoc_data.topics`, shipped with CPython, so
+it needs no download): the topics sorted by name, even positions for calibration and odd ones
+held out for measuring perplexity, so a quantizer never sees the text it is scored on.
+
+Quantizers work layer by layer (GPTQ's "sequential" order): the calibration hidden states
+enter layer i, the layer's linear inputs are recorded through forward pre-hooks, the layer is
+quantized, and its quantized output becomes layer i + 1's input. Forward passes reuse the
+model's own layers and the torch attention backend over a small paged KV cache.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from radixlm.runtime.attention.base import ForwardBatch
+from radixlm.runtime.attention.kv_cache import KVCache
+from radixlm.runtime.attention.torch_native import TorchNativeAttention
+
+
+def pydoc_texts(split: str) -> list[str]:
+    """The `pydoc_data` topics of one split: "calibration" (even) or "heldout" (odd)."""
+    from pydoc_data.topics import topics
+
+    names = sorted(topics)
+    if split not in ("calibration", "heldout"):
+        raise ValueError(f"split must be 'calibration' or 'heldout', got {split!r}")
+    return [topics[name] for name in names[split == "heldout"::2]]
+
+
+def calibration_text(source: str) -> str:
+    """`pydoc` (the calibration half of the pydoc topics) or a path to a UTF-8 text file."""
+    if source == "pydoc":
+        return "\n\n".join(pydoc_texts("calibration"))
+    path = Path(source).expanduser()
+    if not path.is_file():
+        raise ValueError(f"calibration text {source!r}: expected 'pydoc' or a text file")
+    return path.read_text(encoding="utf-8")
+
+
+def token_windows(tokenizer: Any, text: str, seq_len: int, count: int) -> torch.Tensor:
+    """The first `count` consecutive windows of `seq_len` tokens of text: [count, seq_len]."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < count * seq_len:
+        raise ValueError(f"the text has {len(ids)} tokens; {count} windows of {seq_len} need "
+                         f"{count * seq_len}")
+    return torch.tensor(ids[:count * seq_len]).view(count, seq_len)
+
+
+def prefill_batch(ids: torch.Tensor, cache: KVCache) -> ForwardBatch:
+    """Sequences ids [S, L] as one prefill step from position 0, in slots 0 .. S * L - 1."""
+    num_seqs, seq_len = ids.shape
+    device = cache.k.device
+    slots = torch.arange(num_seqs * seq_len, device=device)
+    return ForwardBatch(
+        input_ids=ids.reshape(-1).to(device),
+        positions=torch.arange(seq_len, device=device).repeat(num_seqs),
+        q_lens=[seq_len] * num_seqs, kv_lens=[seq_len] * num_seqs, out_slots=slots,
+        slot_table=slots.view(num_seqs, seq_len), kv_cache=cache)
+
+
+def make_cache(model: nn.Module, num_tokens: int, dtype: torch.dtype) -> KVCache:
+    cfg = model.config
+    device = model.model.embed_tokens.weight.device
+    return KVCache(cfg.num_layers, num_tokens, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+
+
+@torch.inference_mode()
+def sequence_logprobs(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Log-probability of each next token of one sequence ids [L]: [L - 1] float32."""
+    dtype = model.model.embed_tokens.weight.dtype
+    cache = make_cache(model, ids.numel(), dtype)
+    batch = prefill_batch(ids.view(1, -1), cache)
+    attn = TorchNativeAttention(model.config.head_dim ** -0.5)
+    attn.plan(batch)
+    logits = model.compute_logits(model(batch, attn)[:-1])
+    targets = batch.input_ids[1:]
+    return torch.log_softmax(logits, -1).gather(1, targets[:, None]).squeeze(1)
+
+
+class LayerwiseRunner:
+    """Hidden states of calibration sequences, advanced through the decoder one layer at a
+    time. Sequences go `micro_batch` at a time, so activations and the KV cache stay small."""
+
+    def __init__(self, model: nn.Module, ids: torch.Tensor, micro_batch: int = 4) -> None:
+        self.model = model
+        self.dtype = model.model.embed_tokens.weight.dtype
+        self.chunks = list(ids.split(micro_batch))
+        self.cache = make_cache(model, micro_batch * ids.shape[1], self.dtype)
+        self.attn = TorchNativeAttention(model.config.head_dim ** -0.5)
+        self.batches = [prefill_batch(chunk, self.cache) for chunk in self.chunks]
+        with torch.inference_mode():
+            self.hidden = [model.model.embed_tokens(b.input_ids) for b in self.batches]
+            self.rope = [model.rotary.cos_sin(b.positions, self.dtype) for b in self.batches]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(h.shape[0] for h in self.hidden)
+
+    @torch.inference_mode()
+    def run(self, layer: nn.Module, advance: bool) -> None:
+        """Run one decoder layer over every chunk (forward hooks see its linears' inputs);
+        with advance, its outputs become the hidden states."""
+        outputs = []
+        for hidden, rope, batch in zip(self.hidden, self.rope, self.batches):
+            self.attn.plan(batch)
+            outputs.append(layer(hidden, rope, batch, self.attn))
+        if advance:
+            self.hidden = outputs
+
+
+def record_inputs(modules: dict[str, nn.Module],
+                  observe: Callable[[str, torch.Tensor], None]) -> list[Any]:
+    """Call observe(name, x [T, in]) with every input of each module; returns the hook handles
+    (remove them when done)."""
+    def hook_for(name: str):
+        def hook(_module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            observe(name, args[0].reshape(-1, args[0].shape[-1]))
+        return hook
+
+    return [module.register_forward_pre_hook(hook_for(name)) for name, module in modules.items()]

@@ -1,0 +1,151 @@
+"""Which quantization a model runs with: detected from `config.json`, or asked for by the user.
+
+A checkpoint declares its format in `quantization_config` (written by AutoAWQ, AutoGPTQ /
+GPTQModel, llm-compressor's FP8 export, or our `radixlm quantize`). The user may also force a
+method with `quantization=...`. Two rules:
+
+- a forced method must agree with what the checkpoint declares (or the checkpoint declares
+  nothing and the method can quantize float weights after loading: fp8, int8);
+- anything we cannot run exactly as its writer meant (a kernel-specific layout, block-wise
+  FP8 scales, per-module overrides) fails here, naming the field, instead of loading into a
+  model that silently computes something else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+QUANTIZATION_METHODS = ("fp8", "int8", "awq", "gptq")
+# Methods that can quantize a float checkpoint on load, and those that need packed tensors.
+ONLINE_METHODS = ("fp8", "int8")
+# The linears we quantize, by their checkpoint names (lm_head and embeddings stay float).
+QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                     "down_proj")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    method: str  # one of QUANTIZATION_METHODS
+    bits: int = 8
+    # Input channels sharing one scale (and zero point); -1: one group spans the whole input.
+    group_size: int = -1
+    zero_point: bool = True  # asymmetric grid (a zero point per group); False: symmetric
+    desc_act: bool = False  # gptq: columns quantized in activation order (g_idx permutes)
+    # True: the checkpoint holds quantized tensors; False: float weights quantized on load.
+    prequantized: bool = False
+    # gptq "gptq" (v1) stores each zero point minus one; "gptq_v2" stores it as is.
+    checkpoint_format: str = "gptq"
+
+    def __post_init__(self) -> None:
+        if self.method not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; "
+                             f"got {self.method!r}")
+
+    def group_for(self, in_features: int) -> int:
+        """The group size for a linear with this many input channels."""
+        return in_features if self.group_size in (-1, 0) else self.group_size
+
+    def linear_method(self, in_features: int, output_sizes: list[int], params_dtype: Any):
+        """A fresh linear method (one per layer) that makes and runs this layer's weights."""
+        from radixlm.runtime.models.quantization.awq import AWQLinearMethod
+        from radixlm.runtime.models.quantization.fp8 import Fp8LinearMethod
+        from radixlm.runtime.models.quantization.gptq import GPTQLinearMethod
+        from radixlm.runtime.models.quantization.int8 import Int8LinearMethod
+
+        cls = {"fp8": Fp8LinearMethod, "int8": Int8LinearMethod, "awq": AWQLinearMethod,
+               "gptq": GPTQLinearMethod}[self.method]
+        return cls(self, in_features, output_sizes, params_dtype)
+
+
+def resolve_quant_config(forced: str | None, hf_config: dict[str, Any],
+                         dummy: bool = False) -> QuantConfig | None:
+    """The quantization to load a model with, from the user's `quantization` option and the
+    model's config.json. `dummy`: random weights (load_format="dummy"), so awq/gptq may be
+    asked for without a checkpoint: their packed tensors are random RTN-quantized weights."""
+    if forced is not None and forced not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; "
+                         f"got {forced!r}")
+    declared = hf_config.get("quantization_config")
+    if declared is None:
+        if forced is None:
+            return None
+        if forced in ONLINE_METHODS:
+            return QuantConfig(forced, bits=8)
+        if dummy:
+            return QuantConfig(forced, bits=4, group_size=128, zero_point=forced == "awq",
+                               prequantized=True)
+        raise ValueError(
+            f"quantization={forced!r} needs a {forced.upper()} checkpoint (config.json with "
+            f"quantization_config.quant_method = {forced!r}); this model has no "
+            f"quantization_config. Quantize it first: radixlm quantize --method {forced} ...")
+    if not isinstance(declared, dict):
+        raise ValueError("config.json quantization_config must be an object")
+    method = str(declared.get("quant_method", "")).lower()
+    if forced is not None and forced != method:
+        raise ValueError(f"quantization={forced!r} conflicts with the checkpoint: config.json "
+                         f"quantization_config.quant_method is {method!r}")
+    parse = {"awq": _parse_awq, "gptq": _parse_gptq, "fp8": _parse_fp8}.get(method)
+    if parse is None:
+        raise ValueError(f"unsupported config.json quantization_config.quant_method {method!r}; "
+                         f"supported: awq, gptq, fp8")
+    return parse(declared)
+
+
+def _parse_awq(qc: dict[str, Any]) -> QuantConfig:
+    bits = int(qc.get("bits", qc.get("w_bit", 4)))
+    group = int(qc.get("group_size", qc.get("q_group_size", 128)))
+    version = str(qc.get("version", "gemm")).lower()
+    if bits != 4:
+        raise ValueError(f"quantization_config.bits = {bits}: AWQ checkpoints are 4-bit")
+    if version != "gemm":
+        raise ValueError(f"quantization_config.version = {version!r}: only the AWQ GEMM layout "
+                         "is supported (gemv, marlin and exllama layouts pack differently)")
+    if not qc.get("zero_point", True):
+        raise ValueError("quantization_config.zero_point = false: AWQ GEMM checkpoints "
+                         "without zero points are not supported")
+    _check_not_converted(qc.get("modules_to_not_convert"), "modules_to_not_convert")
+    return QuantConfig("awq", bits=4, group_size=group, zero_point=True, prequantized=True)
+
+
+def _parse_gptq(qc: dict[str, Any]) -> QuantConfig:
+    bits = int(qc.get("bits", 4))
+    if bits not in (4, 8):
+        raise ValueError(f"quantization_config.bits = {bits}: GPTQ 4- and 8-bit are supported")
+    fmt = str(qc.get("checkpoint_format", qc.get("format", "gptq"))).lower()
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ValueError(f"quantization_config.checkpoint_format = {fmt!r}: only 'gptq' and "
+                         "'gptq_v2' are supported (marlin, bitblas... pack differently)")
+    if qc.get("dynamic"):
+        raise ValueError("quantization_config.dynamic: per-module GPTQ overrides are not "
+                         "supported")
+    if qc.get("lm_head"):
+        raise ValueError("quantization_config.lm_head = true: a quantized lm_head is not "
+                         "supported (we keep it in float)")
+    _check_not_converted(qc.get("modules_to_not_convert"), "modules_to_not_convert")
+    return QuantConfig("gptq", bits=bits, group_size=int(qc.get("group_size", 128)),
+                       zero_point=not qc.get("sym", True), desc_act=bool(qc.get("desc_act")),
+                       prequantized=True, checkpoint_format=fmt)
+
+
+def _parse_fp8(qc: dict[str, Any]) -> QuantConfig:
+    if qc.get("weight_block_size"):
+        raise ValueError(f"quantization_config.weight_block_size = {qc['weight_block_size']}: "
+                         "block-wise FP8 checkpoints are not supported (per-tensor and "
+                         "per-channel weight_scale are)")
+    scheme = qc.get("activation_scheme", "dynamic")
+    if scheme not in ("dynamic", "static"):
+        raise ValueError(f"quantization_config.activation_scheme = {scheme!r}: expected "
+                         "'dynamic' or 'static'")
+    _check_not_converted(qc.get("ignored_layers"), "ignored_layers")
+    return QuantConfig("fp8", bits=8, prequantized=True)
+
+
+def _check_not_converted(modules: Any, field: str) -> None:
+    """Checkpoints may keep some modules in float. We run every decoder linear quantized, so
+    only lists that name none of them (e.g. ["lm_head"]) can be honoured."""
+    decoder_parts = ("layers", "self_attn", "mlp", *QUANTIZED_LINEARS)
+    for name in modules or ():
+        if any(part in str(name) for part in decoder_parts):
+            raise ValueError(f"quantization_config.{field} lists {name!r}: checkpoints that "
+                             "keep some decoder linears in float are not supported")

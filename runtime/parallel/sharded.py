@@ -1,0 +1,284 @@
+"""Tensor parallelism across processes: rank 0 drives, ranks 1..N-1 follow.
+
+Rank 0 is the engine's own process: it schedules, owns the radix cache and page allocator,
+samples, and computes its shard of every forward. Before each forward it broadcasts the step
+(`StepChannel`): the flat token ids, positions, lengths, and the KV slots the step writes and
+reads, all already resolved from rank 0's slot table, so the other ranks keep no table of their
+own; they only hold their shard of the weights and of the KV pool (the same number of slots).
+Before each logits computation it broadcasts the hidden rows to score: the vocab-parallel
+output head gathers every rank's logits, and only rank 0 samples from them.
+
+Startup: rank 0 launches `python -m radixlm.runtime.parallel.worker` per rank with the env://
+variables, joins the process group, and broadcasts the engine config; every rank loads its own
+shard. Failure: collectives time out after `tp_timeout` seconds, and rank 0 checks that its
+workers are alive before each broadcast, so a dead rank fails the running requests with an
+error instead of hanging. Once a rank is lost the group is broken and every later step fails
+at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import subprocess
+import sys
+import time
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from radixlm.runtime.attention.base import ForwardBatch
+from radixlm.runtime.attention.kv_cache import KVCache
+from radixlm.runtime.config.engine_config import EngineConfig
+from radixlm.runtime.models.loader import ARCHITECTURE_PRESETS, resolve_model
+from radixlm.runtime.parallel.groups import (
+    TPInfo,
+    backend_for,
+    destroy_group,
+    init_group,
+    rendezvous_env,
+)
+
+log = logging.getLogger(__name__)
+
+FORWARD, LOGITS, HEARTBEAT, STOP, GRAPH = 1, 2, 3, 4, 5
+HEADER = 4  # int64 words: (command, a, b, c)
+# Workers launched here (not by hand for a multi-node run) watch this process id and exit
+# when it goes away, so a killed engine leaves no orphans.
+PARENT_ENV = "RADIXLM_TP_PARENT_PID"
+
+
+class StepChannel:
+    """The broadcasts that carry each step from rank 0 to the other ranks.
+
+    Two kinds: what the other ranks' hosts need (the command header and the step's
+    lengths) goes host to host through the gloo group, so a rank queues its GPU work as
+    soon as rank 0 has decided the step, without first waiting for its own GPU to receive
+    anything; what rank 0 already has on its device (token ids, positions, KV slots, hidden
+    rows) goes device to device (NCCL on CUDA), ordered on the GPUs' streams."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, host_group: Any) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.host_group = host_group
+
+    def _send_host(self, values: list[int]) -> None:
+        dist.broadcast(torch.tensor(values, dtype=torch.int64), src=0, group=self.host_group)
+
+    def _recv_host(self, count: int) -> list[int]:
+        values = torch.empty(count, dtype=torch.int64)
+        dist.broadcast(values, src=0, group=self.host_group)
+        return values.tolist()
+
+    def send_header(self, command: int, a: int = 0, b: int = 0, c: int = 0) -> None:
+        self._send_host([command, a, b, c])
+
+    def recv_header(self) -> list[int]:
+        return self._recv_host(HEADER)
+
+    def send_forward(self, batch: ForwardBatch) -> None:
+        num, seqs = batch.num_tokens, len(batch.q_lens)
+        cols = batch.slot_table.shape[1]
+        self.send_header(FORWARD, num, seqs, cols)
+        self._send_host(batch.q_lens + batch.kv_lens)
+        packed = torch.cat([batch.input_ids.to(torch.int64), batch.positions, batch.out_slots,
+                            batch.slot_table.reshape(-1)])
+        dist.broadcast(packed, src=0)
+
+    def recv_forward(self, header: list[int], kv_cache: KVCache) -> ForwardBatch:
+        _, num, seqs, cols = header
+        lens = self._recv_host(2 * seqs)
+        packed = torch.empty(3 * num + seqs * cols, dtype=torch.int64, device=self.device)
+        dist.broadcast(packed, src=0)
+        ids, positions, out_slots, table = packed.split([num, num, num, seqs * cols])
+        return ForwardBatch(input_ids=ids, positions=positions, q_lens=lens[:seqs],
+                            kv_lens=lens[seqs:], out_slots=out_slots,
+                            slot_table=table.view(seqs, cols), kv_cache=kv_cache)
+
+    def send_graph_step(self, inputs: torch.Tensor, table_rows: torch.Tensor,
+                        kv_lens: list[int]) -> None:
+        """A decode step the ranks replay as a CUDA graph: the graph's staged inputs
+        [rows, bs] and the step's slot-table rows [num, width], already on the device, and
+        the padded context lengths [bs] (a backend may plan from them on the host)."""
+        rows, bs = inputs.shape
+        num, width = table_rows.shape
+        self.send_header(GRAPH, bs, num, width)
+        self._send_host(kv_lens)
+        dist.broadcast(torch.cat([inputs.reshape(-1), table_rows.reshape(-1)]), src=0)
+
+    def recv_graph_step(self, header: list[int], rows: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        _, bs, num, width = header
+        kv_lens = self._recv_host(bs)
+        packed = torch.empty(rows * bs + num * width, dtype=torch.int64, device=self.device)
+        dist.broadcast(packed, src=0)
+        inputs, table_rows = packed.split([rows * bs, num * width])
+        return inputs.view(rows, bs), table_rows.view(num, width), kv_lens
+
+    def send_hidden(self, hidden: torch.Tensor) -> None:
+        self.send_header(LOGITS, hidden.shape[0], hidden.shape[1])
+        dist.broadcast(hidden.contiguous(), src=0)
+
+    def recv_hidden(self, header: list[int]) -> torch.Tensor:
+        hidden = torch.empty(header[1], header[2], dtype=self.dtype, device=self.device)
+        dist.broadcast(hidden, src=0)
+        return hidden
+
+
+class TensorParallelGroup:
+    """Rank 0's handle on the group: the worker processes and the step channel."""
+
+    def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
+        self.config = config
+        self.size = config.tp_size
+        self.error: str | None = None  # set once a rank is lost; the group is then broken
+        self._last_message = time.monotonic()
+        backend = backend_for(device)
+        env = rendezvous_env(self.size)
+        # The workers learn the rest of the config from rank 0 once they have joined.
+        env.update(RADIXLM_TP_BACKEND=backend, RADIXLM_TP_TIMEOUT=str(config.tp_timeout))
+        self.workers: dict[int, subprocess.Popen] = {}
+        if os.environ.get("RADIXLM_TP_EXTERNAL_WORKERS") != "1":
+            self.workers = {rank: _launch_worker(rank, env) for rank in range(1, self.size)}
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)  # NCCL's objects go to the current device
+        try:
+            self.info: TPInfo = init_group(0, self.size, backend, config.tp_timeout, env)
+            self.channel = StepChannel(device, dtype, self.info.host_group)
+            dist.broadcast_object_list([_resolved(config)], src=0)
+        except BaseException:
+            self._kill_workers()
+            destroy_group()
+            raise
+
+    def start(self, num_slots: int, graph_args: dict | None, all_reduce: str,
+              all_reduce_numel: int) -> None:
+        """Tell the workers how many KV slots to allocate (rank 0 sized the pool), which
+        all-reduce to set up for activations of up to all_reduce_numel elements, and how to
+        capture decode graphs (None: no graphs). Then every rank sets up its all-reduce, and
+        the workers capture alongside rank 0 and wait for steps."""
+        message = {"num_slots": num_slots, "graph_args": graph_args, "all_reduce": all_reduce,
+                   "all_reduce_numel": all_reduce_numel}
+        self._broadcast(lambda: dist.broadcast_object_list([message], src=0))
+
+    def forward(self, batch: ForwardBatch) -> None:
+        self._broadcast(lambda: self.channel.send_forward(batch))
+
+    def graph_step(self, inputs: torch.Tensor, table_rows: torch.Tensor,
+                   kv_lens: list[int]) -> None:
+        self._broadcast(lambda: self.channel.send_graph_step(inputs, table_rows, kv_lens))
+
+    def hidden_for_logits(self, hidden: torch.Tensor) -> None:
+        self._broadcast(lambda: self.channel.send_hidden(hidden))
+
+    def heartbeat(self, interval: float) -> None:
+        """Keep idle workers' pending receive from timing out."""
+        if self.error is None and time.monotonic() - self._last_message >= interval:
+            try:
+                self._broadcast(lambda: self.channel.send_header(HEARTBEAT))
+            except RuntimeError as exc:
+                log.error("tensor parallelism: %s", exc)
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop every rank. `graceful=False` (startup failed, the ranks may be anywhere in
+        their startup): kill the workers rather than tell them. Stragglers are killed."""
+        stopped = False
+        if graceful and self.error is None:
+            try:
+                self._broadcast(lambda: self.channel.send_header(STOP))
+                stopped = True
+            except RuntimeError:
+                pass
+        # Told to stop, workers exit on their own; a broken group's may be stuck in a
+        # collective until its timeout: kill those at once.
+        deadline = time.monotonic() + 10
+        for proc in self.workers.values() if stopped else ():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        self._kill_workers()
+        destroy_group()
+
+    def run(self, call: Any) -> Any:
+        """Rank 0's part of a call the other ranks run too. If it fails, the ranks are out of
+        step (or one is lost): the group is broken from then on."""
+        try:
+            return call()
+        except Exception as exc:
+            self._fail(exc)
+
+    def _fail(self, exc: Exception) -> NoReturn:
+        # A peer's dropped connection can be seen before its exit is: give a dying rank a
+        # moment, to name it in the error.
+        deadline = time.monotonic() + 1.0
+        while True:
+            try:
+                self._check_alive()
+            except RuntimeError as lost:
+                raise RuntimeError(f"{lost}; the step failed: {exc}") from exc
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        self.error = f"tensor-parallel step failed: {exc}"
+        raise RuntimeError(self.error) from exc
+
+    def _broadcast(self, send: Any) -> None:
+        self._check_alive()
+        try:
+            send()
+        except Exception as exc:
+            self._fail(exc)
+        self._last_message = time.monotonic()
+
+    def _check_alive(self) -> None:
+        if self.error is None:
+            for rank, proc in self.workers.items():
+                code = proc.poll()
+                if code is not None:
+                    self.error = f"tensor-parallel rank {rank} exited (code {code})"
+                    break
+        if self.error is not None:
+            raise RuntimeError(self.error)
+
+    def _kill_workers(self) -> None:
+        for proc in self.workers.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+class ShardedModel:
+    """Rank 0's stand-in for its model shard: each forward and logits call is first sent to
+    the other ranks, which run the same call on their shards (the collectives inside the
+    layers then pair up)."""
+
+    def __init__(self, model: Any, group: TensorParallelGroup) -> None:
+        self.model = model
+        self.group = group
+        self.config = model.config
+
+    def __call__(self, batch: ForwardBatch, attn: Any) -> torch.Tensor:
+        self.group.forward(batch)
+        return self.group.run(lambda: self.model(batch, attn))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.group.hidden_for_logits(hidden)
+        return self.group.run(lambda: self.model.compute_logits(hidden))
+
+
+def _resolved(config: EngineConfig) -> EngineConfig:
+    """The config with the model as a folder, so workers never race to convert or download
+    the same model."""
+    if config.load_format == "dummy" and config.model in ARCHITECTURE_PRESETS:
+        return config
+    return dataclasses.replace(config, model=str(resolve_model(config.model)))
+
+
+def _launch_worker(rank: int, env: dict[str, str]) -> subprocess.Popen:
+    worker_env = dict(os.environ, **env, RANK=str(rank), LOCAL_RANK=str(rank),
+                      **{PARENT_ENV: str(os.getpid())})
+    return subprocess.Popen([sys.executable, "-m", "radixlm.runtime.parallel.worker"],
+                            env=worker_env, stdin=subprocess.DEVNULL)

@@ -1,0 +1,125 @@
+"""A tensor-parallel worker rank: `python -m radixlm.runtime.parallel.worker`.
+
+Started by rank 0's engine for each other rank on its machine, or by hand (one per rank, with
+RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set) for a launch across machines.
+It joins the group, receives the engine config from rank 0, loads its shard of the model,
+allocates its shard of the KV pool, captures the same decode CUDA graphs as rank 0 (at the same
+time: the collectives inside pair up), then runs every forward, graph replay and logits call
+rank 0 sends until told to stop. It keeps no requests, no slot table and samples nothing
+(see tensor_parallel).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from radixlm.runtime.attention.base import create_backend
+from radixlm.runtime.attention.kv_cache import KVCache
+from radixlm.runtime.config.engine_config import EngineConfig
+from radixlm.runtime.execution.cuda_graph import SENT_ROWS, DecodeGraphs
+from radixlm.runtime.models.loader import load_model
+from radixlm.runtime.parallel.groups import destroy_group, init_group, setup_all_reduce
+from radixlm.runtime.parallel.sharded import (
+    FORWARD,
+    GRAPH,
+    HEARTBEAT,
+    LOGITS,
+    PARENT_ENV,
+    STOP,
+    StepChannel,
+)
+
+log = logging.getLogger("radixlm.runtime.parallel.worker")
+
+
+def _device(config: EngineConfig, local_rank: int) -> torch.device:
+    device = config.torch_device()
+    return torch.device("cuda", local_rank) if device.type == "cuda" else device
+
+
+def _watch_parent(pid: int) -> None:
+    """Exit when the launching engine process is gone (it may have been killed)."""
+    def watch() -> None:
+        while True:
+            if os.getppid() != pid:
+                os._exit(3)
+            time.sleep(0.5)
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+@torch.inference_mode()
+def serve(rank: int, world_size: int, local_rank: int) -> None:
+    # The config is not known before joining: rank 0 passes the backend and its timeout
+    # in the environment (set them by hand for a multi-node launch).
+    timeout = float(os.environ.get("RADIXLM_TP_TIMEOUT", "600"))
+    backend = os.environ.get("RADIXLM_TP_BACKEND") or (
+        "nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    tp = init_group(rank, world_size, backend, timeout)
+    box: list = [None]
+    dist.broadcast_object_list(box, src=0)
+    config: EngineConfig = box[0]
+    device = _device(config, local_rank)
+    if device.type == "cpu":
+        # The ranks of one machine share its cores: oversubscribed intra-op threads make every
+        # collective wait for a descheduled peer (10x slower steps on two cores).
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    dtype = config.torch_dtype(device)
+    loaded = load_model(config.model, config.load_format, dtype, device,
+                        max_positions=config.max_model_len, seed=config.seed,
+                        quantization=config.quantization, tp=tp)
+    mc, model = loaded.config, loaded.model
+    dist.broadcast_object_list(box, src=0)
+    start = box[0]
+    setup_all_reduce(start["all_reduce"], start["all_reduce_numel"], dtype, device)
+    kv_heads = tp.kv_heads(mc.num_kv_heads)[1]
+    kv_cache = KVCache(mc.num_layers, start["num_slots"], kv_heads, mc.head_dim, dtype, device,
+                       config.page_size)
+    attn = create_backend(config.attention_backend, scale=mc.head_dim ** -0.5, device=device,
+                          dtype=dtype, head_dim=mc.head_dim)
+    # Captured at the same time as rank 0's graphs: their all-reduces pair up.
+    graphs = (None if start["graph_args"] is None else
+              DecodeGraphs(model, attn, kv_cache, None, **start["graph_args"]))
+    channel = StepChannel(device, dtype, tp.host_group)
+    while True:
+        header = channel.recv_header()
+        command = header[0]
+        if command == FORWARD:
+            batch = channel.recv_forward(header, kv_cache)
+            attn.plan(batch)
+            model(batch, attn)
+        elif command == GRAPH:
+            graphs.replay_received(*channel.recv_graph_step(header, SENT_ROWS))
+        elif command == LOGITS:
+            model.compute_logits(channel.recv_hidden(header))
+        elif command == STOP:
+            return
+        elif command != HEARTBEAT:
+            raise RuntimeError(f"unknown tensor-parallel command {command}")
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s tp-worker %(message)s")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if PARENT_ENV in os.environ:
+        _watch_parent(int(os.environ[PARENT_ENV]))
+    try:
+        serve(rank, world_size, local_rank)
+    except Exception:
+        log.exception("rank %d failed", rank)
+        sys.exit(1)
+    finally:
+        destroy_group()
+
+
+if __name__ == "__main__":
+    main()

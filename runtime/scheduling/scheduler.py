@@ -1,0 +1,195 @@
+"""Continuous batching: which requests advance by how many tokens in the next step.
+
+There are no prefill and decode phases, only token counts. Each request has
+`num_computed_tokens`, which catches up with `len(token_ids)`: a prefix-cache hit advances it
+for free, a prefill chunk by the chunk, a decode step by 1. So one rule covers fresh prompts,
+cached prefixes, chunked prefill, decode and recomputation after a retraction:
+
+    new tokens for a request = min(uncomputed tokens, chunked_prefill_size, budget left)
+
+A step first serves running requests, oldest first, then admits waiting requests while the
+token budget, `max_running_requests` and KV pages allow. A request whose grammar is still
+compiling holds back its last token (`held_back_tokens`) and is skipped once the rest is
+computed, so it never holds up the batch. With the "lpm" policy the waiting
+queue is ordered by longest cached prefix, and a request that shares a not-yet-cached prefix
+with one being prefilled waits a step, so that it hits the cache instead of recomputing.
+
+Memory pressure degrades in stages: evict unlocked cached pages (inside KVManager.grow), then
+retract a running request (least progress first): its computed pages go to the cache, the
+rest back to the free list, and it is requeued; admission then reserves more room for
+decoding (`reserve_ratio`) so the engine does not thrash. The oldest running request can
+always progress: one request never needs more than the whole pool.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from radixlm.runtime.config.engine_config import EngineConfig
+from radixlm.runtime.scheduling.kv_manager import KVManager
+from radixlm.runtime.scheduling.request import Request, RequestStatus
+
+# Longest-prefix-match ordering costs a cache lookup per waiting request per step; above
+# this queue length fall back to FCFS so the cost stays bounded.
+LPM_QUEUE_LIMIT = 128
+# Fraction of each running request's remaining decode tokens that admission keeps free.
+RESERVE_RATIO_INIT, RESERVE_RATIO_MIN, RESERVE_RATIO_DECAY = 0.5, 0.1, 0.002
+
+
+@dataclass
+class ScheduledBatch:
+    requests: list[Request]
+    num_new_tokens: list[int]  # per request, this step
+    # Set when this step follows one still running on the device (overlap scheduling): each
+    # request computes one token, the one that step samples for it, read from this device
+    # tensor ([len(requests)]) rather than from token_ids, which does not hold it yet.
+    pending_tokens: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_retractions = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the cache, at first admission
+        self.reserve_ratio = RESERVE_RATIO_INIT
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def schedule(self) -> ScheduledBatch | None:
+        batch = ScheduledBatch([], [])
+        retractions = self.num_retractions
+        budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
+        if self.num_retractions > retractions:  # memory is short: admit nothing new
+            self.reserve_ratio = 1.0
+        else:
+            self.reserve_ratio = max(RESERVE_RATIO_MIN, self.reserve_ratio - RESERVE_RATIO_DECAY)
+            self._admit_waiting(batch, budget)
+        return batch if batch.requests else None
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        chunk = self.config.chunked_prefill_size
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            count = min(request.num_uncomputed - request.held_back_tokens, chunk, budget)
+            if count <= 0:  # waiting for its grammar; the rest of the batch goes on
+                index += 1
+                continue
+            while not self.kv.grow(request, request.num_computed_tokens + count):
+                # Only requests not yet in this batch can give their pages back.
+                victim = min(self.running[index:], key=_progress)
+                self.retract(victim)
+                if victim is request:
+                    return budget
+            batch.requests.append(request)
+            batch.num_new_tokens.append(count)
+            budget -= count
+            index += 1
+        return budget
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        chunk = self.config.chunked_prefill_size
+        lpm = self.config.schedule_policy == "lpm" and self.kv.cache is not None
+        candidates = list(self.waiting)
+        hits: dict[Request, int] = {}
+        if lpm and len(candidates) <= LPM_QUEUE_LIMIT:
+            hits = {r: self.kv.match(r) for r in candidates}
+            candidates.sort(key=lambda r: -hits[r])  # stable: FCFS among equals
+        prefilling = [r for r in self.running if r.num_computed_tokens < r.prompt_len]
+        for request in candidates:
+            if budget <= 0 or len(self.running) >= self.config.max_running_requests:
+                break
+            if lpm and _shares_uncached_prefix(request, hits.get(request, 0), prefilling,
+                                               self.kv.page_size):
+                continue  # wait for the other request's prefill to land in the cache
+            if request.num_uncomputed - request.held_back_tokens <= 0:
+                continue  # nothing to compute until its grammar is ready
+            if not self._fits(request, hits.get(request, 0)):
+                break
+            if not self.kv.attach(request):
+                break
+            count = min(request.num_uncomputed - request.held_back_tokens, chunk, budget)
+            if count <= 0:  # the cache holds all but the held-back token
+                self.kv.release(request)
+                request.num_computed_tokens = 0
+                continue
+            if not self.kv.grow(request, request.num_computed_tokens + count):
+                self.kv.release(request)
+                request.num_computed_tokens = 0
+                break
+            self.waiting.remove(request)
+            if not request.admitted:
+                request.admitted = True
+                request.cached_tokens = request.num_computed_tokens
+                self.num_cached_tokens += request.cached_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            prefilling.append(request)
+            batch.requests.append(request)
+            batch.num_new_tokens.append(count)
+            budget -= count
+
+    def _fits(self, request: Request, hit: int) -> bool:
+        """Admission control: the new request's uncached tokens plus a reserve for what the
+        running requests (and this one) may still decode must fit in the available pages."""
+        if not self.running:
+            return True  # alone, any request fits: max_model_len <= pool size
+        page = self.kv.page_size
+        reserve = sum(-(-int(r.remaining_new_tokens * self.reserve_ratio) // page)
+                      for r in self.running)
+        own = -(-(len(request.token_ids) - hit
+                  + int(request.remaining_new_tokens * self.reserve_ratio)) // page)
+        return own + reserve <= self.kv.available_pages
+
+    def retract(self, request: Request) -> None:
+        """Stop a running request to free memory: cache what it computed, requeue it first.
+        It resumes from its prompt and the tokens it already generated, so its output does
+        not change."""
+        self.running.remove(request)
+        self.kv.release(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        self.num_retractions += 1
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Mark the request finished; its computed pages go to the cache, the rest are freed."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        self.kv.release(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+
+
+def _progress(request: Request) -> tuple[int, float]:
+    """Retraction order: least generated first, the newest among equals."""
+    return request.num_output_tokens, -request.arrival_time
+
+
+def _shares_uncached_prefix(request: Request, hit: int, others: list[Request],
+                            page_size: int) -> bool:
+    """Would waiting a step let this request reuse at least one more page that another
+    request is computing right now?"""
+    want = hit + page_size
+    tokens = request.token_ids
+    if len(tokens) <= want:
+        return False
+    head = tokens[:want]
+    return any(other is not request and other.token_ids[:want] == head for other in others)
