@@ -117,10 +117,16 @@ def test_sampling_params_grammar_fields():
         SamplingParams(json_object="yes")
     with pytest.raises(ValueError, match="json_schema is not valid JSON"):
         SamplingParams(json_schema="{oops")
+    with pytest.raises(ValueError, match="ebnf and json_object are exclusive"):
+        SamplingParams(ebnf="start: a", json_object=True)
+    # What only a compile can tell (an invalid schema, a keyword no engine enforces) is the
+    # grammar engine's to find, off the caller's thread: submission stays cheap.
+    assert SamplingParams(json_schema={"type": "integr"}).constrained
+    assert SamplingParams(ebnf='root ::= "a"').constrained
     with pytest.raises(ValueError, match="json_schema is not a valid JSON Schema"):
-        SamplingParams(json_schema={"type": "integr"})
+        schema_to_regex(json.dumps({"type": "integr"}), 1)
     with pytest.raises(ValueError, match=r"json_schema: 'not' is not supported \(at /properties/x"):
-        SamplingParams(json_schema={"properties": {"x": {"not": {"type": "null"}}}})
+        schema_to_regex(json.dumps({"properties": {"x": {"not": {"type": "null"}}}}), 1)
 
 
 def test_choices_regex_escapes():

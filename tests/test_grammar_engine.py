@@ -1,5 +1,7 @@
 """Structured output through the engine, on a tiny random Llama with the real SmolLM2
-tokenizer: whatever the (random) model prefers, finished outputs match their grammar."""
+tokenizer: whatever the (random) model prefers, finished outputs match their grammar. The
+engine-level tests run on both grammar engines (llguidance, outlines-core); the tests of
+outlines-core's worker processes (timeouts, memory limits, its cache) use it alone."""
 
 from __future__ import annotations
 
@@ -7,12 +9,13 @@ import json
 import re
 import threading
 import time
+from concurrent.futures import Future
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
 
 from radixlm.runtime import Engine
-from radixlm.runtime.grammar.matcher import GrammarMatcher
 
 SAMPLE = {"temperature": 1.0, "max_new_tokens": 40}
 PERSON = {"type": "object",
@@ -29,12 +32,23 @@ ORDER = {"type": "object",
                         "number_of_items_ordered": {"type": "integer", "minimum": 1,
                                                     "maximum": 9}},
          "required": ["customer_full_name", "preferred_contact_method",
-                      "number_of_items_ordered"]}
+                      "number_of_items_ordered"],
+         "additionalProperties": False}
+
+
+BACKENDS = ("llguidance", "outlines")
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def engine(request, tiny_chat_model):
+    with Engine(str(tiny_chat_model), max_total_tokens=8192,
+                grammar_backend=request.param) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_chat_model):
-    with Engine(str(tiny_chat_model), max_total_tokens=8192) as eng:
+def outlines_engine(tiny_chat_model):
+    with Engine(str(tiny_chat_model), max_total_tokens=8192, grammar_backend="outlines") as eng:
         yield eng
 
 
@@ -143,11 +157,12 @@ def test_schemas_validate(engine, schema):
             validate(out.text, schema)
 
 
-def test_jump_forward_saves_steps_and_stays_valid(tiny_chat_model):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_jump_forward_saves_steps_and_stays_valid(tiny_chat_model, backend):
     results = {}
     for jump in (False, True):
         with Engine(str(tiny_chat_model), max_total_tokens=4096, json_max_whitespace=0,
-                    enable_jump_forward=jump) as eng:
+                    enable_jump_forward=jump, grammar_backend=backend) as eng:
             before = eng.stats()["steps"]
             out = eng.generate("Order:", {"json_schema": ORDER, "temperature": 0,
                                           "max_new_tokens": 100})
@@ -164,47 +179,94 @@ def test_greedy_grammar_output_is_stable_under_memory_pressure(tiny_chat_model, 
     params = [{"json_schema": SCHEMAS[i % 4], "temperature": 0, "max_new_tokens": 48}
               for i in range(6)]
     reference = [o.token_ids for o in engine.generate(["JSON:"] * 6, params)]
-    with Engine(str(tiny_chat_model), max_total_tokens=96, page_size=8) as small:
+    with Engine(str(tiny_chat_model), max_total_tokens=96, page_size=8,
+                grammar_backend=engine.config.grammar_backend) as small:
         outs = small.generate(["JSON:"] * 6, params)
         assert [o.token_ids for o in outs] == reference
         assert small.stats()["retractions"] > 0
         assert_no_leak(small)
 
 
-def test_bad_grammar_is_refused_before_queuing(engine):
+def test_malformed_grammar_fields_are_refused_before_queuing(engine):
     before = engine.stats()["requests_finished"]
-    for params, field in [({"regex": "(unclosed"}, "regex"),
-                          ({"json_schema": {"type": "string", "format": "ipv6"}}, "json_schema"),
-                          ({"json_schema": "{not json"}, "json_schema"),
+    deep = {"type": "array", "items": {}}
+    node = deep["items"]
+    for _ in range(200):  # deeper than any real schema, and than Python's recursion
+        node["items"] = {}
+        node = node["items"]
+    for params, field in [({"json_schema": "{not json"}, "json_schema"),
+                          ({"json_schema": deep}, "json_schema"),
+                          ({"json_schema": "[" * 100_000 + "]" * 100_000}, "json_schema"),
+                          ({"regex": "a\udc00"}, "regex"),
+                          ({"ebnf": ""}, "ebnf"),
                           ({"regex": "a", "json_object": True}, "regex")]:
         with pytest.raises(ValueError, match=f"^{field}"):
             engine.generate("x", params)
     assert engine.stats()["requests_finished"] == before
 
 
+def test_grammars_that_cannot_compile_fail_as_invalid_naming_the_field(engine):
+    cases = [({"regex": "(unclosed"}, "regex"),
+             ({"json_schema": {"type": "string", "format": "uri-template"}}, "json_schema"),
+             ({"json_schema": {"type": "object",
+                               "properties": {"a": {"not": {"type": "string"}}}}},
+              "json_schema"),
+             ({"json_schema": {"type": "strin"}}, "json_schema")]
+    if engine.config.grammar_backend == "llguidance":
+        cases.append(({"ebnf": "start: (unclosed"}, "ebnf"))
+    outs = engine.generate(["x"] * len(cases), [p for p, _ in cases])
+    for (params, field), out in zip(cases, outs):
+        assert out.finish_reason == "abort" and out.error_invalid, (params, out)
+        assert out.error.startswith(field), out.error
+    assert "/properties/a" in outs[2].error and "not" in outs[2].error
+    assert_no_leak(engine)
+
+
+class FailingMatcher:
+    """A matcher that raises on `accept` or on `fill_mask`, as a buggy grammar engine might."""
+
+    def __init__(self, inner, fails: str) -> None:
+        self.inner, self.fails = inner, fails
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def accept(self, token):
+        if self.fails == "accept":
+            raise RuntimeError("injected accept failure")
+        self.inner.accept(token)
+
+    def fill_mask(self, row):
+        if self.fails == "mask":
+            raise RuntimeError("injected mask failure")
+        self.inner.fill_mask(row)
+
+
 def test_injected_grammar_failures_end_only_their_requests(engine, monkeypatch):
     """A grammar that throws while advancing or while masking aborts its own request with
     an error; the rest of the batch, constrained or not, finishes normally."""
-    accept, fill = GrammarMatcher.accept, GrammarMatcher.fill_mask
+    grammars = engine.core.grammar_engine()
+    submit = grammars.submit
 
-    def failing_accept(self, token):
-        if self.grammar.regex.startswith("boomA"):
-            raise RuntimeError("injected accept failure")
-        return accept(self, token)
+    def poisoned(spec):
+        future = submit(spec)
+        fails = {"boomA": "accept", "boomF": "mask"}.get(spec.source[:5])
+        if fails is None:
+            return future
+        compiled = future.result(timeout=60)
+        proxy = Future()
+        proxy.set_result(SimpleNamespace(matcher=lambda: FailingMatcher(compiled.matcher(),
+                                                                        fails)))
+        return proxy
 
-    def failing_fill(self, row):
-        if self.grammar.regex.startswith("boomF"):
-            raise RuntimeError("injected mask failure")
-        return fill(self, row)
-
-    monkeypatch.setattr(GrammarMatcher, "accept", failing_accept)
-    monkeypatch.setattr(GrammarMatcher, "fill_mask", failing_fill)
+    monkeypatch.setattr(grammars, "submit", poisoned)
     params = [{"regex": "boomA[0-9]+", **SAMPLE}, {"regex": "[a-z]{1,8}", **SAMPLE},
               {"regex": "boomF[0-9]+", "temperature": 0}, {"temperature": 0, "max_new_tokens": 8},
               {"json_schema": PERSON, **SAMPLE}]
     outs = engine.generate(["x"] * len(params), params)
     assert outs[0].finish_reason == "abort" and "injected accept failure" in outs[0].error
     assert outs[2].finish_reason == "abort" and "injected mask failure" in outs[2].error
+    assert not outs[0].error_invalid and not outs[2].error_invalid  # the engine's fault
     assert outs[1].error is None and outs[3].error is None and outs[4].error is None
     assert outs[3].completion_tokens == 8
     monkeypatch.undo()
@@ -213,7 +275,8 @@ def test_injected_grammar_failures_end_only_their_requests(engine, monkeypatch):
 
 
 def test_compile_failure_and_timeout_fail_only_their_request(tiny_chat_model):
-    with Engine(str(tiny_chat_model), max_total_tokens=4096, grammar_compile_timeout=1.0) as eng:
+    with Engine(str(tiny_chat_model), max_total_tokens=4096, grammar_compile_timeout=1.0,
+                grammar_backend="outlines") as eng:
         slow = '"[^"]{0,1000}"'  # ~10 s to compile on a 49k vocabulary
         impossible = r"[^\s\S]"  # valid syntax, but no token can ever match
         params = [{"regex": slow, **SAMPLE}, {"regex": impossible, **SAMPLE},
@@ -234,7 +297,7 @@ def test_compile_failure_and_timeout_fail_only_their_request(tiny_chat_model):
 
 
 def test_a_compile_over_its_memory_limit_fails_alone(tiny_chat_model):
-    with Engine(str(tiny_chat_model), max_total_tokens=4096,
+    with Engine(str(tiny_chat_model), max_total_tokens=4096, grammar_backend="outlines",
                 grammar_compile_max_memory_gb=0.3) as eng:
         outs = eng.generate(["x", "y"], [{"regex": '"[^"]{0,700}"', **SAMPLE},
                                          {"regex": "[a-z]{3}", **SAMPLE}])
@@ -246,7 +309,7 @@ def test_a_compile_over_its_memory_limit_fails_alone(tiny_chat_model):
 def test_compiled_grammars_are_cached_within_a_memory_budget(tiny_chat_model):
     from radixlm.runtime.grammar import compiler
 
-    with Engine(str(tiny_chat_model), max_total_tokens=4096,
+    with Engine(str(tiny_chat_model), max_total_tokens=4096, grammar_backend="outlines",
                 grammar_cache_memory_gb=1e-4) as eng:  # ~100 kB
         small, large = r"[a-c]{2}", '"[^"]{0,40}"'  # a few kB and a few MB of index
         for _ in range(2):
@@ -258,7 +321,8 @@ def test_compiled_grammars_are_cached_within_a_memory_budget(tiny_chat_model):
         assert small in cached and large not in cached
 
 
-def test_a_compiling_grammar_does_not_hold_up_other_requests(engine):
+def test_a_compiling_grammar_does_not_hold_up_other_requests(outlines_engine):
+    engine = outlines_engine  # its compiles take seconds; llguidance's, milliseconds
     result = {}
     slow = '"[^"]{0,400}"'  # a few seconds to compile
     thread = threading.Thread(target=lambda: result.update(

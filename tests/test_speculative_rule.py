@@ -22,7 +22,6 @@ from radixlm.runtime.execution.speculative import (
     NgramIndex,
     propose_ngram,
     sampling_probs,
-    truncate_to_grammar,
     verify_greedy,
     verify_sampling,
     verify_tokens,
@@ -483,21 +482,7 @@ def test_ngram_on_a_long_context():
 
 
 # --------------------------------------------------------------------------------------------
-# Grammar truncation and adaptive k
-
-
-def test_truncate_to_grammar():
-    # A toy automaton for a b* c: 0 -a-> 1, 1 -b-> 1, 1 -c-> 2. Tokens: a=10, b=11, c=12.
-    table = {(0, 10): 1, (1, 11): 1, (1, 12): 2}
-
-    def next_state(state: int, token: int) -> int | None:
-        return table.get((state, token))
-
-    assert truncate_to_grammar([10, 11, 11, 12, 10], 0, next_state) == (
-        [10, 11, 11, 12], [0, 1, 1, 1, 2])
-    assert truncate_to_grammar([11, 12], 1, next_state) == ([11, 12], [1, 1, 2])
-    assert truncate_to_grammar([11], 0, next_state) == ([], [0])
-    assert truncate_to_grammar([], 2, next_state) == ([], [2])
+# Adaptive k
 
 
 def test_adaptive_k_follows_acceptance():

@@ -18,6 +18,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 OVERLAP_MODES = ("auto", "on", "off")
 SPECULATIVE_METHODS = ("ngram", "draft")
+GRAMMAR_BACKENDS = ("llguidance", "outlines")
 
 
 @dataclass(frozen=True)
@@ -79,9 +80,12 @@ class EngineConfig:
     # Prefixes pinned by leases (a program's fork, a server client's pin) may hold at most
     # this fraction of the KV pool; further pins are refused and the program runs unpinned.
     lease_memory_fraction: float = 0.25
-    # Structured output (regex / json_schema / json_object). Grammars compile in worker
-    # processes; one that takes longer than the timeout (seconds) or more memory than the
-    # limit (GiB, 0 = none) fails only its own request.
+    # Structured output (regex / json_schema / ebnf / json_object). llguidance (the default)
+    # compiles in milliseconds within its parser limits; outlines-core builds a token automaton
+    # up front in worker processes, and has no context-free grammars (ebnf). A compile that
+    # takes longer than the timeout (seconds) or more memory than the limit (GiB, 0 = none)
+    # fails only its own request.
+    grammar_backend: str = "llguidance"
     grammar_compile_timeout: float = 30.0
     grammar_compile_workers: int = 2
     grammar_compile_max_memory_gb: float = 4.0
@@ -145,6 +149,7 @@ class EngineConfig:
                              f"got {self.num_speculative_tokens}")
 
     def _check_grammar_options(self) -> None:
+        _one_of(self.grammar_backend, GRAMMAR_BACKENDS, "grammar_backend")
         for name in ("grammar_compile_workers", "grammar_cache_size"):
             _positive_int(getattr(self, name), name)
         for name, zero_ok in (("grammar_compile_timeout", False),

@@ -42,9 +42,11 @@ class SamplingParams:
     # Prompt-token logprobs from this prompt position on; None returns none.
     logprob_start_len: int | None = None
     # Structured output, at most one of: a regex the whole output must match, a JSON Schema
-    # (a dict or JSON text; kept as compact JSON text), or any JSON object.
+    # (a dict or JSON text; kept as compact JSON text), a context-free grammar in Lark or
+    # GBNF syntax (SGLang's `ebnf`), or any JSON object.
     regex: str | None = None
     json_schema: str | None = None
+    ebnf: str | None = None
     json_object: bool = False
 
     def __post_init__(self) -> None:
@@ -74,12 +76,12 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         self._check_ranges()
-        if self.regex is not None or self.json_schema is not None or self.json_object:
+        if self.constrained:
             # Imported here: plain sampling never loads the grammar machinery.
             from radixlm.runtime.grammar.spec import check_grammar_fields
 
-            set_(self, "json_schema",
-                 check_grammar_fields(self.regex, self.json_schema, self.json_object))
+            set_(self, "json_schema", check_grammar_fields(self.regex, self.json_schema,
+                                                           self.ebnf, self.json_object))
 
     def _check_ranges(self) -> None:
         if self.max_new_tokens < 0:
@@ -120,8 +122,9 @@ class SamplingParams:
 
     @property
     def constrained(self) -> bool:
-        """Does the output have to match a regex or JSON grammar?"""
-        return self.regex is not None or self.json_schema is not None or self.json_object
+        """Does the output have to match a regex, a JSON schema or a grammar?"""
+        return (self.regex is not None or self.json_schema is not None
+                or self.ebnf is not None or self.json_object is not False)
 
     @property
     def has_penalties(self) -> bool:

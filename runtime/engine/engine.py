@@ -248,7 +248,7 @@ class Engine:
         requests = self._factory.requests(prompts, sampling_params, request_id, cache_salt,
                                           stream, on_output=_ignore)
         if any(r.params.constrained for r in requests):
-            self.core.grammar_backend()  # built here, not on the engine thread
+            self.core.grammar_engine()  # built here, not on the engine thread
         return requests
 
     def _eos_ids(self) -> set[int]:

@@ -2,11 +2,13 @@
 
 It owns the model, the KV memory, the scheduler and every live request. It is driven by one
 thread (the offline `Engine`'s loop, later the server's engine process); nothing here locks
-(except the lazy creation of the grammar backend, which callers may trigger early).
+(except the lazy creation of the grammar engine, which callers may trigger early).
 
-A request with a grammar (regex / json_schema / json_object) is queued at once while its
-grammar compiles in the background; the scheduler prefills all but its last prompt token
-meanwhile, and each step attaches the grammars that became ready.
+A request with a grammar (regex / json_schema / ebnf / json_object) is queued at once while
+its grammar compiles in the background; the scheduler prefills all but its last prompt token
+meanwhile, and each step attaches the grammars that became ready. A grammar that fails to
+compile (or times out: the grammar engine enforces grammar_compile_timeout) fails its request
+as invalid.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from radixlm.runtime.execution.cuda_graph import DecodeGraphs
 from radixlm.runtime.execution.model_runner import LaunchedStep, ModelRunner, StepResult
 from radixlm.runtime.execution.speculative.draft_model import DraftModel
 from radixlm.runtime.execution.speculative.speculator import Speculator
+from radixlm.runtime.grammar.engine import GrammarCompileError
 from radixlm.runtime.grammar.spec import GrammarSpec
 from radixlm.runtime.models.loader import LoadedModel
 from radixlm.runtime.parallel.groups import choose_all_reduce, setup_all_reduce
@@ -103,7 +106,7 @@ class EngineCore:
         self.counters: Counter[str] = Counter()
         self.tokenizer = loaded.tokenizer
         self._vocab_size = mc.vocab_size
-        self._grammar: Any = None  # GrammarBackend, built on first use
+        self._grammar: Any = None  # GrammarEngine, built on first use
         self._grammar_init = threading.Lock()
         self._grammar_waiting: list[Request] = []  # compiling; attached in step()
         # Speculation needs each step's verified tokens on the host before the next step.
@@ -334,14 +337,16 @@ class EngineCore:
 
     # -- structured output -----------------------------------------------------------------
 
-    def grammar_backend(self) -> Any:
-        """The GrammarBackend, built on first use (the tokenizer's byte table takes ~0.2 s).
+    def grammar_engine(self) -> Any:
+        """The GrammarEngine, built on first use (wrapping the tokenizer takes ~0.5 s).
         Thread-safe: the offline Engine builds it in the caller's thread."""
         with self._grammar_init:
             if self._grammar is None:
-                from radixlm.runtime.grammar.backend import GrammarBackend
+                from radixlm.runtime.grammar.engine import create_grammar_engine
 
-                self._grammar = GrammarBackend(self.tokenizer, self._vocab_size, self.config)
+                self._grammar = create_grammar_engine(self.config.grammar_backend,
+                                                      self.tokenizer, self._vocab_size,
+                                                      self.config)
             return self._grammar
 
     def _start_grammar(self, request: Request) -> None:
@@ -350,7 +355,7 @@ class EngineCore:
             self._fail_grammar(request, "structured output needs a tokenizer; this model "
                                         "has none")
             return
-        request.grammar_future = self.grammar_backend().submit(GrammarSpec.of(request.params))
+        request.grammar_future = self.grammar_engine().submit(GrammarSpec.of(request.params))
         self._grammar_waiting.append(request)
 
     def _attach_grammars(self) -> None:
@@ -366,8 +371,11 @@ class EngineCore:
             try:
                 request.grammar = future.result().matcher()
                 complete = request.grammar.is_terminated
-            except Exception as exc:  # a compile error: this request only
-                self._fail_grammar(request, str(exc))
+            except GrammarCompileError as exc:  # the request's own grammar is at fault
+                self._fail_grammar(request, str(exc), invalid=True)
+                continue
+            except Exception as exc:
+                self._fail_grammar(request, f"grammar error: {exc}")
                 continue
             if complete:  # the grammar matches only the empty string
                 self._finish(request, "stop")
@@ -376,10 +384,10 @@ class EngineCore:
 
     def _jump_forward(self, request: Request) -> None:
         """Append the tokens the grammar forces next; the next step computes them at once."""
-        if request.params.wants_logprobs:  # forced tokens would have no logprobs
-            return
+        if not self.config.enable_jump_forward or request.params.wants_logprobs:
+            return  # (forced tokens would have no logprobs)
         try:
-            tokens = self._grammar.forced_tokens(request.grammar, request.token_ids)
+            tokens = request.grammar.forced_tokens(request.token_ids)
         except Exception as exc:
             self._fail_grammar(request, f"grammar error: {exc}")
             return
@@ -389,10 +397,12 @@ class EngineCore:
             if request.finished:
                 break
 
-    def _fail_grammar(self, request: Request, error: str) -> None:
+    def _fail_grammar(self, request: Request, error: str, invalid: bool = False) -> None:
+        """End the request with `error`; `invalid`: its grammar is at fault, not the engine."""
         self.counters["grammar_errors"] += 1
         log.warning("request %s: %s", request.request_id, error)
         request.error = error
+        request.error_invalid = invalid
         self._finish(request, "abort")
 
     def shutdown(self) -> None:

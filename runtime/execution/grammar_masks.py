@@ -46,15 +46,15 @@ class BatchBitmask:
         return masks.to(self.device, non_blocking=True), failed
 
 
-def state_masks(request: Request, states: Sequence[int]) -> np.ndarray:
-    """[len(states), words] uint32 masks of a request's grammar at states it has not
-    reached yet (speculative draft positions), EOS included where the grammar may end."""
-    grammar = request.grammar.grammar
-    rows = np.stack([grammar.mask(state) for state in states])
+def draft_masks(request: Request, drafts: Sequence[int]) -> np.ndarray:
+    """[len(drafts) + 1, words] uint32 masks of a request's grammar at each draft position:
+    row j is the mask after the first j drafts (all allowed by the grammar), EOS included
+    where the grammar may end there."""
+    rows, finals = request.grammar.masks_along(drafts)
     if _eos_allowed(request):
-        limit = grammar.mask_words * 32
-        for row, state in zip(rows, states):
-            if grammar.info(state).final:
+        limit = rows.shape[1] * 32
+        for row, final in zip(rows, finals):
+            if final:
                 for eos in request.eos_token_ids:
                     if 0 <= eos < limit:
                         row[eos >> 5] |= np.uint32(1 << (eos & 31))

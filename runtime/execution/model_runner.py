@@ -17,7 +17,7 @@ from radixlm.kernels.host_copy import to_device
 from radixlm.runtime.attention.base import AttentionBackend, ForwardBatch
 from radixlm.runtime.attention.kv_cache import KVCache
 from radixlm.runtime.execution import sampler, speculative
-from radixlm.runtime.execution.grammar_masks import BatchBitmask, state_masks
+from radixlm.runtime.execution.grammar_masks import BatchBitmask, draft_masks
 from radixlm.runtime.models.llama import LlamaForCausalLM
 from radixlm.runtime.scheduling.pages import ReqToTokenTable
 from radixlm.runtime.scheduling.request import Request, TokenLogprob
@@ -278,8 +278,8 @@ class ModelRunner:
         constrained = [b for b, r in enumerate(requests) if r.grammar is not None]
         if constrained:  # each position under the grammar state the drafts before it reach
             masks = np.concatenate([
-                state_masks(requests[b], [requests[b].draft_states[min(j, counts[b])]
-                                          for j in range(k + 1)]) for b in constrained])
+                draft_masks(requests[b], requests[b].draft_tokens)[
+                    [min(j, counts[b]) for j in range(k + 1)]] for b in constrained])
             flat_rows = [b * (k + 1) + j for b in constrained for j in range(k + 1)]
             logits = sampler.apply_token_bitmask(
                 logits, flat_rows, to_device(torch.from_numpy(masks.view(np.int32)), torch.int32,
@@ -311,7 +311,7 @@ class ModelRunner:
 
     def _grammar_masks(self, requests: list[Request]):
         if self.grammar_masks is None:
-            words = requests[0].grammar.grammar.mask_words
+            words = requests[0].grammar.mask_words
             self.grammar_masks = BatchBitmask(self.table.table.shape[0], words, self.device)
         return self.grammar_masks.fill(requests)
 

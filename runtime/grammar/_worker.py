@@ -1,13 +1,15 @@
-"""A grammar compile worker: a child process that turns regexes into outlines-core indexes.
+"""A grammar compile worker: a child process that turns a grammar (a regex, or a JSON schema
+expanded into one here) into an outlines-core index.
 
 Run as a script (`python _worker.py <memory limit in bytes>`), so it imports nothing from the
-engine. Compiling runs in its own process so that one that takes too long or too much memory
-can be killed (or dies alone) without touching the engine.
+engine but the grammar package's pure-Python schema code. Compiling runs in its own process
+so that one that takes too long or too much memory can be killed (or dies alone) without
+touching the engine.
 
 Protocol over stdin/stdout, frames of a 4-byte little-endian length and a pickle:
-    parent -> ("vocab", eos_id, {bytes: [token ids]})   once, first
-    parent -> ("compile", regex)                        then any number of times
-    child  -> ("ok", index_pickle, seconds) | ("error", message)
+    parent -> ("vocab", eos_id, {bytes: [token ids]})      once, first
+    parent -> ("compile", kind, source, max_spaces)        then any number of times
+    child  -> ("ok", index_pickle, seconds, regex) | ("error", message)
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ def main() -> None:
         pass
     from outlines_core import Index, Vocabulary
 
+    from radixlm.runtime.grammar.spec import GrammarSpec
+
     vocabulary = None
     while True:
         message = read_frame(inp)
@@ -60,11 +64,14 @@ def main() -> None:
         elif kind == "compile":
             start = time.perf_counter()
             try:
-                index = Index(message[1], vocabulary)
-                reply = ("ok", pickle.dumps(index), time.perf_counter() - start)
+                regex = GrammarSpec(message[1], message[2]).to_regex(message[3])
+                index = Index(regex, vocabulary)
+                reply = ("ok", pickle.dumps(index), time.perf_counter() - start, regex)
             except MemoryError:
                 reply = ("error", "out of memory while compiling")
-            except BaseException as exc:  # outlines raises ValueError, or a Rust panic
+            except RecursionError:
+                reply = ("error", "the grammar nests too deeply")
+            except BaseException as exc:  # ours raise ValueError, outlines also a Rust panic
                 text = str(exc).strip().splitlines()
                 reply = ("error", text[0] if text else type(exc).__name__)
             write_frame(out, reply)

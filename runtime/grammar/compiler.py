@@ -1,5 +1,7 @@
-"""Compiling grammars off the engine loop: a thread pool, each thread driving one worker
-process, and an LRU cache of results keyed by (grammar, tokenizer fingerprint).
+"""outlines-core compiles off the engine loop: a thread pool, each thread driving one worker
+process, and an LRU cache of results keyed by (grammar, tokenizer fingerprint). The worker
+both expands a JSON schema into its regex and builds the token index, so neither can take
+more than the worker's time and memory limits.
 
 The engine calls `submit(spec)` and polls the returned Future each step; it never waits.
 Identical grammars in flight share one Future, and failures are cached too, so resubmitting a
@@ -23,8 +25,10 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 from radixlm.runtime.grammar import _worker
+from radixlm.runtime.grammar.engine import GrammarCompileError
 from radixlm.runtime.grammar.matcher import CompiledGrammar
 from radixlm.runtime.grammar.spec import GrammarSpec
 from radixlm.runtime.grammar.vocabulary import TokenVocabulary
@@ -34,16 +38,14 @@ _CACHE: OrderedDict[tuple, Future] = OrderedDict()
 _CACHE_LOCK = threading.Lock()
 
 
-class GrammarCompileError(RuntimeError):
-    """A grammar that could not be compiled; the message says why (shown to the user)."""
-
-
 class GrammarCompiler:
-    def __init__(self, vocab: TokenVocabulary, mask_words: int, *, workers: int = 2,
+    def __init__(self, vocab: TokenVocabulary, mask_words: int, tokenizer: Any = None, *,
+                 workers: int = 2,
                  timeout: float = 30.0, cache_size: int = 64, cache_bytes: int = 1 << 30,
                  max_memory_bytes: int = 0, max_spaces: int = 1) -> None:
         self.vocab = vocab
         self.mask_words = mask_words
+        self.tokenizer = tokenizer
         self.timeout = timeout
         self.cache_size = cache_size
         self.cache_bytes = cache_bytes
@@ -106,8 +108,7 @@ class GrammarCompiler:
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
         start = time.perf_counter()
         try:
-            regex = spec.to_regex(self.max_spaces)
-            index, nbytes = self._worker().compile(regex, self.timeout)
+            index, nbytes, regex = self._worker().compile(spec, self.max_spaces, self.timeout)
         except TimeoutError:
             self._count("grammar_compile_timeouts")
             raise GrammarCompileError(
@@ -115,7 +116,10 @@ class GrammarCompiler:
                 "(grammar_compile_timeout)") from None
         except (ValueError, GrammarCompileError) as exc:
             self._count("grammar_compile_errors")
-            raise GrammarCompileError(f"{spec.kind}: {exc}") from None
+            message = str(exc)
+            if not message.startswith(spec.kind):
+                message = f"{spec.kind}: {message}"
+            raise GrammarCompileError(message) from None
         except Exception as exc:
             self._count("grammar_compile_errors")
             raise GrammarCompileError(f"{spec.kind}: compile failed: {exc}") from None
@@ -123,7 +127,8 @@ class GrammarCompiler:
         with self._lock:
             self.counters["grammar_compiles"] += 1
             self.counters["grammar_compile_seconds"] += elapsed
-        return CompiledGrammar(index, self.vocab, self.mask_words, regex, elapsed, nbytes)
+        return CompiledGrammar(index, self.vocab, self.mask_words, regex, elapsed, nbytes,
+                               self.tokenizer)
 
     def _count(self, name: str) -> None:
         with self._lock:
@@ -155,13 +160,14 @@ class _WorkerProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def compile(self, regex: str, timeout: float):
-        _worker.write_frame(self.proc.stdin, ("compile", regex))
+    def compile(self, spec: GrammarSpec, max_spaces: int, timeout: float):
+        """(index, its estimated memory, the regex it was built from)."""
+        _worker.write_frame(self.proc.stdin, ("compile", spec.kind, spec.source, max_spaces))
         reply = self._read(deadline=time.monotonic() + timeout)
         if reply[0] == "error":
             raise GrammarCompileError(reply[1])
         # In memory an index takes about twice its serialized size (hash tables).
-        return pickle.loads(reply[1]), 2 * len(reply[1])
+        return pickle.loads(reply[1]), 2 * len(reply[1]), reply[3]
 
     def _read(self, deadline: float) -> tuple:
         stream = self.proc.stdout

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from radixlm.runtime.grammar.matcher import GrammarMatcher
-
 # Generated tokens tokenized together with the forced text, for the start boundary.
 CONTEXT_TOKENS = 2
 
 
-def forced_tokens(matcher: GrammarMatcher, token_ids: Sequence[int], tokenizer: Any) -> list[int]:
-    """Tokens to append now (possibly none), all allowed by the grammar in order."""
+def forced_tokens(matcher: Any, token_ids: Sequence[int], tokenizer: Any) -> list[int]:
+    """Tokens to append now (possibly none), all allowed by the grammar in order; `matcher` is
+    an outlines-core GrammarMatcher."""
     forced = _whole_characters(matcher.forced_bytes())
     if not forced:
         return []

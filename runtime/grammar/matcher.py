@@ -1,4 +1,5 @@
-"""A compiled grammar (shared by every request using it) and a request's position in it.
+"""outlines-core's compiled grammar (shared by every request using it) and a request's
+position in it, behind the grammar-engine interface (engine.py).
 
 The token index maps an automaton state to the tokens allowed there and the state each one
 leads to. Per state we cache, lazily and once for all requests:
@@ -13,16 +14,21 @@ Only the engine thread touches these objects after compilation; nothing here loc
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
+from radixlm.runtime.grammar import engine
+from radixlm.runtime.grammar.engine import GrammarError
+from radixlm.runtime.grammar.jump_forward import forced_tokens
 from radixlm.runtime.grammar.vocabulary import TokenVocabulary
 
 MAX_FORCED_BYTES = 256
 # Per grammar: masks of more distinct states than this are not cached (each mask takes
 # vocab/8 bytes: 6 kB for a 49k vocabulary, 16 kB for 128k).
 MAX_CACHED_MASKS = 1024
+# Accepted tokens a matcher can roll back (speculative drafts are shorter).
+MAX_ROLLBACK = 64
 
 
 class StateInfo(NamedTuple):
@@ -32,14 +38,11 @@ class StateInfo(NamedTuple):
     forced_next: int | None  # ... and this is the state after it
 
 
-class GrammarError(RuntimeError):
-    """A token the grammar does not allow, or an automaton in an impossible state."""
-
-
-class CompiledGrammar:
+class CompiledGrammar(engine.CompiledGrammar):
     def __init__(self, index: Any, vocab: TokenVocabulary, mask_words: int, regex: str,
-                 compile_seconds: float = 0.0, nbytes: int = 0) -> None:
+                 compile_seconds: float = 0.0, nbytes: int = 0, tokenizer: Any = None) -> None:
         self.index = index
+        self.tokenizer = tokenizer  # for jump-forward's canonical tokenization
         self.index_bytes = nbytes  # estimated memory of the index
         self.vocab = vocab
         self.mask_words = mask_words
@@ -143,15 +146,15 @@ class CompiledGrammar:
         return mask
 
 
-class GrammarMatcher:
-    """One request's position in a grammar."""
+class GrammarMatcher(engine.GrammarMatcher):
+    """One request's position in a grammar: an automaton state."""
 
     def __init__(self, grammar: CompiledGrammar) -> None:
         from outlines_core import Guide
 
         self.grammar = grammar
-        # No rollback is ever needed (jump-forward checks tokens before appending them).
-        self.guide = Guide(grammar.index, 0)
+        self.mask_words = grammar.mask_words
+        self.guide = Guide(grammar.index, MAX_ROLLBACK)
         self.state = self.guide.get_state()
 
     @property
@@ -172,9 +175,36 @@ class GrammarMatcher:
         self.guide.advance(token, return_tokens=False)
         self.state = self.guide.get_state()
 
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.guide.rollback_state(num_tokens)
+            self.state = self.guide.get_state()
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        state = self.state
+        for i, token in enumerate(tokens):
+            if token == self.grammar.vocab.automaton_eos:
+                return i  # drafts never run past an end of sequence
+            state = self.grammar.next_state(state, token)
+            if state is None:
+                return i
+        return len(tokens)
+
+    def masks_along(self, tokens: Sequence[int]) -> tuple[np.ndarray, list[bool]]:
+        # Off the index's cached per-state masks, without moving the guide.
+        states = [self.state]
+        for token in tokens:
+            states.append(self.grammar.next_state(states[-1], token))
+        rows = np.stack([self.grammar.mask(s, self.guide if i == 0 else None)
+                         for i, s in enumerate(states)])
+        return rows, [self.grammar.info(s).final for s in states]
+
     def fill_mask(self, row: np.ndarray) -> None:
         """Write the allowed tokens (EOS excluded) into a uint32 row of mask_words words."""
         row[:] = self.grammar.mask(self.state, self.guide)
 
     def forced_bytes(self) -> bytes:
         return self.grammar.forced_bytes(self.state, self.guide)
+
+    def forced_tokens(self, token_ids: Sequence[int]) -> list[int]:
+        return forced_tokens(self, token_ids, self.grammar.tokenizer)

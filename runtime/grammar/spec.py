@@ -1,61 +1,93 @@
 """What a request asks its output to match, and the checks done when it is submitted.
 
 SamplingParams carries at most one of `regex`, `json_schema` (a dict or JSON text, kept as
-compact JSON text) and `json_object`. They are checked when the params are built, so a bad
-pattern or schema is a ValueError naming the field (HTTP 400 at the server) before anything
-is queued; the expensive part, the token index, is built later in a worker.
+compact JSON text), `ebnf` (a Lark or GBNF grammar) and `json_object`. Submission only checks
+what is cheap and bounded: types, sizes, that a schema is JSON, not too deep and not too large.
+Everything else (is the regex valid, can every schema keyword be enforced) is found by the
+grammar engine's compile, off the caller's thread, and reported as the request's error.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 from radixlm.runtime.grammar.json_schema import json_object_regex, load_schema, schema_to_regex
 from radixlm.runtime.grammar.regex_check import check_regex
+from radixlm.runtime.grammar.schema_check import check_schema_shape
 
-GRAMMAR_FIELDS = ("regex", "json_schema", "json_object")
+GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf", "json_object")
+MAX_GRAMMAR_CHARS = 1 << 20  # a regex, a grammar or a schema's JSON text
 
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    kind: str  # "regex" | "json_schema" | "json_object"
-    source: str  # the pattern, the schema as compact JSON, or "" for json_object
+    kind: str  # "regex" | "json_schema" | "ebnf" | "json_object"
+    source: str  # the pattern, the schema as compact JSON, the grammar, "" for json_object
 
     def to_regex(self, max_spaces: int = 1) -> str:
-        """The regex to compile. `max_spaces` bounds the whitespace between JSON tokens."""
+        """The regex outlines-core compiles. `max_spaces` bounds the whitespace between JSON
+        tokens. Can be slow and large for big schemas: run it where that is bounded."""
         if self.kind == "regex":
             return check_regex(self.source)
         if self.kind == "json_schema":
             return schema_to_regex(self.source, max_spaces)
-        return json_object_regex(max_spaces)
+        if self.kind == "json_object":
+            return json_object_regex(max_spaces)
+        raise ValueError(f"{self.kind} grammars have no regex form")
 
     @classmethod
     def of(cls, params: Any) -> "GrammarSpec | None":
         """The grammar a SamplingParams asks for, or None."""
-        if params.regex is not None:
-            return cls("regex", params.regex)
-        if params.json_schema is not None:
-            return cls("json_schema", params.json_schema)
+        for kind in ("regex", "json_schema", "ebnf"):
+            if getattr(params, kind) is not None:
+                return cls(kind, getattr(params, kind))
         if params.json_object:
             return cls("json_object", "")
         return None
 
 
-def check_grammar_fields(regex: Any, json_schema: Any, json_object: Any) -> str | None:
+def check_grammar_fields(regex: Any, json_schema: Any, ebnf: Any,
+                         json_object: Any) -> str | None:
     """Validate the grammar fields of a SamplingParams; return json_schema as compact JSON.
-    Raises ValueError naming the field and the cause."""
-    given = [name for name, value in zip(GRAMMAR_FIELDS, (regex, json_schema, json_object))
+    Raises ValueError naming the field and the cause. Bounded in time and memory."""
+    values = (regex, json_schema, ebnf, json_object)
+    given = [name for name, value in zip(GRAMMAR_FIELDS, values)
              if value is not None and value is not False]
     if len(given) > 1:
         raise ValueError(f"{' and '.join(given)} are exclusive: set at most one of "
                          f"{', '.join(GRAMMAR_FIELDS)}")
-    if regex is not None:
-        check_regex(regex, "regex")
+    for name, value in (("regex", regex), ("ebnf", ebnf)):
+        if value is not None:
+            _check_text(value, name)
     if json_schema is not None:
+        if isinstance(json_schema, str):
+            _check_text(json_schema, "json_schema")
+            try:
+                json_schema = json.loads(json_schema)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"json_schema is not valid JSON: {exc}") from None
+            except RecursionError:
+                raise ValueError("json_schema nests too deeply") from None
+        check_schema_shape(json_schema)  # iterative: safe before anything recursive
         json_schema = load_schema(json_schema)
-        schema_to_regex(json_schema)  # cached: the engine's compile reuses the work
+        if len(json_schema) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"json_schema is longer than {MAX_GRAMMAR_CHARS} characters")
     return json_schema
+
+
+def _check_text(value: Any, name: str) -> None:
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string, got {type(value).__name__}")
+    if not value and name != "regex":  # the empty regex matches just the empty string
+        raise ValueError(f"{name} must not be empty")
+    if len(value) > MAX_GRAMMAR_CHARS:
+        raise ValueError(f"{name} is longer than {MAX_GRAMMAR_CHARS} characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{name} is not valid text (it holds a lone surrogate)") from None
 
 
 def choices_regex(choices: Sequence[str]) -> str:

@@ -41,6 +41,9 @@ class Output:
     delta: str = ""  # streaming: text added since the previous chunk
     matched_stop: str | int | None = None  # the stop string or token id that ended it
     error: str | None = None  # why an aborted request was aborted, if not by the user
+    # The error is the request's own fault (e.g. a grammar that cannot be compiled), not the
+    # engine's: a server answers it with 400, not 500.
+    error_invalid: bool = False
     time_to_first_token: float | None = None  # seconds from submission to the first token
     lease_id: str | None = None  # the lease a prefix pin took (Engine.pin_prefix)
 
@@ -79,6 +82,7 @@ class Request:
     finish_reason: str | None = None
     matched_stop: str | int | None = None
     error: str | None = None
+    error_invalid: bool = False  # see Output.error_invalid
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.perf_counter)
@@ -97,7 +101,6 @@ class Request:
     # deterministic drafts), and the request's n-gram index.
     draft_tokens: list[int] = field(default_factory=list)
     draft_probs: Any = None
-    draft_states: list[int] | None = None  # grammar state before each draft position
     ngram_index: Any = None
     draft_length: Any = None  # a speculative.AdaptiveK: how many drafts to propose
 
@@ -166,6 +169,7 @@ class Request:
             delta=delta,
             matched_stop=self.matched_stop,
             error=self.error,
+            error_invalid=self.error_invalid,
             time_to_first_token=(None if self.first_token_time is None
                                  else self.first_token_time - self.arrival_time),
             lease_id=self.lease_id,

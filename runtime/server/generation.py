@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from radixlm.runtime.config.sampling_params import SamplingParams
+from radixlm.runtime.grammar.spec import GRAMMAR_FIELDS
 from radixlm.runtime.server.ipc import Chunk, EngineError, LogprobEntry
 from radixlm.runtime.server.protocol import ApiError
 from radixlm.runtime.server.state import ServerState
@@ -34,6 +35,7 @@ class Sample:
     finish_reason: str | None = None
     matched_stop: str | int | None = None
     error: str | None = None
+    error_invalid: bool = False
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -58,6 +60,7 @@ class Sample:
             self.finish_reason = chunk.finish_reason
             self.matched_stop = chunk.matched_stop
             self.error = chunk.error
+            self.error_invalid = chunk.error_invalid
             self.completion_tokens = chunk.completion_tokens
             self.prompt_logprobs = chunk.prompt_logprobs
 
@@ -166,9 +169,18 @@ class Generation:
                                                                for s in firsts)}}
 
     def failure(self) -> ApiError | None:
-        """An engine-side failure (an abort nobody asked for) as a 500, if any sample had one."""
+        """An abort nobody asked for, if any sample had one (see abort_error)."""
         for sample in self.samples:
             if sample.finish_reason == "abort" and sample.error:
-                return ApiError(500, f"generation failed: {sample.error}",
-                                code="engine_error")
+                return abort_error(sample.error, sample.error_invalid)
         return None
+
+
+def abort_error(error: str, invalid: bool) -> ApiError:
+    """A request the engine ended with an error: 400 when the request was at fault (a grammar
+    that cannot be compiled; the message starts with its field), 500 otherwise."""
+    if invalid:
+        field = error.split(":", 1)[0]
+        return ApiError(400, error, field if field in GRAMMAR_FIELDS else None,
+                        "invalid_grammar")
+    return ApiError(500, f"generation failed: {error}", code="engine_error")

@@ -41,6 +41,7 @@ class Chunk:
     completion_tokens: int = 0
     matched_stop: str | int | None = None
     error: str | None = None  # why the engine aborted it, if nobody asked it to
+    error_invalid: bool = False  # ... and it was the request's fault (its grammar)
     prompt_logprobs: list[LogprobEntry | None] | None = None
 
     @property

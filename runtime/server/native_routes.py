@@ -11,7 +11,7 @@ from aiohttp import web
 
 from radixlm.runtime.server import native_protocol as native
 from radixlm.runtime.server.engine_client import EngineCallError
-from radixlm.runtime.server.generation import Generation
+from radixlm.runtime.server.generation import Generation, abort_error
 from radixlm.runtime.server.metrics import cache_hit_rate
 from radixlm.runtime.server.openai_protocol import parse_messages
 from radixlm.runtime.server.protocol import ApiError, Fields, bad, check_prompt_len, fit_context
@@ -72,7 +72,7 @@ async def _events(state: ServerState, gen: Generation,
     async with gen:
         async for sample, chunk in gen.chunks():
             if chunk.finish_reason == "abort" and chunk.error:
-                raise ApiError(500, f"generation failed: {chunk.error}", code="engine_error")
+                raise abort_error(chunk.error, chunk.error_invalid)
             if not (chunk.token_ids or chunk.finished):
                 continue
             texts = await _logprob_texts(state, gen, req)

@@ -8,10 +8,10 @@ from typing import Any, AsyncIterator
 
 from aiohttp import web
 
-from radixlm.runtime.server.generation import Generation, Sample
+from radixlm.runtime.server.generation import Generation, Sample, abort_error
 from radixlm.runtime.server.ipc import LogprobEntry
 from radixlm.runtime.server.openai_protocol import OpenAIRequest, parse_chat, parse_completion
-from radixlm.runtime.server.protocol import ApiError, fit_context
+from radixlm.runtime.server.protocol import fit_context
 from radixlm.runtime.server.state import ServerState
 from radixlm.runtime.server.web_util import json_response, read_json, state_of, stream_events
 
@@ -85,7 +85,7 @@ async def _events(gen: Generation, head: dict[str, Any], render: "_Renderer",
                                             "logprobs": None, "finish_reason": None}]}
         async for sample, chunk in gen.chunks():
             if chunk.finish_reason == "abort" and chunk.error:
-                raise ApiError(500, f"generation failed: {chunk.error}", code="engine_error")
+                raise abort_error(chunk.error, chunk.error_invalid)
             logprobs = chunk.logprobs if render.wants_logprobs else None
             if not (chunk.delta or chunk.finished or logprobs):
                 continue  # text held back (a possible stop string, half a character)

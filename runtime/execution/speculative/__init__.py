@@ -2,17 +2,15 @@
 target forward over all draft positions.
 
 - `verify`: the acceptance rules as pure tensor functions (greedy and rejection sampling).
-- `ngram`: prompt-lookup drafting, grammar truncation of drafts, adaptive draft length.
+- `ngram`: prompt-lookup drafting and an adaptive draft length.
 - `draft_model`: a small model that shares the target's tokenizer and KV page layout.
 - `speculator`: the engine side: who speculates this step, with how many drafts.
 """
 
 from radixlm.runtime.execution.speculative.ngram import (
     AdaptiveK,
-    GrammarPrefix,
     NgramIndex,
     propose_ngram,
-    truncate_to_grammar,
 )
 from radixlm.runtime.execution.speculative.verify import (
     PAD_TOKEN,
@@ -26,12 +24,10 @@ from radixlm.runtime.execution.speculative.verify import (
 __all__ = [
     "PAD_TOKEN",
     "AdaptiveK",
-    "GrammarPrefix",
     "NgramIndex",
     "Verified",
     "propose_ngram",
     "sampling_probs",
-    "truncate_to_grammar",
     "verify_greedy",
     "verify_sampling",
     "verify_tokens",

@@ -21,7 +21,7 @@ from radixlm.kernels.host_copy import to_device
 from radixlm.runtime.attention.base import AttentionBackend, ForwardBatch
 from radixlm.runtime.attention.kv_cache import KVCache
 from radixlm.runtime.execution import sampler
-from radixlm.runtime.execution.grammar_masks import state_masks
+from radixlm.runtime.execution.grammar_masks import draft_masks
 from radixlm.runtime.execution.speculative.verify import sampling_probs
 from radixlm.runtime.models.llama import LlamaForCausalLM
 from radixlm.runtime.scheduling.pages import ReqToTokenTable
@@ -61,8 +61,9 @@ class DraftModel:
         last), and pages for len(token_ids) + k - 1 tokens.
 
         A request with a grammar drafts under it: each step masks its row with the state its
-        drafts so far reach (read back to the host, so such steps sync once each). Past a
-        draft the grammar cannot follow (EOS), its row runs unmasked and is cut later."""
+        drafts so far reach (its matcher accepts them, and rolls them back at the end; the
+        sampled tokens are read back to the host, so such steps sync once each). Past a draft
+        the grammar cannot follow (EOS), its row runs unmasked and is cut later."""
         device = self.device
         rows = [r.table_row for r in requests]
         starts = [len(r.token_ids) - 1 for r in requests]
@@ -70,30 +71,37 @@ class DraftModel:
         sbatch = sampler.SamplingBatch.build(params, [r.generator for r in requests],
                                              self.vocab_size, device)
         tokens = to_device([r.token_ids[-1] for r in requests], torch.int64, device)
-        states = {b: r.grammar.state for b, r in enumerate(requests) if r.grammar is not None}
+        # Row -> drafts its matcher has accepted (rows whose grammar stopped following leave).
+        following = {b: 0 for b, r in enumerate(requests) if r.grammar is not None}
+        accepted = dict(following)
         drafts, probs = [], []
-        for step in range(k):
-            positions = [s + step for s in starts]
-            hidden = self._decode(requests, tokens, positions, rows)
-            logits = self._fit_vocab(self.model.compute_logits(hidden))
-            if states:
-                masked = list(states)
-                masks = np.concatenate([state_masks(requests[b], [states[b]]) for b in masked])
-                logits = sampler.apply_token_bitmask(
-                    logits, masked, to_device(torch.from_numpy(masks.view(np.int32)),
-                                              torch.int32, device))
-            tokens = sampler.sample(logits, sbatch)
-            if states:
-                sampled = tokens.tolist()
-                for b in list(states):
-                    following = requests[b].grammar.grammar.next_state(states[b], sampled[b])
-                    if following is None:
-                        del states[b]
-                    else:
-                        states[b] = following
-            drafts.append(tokens)
-            if not sbatch.all_greedy:
-                probs.append(sampling_probs(logits[:, None], sbatch)[:, 0])
+        try:
+            for step in range(k):
+                positions = [s + step for s in starts]
+                hidden = self._decode(requests, tokens, positions, rows)
+                logits = self._fit_vocab(self.model.compute_logits(hidden))
+                if following:
+                    masked = list(following)
+                    masks = np.concatenate([draft_masks(requests[b], []) for b in masked])
+                    logits = sampler.apply_token_bitmask(
+                        logits, masked, to_device(torch.from_numpy(masks.view(np.int32)),
+                                                  torch.int32, device))
+                tokens = sampler.sample(logits, sbatch)
+                if following:
+                    sampled = tokens.tolist()
+                    for b in list(following):
+                        matcher = requests[b].grammar
+                        if matcher.valid_prefix([sampled[b]]) == 1:
+                            matcher.accept(sampled[b])
+                            accepted[b] += 1
+                        else:
+                            del following[b]
+                drafts.append(tokens)
+                if not sbatch.all_greedy:
+                    probs.append(sampling_probs(logits[:, None], sbatch)[:, 0])
+        finally:
+            for b, count in accepted.items():
+                requests[b].grammar.rollback(count)
         proposal = torch.stack(drafts, dim=1).tolist()  # [B, k]
         return proposal, (torch.stack(probs, dim=1) if probs else None)
 

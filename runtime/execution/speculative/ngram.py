@@ -1,10 +1,10 @@
-"""Drafts without a draft model: n-gram (prompt-lookup) proposals, their truncation under a
-grammar, and an adaptive draft length driven by the observed acceptance."""
+"""Drafts without a draft model: n-gram (prompt-lookup) proposals, and an adaptive draft
+length driven by the observed acceptance."""
 
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -116,33 +116,6 @@ def _continuation(token_ids: Sequence[int], end: int, k: int) -> list[int]:
     if len(tail) == k:
         return tail
     return (tail * -(-k // len(tail)))[:k]
-
-
-class GrammarPrefix(NamedTuple):
-    """tokens: the longest prefix of a proposal the grammar allows. states: the automaton
-    state before each of those tokens plus the state after the last (len(tokens) + 1
-    entries): verification position i is masked with the mask of states[i]."""
-
-    tokens: list[int]
-    states: list[int]
-
-
-def truncate_to_grammar(proposal: Sequence[int], state: int,
-                        next_state: Callable[[int, int], int | None]) -> GrammarPrefix:
-    """Cut a proposal at its first token the grammar forbids.
-
-    With a GrammarMatcher `m`: truncate_to_grammar(drafts, m.state, m.grammar.next_state).
-    next_state(state, token) returns None for a forbidden token and never mutates the
-    matcher, so no rollback is needed. EOS ids are not automaton transitions, so a proposal
-    is cut before an EOS; at most that one token is lost, since nothing follows an EOS.
-    """
-    states = [state]
-    for token in proposal:
-        nxt = next_state(states[-1], int(token))
-        if nxt is None:
-            break
-        states.append(nxt)
-    return GrammarPrefix([int(t) for t in proposal[: len(states) - 1]], states)
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,12 +9,12 @@ rejected drafts back. The radix cache only ever sees verified tokens: `num_compu
 advances over a draft only once it is accepted.
 
 With a grammar (regex, JSON schema), a draft model samples its drafts under the grammar's
-masks, n-gram drafts are cut at their first token the grammar forbids, and verification
-masks each position with the grammar's state after the drafts before it
-(`request.draft_states`); the tokens a grammar forces are appended by jump-forward without
-drafting. Penalties and the `min_new_tokens` ban are applied at each draft position as if
-the drafts before it were output, and logprobs are reported for every emitted token, so
-speculation changes none of them.
+masks, n-gram drafts are cut at their first token the grammar forbids (`valid_prefix`), and
+verification masks each position with the grammar's state after the drafts before it
+(`GrammarMatcher.masks_along`, which rolls back); the tokens a grammar forces are appended by
+jump-forward without drafting. Penalties and the `min_new_tokens` ban are applied at each
+draft position as if the drafts before it were output, and logprobs are reported for every
+emitted token, so speculation changes none of them.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import Counter
 
 from radixlm.runtime.execution.speculative.draft_model import DraftModel
-from radixlm.runtime.execution.speculative.ngram import AdaptiveK, NgramIndex, truncate_to_grammar
+from radixlm.runtime.execution.speculative.ngram import AdaptiveK, NgramIndex
 from radixlm.runtime.scheduling.kv_manager import KVManager
 from radixlm.runtime.scheduling.request import Request
 from radixlm.runtime.scheduling.scheduler import ScheduledBatch
@@ -65,10 +65,8 @@ class Speculator:
             proposals, probs = [self._ngram(r, k) for _, r, k in chosen], None
         for row, ((index, request, k), drafts) in enumerate(zip(chosen, proposals)):
             drafts = drafts[:k]
-            if request.grammar is not None:
-                matcher = request.grammar
-                prefix = truncate_to_grammar(drafts, matcher.state, matcher.grammar.next_state)
-                drafts, request.draft_states = prefix.tokens, prefix.states
+            if request.grammar is not None:  # cut at the first token the grammar forbids
+                drafts = drafts[: request.grammar.valid_prefix(drafts)]
             request.draft_tokens = drafts
             request.draft_probs = probs[row] if probs is not None else None
             scheduled.num_new_tokens[index] = 1 + len(request.draft_tokens)
@@ -84,7 +82,7 @@ class Speculator:
             self.counters["accepted_tokens"] += len(emitted) - 1
             self.counters["emitted_tokens"] += len(emitted)
         request.draft_tokens = []
-        request.draft_probs = request.draft_states = None
+        request.draft_probs = None
         if not request.finished:
             self.kv.trim(request)
 
