@@ -22,6 +22,7 @@ SAMPLING_ALIASES = {
     "max_tokens": "max_new_tokens",
     "min_tokens": "min_new_tokens",
     "return_logprob": "logprobs",
+    "grammar": "ebnf",  # a Lark or GBNF grammar
 }
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
@@ -137,8 +138,8 @@ def normalize_sampling(kwargs: dict[str, Any], where: str) -> dict[str, Any]:
 def gen(name: str | None = None, *, choices: Sequence[str] | None = None,
         dtype: type | None = None, **sampling: Any) -> Gen | Select:
     """Generate text into variable `name`. Takes every SamplingParams field (and the aliases
-    max_tokens, min_tokens, return_logprob). `choices=[...]` is `select`; `dtype=int|float|
-    bool|str` constrains the text with a regex and converts the value."""
+    max_tokens, min_tokens, return_logprob, grammar for ebnf). `choices=[...]` is `select`;
+    `dtype=int|float|bool|str` constrains the text with a regex and converts the value."""
     if choices is not None:
         if sampling or dtype is not None:
             raise TypeError("gen: choices= takes no sampling fields or dtype; use select()")
@@ -148,8 +149,8 @@ def gen(name: str | None = None, *, choices: Sequence[str] | None = None,
     if dtype is not None:
         if dtype not in DTYPE_REGEX:
             raise TypeError(f"gen: dtype must be one of int, float, bool, str; got {dtype!r}")
-        if "regex" in params or "json_schema" in params:
-            raise TypeError("gen: dtype= builds its own regex; don't pass regex/json_schema")
+        if any(k in params for k in ("regex", "json_schema", "ebnf", "json_object")):
+            raise TypeError("gen: dtype= builds its own regex; don't pass another grammar")
         params["regex"] = DTYPE_REGEX[dtype]
     return Gen(name, params, dtype)
 

@@ -432,6 +432,39 @@ def test_response_format_is_passed_on_or_refused_never_ignored(http):
     assert plain.status_code == 200
 
 
+def test_grammars_on_native_and_openai_routes(http, client):
+    yes_no = 'root ::= "yes" | "no"'  # GBNF; Lark syntax works too
+    body = {"text": "Answer:", "sampling_params": {"ebnf": yes_no, "temperature": 0}}
+    reply = http.post("/generate", json=body)
+    assert reply.status_code == 200 and reply.json()["text"] in ("yes", "no")
+    out = client.completions.create(model="m", prompt="Answer:", max_tokens=8,
+                                    extra_body={"ebnf": 'start: "maybe" | "sure"'})
+    assert out.choices[0].text in ("maybe", "sure")
+    chat = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Pick"}], max_tokens=8,
+        extra_body={"regex": "(red|blue)"})
+    assert chat.choices[0].message.content in ("red", "blue")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_grammars_that_cannot_compile_are_400_naming_the_field(http, stream):
+    bad_grammars = [({"regex": "(unclosed"}, "regex"),
+                    ({"ebnf": "start: (unclosed"}, "ebnf"),
+                    ({"json_schema": {"type": "object", "properties": {
+                        "a": {"not": {"type": "string"}}}}}, "json_schema")]
+    for fields, param in bad_grammars:
+        body = {"text": "x", "stream": stream, "sampling_params": {**fields, "max_new_tokens": 4}}
+        error = error_of(http.post("/generate", json=body), 400)
+        assert error["param"] == param and error["message"].startswith(param)
+        assert error["code"] == "invalid_grammar"
+    error = error_of(http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "stream": stream,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "string", "format": "uri-template"}}}}), 400)
+    assert "uri-template" in error["message"]
+    wait_idle_and_check_no_leak(http)
+
+
 def test_malformed_json_nan_and_non_objects_are_400(http):
     for raw in (b"{not json", b"[1, 2]", b'{"text": "hi", "sampling_params": '
                 b'{"temperature": NaN}}', b'{"text": "hi", "sampling_params": '

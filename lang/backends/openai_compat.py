@@ -7,8 +7,8 @@ template-rendered mix, so:
   becomes a chat completion of the messages before it;
 - `select` needs prompt-token logprobs (`/v1/completions` with `echo` and `logprobs`); a
   server that does not return them fails the select with a clear error;
-- regex constraints have no OpenAI field and fail clearly; `json_schema` and `json_object`
-  become `response_format`; cache hints are ignored.
+- regex and ebnf constraints have no OpenAI field and fail clearly; `json_schema` and
+  `json_object` become `response_format`; cache hints are ignored.
 """
 
 from __future__ import annotations
@@ -97,9 +97,11 @@ class OpenAI(Backend):
     def _body(self, params: SamplingParams) -> dict[str, Any]:
         if params.n != 1:
             raise ValueError("n: a gen produces one completion; use s.fork(n) for several")
-        if params.regex is not None:
-            raise BackendError("regex: OpenAI-compatible APIs have no regex constraint; use "
-                               "rl.Engine or rl.RuntimeEndpoint for regex and dtype=")
+        for name in ("regex", "ebnf"):
+            if getattr(params, name) is not None:
+                raise BackendError(f"{name}: OpenAI-compatible APIs have no {name} constraint; "
+                                   "use rl.Engine or rl.RuntimeEndpoint for regex, ebnf and "
+                                   "dtype=")
         body: dict[str, Any] = {"model": self.model}
         for name, key in OPENAI_NAMES.items():
             value = getattr(params, name)

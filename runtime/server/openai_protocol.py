@@ -26,7 +26,9 @@ _DIRECT = {"n": "n", "stop": "stop", "temperature": "temperature", "top_p": "top
            "frequency_penalty": "frequency_penalty", "top_k": "top_k", "min_p": "min_p",
            "repetition_penalty": "repetition_penalty", "min_tokens": "min_new_tokens",
            "ignore_eos": "ignore_eos", "skip_special_tokens": "skip_special_tokens",
-           "stop_token_ids": "stop_token_ids"}
+           "stop_token_ids": "stop_token_ids",
+           # Grammars OpenAI has no field for, as SGLang names them (the SDK's extra_body).
+           "regex": "regex", "ebnf": "ebnf"}
 _COMMON = (*_DIRECT, "model", "stream", "stream_options", "max_tokens", "user", "logit_bias",
            "response_format", "cache_salt")
 COMPLETION_FIELDS = (*_COMMON, "prompt", "logprobs", "echo", "best_of", "suffix")

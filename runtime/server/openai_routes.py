@@ -77,15 +77,19 @@ async def _events(gen: Generation, head: dict[str, Any], render: "_Renderer",
                   req: OpenAIRequest) -> AsyncIterator[dict[str, Any]]:
     head = {**head, "object": head["object"] + (".chunk" if render.chat else "")}
     flat = {id(s): i for i, s in enumerate(gen.samples)}
+    opened = not render.chat
     async with gen:
-        if render.chat:  # OpenAI opens each choice with the assistant role
-            for i in range(len(gen.samples)):
-                yield {**head, "choices": [{"index": i, "delta": {"role": "assistant",
-                                                                   "content": ""},
-                                            "logprobs": None, "finish_reason": None}]}
         async for sample, chunk in gen.chunks():
             if chunk.finish_reason == "abort" and chunk.error:
                 raise abort_error(chunk.error, chunk.error_invalid)
+            if not opened:
+                # OpenAI opens each choice with the assistant role. Sent with the engine's
+                # first chunk, not before: a request the engine refuses is still a plain 400.
+                opened = True
+                for i in range(len(gen.samples)):
+                    yield {**head, "choices": [{"index": i, "delta": {"role": "assistant",
+                                                                       "content": ""},
+                                                "logprobs": None, "finish_reason": None}]}
             logprobs = chunk.logprobs if render.wants_logprobs else None
             if not (chunk.delta or chunk.finished or logprobs):
                 continue  # text held back (a possible stop string, half a character)
