@@ -65,7 +65,10 @@ def main() -> None:
             start = time.perf_counter()
             try:
                 regex = GrammarSpec(message[1], message[2]).to_regex(message[3])
-                index = Index(regex, vocabulary)
+                # outlines-core builds its automaton with leftmost-first semantics: in
+                # `(yes|yesterday)` the first branch wins once it matches, so the second could
+                # never be generated. Anchored at the end, every branch stays a full match.
+                index = Index(f"(?:{regex})$", vocabulary)
                 reply = ("ok", pickle.dumps(index), time.perf_counter() - start, regex)
             except MemoryError:
                 reply = ("error", "out of memory while compiling")

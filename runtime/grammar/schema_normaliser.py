@@ -105,7 +105,7 @@ class Normaliser:
             if key in s:
                 return self.alternatives(s, key, path)
         if "enum" in s or "const" in s:
-            return {k: s[k] for k in ("enum", "const") if k in s}
+            return self.listed_values(s, path)
         kind = self.kind(s, path)
         if isinstance(kind, list):
             return self.schema({"anyOf": [{**s, "type": t} for t in kind]}, path)
@@ -114,6 +114,22 @@ class Normaliser:
         handler = {"object": self.object, "array": self.array, "string": self.string,
                    "integer": self.number, "number": self.number}.get(kind)
         return handler(s, path, kind) if handler else {"type": kind}
+
+    def listed_values(self, s: dict, path: str) -> dict:
+        """enum / const, keeping only the values the rest of the schema allows (a `type` beside
+        them narrows them: `{"enum": ["a", null], "type": "string"}` is just "a")."""
+        import jsonschema
+
+        values = list(s["enum"]) if "enum" in s else []
+        if "const" in s:
+            values = [v for v in values if v == s["const"]] if "enum" in s else [s["const"]]
+        rest = {k: v for k, v in s.items() if k not in ("enum", "const")}
+        if rest:
+            validator = jsonschema.Draft202012Validator(rest)
+            values = [v for v in values if validator.is_valid(v)]
+        if not values:
+            raise self.fail(path, "no value of enum/const is allowed by the rest of the schema")
+        return {"enum": values}
 
     def kind(self, s: dict, path: str) -> str | list[str] | None:
         kind = s.get("type")
