@@ -1,17 +1,24 @@
-"""Structured output on the default model (CPU): coverage, validity, overhead, jump-forward.
+"""Structured output on the default model (CPU): both grammar engines and llguidance's own
+strict mode as the peer, in one run on the same schemas.
 
-Sections, all in one run on the same schemas and model:
-  coverage    JSONSchemaBench schemas (a seeded sample per split): how many are accepted and
-              compile, compile time p50/p90, and the errors grouped by cause;
-  validity    chat generation on a fixed sample of them (greedy), jump-forward off and on:
-              finished outputs validated with jsonschema, outputs cut by max_new_tokens
-              counted apart, forward steps with and without jump-forward;
-  overhead    time spent in grammar work per constrained token (mask fill, mask apply,
-              advancing, jump-forward), at batch 1 and 32;
-  throughput  the same requests with a JSON schema and unconstrained, each request held to
-              the same number of new tokens, at batch 1 and 32.
+Sections:
+  coverage    JSONSchemaBench schemas (a seeded sample of every split present): how many each
+              engine accepts, compile latency p50/p90/p99/max (one compile at a time), and
+              the refusals grouped by cause. The peer is llguidance used directly
+              (`LLMatcher` on the raw schema, strict), so the figure to beat is its own;
+  soundness   for every accepted schema, random walks under the engine's masks (each allowed
+              token equally likely, EOS where the grammar may end): every finished walk must
+              validate with jsonschema, formats included. Unsound outputs are counted;
+  mask        per-token mask cost over those walks: p50/p99 microseconds;
+  validity    greedy chat generation on a fixed sample of schemas every engine accepts:
+              finished outputs validated, outputs cut by max_new_tokens counted apart;
+  throughput  the same requests with a JSON schema and unconstrained (each held to the
+              constrained twin's length), at batch 1 and 64.
 
-    python benchmarks/structured.py [--coverage-sample 300] [--generate-sample 48]
+    python benchmarks/structured.py [--coverage-sample 300] [--outlines-sample 60]
+
+The schemas are in ../shared/data/jsonschemabench/<split>/*.json; without them the
+benchmark says where to get them (github.com/guidance-ai/jsonschemabench, data/<split>).
 """
 
 from __future__ import annotations
@@ -26,26 +33,25 @@ import platform
 import random
 import re
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import jsonschema
+import numpy as np
 import torch
 
-from radixlm.runtime import Engine, SamplingParams
-from radixlm.runtime.execution import sampler
-from radixlm.runtime.execution.model_runner import ModelRunner
-from radixlm.runtime.grammar.backend import GrammarBackend
-from radixlm.runtime.grammar.matcher import GrammarMatcher
+from radixlm.runtime import Engine, EngineConfig, SamplingParams
+from radixlm.runtime.grammar.engine import create_grammar_engine
 from radixlm.runtime.grammar.spec import GrammarSpec
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschemabench"
-SPLITS = ("Glaiveai2K", "Github_easy")
+ENGINES = ("llguidance", "outlines")
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 130},
     "city": {"type": "string"}, "hobbies": {"type": "array", "items": {"type": "string"},
                                             "maxItems": 4}},
-    "required": ["name", "age", "city", "hobbies"]}
+    "required": ["name", "age", "city", "hobbies"], "additionalProperties": False}
 PEOPLE = ["a retired sailor", "a young chef", "a chess champion", "a beekeeper", "a pilot",
           "a librarian", "a marathon runner", "a jazz pianist"]
 
@@ -60,55 +66,140 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def load_schemas(split: str, sample: int, seed: int) -> list[tuple[str, str]]:
+def splits() -> list[str]:
+    found = sorted(p.name for p in DATA.glob("*") if p.is_dir() and any(p.glob("*.json")))
+    if not found:
+        sys.exit(f"no JSONSchemaBench schemas under {DATA}: put each split's schemas there as "
+                 "<split>/*.json (from github.com/guidance-ai/jsonschemabench, data/<split>)")
+    return found
+
+
+def load_schemas(split: str, sample: int) -> list[tuple[str, str]]:
     files = sorted(p.name for p in (DATA / split).glob("*.json"))
-    picked = random.Random(seed).sample(files, min(sample, len(files)))
-    return [(f, (DATA / split / f).read_text()) for f in picked]
+    picked = random.Random(0).sample(files, min(sample, len(files)))
+    return [(f"{split}/{f}", (DATA / split / f).read_text()) for f in picked]
 
 
 def cause(message: str) -> str:
-    """Group error messages: drop the location, quoted names and numbers."""
-    message = message.split(" (at ")[0]
-    message = re.sub(r"(property name|property|\$ref|pattern at) \S+", r"\1 …", message)
-    return re.sub(r"\d+(\.\d+)?", "N", message)[:110]
+    """Group refusals: drop JSON pointers, quoted names and numbers."""
+    message = re.sub(r" at /\S*", "", message.split(" (at ")[0])
+    message = re.sub(r"'[^']*'|\"[^\"]*\"", "…", message)
+    return re.sub(r"\d+(\.\d+)?", "N", message)[:100]
 
 
-# -- coverage --------------------------------------------------------------------------------
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
 
 
-def coverage(engine: Engine, sample: int) -> tuple[dict, dict]:
-    backend = engine.core.grammar_backend()
-    summary: dict[str, dict] = {}
-    compiled: dict[str, dict] = {}  # "split/file" -> schema dict, for those that compile
-    for split in SPLITS:
-        jobs, causes, seconds = [], collections.Counter(), []
-        for name, text in load_schemas(split, sample, seed=0):
-            try:
-                params = SamplingParams(json_schema=json.loads(text))
-            except ValueError as exc:
-                causes["refused: " + cause(str(exc))] += 1
+def valid(schema: dict, text: str) -> bool:
+    try:
+        cls = jsonschema.validators.validator_for(schema)
+        cls(schema, format_checker=cls.FORMAT_CHECKER).validate(json.loads(text))
+        return True
+    except (ValueError, jsonschema.ValidationError):
+        return False
+
+
+# -- coverage, soundness and mask cost, per engine ----------------------------------------------
+
+
+class PeerCompiler:
+    """llguidance used directly on the raw schema (strict: unknown keywords are errors)."""
+
+    def __init__(self, tokenizer) -> None:
+        import llguidance.hf
+
+        self.llg = llguidance
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer)
+
+    def compile(self, text: str) -> None:
+        LLMatcher = self.llg.LLMatcher
+        matcher = LLMatcher(self.tokenizer, LLMatcher.grammar_from_json_schema(text),
+                            log_level=0)
+        if matcher.is_error():
+            raise ValueError(matcher.get_error().splitlines()[0])
+
+
+def random_walk(matcher, rng: random.Random, eos: int, limit: int,
+                mask_seconds: list[float]) -> list[int] | None:
+    out: list[int] = []
+    row = np.zeros(matcher.mask_words, dtype=np.uint32)
+    for _ in range(limit):
+        if matcher.is_terminated:
+            return out
+        start = time.perf_counter()
+        matcher.fill_mask(row)
+        mask_seconds.append(time.perf_counter() - start)
+        choices = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
+        token = rng.choice([int(c) for c in choices] + ([eos] if matcher.is_final else []))
+        if token == eos:
+            return out
+        matcher.accept(token)
+        out.append(token)
+    return None
+
+
+def engine_coverage(name: str, tokenizer, schemas: list[tuple[str, str]], timeout: float,
+                    walks: int) -> tuple[dict, set[str]]:
+    config = EngineConfig(grammar_backend=name, grammar_compile_timeout=timeout,
+                          grammar_cache_size=8)
+    grammars = create_grammar_engine(name, tokenizer, len(tokenizer), config)
+    accepted, seconds, causes = set(), [], collections.Counter()
+    unsound, finished, masks, unsound_examples = 0, 0, [], []
+    for key, text in schemas:
+        start = time.perf_counter()
+        try:
+            spec = GrammarSpec.of(SamplingParams(json_schema=text))
+            compiled = grammars.submit(spec).result()
+        except Exception as exc:
+            causes[cause(str(exc))] += 1
+            continue
+        seconds.append(time.perf_counter() - start)
+        accepted.add(key)
+        schema = json.loads(text)
+        for seed in range(walks):
+            tokens = random_walk(compiled.matcher(), random.Random(seed), tokenizer.eos_token_id,
+                                 300, masks)
+            if tokens is None:
                 continue
-            jobs.append((name, text, backend.submit(GrammarSpec.of(params))))
-        for i, (name, text, future) in enumerate(jobs):
-            jobs[i] = None  # indexes can be large: keep only what the cache keeps
-            try:
-                seconds.append(future.result().compile_seconds)
-                compiled[f"{split}/{name}"] = json.loads(text)
-            except Exception as exc:
-                kind = "timeout" if "timed out" in str(exc) else "compile failed"
-                causes[f"{kind}: " + cause(str(exc))] += 1
-            del future
-        total = len(seconds) + sum(causes.values())
-        seconds.sort()
-        summary[split] = {
-            "schemas": total, "compiled": len(seconds), "coverage": len(seconds) / total,
-            "compile_p50_s": statistics.median(seconds),
-            "compile_p90_s": seconds[int(0.9 * (len(seconds) - 1))],
-            "compile_max_s": seconds[-1], "errors_by_cause": dict(causes.most_common())}
-    return summary, compiled
+            finished += 1
+            output = tokenizer.decode(tokens)
+            if not valid(schema, output):
+                unsound += 1
+                unsound_examples.append({"schema": key, "output": output[:300]})
+        del compiled
+    grammars.close()
+    return {"schemas": len(schemas), "accepted": len(accepted),
+            "coverage": len(accepted) / len(schemas),
+            "compile_ms": {q: 1e3 * percentile(seconds, p)
+                           for q, p in (("p50", 50), ("p90", 90), ("p99", 99), ("max", 100))},
+            "walks_finished": finished, "unsound": unsound,
+            "unsound_examples": unsound_examples[:5],
+            "mask_us": {"p50": 1e6 * percentile(masks, 50), "p99": 1e6 * percentile(masks, 99),
+                        "masks": len(masks)},
+            "refusals_by_cause": dict(causes.most_common(12))}, accepted
 
 
-# -- validity and jump-forward ------------------------------------------------------------------
+def peer_coverage(tokenizer, schemas: list[tuple[str, str]]) -> tuple[dict, set[str]]:
+    peer = PeerCompiler(tokenizer)
+    accepted, seconds, causes = set(), [], collections.Counter()
+    for key, text in schemas:
+        start = time.perf_counter()
+        try:
+            peer.compile(text)
+        except Exception as exc:
+            causes[cause(str(exc))] += 1
+            continue
+        seconds.append(time.perf_counter() - start)
+        accepted.add(key)
+    return {"schemas": len(schemas), "accepted": len(accepted),
+            "coverage": len(accepted) / len(schemas),
+            "compile_ms": {q: 1e3 * percentile(seconds, p)
+                           for q, p in (("p50", 50), ("p90", 90), ("p99", 99), ("max", 100))},
+            "refusals_by_cause": dict(causes.most_common(12))}, accepted
+
+
+# -- generation on the model -------------------------------------------------------------------
 
 
 def chat_prompt(name: str, schema: dict) -> list[dict]:
@@ -122,195 +213,130 @@ def chat_prompt(name: str, schema: dict) -> list[dict]:
 def validity(engine: Engine, cases: list[tuple[str, dict]], new_tokens: int) -> dict:
     params = [SamplingParams(json_schema=s, temperature=0, repetition_penalty=1.2,
                              max_new_tokens=new_tokens) for _, s in cases]
-    before = engine.stats()
     start = time.perf_counter()
     outs = engine.chat([chat_prompt(n, s) for n, s in cases], params)
     wall = time.perf_counter() - start
-    after = engine.stats()
-    counts = collections.Counter()
-    invalid = []
-    for (name, schema), out in zip(cases, outs):
-        counts[out.finish_reason] += 1
-        if out.finish_reason != "stop":
-            continue
-        try:
-            cls = jsonschema.validators.validator_for(schema)
-            cls(schema, format_checker=cls.FORMAT_CHECKER).validate(json.loads(out.text))
-            counts["valid"] += 1
-        except (ValueError, jsonschema.ValidationError) as exc:
-            invalid.append({"schema": name, "output": out.text, "error": str(exc)[:300]})
-    delta = {k: after[k] - before[k] for k in ("steps", "generated_tokens",
-                                              "jump_forward_tokens")}
-    return {"requests": len(cases), "finished": counts["stop"], "valid": counts["valid"],
-            "cut_by_length": counts["length"], "aborted": counts["abort"],
-            "invalid": invalid, "wall_s": wall, **delta}
+    counts = collections.Counter(o.finish_reason for o in outs)
+    invalid = [{"schema": n, "output": o.text[:300]} for (n, s), o in zip(cases, outs)
+               if o.finish_reason == "stop" and not valid(s, o.text)]
+    return {"requests": len(cases), "finished": counts["stop"],
+            "valid": counts["stop"] - len(invalid), "cut_by_length": counts["length"],
+            "aborted": counts["abort"], "invalid": invalid, "wall_s": wall}
 
 
-# -- overhead and throughput ---------------------------------------------------------------------
-
-
-class GrammarTimer:
-    """Wraps the grammar work done per step and sums its time."""
-
-    TARGETS = [(ModelRunner, "_grammar_masks"), (sampler, "apply_token_bitmask"),
-               (GrammarMatcher, "accept"), (GrammarBackend, "forced_tokens")]
-
-    def __init__(self) -> None:
-        self.seconds = collections.Counter()
-        self._saved = []
-
-    def __enter__(self) -> "GrammarTimer":
-        self._saved = []
-        for owner, name in self.TARGETS:
-            original = getattr(owner, name)
-            self._saved.append((owner, name, original))
-            setattr(owner, name, self._timed(name, original))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for owner, name, original in self._saved:
-            setattr(owner, name, original)
-
-    def _timed(self, label, fn):
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[label] += time.perf_counter() - start
-        return timed
-
-
-def person_prompts(engine: Engine, count: int) -> list[list[int]]:
-    return [engine.encode_chat([{"role": "user", "content":
-                                 f"Describe {PEOPLE[i % len(PEOPLE)]} (person {i}) as JSON "
-                                 "with name, age, city and hobbies."}]) for i in range(count)]
-
-
-def run_batch(engine: Engine, prompts, params, batch: int):
-    """Generate in groups of `batch` requests; returns (outputs, wall seconds, CPU seconds).
-    CPU seconds (of this process, all threads) are less sensitive than wall time to other
-    work on a shared machine."""
-    outs, start, cpu = [], time.perf_counter(), time.process_time()
+def run_batch(engine: Engine, prompts, params, batch: int) -> tuple[list, float]:
+    outs, start = [], time.perf_counter()
     for i in range(0, len(prompts), batch):
-        outs += engine.generate(input_ids=prompts[i:i + batch], sampling_params=params[i:i + batch])
-    return outs, time.perf_counter() - start, time.process_time() - cpu
+        outs += engine.generate(input_ids=prompts[i:i + batch],
+                                sampling_params=params[i:i + batch])
+    return outs, time.perf_counter() - start
 
 
-def overhead_and_throughput(engine: Engine, batch: int, requests: int, rounds: int) -> dict:
+def throughput(engine: Engine, batch: int, requests: int, rounds: int) -> dict:
     """Constrained and unconstrained runs alternate `rounds` times (the machine's load
-    drifts); ratios are medians over the rounds."""
-    prompts = person_prompts(engine, requests)
+    drifts); the ratio is the median over the rounds."""
+    prompts = [engine.encode_chat([{"role": "user", "content":
+                                    f"Describe {PEOPLE[i % len(PEOPLE)]} (person {i}) as "
+                                    "JSON with name, age, city and hobbies."}])
+               for i in range(requests)]
     constrained = [SamplingParams(json_schema=PERSON, temperature=0.7, seed=i,
                                   max_new_tokens=96) for i in range(requests)]
-    run_batch(engine, prompts, constrained, batch)  # compiled grammar and per-state caches
-    timer, ratios, cpu_ratios = GrammarTimer(), [], []
-    times = {"constrained": 0.0, "unconstrained": 0.0}
+    run_batch(engine, prompts, constrained, batch)  # warm: compiled grammar, caches
+    ratios, tokens_per_s = [], collections.defaultdict(list)
     for _ in range(rounds):
         before = engine.stats()
-        with timer:
-            outs, constrained_s, constrained_cpu = run_batch(engine, prompts, constrained, batch)
-        after = engine.stats()
+        outs, constrained_s = run_batch(engine, prompts, constrained, batch)
+        steps = engine.stats()["steps"] - before["steps"]
         tokens = sum(o.completion_tokens for o in outs)
-        # The same requests unconstrained, each held to its constrained twin's length.
         plain = [SamplingParams(temperature=0.7, seed=i, max_new_tokens=o.completion_tokens,
                                 min_new_tokens=o.completion_tokens, ignore_eos=True)
                  for i, o in enumerate(outs)]
-        plain_before = engine.stats()
-        _, plain_s, plain_cpu = run_batch(engine, prompts, plain, batch)
-        plain_steps = engine.stats()["steps"] - plain_before["steps"]
+        before = engine.stats()
+        _, plain_s = run_batch(engine, prompts, plain, batch)
+        plain_steps = engine.stats()["steps"] - before["steps"]
         ratios.append(plain_s / constrained_s)
-        cpu_ratios.append(plain_cpu / constrained_cpu)
-        times["constrained"] += constrained_s
-        times["unconstrained"] += plain_s
-    grammar_s = sum(timer.seconds.values()) / rounds
-    return {
-        "batch": batch, "requests": requests, "rounds": rounds, "tokens": tokens,
-        "constrained_tokens_per_s": rounds * tokens / times["constrained"],
-        "unconstrained_tokens_per_s": rounds * tokens / times["unconstrained"],
-        "constrained_vs_unconstrained": statistics.median(ratios),
-        "constrained_vs_unconstrained_cpu_time": statistics.median(cpu_ratios),
-        "constrained_steps": after["steps"] - before["steps"], "unconstrained_steps": plain_steps,
-        "jump_forward_tokens": after["jump_forward_tokens"] - before["jump_forward_tokens"],
-        "grammar_us_per_token": 1e6 * grammar_s / tokens,
-        "grammar_share_of_wall": grammar_s * rounds / times["constrained"],
-        "grammar_us_per_token_by_part": {k: 1e6 * v / rounds / tokens
-                                         for k, v in timer.seconds.items()},
-        "finished": sum(o.finish_reason == "stop" for o in outs),
-    }
-
-
-def validity_sample(compiled: dict, size: int) -> list[tuple[str, dict]]:
-    """A fixed sample of the schemas that compiled: two thirds Glaive, a third GitHub."""
-    rng = random.Random(1)
-    names = {s: sorted(k for k in compiled if k.startswith(s)) for s in SPLITS}
-    glaive = rng.sample(names[SPLITS[0]], min(len(names[SPLITS[0]]), 2 * size // 3))
-    github = rng.sample(names[SPLITS[1]], min(len(names[SPLITS[1]]), size - len(glaive)))
-    return [(k, compiled[k]) for k in glaive + github]
+        tokens_per_s["constrained"].append(tokens / constrained_s)
+        tokens_per_s["unconstrained"].append(tokens / plain_s)
+    return {"batch": batch, "requests": requests, "rounds": rounds, "tokens": tokens,
+            "constrained_tokens_per_s": statistics.median(tokens_per_s["constrained"]),
+            "unconstrained_tokens_per_s": statistics.median(tokens_per_s["unconstrained"]),
+            "constrained_vs_unconstrained": statistics.median(ratios),
+            "constrained_steps": steps, "unconstrained_steps": plain_steps,
+            "finished": sum(o.finish_reason == "stop" for o in outs)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--coverage-sample", type=int, default=300, help="schemas per split")
-    parser.add_argument("--generate-sample", type=int, default=48)
+    parser.add_argument("--outlines-sample", type=int, default=60,
+                        help="schemas per split for outlines-core (its compiles take seconds)")
+    parser.add_argument("--walks", type=int, default=3, help="random walks per schema")
+    parser.add_argument("--generate-sample", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=192)
     parser.add_argument("--timeout", type=float, default=30.0)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    logging.disable(logging.WARNING)  # clamped bounds and refused schemas are counted instead
-    options = dict(max_total_tokens=32768, grammar_compile_timeout=args.timeout,
-                   grammar_cache_size=4096, grammar_cache_memory_gb=3.0)
+    logging.disable(logging.WARNING)  # refusals are counted instead
+    from transformers import AutoTokenizer
 
-    settings = {"default": {},
-                "jump-forward off": {"enable_jump_forward": False},
-                "compact JSON": {"json_max_whitespace": 0},
-                "compact JSON, jump-forward off": {"json_max_whitespace": 0,
-                                                   "enable_jump_forward": False}}
-    valid, perf, cov, cases = {}, {}, None, []
-    for label, extra in settings.items():
-        with Engine(**options, **extra) as engine:
-            if cov is None:
-                cov, compiled = coverage(engine, args.coverage_sample)
-                cases = validity_sample(compiled, args.generate_sample)
-            valid[label] = validity(engine, cases, args.new_tokens)
-            for batch, requests, rounds in ((1, 4, 2), (32, 32, 3)):
-                perf[f"{label}, batch {batch}"] = overhead_and_throughput(
-                    engine, batch, requests, rounds)
+    from radixlm.runtime.models.loader import resolve_model
 
-    print(f"\n{platform.machine()}, {torch.get_num_threads()} threads, float32")
-    for split, r in cov.items():
-        print(f"{split}: {r['compiled']}/{r['schemas']} compile ({r['coverage']:.1%}), "
-              f"p50 {r['compile_p50_s']:.2f}s p90 {r['compile_p90_s']:.2f}s "
-              f"max {r['compile_max_s']:.1f}s")
-        for why, n in r["errors_by_cause"].items():
-            print(f"    {n:4d}  {why}")
-    for label, r in valid.items():
-        print(f"validity, {label}: {r['valid']}/{r['finished']} finished outputs valid, "
-              f"{r['cut_by_length']} cut at {args.new_tokens} tokens, {r['aborted']} aborted; "
-              f"{r['generated_tokens']} tokens ({r['jump_forward_tokens']} jumped) in "
-              f"{r['steps']} steps, {r['wall_s']:.1f}s")
-    for label, r in perf.items():
-        print(f"{label}: grammar {r['grammar_us_per_token']:.0f} us/token "
-              f"({r['grammar_share_of_wall']:.1%} of wall), constrained "
-              f"{r['constrained_tokens_per_s']:.1f} tok/s vs unconstrained "
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(None))
+    coverage: dict[str, dict] = collections.defaultdict(dict)
+    by_key: dict[str, dict] = {}
+    both: set[str] = set()  # the generation sample: schemas every engine accepts
+    for split in splits():
+        schemas = load_schemas(split, args.coverage_sample)
+        by_key.update((key, json.loads(text)) for key, text in schemas)
+        coverage["llguidance strict (peer)"][split], _ = peer_coverage(tokenizer, schemas)
+        accepted = {}
+        for name in ENGINES:
+            sample = schemas[: args.outlines_sample] if name == "outlines" else schemas
+            coverage[name][split], accepted[name] = engine_coverage(
+                name, tokenizer, sample, args.timeout, args.walks)
+        both |= set.intersection(*accepted.values())
+    cases = [(k, by_key[k]) for k in random.Random(1).sample(
+        sorted(both), min(args.generate_sample, len(both)))]
+
+    generation, speed = {}, {}
+    for name in ENGINES:
+        with Engine(max_total_tokens=32768, grammar_backend=name,
+                    grammar_compile_timeout=args.timeout) as engine:
+            generation[name] = validity(engine, cases, args.new_tokens)
+            for batch, requests, rounds in ((1, 4, 2), (64, 64, 2)):
+                speed[f"{name}, batch {batch}"] = throughput(engine, batch, requests, rounds)
+
+    print(f"\n{cpu_name()}, {torch.get_num_threads()} threads, float32, "
+          f"{datetime.date.today()}")
+    print(f"{'engine':26} {'split':12} {'accepted':>10} {'p50 ms':>8} {'p90 ms':>8} "
+          f"{'p99 ms':>8} {'max ms':>8} {'unsound':>9} {'mask p50/p99 us':>16}")
+    for name, per_split in coverage.items():
+        for split, r in per_split.items():
+            mask = r.get("mask_us")
+            print(f"{name:26} {split:12} {r['accepted']:4d}/{r['schemas']:<4d} "
+                  f"{r['compile_ms']['p50']:8.2f} {r['compile_ms']['p90']:8.2f} "
+                  f"{r['compile_ms']['p99']:8.2f} {r['compile_ms']['max']:8.1f} "
+                  + (f"{r['unsound']:4d}/{r['walks_finished']:<4d} "
+                     f"{mask['p50']:7.1f}/{mask['p99']:<7.1f}" if mask else ""))
+    for name, r in generation.items():
+        print(f"validity, {name}: {r['valid']}/{r['finished']} finished outputs valid, "
+              f"{r['cut_by_length']} cut at {args.new_tokens} tokens, {r['aborted']} aborted "
+              f"({r['requests']} requests, {r['wall_s']:.1f}s)")
+    for label, r in speed.items():
+        print(f"{label}: constrained {r['constrained_tokens_per_s']:.1f} tok/s, unconstrained "
               f"{r['unconstrained_tokens_per_s']:.1f} tok/s "
-              f"(x{r['constrained_vs_unconstrained']:.2f} wall, "
-              f"x{r['constrained_vs_unconstrained_cpu_time']:.2f} CPU time), "
-              f"{r['constrained_steps']} steps vs "
-              f"{r['unconstrained_steps']}, {r['jump_forward_tokens']} tokens jumped")
+              f"(x{r['constrained_vs_unconstrained']:.2f}), {r['constrained_steps']} steps vs "
+              f"{r['unconstrained_steps']}")
 
     record = {"benchmark": "structured", "date": datetime.date.today().isoformat(),
               "machine": {"processor": cpu_name(), "cores": os.cpu_count(),
-                          "gpu": torch.cuda.get_device_name() if torch.cuda.is_available()
-                          else None,
-                          "threads": torch.get_num_threads(), "torch": torch.__version__,
-                          "note": "shared machine: other jobs ran alongside; compare ratios "
-                                  "measured in the same setting, not absolute tokens/s"},
+                          "threads": torch.get_num_threads(), "torch": torch.__version__},
               "config": {"model": "smollm2-135m-instruct", "dtype": "float32",
                          "coverage_sample_per_split": args.coverage_sample,
-                         "generate_sample": len(cases), "new_tokens": args.new_tokens,
-                         "compile_timeout_s": args.timeout},
-              "coverage": cov, "validity": valid, "overhead_and_throughput": perf}
+                         "outlines_sample_per_split": args.outlines_sample,
+                         "walks_per_schema": args.walks, "generate_sample": len(cases),
+                         "new_tokens": args.new_tokens, "compile_timeout_s": args.timeout},
+              "coverage": coverage, "validity": generation, "throughput": speed}
     out = Path(args.out or Path(__file__).parent / "results" /
                f"structured_cpu_float32_{record['date']}.json")
     out.write_text(json.dumps(record, indent=2) + "\n")

@@ -79,18 +79,23 @@ _COMPOSED = ("allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas", "depen
 
 
 def prepare_schema(schema: Any) -> Any:
-    """The schema as llguidance should compile it: checked against its meta-schema, standard
-    formats llguidance cannot enforce refused by pointer, non-standard formats dropped.
+    """The schema as llguidance should compile it (llguidance checks keyword values itself):
+    standard formats llguidance cannot enforce refused by pointer, non-standard formats
+    dropped.
 
     An object schema that names its properties and says nothing about others is closed
     (`additionalProperties: false`), as OpenAI's strict mode, XGrammar and outlines-core do:
     a small model otherwise invents keys until it runs out of tokens. The output stays valid
-    (a narrower language); a schema that wants other keys says so explicitly."""
-    check_meta_schema(schema)
+    (a narrower language); a schema that wants other keys says so explicitly. Required names
+    the schema does not describe stay allowed, with any value."""
     schema = json.loads(json.dumps(schema))  # a copy to edit
     for where, node in subschemas(schema):
-        if ("properties" in node and "/allOf/" not in f"{where}/"
+        properties = node.get("properties")
+        if (isinstance(properties, dict) and "/allOf/" not in f"{where}/"
                 and not any(key in node for key in _COMPOSED)):
+            for name in node.get("required", ()):
+                if isinstance(name, str):
+                    properties.setdefault(name, {})
             node["additionalProperties"] = False
         fmt = node.get("format")
         if not isinstance(fmt, str) or fmt in ENFORCED_FORMATS:
@@ -100,20 +105,6 @@ def prepare_schema(schema: Any) -> Any:
         log.warning("json_schema: non-standard format %r at %s ignored", fmt, where or "/")
         del node["format"]
     return schema
-
-
-def check_meta_schema(schema: Any) -> None:
-    """Is it a valid JSON Schema for the draft it names (the latest one by default)?"""
-    import jsonschema
-
-    if isinstance(schema, bool):
-        return
-    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    try:
-        cls.check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        where = "/" + "/".join(str(p) for p in exc.absolute_path)
-        raise ValueError(f"not a valid JSON Schema: {exc.message} (at {where})") from None
 
 
 def unsupported_keyword_error(schema: Any, error: str) -> str | None:
