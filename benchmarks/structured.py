@@ -8,12 +8,14 @@ Sections:
               (`LLMatcher` on the raw schema, strict), so the figure to beat is its own;
   soundness   for every accepted schema, random walks under the engine's masks (each allowed
               token equally likely, EOS where the grammar may end): every finished walk must
-              validate with jsonschema, formats included. Unsound outputs are counted;
+              validate with jsonschema, formats included. Unsound outputs are counted, and
+              walks the matcher gave up on (a parser limit hit mid-way);
   mask        per-token mask cost over those walks: p50/p99 microseconds;
   validity    greedy chat generation on a fixed sample of schemas every engine accepts:
               finished outputs validated, outputs cut by max_new_tokens counted apart;
   throughput  the same requests with a JSON schema and unconstrained (each held to the
-              constrained twin's length), at batch 1 and 64.
+              constrained twin's length), at batch 1 and 64, with the cost of every mask the
+              engine fills while decoding.
 
     python benchmarks/structured.py [--coverage-sample 300] [--outlines-sample 60]
 
@@ -145,7 +147,7 @@ def engine_coverage(name: str, tokenizer, schemas: list[tuple[str, str]], timeou
                           grammar_cache_size=8)
     grammars = create_grammar_engine(name, tokenizer, len(tokenizer), config)
     accepted, seconds, causes = set(), [], collections.Counter()
-    unsound, finished, masks, unsound_examples = 0, 0, [], []
+    unsound, finished, masks, unsound_examples, walk_errors = 0, 0, [], [], []
     for key, text in schemas:
         start = time.perf_counter()
         try:
@@ -158,8 +160,12 @@ def engine_coverage(name: str, tokenizer, schemas: list[tuple[str, str]], timeou
         accepted.add(key)
         schema = json.loads(text)
         for seed in range(walks):
-            tokens = random_walk(compiled.matcher(), random.Random(seed), tokenizer.eos_token_id,
-                                 300, masks)
+            try:
+                tokens = random_walk(compiled.matcher(), random.Random(seed),
+                                     tokenizer.eos_token_id, 300, masks)
+            except Exception as exc:  # the matcher gave up mid-walk (a parser limit)
+                walk_errors.append({"schema": key, "error": str(exc).splitlines()[0][:200]})
+                continue
             if tokens is None:
                 continue
             finished += 1
@@ -173,7 +179,7 @@ def engine_coverage(name: str, tokenizer, schemas: list[tuple[str, str]], timeou
             "coverage": len(accepted) / len(schemas),
             "compile_ms": {q: 1e3 * percentile(seconds, p)
                            for q, p in (("p50", 50), ("p90", 90), ("p99", 99), ("max", 100))},
-            "walks_finished": finished, "unsound": unsound,
+            "walks_finished": finished, "unsound": unsound, "walk_errors": walk_errors,
             "unsound_examples": unsound_examples[:5],
             "mask_us": {"p50": 1e6 * percentile(masks, 50), "p99": 1e6 * percentile(masks, 99),
                         "masks": len(masks)},
@@ -224,6 +230,37 @@ def validity(engine: Engine, cases: list[tuple[str, dict]], new_tokens: int) -> 
             "aborted": counts["abort"], "invalid": invalid, "wall_s": wall}
 
 
+class MaskTimer:
+    """Times every mask a grammar engine's matchers fill while the engine decodes."""
+
+    CLASSES = {"llguidance": ("radixlm.runtime.grammar.llguidance_engine", "LLGuidanceMatcher"),
+               "outlines": ("radixlm.runtime.grammar.matcher", "GrammarMatcher")}
+
+    def __init__(self, engine_name: str) -> None:
+        import importlib
+
+        module, name = self.CLASSES[engine_name]
+        self.cls = getattr(importlib.import_module(module), name)
+        self.seconds: list[float] = []
+
+    def __enter__(self) -> "MaskTimer":
+        original = self.original = self.cls.fill_mask
+        seconds = self.seconds
+
+        def timed(matcher, row):
+            start = time.perf_counter()
+            try:
+                return original(matcher, row)
+            finally:
+                seconds.append(time.perf_counter() - start)
+
+        self.cls.fill_mask = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cls.fill_mask = self.original
+
+
 def run_batch(engine: Engine, prompts, params, batch: int) -> tuple[list, float]:
     outs, start = [], time.perf_counter()
     for i in range(0, len(prompts), batch):
@@ -232,7 +269,7 @@ def run_batch(engine: Engine, prompts, params, batch: int) -> tuple[list, float]
     return outs, time.perf_counter() - start
 
 
-def throughput(engine: Engine, batch: int, requests: int, rounds: int) -> dict:
+def throughput(engine: Engine, name: str, batch: int, requests: int, rounds: int) -> dict:
     """Constrained and unconstrained runs alternate `rounds` times (the machine's load
     drifts); the ratio is the median over the rounds."""
     prompts = [engine.encode_chat([{"role": "user", "content":
@@ -243,9 +280,12 @@ def throughput(engine: Engine, batch: int, requests: int, rounds: int) -> dict:
                                   max_new_tokens=96) for i in range(requests)]
     run_batch(engine, prompts, constrained, batch)  # warm: compiled grammar, caches
     ratios, tokens_per_s = [], collections.defaultdict(list)
+    masks, mask_wall = MaskTimer(name), 0.0
     for _ in range(rounds):
         before = engine.stats()
-        outs, constrained_s = run_batch(engine, prompts, constrained, batch)
+        with masks:
+            outs, constrained_s = run_batch(engine, prompts, constrained, batch)
+        mask_wall += constrained_s
         steps = engine.stats()["steps"] - before["steps"]
         tokens = sum(o.completion_tokens for o in outs)
         plain = [SamplingParams(temperature=0.7, seed=i, max_new_tokens=o.completion_tokens,
@@ -262,6 +302,9 @@ def throughput(engine: Engine, batch: int, requests: int, rounds: int) -> dict:
             "unconstrained_tokens_per_s": statistics.median(tokens_per_s["unconstrained"]),
             "constrained_vs_unconstrained": statistics.median(ratios),
             "constrained_steps": steps, "unconstrained_steps": plain_steps,
+            "mask_us": {"p50": 1e6 * percentile(masks.seconds, 50),
+                        "p99": 1e6 * percentile(masks.seconds, 99),
+                        "share_of_wall": sum(masks.seconds) / mask_wall},
             "finished": sum(o.finish_reason == "stop" for o in outs)}
 
 
@@ -292,8 +335,11 @@ def main() -> None:
         accepted = {}
         for name in ENGINES:
             sample = schemas[: args.outlines_sample] if name == "outlines" else schemas
+            start = time.perf_counter()
             coverage[name][split], accepted[name] = engine_coverage(
                 name, tokenizer, sample, args.timeout, args.walks)
+            print(f"coverage {name} {split}: {time.perf_counter() - start:.0f} s",
+                  file=sys.stderr, flush=True)
         both |= set.intersection(*accepted.values())
     cases = [(k, by_key[k]) for k in random.Random(1).sample(
         sorted(both), min(args.generate_sample, len(both)))]
@@ -304,12 +350,13 @@ def main() -> None:
                     grammar_compile_timeout=args.timeout) as engine:
             generation[name] = validity(engine, cases, args.new_tokens)
             for batch, requests, rounds in ((1, 4, 2), (64, 64, 2)):
-                speed[f"{name}, batch {batch}"] = throughput(engine, batch, requests, rounds)
+                speed[f"{name}, batch {batch}"] = throughput(engine, name, batch, requests,
+                                                             rounds)
 
     print(f"\n{cpu_name()}, {torch.get_num_threads()} threads, float32, "
           f"{datetime.date.today()}")
     print(f"{'engine':26} {'split':12} {'accepted':>10} {'p50 ms':>8} {'p90 ms':>8} "
-          f"{'p99 ms':>8} {'max ms':>8} {'unsound':>9} {'mask p50/p99 us':>16}")
+          f"{'p99 ms':>8} {'max ms':>8} {'unsound':>9} {'err':>3} {'mask p50/p99 us':>16}")
     for name, per_split in coverage.items():
         for split, r in per_split.items():
             mask = r.get("mask_us")
@@ -317,6 +364,7 @@ def main() -> None:
                   f"{r['compile_ms']['p50']:8.2f} {r['compile_ms']['p90']:8.2f} "
                   f"{r['compile_ms']['p99']:8.2f} {r['compile_ms']['max']:8.1f} "
                   + (f"{r['unsound']:4d}/{r['walks_finished']:<4d} "
+                     f"{len(r['walk_errors']):3d} "
                      f"{mask['p50']:7.1f}/{mask['p99']:<7.1f}" if mask else ""))
     for name, r in generation.items():
         print(f"validity, {name}: {r['valid']}/{r['finished']} finished outputs valid, "
@@ -326,7 +374,8 @@ def main() -> None:
         print(f"{label}: constrained {r['constrained_tokens_per_s']:.1f} tok/s, unconstrained "
               f"{r['unconstrained_tokens_per_s']:.1f} tok/s "
               f"(x{r['constrained_vs_unconstrained']:.2f}), {r['constrained_steps']} steps vs "
-              f"{r['unconstrained_steps']}")
+              f"{r['unconstrained_steps']}; masks p50 {r['mask_us']['p50']:.0f} us, p99 "
+              f"{r['mask_us']['p99']:.0f} us, {r['mask_us']['share_of_wall']:.1%} of wall")
 
     record = {"benchmark": "structured", "date": datetime.date.today().isoformat(),
               "machine": {"processor": cpu_name(), "cores": os.cpu_count(),

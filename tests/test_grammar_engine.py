@@ -241,25 +241,35 @@ class FailingMatcher:
             raise RuntimeError("injected mask failure")
         self.inner.fill_mask(row)
 
+    def masks_along(self, tokens):
+        if self.fails == "draft":
+            raise RuntimeError("injected draft mask failure")
+        return self.inner.masks_along(tokens)
 
-def test_injected_grammar_failures_end_only_their_requests(engine, monkeypatch):
-    """A grammar that throws while advancing or while masking aborts its own request with
-    an error; the rest of the batch, constrained or not, finishes normally."""
+
+def poison(engine, monkeypatch) -> None:
+    """Requests whose grammar source starts with boomA / boomF / boomD get a FailingMatcher."""
     grammars = engine.core.grammar_engine()
     submit = grammars.submit
 
     def poisoned(spec):
         future = submit(spec)
-        fails = {"boomA": "accept", "boomF": "mask"}.get(spec.source[:5])
+        fails = {"boomA": "accept", "boomF": "mask", "boomD": "draft"}.get(spec.source[:5])
         if fails is None:
             return future
         compiled = future.result(timeout=60)
         proxy = Future()
-        proxy.set_result(SimpleNamespace(matcher=lambda: FailingMatcher(compiled.matcher(),
-                                                                        fails)))
+        proxy.set_result(SimpleNamespace(warnings=(), matcher=lambda: FailingMatcher(
+            compiled.matcher(), fails)))
         return proxy
 
     monkeypatch.setattr(grammars, "submit", poisoned)
+
+
+def test_injected_grammar_failures_end_only_their_requests(engine, monkeypatch):
+    """A grammar that throws while advancing or while masking aborts its own request with
+    an error; the rest of the batch, constrained or not, finishes normally."""
+    poison(engine, monkeypatch)
     params = [{"regex": "boomA[0-9]+", **SAMPLE}, {"regex": "[a-z]{1,8}", **SAMPLE},
               {"regex": "boomF[0-9]+", "temperature": 0}, {"temperature": 0, "max_new_tokens": 8},
               {"json_schema": PERSON, **SAMPLE}]
@@ -272,6 +282,28 @@ def test_injected_grammar_failures_end_only_their_requests(engine, monkeypatch):
     monkeypatch.undo()
     assert engine.generate("x", {"regex": "[a-z]{1,8}", **SAMPLE}).error is None
     assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_grammar_failing_on_drafts_ends_only_its_request(tiny_chat_model, backend,
+                                                           monkeypatch):
+    from radixlm.runtime.execution.speculative.speculator import Speculator
+
+    with Engine(str(tiny_chat_model), max_total_tokens=8192, speculative="ngram",
+                grammar_backend=backend) as eng:
+        poison(eng, monkeypatch)
+        digit = eng.tokenizer.encode("7", add_special_tokens=False)[0]
+        # Every request drafts: constrained ones get the drafts their grammar allows.
+        monkeypatch.setattr(Speculator, "_ngram", lambda self, request, k: [digit] * k)
+        params = [{"regex": "boomD[0-9]{1,12}", "temperature": 0, "max_new_tokens": 20},
+                  {"regex": "[0-9]{1,12}", "temperature": 0, "max_new_tokens": 20},
+                  {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}]
+        outs = eng.generate(["N:"] * 3, params)
+        assert outs[0].finish_reason == "abort" and "injected draft mask" in outs[0].error
+        assert outs[1].error is None and re.fullmatch("[0-9]{1,12}", outs[1].text)
+        assert outs[2].completion_tokens == 8
+        assert eng.stats()["spec_drafted_tokens"] > 0
+        assert_no_leak(eng)
 
 
 def test_compile_failure_and_timeout_fail_only_their_request(tiny_chat_model):

@@ -75,9 +75,15 @@ WALKS = [  # (schema, valid instances, invalid instances), compact JSON as the e
     ({"enum": ["a", None], "type": "string"}, ['"a"'], ["null"]),
     ({"anyOf": [{"type": "string", "maxLength": 3}, {"type": "null"}]}, ['"abc"', "null"],
      ['"abcd"', "1"]),
+    ({"type": "string", "format": "date"}, ['"2023-02-28"', '"1999-12-31"'],
+     ['"2023-02-29"', '"1900-02-29"', '"2023-04-31"', '"0000-01-01"']),
 ]
-# llguidance closes objects that say nothing of other keys (outlines-core always does).
+# llguidance closes objects that say nothing of other keys (outlines-core always does), and
+# has leap days (outlines-core's dates stop at February 28th).
 LLGUIDANCE_WALKS = [
+    ({"type": "string", "format": "date"}, ['"2024-02-29"', '"2000-02-29"'], ['"2100-02-29"']),
+    ({"type": "string", "format": "date-time"}, ['"2024-02-29T23:59:59.5+05:30"'],
+     ['"2023-02-29T00:00:00Z"', '"2023-01-01T24:00:00Z"']),
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]},
      ['{"a":1,"b":"x"}', '{"a":2,"b":[]}'], ['{"a":1}', '{"a":1,"b":2,"c":3}']),
     ({"type": "object", "properties": {"a": {"type": "integer"}},
@@ -166,6 +172,30 @@ def test_llguidance_refusals_name_the_keyword_and_where(engines):
         future = engines["llguidance"].submit(GrammarSpec.of(SamplingParams(json_schema=schema)))
         with pytest.raises(GrammarCompileError, match="^json_schema: .*" + re.escape(message)):
             future.result(timeout=60)
+
+
+def test_not_strict_leaves_out_what_cannot_be_enforced_and_says_so(engines, tokenizer):
+    schema = {"type": "object", "required": ["a", "b", "c"], "properties": {
+        "a": {"type": "integer", "not": {"const": 3}},
+        "b": {"oneOf": [{"type": "integer"}, {"type": "number"}]},
+        "c": {"type": "string", "format": "iri"}}}
+    spec = GrammarSpec.of(SamplingParams(json_schema=schema, json_schema_strict=False))
+    compiled = engines["llguidance"].submit(spec).result(timeout=60)
+    warnings = " | ".join(compiled.warnings)
+    for located in ("'not' at /properties/a", "'oneOf' at /properties/b",
+                    "'iri' at /properties/c"):
+        assert located in warnings, warnings
+    m = compiled.matcher()
+    assert follow(m, tokenizer.encode('{"a":3,"b":1.5,"c":"x"}', add_special_tokens=False))
+    assert m.is_final  # `not` was left out: 3 passes
+    strict = engines["llguidance"].submit(GrammarSpec.of(SamplingParams(json_schema=schema)))
+    with pytest.raises(GrammarCompileError, match="json_schema_strict=false"):
+        strict.result(timeout=60)
+    with pytest.raises(GrammarCompileError, match="needs grammar_backend='llguidance'"):
+        engines["outlines"].submit(spec).result(timeout=60)
+    plain = engines["llguidance"].submit(GrammarSpec.of(SamplingParams(
+        json_schema={"type": "integer"}, json_schema_strict=False))).result(timeout=60)
+    assert plain.warnings == ()  # nothing left out, nothing said
 
 
 def test_ebnf_in_lark_and_gbnf_syntax(engines, tokenizer):

@@ -465,6 +465,24 @@ def test_grammars_that_cannot_compile_are_400_naming_the_field(http, stream):
     wait_idle_and_check_no_leak(http)
 
 
+def test_strict_false_approximates_and_reports_what_it_left_out(http, client):
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "not": {"const": 3}}}}
+    body = {"text": "x", "sampling_params": {"json_schema": schema, "json_schema_strict": False,
+                                             "max_new_tokens": 8}}
+    meta = http.post("/generate", json=body).json()["meta_info"]
+    assert any("'not' at /properties/a" in w for w in meta["grammar_warnings"])
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": False}}
+    reply = http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 8, "response_format": fmt})
+    assert reply.status_code == 200, reply.text
+    assert "'not' at /properties/a" in reply.json()["choices"][0]["grammar_warnings"][0]
+    fmt["json_schema"]["strict"] = True
+    error = error_of(http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 8,
+        "response_format": fmt}), 400)
+    assert error["code"] == "invalid_grammar"
+
+
 def test_malformed_json_nan_and_non_objects_are_400(http):
     for raw in (b"{not json", b"[1, 2]", b'{"text": "hi", "sampling_params": '
                 b'{"temperature": NaN}}', b'{"text": "hi", "sampling_params": '

@@ -48,6 +48,9 @@ class SamplingParams:
     json_schema: str | None = None
     ebnf: str | None = None
     json_object: bool = False
+    # False: schema keywords the grammar engine cannot enforce are left out instead of refused,
+    # and Output.grammar_warnings says which (the output may then not validate).
+    json_schema_strict: bool = True
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise through object.__setattr__
@@ -72,7 +75,8 @@ class SamplingParams:
         for name in ("seed", "logprob_start_len"):
             if getattr(self, name) is not None:
                 _check_int(getattr(self, name), name)
-        for name in ("ignore_eos", "skip_special_tokens", "logprobs", "json_object"):
+        for name in ("ignore_eos", "skip_special_tokens", "logprobs", "json_object",
+                     "json_schema_strict"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         self._check_ranges()

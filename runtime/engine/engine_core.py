@@ -369,7 +369,9 @@ class EngineCore:
                 continue
             request.grammar_future = None
             try:
-                request.grammar = future.result().matcher()
+                compiled = future.result()
+                request.grammar = compiled.matcher()
+                request.grammar_warnings = compiled.warnings
                 complete = request.grammar.is_terminated
             except GrammarCompileError as exc:  # the request's own grammar is at fault
                 self._fail_grammar(request, str(exc), invalid=True)

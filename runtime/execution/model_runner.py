@@ -223,7 +223,8 @@ class ModelRunner:
         # running, so this work hides behind it.
         constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
         if constrained:
-            masks, step.failed = self._grammar_masks([requests[i] for i in constrained])
+            masks, failed = self._grammar_masks([requests[i] for i in constrained])
+            step.failed.update(failed)
         flat = [i for _, i in rows]
         if flat != list(range(hidden.shape[0])):  # decode steps sample every row, in order
             hidden = hidden[to_device(flat, torch.int64, self.device)]
@@ -277,9 +278,8 @@ class ModelRunner:
             logits = sampler.mask_tokens(logits, banned_rows, banned_ids)
         constrained = [b for b, r in enumerate(requests) if r.grammar is not None]
         if constrained:  # each position under the grammar state the drafts before it reach
-            masks = np.concatenate([
-                draft_masks(requests[b], requests[b].draft_tokens)[
-                    [min(j, counts[b]) for j in range(k + 1)]] for b in constrained])
+            masks = np.concatenate([self._draft_masks(requests[b], k, step)
+                                    for b in constrained])
             flat_rows = [b * (k + 1) + j for b in constrained for j in range(k + 1)]
             logits = sampler.apply_token_bitmask(
                 logits, flat_rows, to_device(torch.from_numpy(masks.view(np.int32)), torch.int32,
@@ -308,6 +308,16 @@ class ModelRunner:
             step.verified_logprobs = {
                 r: entries[b * (k + 1): b * (k + 1) + len(emitted[b])]
                 for b, r in enumerate(requests) if r.params.wants_logprobs}
+
+    def _draft_masks(self, request: Request, k: int, step: LaunchedStep) -> np.ndarray:
+        """[k + 1, words] masks of a speculating request's draft positions (positions past its
+        own drafts repeat its last). A grammar that fails here fails its request alone."""
+        n = len(request.draft_tokens)
+        try:
+            return draft_masks(request, request.draft_tokens)[[min(j, n) for j in range(k + 1)]]
+        except Exception as exc:
+            step.failed[request] = f"grammar error: {exc}"
+            return np.full((k + 1, request.grammar.mask_words), 0xFFFFFFFF, dtype=np.uint32)
 
     def _grammar_masks(self, requests: list[Request]):
         if self.grammar_masks is None:

@@ -88,6 +88,10 @@ class GrammarMatcher(ABC):
 class CompiledGrammar(ABC):
     """A grammar compiled for one tokenizer, shared by every request that asks for it."""
 
+    # What the compiled grammar does not enforce of what was asked (only when the request
+    # allowed it: json_schema_strict=False); returned with each output.
+    warnings: tuple[str, ...] = ()
+
     @property
     @abstractmethod
     def nbytes(self) -> int:

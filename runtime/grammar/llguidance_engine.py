@@ -30,7 +30,7 @@ from radixlm.runtime.grammar.engine import (
     GrammarError,
     GrammarMatcher,
 )
-from radixlm.runtime.grammar.schema_check import prepare_schema, unsupported_keyword_error
+from radixlm.runtime.grammar.schema_check import located_keyword, prepare_schema
 from radixlm.runtime.grammar.spec import GrammarSpec
 
 # Each lexer state takes about 1-2 kB (llguidance's own estimate).
@@ -125,11 +125,12 @@ class LLGuidanceEngine(GrammarEngine):
     def _compile(self, spec: GrammarSpec) -> "LLGuidanceGrammar":
         start = time.perf_counter()
         try:
-            grammar = self._grammar_text(spec)
+            grammar, warnings = self._grammar_text(spec)
             template = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0,
                                            limits=self.limits)
             if template.is_error():
                 raise GrammarCompileError(self._explain(spec, template.get_error()))
+            warnings += [self._approximated(spec, w) for w in template.get_grammar_warnings()]
         except GrammarCompileError:
             self._count("grammar_compile_errors")
             raise
@@ -140,24 +141,29 @@ class LLGuidanceEngine(GrammarEngine):
         with self._lock:
             self.counters["grammar_compiles"] += 1
             self.counters["grammar_compile_seconds"] += elapsed
-        return LLGuidanceGrammar(self, template, len(grammar))
+        return LLGuidanceGrammar(self, template, len(grammar), warnings)
 
-    def _grammar_text(self, spec: GrammarSpec) -> str:
+    def _grammar_text(self, spec: GrammarSpec) -> tuple[str, list[str]]:
+        """llguidance's grammar for the spec, and what was left out of it (strict=False)."""
         LLMatcher = self._llg.LLMatcher
         if spec.kind == "regex":
-            return LLMatcher.grammar_from_regex(spec.source)
+            return LLMatcher.grammar_from_regex(spec.source), []
         if spec.kind == "ebnf":
             from llguidance.gbnf_to_lark import any_to_lark
 
             try:
-                return LLMatcher.grammar_from_lark(any_to_lark(spec.source))
+                return LLMatcher.grammar_from_lark(any_to_lark(spec.source)), []
             except Exception as exc:  # the GBNF converter's own errors
                 raise GrammarCompileError(f"ebnf: {exc}") from None
         if spec.kind == "json_object":
-            schema: Any = {"type": "object"}
+            schema, warnings = {"type": "object"}, []
         else:
-            schema = prepare_schema(json.loads(spec.source))
-        return LLMatcher.grammar_from_json_schema(schema, overrides=self.json_options)
+            schema, warnings = prepare_schema(json.loads(spec.source), spec.strict)
+        # Not strict: keywords llguidance cannot enforce are ignored and overlapping oneOf
+        # branches read as anyOf; its warnings say which (reported with the output).
+        options = self.json_options if spec.strict else {**self.json_options, "lenient": True,
+                                                         "coerce_one_of": True}
+        return LLMatcher.grammar_from_json_schema(schema, overrides=options), warnings
 
     @staticmethod
     def _explain(spec: GrammarSpec, error: str) -> str:
@@ -167,10 +173,18 @@ class LLGuidanceEngine(GrammarEngine):
                           if line and (i == 0 or line.startswith("error:")))
         error = error.removesuffix(": regex parse error:")
         if spec.kind == "json_schema":
-            located = unsupported_keyword_error(json.loads(spec.source), error)
+            located = located_keyword(json.loads(spec.source), error)
             if located is not None:
-                return located
+                return (f"json_schema: keyword {located} is not supported (the output could "
+                        "not be guaranteed to match it; json_schema_strict=false ignores it)")
         return f"{spec.kind}: {error}"
+
+    @staticmethod
+    def _approximated(spec: GrammarSpec, warning: str) -> str:
+        located = located_keyword(json.loads(spec.source), warning)
+        if located is None:
+            return f"{spec.kind}: {warning}"
+        return f"json_schema: keyword {located} was not enforced"
 
     def _count(self, name: str) -> None:
         with self._lock:
@@ -190,10 +204,12 @@ def _settle(future: Future, result: Any = None, error: BaseException | None = No
 
 
 class LLGuidanceGrammar(CompiledGrammar):
-    def __init__(self, engine: LLGuidanceEngine, template: Any, grammar_chars: int) -> None:
+    def __init__(self, engine: LLGuidanceEngine, template: Any, grammar_chars: int,
+                 warnings: list[str]) -> None:
         self.engine = engine
         self.template = template
         self._nbytes = grammar_chars
+        self.warnings = tuple(warnings)
 
     @property
     def nbytes(self) -> int:

@@ -31,11 +31,15 @@ class OutlinesEngine(GrammarEngine):
             max_spaces=config.json_max_whitespace)
 
     def submit(self, spec: GrammarSpec) -> Future:
+        refusal = None
         if spec.kind == "ebnf":
+            refusal = ("ebnf: grammars need grammar_backend='llguidance' (outlines-core "
+                       "compiles regular languages only)")
+        elif not spec.strict:
+            refusal = "json_schema: json_schema_strict=false needs grammar_backend='llguidance'"
+        if refusal is not None:
             future: Future = Future()
-            future.set_exception(GrammarCompileError(
-                "ebnf: grammars need grammar_backend='llguidance' (outlines-core compiles "
-                "regular languages only)"))
+            future.set_exception(GrammarCompileError(refusal))
             return future
         return self.compiler.submit(spec)
 

@@ -25,6 +25,17 @@ STANDARD_FORMATS = ENFORCED_FORMATS | {"idn-email", "idn-hostname", "uri-referen
                                        "iri-reference", "uri-template", "json-pointer",
                                        "relative-json-pointer", "regex"}
 
+# llguidance's date allows February 29th in every year, which a validator rejects in most:
+# dates (and date-times) get a pattern of our own, with real month lengths and leap years.
+_YEAR = "(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"  # 0001-9999
+_LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_DATE = (f"(?:{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
+         "|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))"
+         f"|{_LEAP_YEAR}-02-29)")
+_TIME = ("(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:[.][0-9]{1,9})?"
+         "(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])")
+DATE_PATTERNS = {"date": f"^{_DATE}$", "date-time": f"^{_DATE}T{_TIME}$"}
+
 # Keywords whose value is a schema, a list of schemas, or a name -> schema map.
 _ONE = ("additionalProperties", "additionalItems", "contains", "propertyNames", "not", "if",
         "then", "else", "unevaluatedItems", "unevaluatedProperties", "items")
@@ -78,10 +89,11 @@ _COMPOSED = ("allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas", "depen
              "additionalProperties", "patternProperties", "unevaluatedProperties")
 
 
-def prepare_schema(schema: Any) -> Any:
+def prepare_schema(schema: Any, strict: bool = True) -> tuple[Any, list[str]]:
     """The schema as llguidance should compile it (llguidance checks keyword values itself):
     standard formats llguidance cannot enforce refused by pointer, non-standard formats
-    dropped.
+    dropped. With `strict=False` the unenforceable formats are dropped too. Returns the schema
+    and warnings saying what was dropped.
 
     An object schema that names its properties and says nothing about others is closed
     (`additionalProperties: false`), as OpenAI's strict mode, XGrammar and outlines-core do:
@@ -89,6 +101,7 @@ def prepare_schema(schema: Any) -> Any:
     (a narrower language); a schema that wants other keys says so explicitly. Required names
     the schema does not describe stay allowed, with any value."""
     schema = json.loads(json.dumps(schema))  # a copy to edit
+    warnings = []
     for where, node in subschemas(schema):
         properties = node.get("properties")
         if (isinstance(properties, dict) and "/allOf/" not in f"{where}/"
@@ -98,33 +111,44 @@ def prepare_schema(schema: Any) -> Any:
                     properties.setdefault(name, {})
             node["additionalProperties"] = False
         fmt = node.get("format")
+        if fmt in DATE_PATTERNS:  # (format and pattern both apply to strings only)
+            if "pattern" in node:
+                raise ValueError(f"format {fmt!r} beside a pattern at {where or '/'} cannot "
+                                 "be enforced")
+            node["pattern"] = DATE_PATTERNS[fmt]
+            del node["format"]
+            continue
         if not isinstance(fmt, str) or fmt in ENFORCED_FORMATS:
             continue
+        if fmt in STANDARD_FORMATS and strict:
+            raise ValueError(f"format {fmt!r} at {where or '/'} cannot be enforced "
+                             "(json_schema_strict=false ignores it)")
         if fmt in STANDARD_FORMATS:
-            raise ValueError(f"format {fmt!r} at {where or '/'} cannot be enforced")
-        log.warning("json_schema: non-standard format %r at %s ignored", fmt, where or "/")
+            warnings.append(f"json_schema: format {fmt!r} at {where or '/'} was not enforced")
+        else:
+            log.warning("json_schema: non-standard format %r at %s ignored", fmt, where or "/")
         del node["format"]
-    return schema
+    return schema, warnings
 
 
-def unsupported_keyword_error(schema: Any, error: str) -> str | None:
-    """llguidance's errors about keywords it does not implement, located in the schema: the
-    keyword and the JSON pointer of the first schema object that uses it (None for other
-    errors)."""
-    match = re.search(r"Unimplemented keys: \[([^\]]*)\]", error)
+def located_keyword(schema: Any, message: str) -> str | None:
+    """For an llguidance message about keywords it does not implement ("Unimplemented keys:
+    [...]", "oneOf constraints are not supported", "oneOf not fully supported"), the first
+    such keyword and the JSON pointer of the schema object using it: "'not' at /properties/a".
+    None for other messages."""
+    match = re.search(r"Unimplemented keys: \[([^\]]*)\]", message)
     if match is not None:
         keys = re.findall(r'"((?:[^"\\]|\\.)*)"', match.group(1))
-    else:  # e.g. "oneOf constraints are not supported. Enable ..."
-        match = re.match(r"(\$?\w+) constraints are not supported", error)
+    else:
+        match = re.match(r"(\$?\w+) (?:constraints are )?not (?:fully )?supported", message)
         if match is None:
             return None
         keys = [match.group(1)]
     for where, node in subschemas(schema):
         for key in keys:
             if key in node:
-                return (f"json_schema: keyword {key!r} at {where or '/'} is not supported "
-                        f"(the output could not be guaranteed to match it)")
-    return f"json_schema: keywords {', '.join(keys)} are not supported"
+                return f"{key!r} at {where or '/'}"
+    return ", ".join(repr(k) for k in keys)
 
 
 def _escape(name: str) -> str:

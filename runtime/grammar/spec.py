@@ -25,6 +25,7 @@ MAX_GRAMMAR_CHARS = 1 << 20  # a regex, a grammar or a schema's JSON text
 class GrammarSpec:
     kind: str  # "regex" | "json_schema" | "ebnf" | "json_object"
     source: str  # the pattern, the schema as compact JSON, the grammar, "" for json_object
+    strict: bool = True  # False: what cannot be enforced is left out and reported
 
     def to_regex(self, max_spaces: int = 1) -> str:
         """The regex outlines-core compiles. `max_spaces` bounds the whitespace between JSON
@@ -40,7 +41,9 @@ class GrammarSpec:
     @classmethod
     def of(cls, params: Any) -> "GrammarSpec | None":
         """The grammar a SamplingParams asks for, or None."""
-        for kind in ("regex", "json_schema", "ebnf"):
+        if params.json_schema is not None:
+            return cls("json_schema", params.json_schema, params.json_schema_strict)
+        for kind in ("regex", "ebnf"):
             if getattr(params, kind) is not None:
                 return cls(kind, getattr(params, kind))
         if params.json_object:

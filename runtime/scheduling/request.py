@@ -44,6 +44,8 @@ class Output:
     # The error is the request's own fault (e.g. a grammar that cannot be compiled), not the
     # engine's: a server answers it with 400, not 500.
     error_invalid: bool = False
+    # What the grammar leaves unenforced of what was asked (json_schema_strict=False only).
+    grammar_warnings: tuple[str, ...] = ()
     time_to_first_token: float | None = None  # seconds from submission to the first token
     lease_id: str | None = None  # the lease a prefix pin took (Engine.pin_prefix)
 
@@ -83,6 +85,7 @@ class Request:
     matched_stop: str | int | None = None
     error: str | None = None
     error_invalid: bool = False  # see Output.error_invalid
+    grammar_warnings: tuple[str, ...] = ()
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.perf_counter)
@@ -170,6 +173,7 @@ class Request:
             matched_stop=self.matched_stop,
             error=self.error,
             error_invalid=self.error_invalid,
+            grammar_warnings=self.grammar_warnings,
             time_to_first_token=(None if self.first_token_time is None
                                  else self.first_token_time - self.arrival_time),
             lease_id=self.lease_id,

@@ -203,6 +203,7 @@ def _chunk(out: Any, start: int) -> Chunk:
         chunk.matched_stop = out.matched_stop
         chunk.error = out.error
         chunk.error_invalid = out.error_invalid
+        chunk.grammar_warnings = out.grammar_warnings
         if out.prompt_logprobs is not None:
             chunk.prompt_logprobs = [None if e is None else _entry(e)
                                      for e in out.prompt_logprobs]

@@ -36,6 +36,7 @@ class Sample:
     matched_stop: str | int | None = None
     error: str | None = None
     error_invalid: bool = False
+    grammar_warnings: tuple[str, ...] = ()
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -61,6 +62,7 @@ class Sample:
             self.matched_stop = chunk.matched_stop
             self.error = chunk.error
             self.error_invalid = chunk.error_invalid
+            self.grammar_warnings = chunk.grammar_warnings
             self.completion_tokens = chunk.completion_tokens
             self.prompt_logprobs = chunk.prompt_logprobs
 

@@ -42,6 +42,7 @@ class Chunk:
     matched_stop: str | int | None = None
     error: str | None = None  # why the engine aborted it, if nobody asked it to
     error_invalid: bool = False  # ... and it was the request's fault (its grammar)
+    grammar_warnings: tuple[str, ...] = ()  # what its grammar leaves unenforced
     prompt_logprobs: list[LogprobEntry | None] | None = None
 
     @property

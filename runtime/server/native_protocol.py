@@ -151,6 +151,8 @@ def result(sample: Sample, req: GenerateRequest, texts: dict[int, str],
     }
     if e2e_latency is not None:
         meta["e2e_latency"] = e2e_latency
+    if sample.grammar_warnings:
+        meta["grammar_warnings"] = list(sample.grammar_warnings)
     if req.return_logprob:
         def entry(lp: float | None, tid: int) -> list[Any]:
             return [lp, tid, texts.get(tid) if req.text_in_logprobs else None]

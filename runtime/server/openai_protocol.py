@@ -154,7 +154,13 @@ def _response_format(f: Fields) -> dict[str, Any]:
     if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
         raise bad("response_format.json_schema.schema must be an object",
                   "response_format.json_schema.schema", "invalid_type")
-    return {"json_schema": json.dumps(spec["schema"])}
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad("response_format.json_schema.strict must be a boolean",
+                  "response_format.json_schema.strict", "invalid_type")
+    # Outputs always match what is enforced; only an explicit strict: false lets keywords the
+    # engine cannot enforce be left out (reported in the choice's grammar_warnings).
+    return {"json_schema": json.dumps(spec["schema"]), "json_schema_strict": strict is not False}
 
 
 def _completion_prompts(prompt: Any, vocab_size: int) -> list[str] | list[list[int]]:

@@ -112,18 +112,22 @@ class _Renderer:
     async def choice(self, index: int, sample: Sample) -> dict[str, Any]:
         logprobs = await self._logprobs(index, sample.logprobs) if self.wants_logprobs else None
         if self.chat:
-            return {"index": index, "message": {"role": "assistant", "content": sample.text},
-                    "logprobs": logprobs, "finish_reason": sample.finish_reason}
-        return {"index": index, "text": sample.text, "logprobs": logprobs,
-                "finish_reason": sample.finish_reason}
+            out = {"index": index, "message": {"role": "assistant", "content": sample.text},
+                   "logprobs": logprobs, "finish_reason": sample.finish_reason}
+        else:
+            out = {"index": index, "text": sample.text, "logprobs": logprobs,
+                   "finish_reason": sample.finish_reason}
+        return _with_warnings(out, sample)
 
     async def delta(self, index: int, sample: Sample, text: str,
                     entries: list[LogprobEntry], finish: str | None) -> dict[str, Any]:
         logprobs = await self._logprobs(index, entries) if self.wants_logprobs else None
         if self.chat:
-            return {"index": index, "delta": {"content": text} if text else {},
-                    "logprobs": logprobs, "finish_reason": finish}
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            out = {"index": index, "delta": {"content": text} if text else {},
+                   "logprobs": logprobs, "finish_reason": finish}
+        else:
+            out = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return _with_warnings(out, sample) if finish is not None else out
 
     async def _logprobs(self, index: int, entries: list[LogprobEntry]) -> dict[str, Any]:
         ids = [t for t, _, _ in entries]
@@ -147,3 +151,10 @@ class _Renderer:
                 "top_logprobs": [{texts[a]: alp for a, alp in top or ()}
                                  for _, _, top in entries],
                 "text_offset": offsets}
+
+
+def _with_warnings(choice: dict[str, Any], sample: Sample) -> dict[str, Any]:
+    """A choice, with what its grammar left unenforced (json_schema strict: false only)."""
+    if sample.grammar_warnings:
+        choice["grammar_warnings"] = list(sample.grammar_warnings)
+    return choice

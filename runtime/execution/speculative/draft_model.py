@@ -12,7 +12,7 @@ draft's prefix cache is the target's radix tree.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -80,19 +80,22 @@ class DraftModel:
                 positions = [s + step for s in starts]
                 hidden = self._decode(requests, tokens, positions, rows)
                 logits = self._fit_vocab(self.model.compute_logits(hidden))
-                if following:
-                    masked = list(following)
-                    masks = np.concatenate([draft_masks(requests[b], []) for b in masked])
+                masked, masks = [], []
+                for b in list(following):
+                    try:
+                        masks.append(draft_masks(requests[b], []))
+                        masked.append(b)
+                    except Exception:  # not followed further (see _follow)
+                        del following[b]
+                if masked:
                     logits = sampler.apply_token_bitmask(
-                        logits, masked, to_device(torch.from_numpy(masks.view(np.int32)),
-                                                  torch.int32, device))
+                        logits, masked, to_device(torch.from_numpy(
+                            np.concatenate(masks).view(np.int32)), torch.int32, device))
                 tokens = sampler.sample(logits, sbatch)
                 if following:
                     sampled = tokens.tolist()
                     for b in list(following):
-                        matcher = requests[b].grammar
-                        if matcher.valid_prefix([sampled[b]]) == 1:
-                            matcher.accept(sampled[b])
+                        if self._follow(requests[b].grammar, sampled[b]):
                             accepted[b] += 1
                         else:
                             del following[b]
@@ -101,9 +104,24 @@ class DraftModel:
                     probs.append(sampling_probs(logits[:, None], sbatch)[:, 0])
         finally:
             for b, count in accepted.items():
-                requests[b].grammar.rollback(count)
+                try:
+                    requests[b].grammar.rollback(count)
+                except Exception:  # a broken grammar fails its request at its next mask
+                    pass
         proposal = torch.stack(drafts, dim=1).tolist()  # [B, k]
         return proposal, (torch.stack(probs, dim=1) if probs else None)
+
+    @staticmethod
+    def _follow(matcher: Any, token: int) -> bool:
+        """Advance a drafting request's matcher by its sampled draft, if the grammar allows it
+        (a grammar that fails is not followed further; its request fails at its next mask)."""
+        try:
+            if matcher.valid_prefix([token]) == 1:
+                matcher.accept(token)
+                return True
+        except Exception:
+            pass
+        return False
 
     def _decode(self, requests: Sequence[Request], tokens: torch.Tensor, positions: list[int],
                 rows: list[int]) -> torch.Tensor:

@@ -66,7 +66,10 @@ class Speculator:
         for row, ((index, request, k), drafts) in enumerate(zip(chosen, proposals)):
             drafts = drafts[:k]
             if request.grammar is not None:  # cut at the first token the grammar forbids
-                drafts = drafts[: request.grammar.valid_prefix(drafts)]
+                try:
+                    drafts = drafts[: request.grammar.valid_prefix(drafts)]
+                except Exception:  # a broken grammar fails at its next mask, not here
+                    drafts = []
             request.draft_tokens = drafts
             request.draft_probs = probs[row] if probs is not None else None
             scheduled.num_new_tokens[index] = 1 + len(request.draft_tokens)
