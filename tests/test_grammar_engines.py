@@ -88,6 +88,12 @@ LLGUIDANCE_WALKS = [
      ['{"a":1,"b":"x"}', '{"a":2,"b":[]}'], ['{"a":1}', '{"a":1,"b":2,"c":3}']),
     ({"type": "object", "properties": {"a": {"type": "integer"}},
       "additionalProperties": True}, ['{"a":1,"z":true}'], ['{"a":"1"}']),
+    # Branches and $ref targets that combine with their parent stay open (closed, the
+    # required "a" would be unsatisfiable).
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+      "anyOf": [{"properties": {"b": {"type": "string"}}}, {"$ref": "#/$defs/c"}],
+      "$defs": {"c": {"properties": {"c": {"type": "null"}}}}},
+     ['{"a":1,"b":"x"}', '{"a":1,"c":null}'], ['{"a":1,"b":2,"c":1}', '{"b":"x"}']),
 ]
 
 

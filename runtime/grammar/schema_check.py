@@ -87,6 +87,48 @@ def subschemas(schema: Any, pointer: str = "") -> Iterator[tuple[str, dict]]:
 # An object schema with these keys composes with others; closing it would change their meaning.
 _COMPOSED = ("allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas", "dependencies",
              "additionalProperties", "patternProperties", "unevaluatedProperties")
+_OBJECT_KEYWORDS = ("properties", "required", "patternProperties", "additionalProperties",
+                    "minProperties", "maxProperties", "propertyNames")
+
+
+def _composed(schema: Any) -> set[int]:
+    """ids of the schema objects whose meaning combines with another's: allOf branches, anyOf
+    and oneOf branches beside object keywords of their parent, the targets of a `$ref` beside
+    other keywords, everything inside those, and what they reference in turn."""
+    stack: list[Any] = []
+    for _, node in subschemas(schema):
+        keyed = any(key in node for key in _OBJECT_KEYWORDS)
+        for key in ("allOf", "anyOf", "oneOf"):
+            if isinstance(node.get(key), list) and (key == "allOf" or keyed):
+                stack += node[key]
+        if isinstance(node.get("$ref"), str) and len(node) > 1:
+            stack.append(_local_ref(schema, node["$ref"]))
+    marked: set[int] = set()
+    while stack:
+        top = stack.pop()
+        if not isinstance(top, dict) or id(top) in marked:
+            continue
+        for _, node in subschemas(top):
+            marked.add(id(node))
+            if isinstance(node.get("$ref"), str):
+                stack.append(_local_ref(schema, node["$ref"]))
+    return marked
+
+
+def _local_ref(schema: Any, ref: str) -> Any:
+    """The object a local `$ref` ("#/definitions/x") points at, or None."""
+    if not ref.startswith("#"):
+        return None
+    node = schema
+    for part in filter(None, ref[1:].split("/")):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict):
+            node = node.get(part)
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
 
 
 def prepare_schema(schema: Any, strict: bool = True) -> tuple[Any, list[str]]:
@@ -99,12 +141,14 @@ def prepare_schema(schema: Any, strict: bool = True) -> tuple[Any, list[str]]:
     (`additionalProperties: false`), as OpenAI's strict mode, XGrammar and outlines-core do:
     a small model otherwise invents keys until it runs out of tokens. The output stays valid
     (a narrower language); a schema that wants other keys says so explicitly. Required names
-    the schema does not describe stay allowed, with any value."""
+    the schema does not describe stay allowed, with any value. Objects that combine with
+    others (see _composed) stay open: closing them could leave nothing to generate."""
     schema = json.loads(json.dumps(schema))  # a copy to edit
     warnings = []
+    composed = _composed(schema)
     for where, node in subschemas(schema):
         properties = node.get("properties")
-        if (isinstance(properties, dict) and "/allOf/" not in f"{where}/"
+        if (isinstance(properties, dict) and id(node) not in composed
                 and not any(key in node for key in _COMPOSED)):
             for name in node.get("required", ()):
                 if isinstance(name, str):
