@@ -93,6 +93,11 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
+def latency_ms(seconds: list[float]) -> dict[str, float]:
+    return {q: 1e3 * percentile(seconds, p)
+            for q, p in (("p50", 50), ("p90", 90), ("p99", 99), ("max", 100))}
+
+
 def valid(schema: dict, text: str) -> bool:
     try:
         cls = jsonschema.validators.validator_for(schema)
@@ -177,8 +182,7 @@ def engine_coverage(name: str, tokenizer, schemas: list[tuple[str, str]], timeou
     grammars.close()
     return {"schemas": len(schemas), "accepted": len(accepted),
             "coverage": len(accepted) / len(schemas),
-            "compile_ms": {q: 1e3 * percentile(seconds, p)
-                           for q, p in (("p50", 50), ("p90", 90), ("p99", 99), ("max", 100))},
+            "compile_ms": latency_ms(seconds),
             "walks_finished": finished, "unsound": unsound, "walk_errors": walk_errors,
             "unsound_examples": unsound_examples[:5],
             "mask_us": {"p50": 1e6 * percentile(masks, 50), "p99": 1e6 * percentile(masks, 99),
@@ -200,8 +204,7 @@ def peer_coverage(tokenizer, schemas: list[tuple[str, str]]) -> tuple[dict, set[
         accepted.add(key)
     return {"schemas": len(schemas), "accepted": len(accepted),
             "coverage": len(accepted) / len(schemas),
-            "compile_ms": {q: 1e3 * percentile(seconds, p)
-                           for q, p in (("p50", 50), ("p90", 90), ("p99", 99), ("max", 100))},
+            "compile_ms": latency_ms(seconds),
             "refusals_by_cause": dict(causes.most_common(12))}, accepted
 
 
