@@ -1,5 +1,5 @@
-"""Speculative decoding: the lossless acceptance rule, n-gram (prompt-lookup) drafting, and an
-adaptive draft length.
+"""Speculative decoding's lossless acceptance rules, as pure tensor functions (drafting is in
+`ngram.py` and `draft_model.py`).
 
 A speculating request proposes k draft tokens x_0 .. x_{k-1}; one target forward scores the
 k + 1 positions that follow its context and each draft prefix. Position i holds the target's
