@@ -89,8 +89,9 @@ class EngineConfig:
     grammar_compile_timeout: float = 30.0
     grammar_compile_workers: int = 2
     grammar_compile_max_memory_gb: float = 4.0
-    # Compiled grammars kept (LRU, shared by the engines of a process): at most this many,
-    # and this much memory (an index for a large JSON schema can take hundreds of MB).
+    # Compiled grammars kept (LRU): at most this many, and for outlines-core (whose cache the
+    # engines of a process share) this much memory: an index for a large JSON schema can take
+    # hundreds of MB.
     grammar_cache_size: int = 256
     grammar_cache_memory_gb: float = 1.0
     json_max_whitespace: int = 1  # spaces allowed between JSON tokens (0: compact JSON)
