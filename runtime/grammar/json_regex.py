@@ -19,6 +19,13 @@ _MAX_MAGNITUDE = 10 ** MAX_INT_DIGITS - 1
 
 STRING_CHAR = r'(?:[^"\\\x00-\x1F\x7F-\x9F]|\\["\\/bfnrt])'
 STRING = f'"{STRING_CHAR}*"'
+# A string whose length is bounded, outside any object or array: the same characters, but a
+# quote inside it is written `\u0022` rather than `\"` (the same JSON value). outlines-core
+# also builds the automaton that searches for the regex anywhere in a text; there every raw
+# quote inside the string could be the opening one of a new match, and tracking those for
+# every length up to the bound grows the automaton exponentially (maxLength 20: minutes).
+# Inside a container a new match must start with `{"` or `["`, which no string's body holds.
+TOP_LEVEL_STRING_CHAR = r'(?:[^"\\\x00-\x1F\x7F-\x9F]|\\[\\/bfnrt]|\\u0022)'
 FRACTION = rf"\.[0-9]{{1,{MAX_FRACTION_DIGITS}}}"
 INTEGER = rf"-?(?:0|[1-9][0-9]{{0,{MAX_INT_DIGITS - 1}}})"
 NUMBER = rf"{INTEGER}(?:{FRACTION})?(?:[eE][+-]?[0-9]{{1,{MAX_EXPONENT_DIGITS}}})?"

@@ -290,6 +290,9 @@ class Normaliser:
             log.warning("json_schema: maxLength %d clamped to %d at %s", hi, MAX_STRING_LENGTH,
                         path or "/")
             hi = MAX_STRING_LENGTH
+        if (lo or hi is not None) and not _inside_container(path):
+            length = f"{{{lo},{'' if hi is None else hi}}}"
+            return self.placeholder(f'"{jr.TOP_LEVEL_STRING_CHAR}{length}"')
         if lo:
             out["minLength"] = lo
         if hi is not None:
@@ -321,6 +324,15 @@ class Normaliser:
             raise self.fail(path, f"no {kind} with at most {jr.MAX_INT_DIGITS} digits fits "
                                   "the bounds")
         return self.placeholder(regex)
+
+
+def _inside_container(path: str) -> bool:
+    """Does the schema at `path` describe a value inside an object or an array (rather than
+    the whole output, reached only through combinators and references)?"""
+    return any(part in _CONTAINER_KEYWORDS for part in path.split("/"))
+
+
+_CONTAINER_KEYWORDS = frozenset({"properties", "additionalProperties", "items", "prefixItems"})
 
 
 def _bound(s: dict, inclusive: str, exclusive: str) -> tuple[float | None, bool]:
