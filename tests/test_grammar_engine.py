@@ -367,3 +367,19 @@ def test_a_compiling_grammar_does_not_hold_up_other_requests(outlines_engine):
     thread.join(timeout=120)
     assert result["out"].error is None and result["out"].text.startswith('"')
     assert_no_leak(engine)
+
+
+def test_a_grammar_outgrowing_the_matcher_limits_fails_alone_as_invalid(tiny_chat_model):
+    # "(a|b)*a(a|b){16}" has 2^17 lexer states, built lazily as the output goes on: with the
+    # limit at its floor (1000 states), the matcher gives up mid-output, which is the
+    # request's grammar at fault (a 400 from the server), not the engine.
+    with Engine(str(tiny_chat_model), max_total_tokens=8192, grammar_backend="llguidance",
+                grammar_compile_max_memory_gb=1e-6) as eng:
+        outs = eng.generate(["x", "y"], [
+            {"regex": "(a|b)*a(a|b){16}", "temperature": 1.0, "max_new_tokens": 2000,
+             "ignore_eos": True},
+            {"regex": "[a-z]{3}", **SAMPLE}])
+        assert outs[0].finish_reason == "abort" and outs[0].error_invalid
+        assert outs[0].error.startswith("regex: ") and "too many states" in outs[0].error
+        assert outs[1].error is None and re.fullmatch("[a-z]{3}", outs[1].text)
+        assert_no_leak(eng)

@@ -32,7 +32,7 @@ from radixlm.runtime.execution.cuda_graph import DecodeGraphs
 from radixlm.runtime.execution.model_runner import LaunchedStep, ModelRunner, StepResult
 from radixlm.runtime.execution.speculative.draft_model import DraftModel
 from radixlm.runtime.execution.speculative.speculator import Speculator
-from radixlm.runtime.grammar.engine import GrammarCompileError
+from radixlm.runtime.grammar.engine import GrammarCompileError, GrammarLimitError
 from radixlm.runtime.grammar.spec import GrammarSpec
 from radixlm.runtime.models.loader import LoadedModel
 from radixlm.runtime.parallel.groups import choose_all_reduce, setup_all_reduce
@@ -317,7 +317,7 @@ class EngineCore:
                 request.grammar.accept(token)
                 complete = request.grammar.is_terminated
             except Exception as exc:
-                self._fail_grammar(request, f"grammar error: {exc}")
+                self._fail_grammar(request, exc)
                 return
         detok = request.detokenizer
         if detok is not None:
@@ -377,7 +377,7 @@ class EngineCore:
                 self._fail_grammar(request, str(exc), invalid=True)
                 continue
             except Exception as exc:
-                self._fail_grammar(request, f"grammar error: {exc}")
+                self._fail_grammar(request, exc)
                 continue
             if complete:  # the grammar matches only the empty string
                 self._finish(request, "stop")
@@ -391,7 +391,7 @@ class EngineCore:
         try:
             tokens = request.grammar.forced_tokens(request.token_ids)
         except Exception as exc:
-            self._fail_grammar(request, f"grammar error: {exc}")
+            self._fail_grammar(request, exc)
             return
         for token in tokens[: request.remaining_new_tokens]:
             self.counters["jump_forward_tokens"] += 1
@@ -399,8 +399,17 @@ class EngineCore:
             if request.finished:
                 break
 
-    def _fail_grammar(self, request: Request, error: str, invalid: bool = False) -> None:
-        """End the request with `error`; `invalid`: its grammar is at fault, not the engine."""
+    def _fail_grammar(self, request: Request, error: str | Exception,
+                      invalid: bool = False) -> None:
+        """End the request with `error`; `invalid`: its grammar is at fault, not the engine
+        (always so for a grammar that outgrew the matcher's limits)."""
+        if isinstance(error, Exception):
+            if isinstance(error, GrammarLimitError):
+                invalid = True
+                spec = GrammarSpec.of(request.params)
+                error = f"{spec.kind if spec else 'grammar'}: {error}"
+            else:
+                error = f"grammar error: {error}"
         self.counters["grammar_errors"] += 1
         log.warning("request %s: %s", request.request_id, error)
         request.error = error

@@ -24,10 +24,10 @@ class BatchBitmask:
                                 pin_memory=device.type == "cuda")
         self.bits = self.host.numpy().view(np.uint32)
 
-    def fill(self, requests: Sequence[Request]) -> tuple[torch.Tensor, dict[Request, str]]:
+    def fill(self, requests: Sequence[Request]) -> tuple[torch.Tensor, dict[Request, Exception]]:
         """Masks for these (constrained) requests, on the device, and the requests whose
         grammar failed, with why. A failed row allows nothing; its request is aborted."""
-        failed: dict[Request, str] = {}
+        failed: dict[Request, Exception] = {}
         limit = self.words * 32
         for row, request in zip(self.bits, requests):
             try:
@@ -41,7 +41,7 @@ class BatchBitmask:
                     raise RuntimeError("the grammar allows no token here")
             except Exception as exc:  # one request's grammar must not fail the batch
                 row[:] = 0
-                failed[request] = f"grammar error: {exc}"
+                failed[request] = exc
         masks = self.host[: len(requests)]
         return masks.to(self.device, non_blocking=True), failed
 

@@ -33,7 +33,7 @@ class StepResult:
     # Prompt logprobs computed this step: request -> [(prompt position, logprob)].
     prompt_logprobs: dict[Request, list[tuple[int, TokenLogprob]]] = field(default_factory=dict)
     # Requests whose grammar failed this step, with why; their sampled token is not used.
-    failed: dict[Request, str] = field(default_factory=dict)
+    failed: dict[Request, Exception] = field(default_factory=dict)
     # Speculating requests: the tokens verification emits (accepted drafts, then one more),
     # and their logprobs for requests that asked.
     verified: dict[Request, list[int]] = field(default_factory=dict)
@@ -50,7 +50,7 @@ class LaunchedStep:
         self.device = device
         self.sampled: list[Request] = []
         self.tokens: torch.Tensor | None = None  # [len(sampled)] on the device
-        self.failed: dict[Request, str] = {}
+        self.failed: dict[Request, Exception] = {}
         self.verified: dict[Request, list[int]] = {}
         self.verified_logprobs: dict[Request, list[TokenLogprob]] = {}
         self._logprobs: tuple | None = None  # (chosen, top values, top ids) for sampled rows
@@ -316,7 +316,7 @@ class ModelRunner:
         try:
             return draft_masks(request, request.draft_tokens)[[min(j, n) for j in range(k + 1)]]
         except Exception as exc:
-            step.failed[request] = f"grammar error: {exc}"
+            step.failed[request] = exc
             return np.full((k + 1, request.grammar.mask_words), 0xFFFFFFFF, dtype=np.uint32)
 
     def _grammar_masks(self, requests: list[Request]):

@@ -30,6 +30,11 @@ class GrammarError(RuntimeError):
     """A token the grammar does not allow where it was appended, or a matcher in error."""
 
 
+class GrammarLimitError(GrammarError):
+    """A grammar that grew past the matcher's limits while generating (lexer states, fuel):
+    the request's own grammar is at fault, not the engine."""
+
+
 class GrammarMatcher(ABC):
     """One request's position in a grammar. Masks exclude EOS: whether EOS may be sampled is
     `is_final` combined with the request's own EOS ids and min_new_tokens (the caller's job)."""

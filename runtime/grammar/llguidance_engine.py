@@ -28,6 +28,7 @@ from radixlm.runtime.grammar.engine import (
     GrammarCompileError,
     GrammarEngine,
     GrammarError,
+    GrammarLimitError,
     GrammarMatcher,
 )
 from radixlm.runtime.grammar.schema_check import located_keyword, prepare_schema
@@ -273,4 +274,12 @@ class LLGuidanceMatcher(GrammarMatcher):
 
     def _check(self) -> None:
         if self.m.is_error():
-            raise GrammarError(self.m.get_error())
+            error = self.m.get_error().replace("<non-verbose/>", "").strip()
+            if any(sign in error.lower() for sign in _LIMIT_SIGNS):
+                raise GrammarLimitError(f"the grammar grew past the matcher's limits while "
+                                        f"generating ({error}); simplify it")
+            raise GrammarError(error)
+
+
+# How llguidance's errors read when a grammar exhausts its lexer or parser limits mid-output.
+_LIMIT_SIGNS = ("too many", "fuel", "too big", "limit", "exceeded")
