@@ -16,6 +16,7 @@ import jsonschema
 import pytest
 
 from radixlm.runtime import Engine
+from radixlm.runtime.grammar.engine import GrammarMatcher
 
 SAMPLE = {"temperature": 1.0, "max_new_tokens": 40}
 PERSON = {"type": "object",
@@ -224,6 +225,8 @@ def test_grammars_that_cannot_compile_fail_as_invalid_naming_the_field(engine):
 
 class FailingMatcher:
     """A matcher that raises on `accept` or on `fill_mask`, as a buggy grammar engine might."""
+
+    fill_masks = vars(GrammarMatcher)["fill_masks"]  # a batch's masks one by one
 
     def __init__(self, inner, fails: str) -> None:
         self.inner, self.fails = inner, fails

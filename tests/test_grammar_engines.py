@@ -285,3 +285,37 @@ def test_random_walks_under_random_schemas_validate(engines, tokenizer, schema, 
         return
     text = tokenizer.decode(tokens)
     jsonschema.Draft202012Validator(schema).validate(json.loads(text))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batch_masks_equal_one_by_one_and_isolate_failures(engines, tokenizer, backend):
+    text = json.dumps({"name": "Ann", "age": 7, "tags": ["x", "yz"]})
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+              "age": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}}}}
+    matchers = []
+    for depth in range(0, len(tokens), 3):  # every third position of the same output
+        m = matcher(engines[backend], json_schema=schema)
+        for token in tokens[:depth]:
+            m.accept(token)
+        matchers.append(m)
+    matchers.append(matcher(engines[backend], regex="[0-9]{2}"))
+    rows = np.zeros((len(matchers), matchers[0].mask_words), dtype=np.uint32)
+    errors = type(matchers[0]).fill_masks(matchers, rows)
+    assert errors == [None] * len(matchers)
+    for m, row in zip(matchers, rows):
+        alone = np.zeros_like(row)
+        m.fill_mask(alone)
+        assert np.array_equal(row, alone)
+
+    class Broken(type(matchers[0])):
+        def fill_mask(self, row):
+            raise RuntimeError("broken")
+
+        def _check(self):
+            raise RuntimeError("broken")
+
+    broken = matcher(engines[backend], regex="[0-9]{2}")
+    broken.__class__ = Broken
+    errors = type(matchers[0]).fill_masks([matchers[0], broken, matchers[1]], rows[:3])
+    assert errors[0] is None and errors[2] is None and "broken" in str(errors[1])

@@ -1,7 +1,8 @@
 """One step's grammar masks: a preallocated int32 bitmask, a row per constrained request.
 
-Rows are filled on the host from each matcher's cached per-state mask (a copy of vocab/32
-words), plus the request's own EOS ids when its grammar accepts here and EOS is not banned.
+Rows are filled on the host by the grammar engine (a batch at once, in parallel where the
+engine can), plus the request's own EOS ids when its grammar accepts here and EOS is not
+banned.
 The sampler unpacks the bits with tensor ops (`sampler.apply_token_bitmask`).
 """
 
@@ -27,21 +28,25 @@ class BatchBitmask:
     def fill(self, requests: Sequence[Request]) -> tuple[torch.Tensor, dict[Request, Exception]]:
         """Masks for these (constrained) requests, on the device, and the requests whose
         grammar failed, with why. A failed row allows nothing; its request is aborted."""
+        rows = self.bits[: len(requests)]
+        matchers = [r.grammar for r in requests]
+        errors = type(matchers[0]).fill_masks(matchers, rows)
         failed: dict[Request, Exception] = {}
         limit = self.words * 32
-        for row, request in zip(self.bits, requests):
-            try:
-                matcher = request.grammar
-                matcher.fill_mask(row)
-                if matcher.is_final and _eos_allowed(request):
-                    for eos in request.eos_token_ids:
-                        if 0 <= eos < limit:
-                            row[eos >> 5] |= np.uint32(1 << (eos & 31))
-                if not row.any():
-                    raise RuntimeError("the grammar allows no token here")
-            except Exception as exc:  # one request's grammar must not fail the batch
+        for row, request, error in zip(rows, requests, errors):
+            if error is None:
+                try:
+                    if request.grammar.is_final and _eos_allowed(request):
+                        for eos in request.eos_token_ids:
+                            if 0 <= eos < limit:
+                                row[eos >> 5] |= np.uint32(1 << (eos & 31))
+                    if not row.any():
+                        error = RuntimeError("the grammar allows no token here")
+                except Exception as exc:
+                    error = exc
+            if error is not None:  # one request's grammar must not fail the batch
                 row[:] = 0
-                failed[request] = exc
+                failed[request] = error
         masks = self.host[: len(requests)]
         return masks.to(self.device, non_blocking=True), failed
 

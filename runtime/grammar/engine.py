@@ -63,6 +63,21 @@ class GrammarMatcher(ABC):
     def fill_mask(self, row: np.ndarray) -> None:
         """Write the allowed tokens here into a uint32 row of mask_words words."""
 
+    @classmethod
+    def fill_masks(cls, matchers: Sequence["GrammarMatcher"],
+                   rows: np.ndarray) -> list[Exception | None]:
+        """fill_mask of each matcher into its row of `rows` ([len(matchers), mask_words]).
+        One matcher's failure is returned in its place and does not stop the others. Engines
+        that compute masks in parallel override this."""
+        errors: list[Exception | None] = []
+        for matcher, row in zip(matchers, rows):
+            try:
+                matcher.fill_mask(row)
+                errors.append(None)
+            except Exception as exc:
+                errors.append(exc)
+        return errors
+
     @abstractmethod
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many leading `tokens` the grammar allows in a row from here (no state change)."""

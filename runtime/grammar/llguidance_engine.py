@@ -22,6 +22,7 @@ from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any, Sequence
 
 import numpy as np
+import torch
 
 from radixlm.runtime.grammar.engine import (
     CompiledGrammar,
@@ -51,6 +52,14 @@ class LLGuidanceEngine(GrammarEngine):
         self.mask_words = -(-model_vocab_size // 32)
         self._llg_words = -(-self.tokenizer.vocab_size // 32)
         self.eos_ids = sorted({*self.tokenizer.eos_tokens, self.tokenizer.eos_token})
+        # Masks leave EOS out (see GrammarMatcher): AND-ed into every row.
+        self.no_eos_row = np.full(self.mask_words, 0xFFFFFFFF, dtype=np.uint32)
+        for eos in self.eos_ids:
+            if eos < 32 * self.mask_words:
+                self.no_eos_row[eos >> 5] &= ~np.uint32(1 << (eos & 31))
+        # A batch's masks in parallel; one thread of work is not worth a pool.
+        threads = min(8, torch.get_num_threads())  # the cores the forward pass also uses
+        self.executor = llguidance.LLExecutor(num_threads=threads) if threads > 1 else None
         max_states = 250_000
         if config.grammar_compile_max_memory_gb > 0:
             max_states = min(max_states, int(config.grammar_compile_max_memory_gb * (1 << 30))
@@ -255,9 +264,30 @@ class LLGuidanceMatcher(GrammarMatcher):
             n = min(self.mask_words, self._scratch.size)
             row[:n] = self._scratch[:n]
             row[n:] = 0
-        for eos in self.engine.eos_ids:
-            if eos < 32 * self.mask_words:
-                row[eos >> 5] &= ~np.uint32(1 << (eos & 31))
+        row &= self.engine.no_eos_row
+
+    @classmethod
+    def fill_masks(cls, matchers: Sequence[GrammarMatcher],
+                   rows: np.ndarray) -> list[Exception | None]:
+        """A batch's masks computed in parallel on llguidance's own threads (it releases the
+        GIL), when every matcher writes rows of the model's width straight into `rows`."""
+        engine = getattr(matchers[0], "engine", None) if matchers else None
+        if (len(matchers) < 2 or engine is None or engine.executor is None
+                or engine._llg_words != engine.mask_words or not rows.flags.c_contiguous
+                or any(not isinstance(m, cls) or m.engine is not engine for m in matchers)):
+            return super().fill_masks(matchers, rows)
+        engine.executor.unsafe_compute_mask_ptr(
+            [(m.m, i) for i, m in enumerate(matchers)], rows.ctypes.data, rows.strides[0],
+            len(matchers))
+        errors: list[Exception | None] = []
+        for matcher in matchers:
+            try:
+                matcher._check()
+                errors.append(None)
+            except Exception as exc:
+                errors.append(exc)
+        rows &= engine.no_eos_row
+        return errors
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         tokens = list(tokens)
