@@ -1,5 +1,5 @@
-"""Structured output on the default model (CPU): both grammar engines and llguidance's own
-strict mode as the peer, in one run on the same schemas.
+"""Structured output: both grammar engines and llguidance's own strict mode as the peer, in
+one run on the same schemas (the embedded model on the CPU by default).
 
 Sections:
   coverage    JSONSchemaBench schemas (a seeded sample of every split present): how many each
@@ -18,6 +18,8 @@ Sections:
               engine fills while decoding.
 
     python benchmarks/structured.py [--coverage-sample 300] [--outlines-sample 60]
+    python benchmarks/structured.py --sections throughput --model FOLDER --load-format dummy
+        (a GPU run: random weights in FOLDER's config, with its tokenizer)
 
 The schemas are in ../shared/data/jsonschemabench/<split>/*.json; without them the
 benchmark says where to get them (github.com/guidance-ai/jsonschemabench, data/<split>).
@@ -234,34 +236,34 @@ def validity(engine: Engine, cases: list[tuple[str, dict]], new_tokens: int) -> 
 
 
 class MaskTimer:
-    """Times every mask a grammar engine's matchers fill while the engine decodes."""
+    """Times every batch of masks the engine fills while it decodes (one call per step, every
+    constrained request's row in it): per step, and per token (the step's time over its rows)."""
 
-    CLASSES = {"llguidance": ("radixlm.runtime.grammar.llguidance_engine", "LLGuidanceMatcher"),
-               "outlines": ("radixlm.runtime.grammar.matcher", "GrammarMatcher")}
+    def __init__(self) -> None:
+        from radixlm.runtime.execution.grammar_masks import BatchBitmask
 
-    def __init__(self, engine_name: str) -> None:
-        import importlib
+        self.cls = BatchBitmask
+        self.steps: list[tuple[float, int]] = []  # (seconds, rows)
 
-        module, name = self.CLASSES[engine_name]
-        self.cls = getattr(importlib.import_module(module), name)
-        self.seconds: list[float] = []
+    def per_token(self) -> list[float]:
+        return [seconds / rows for seconds, rows in self.steps]
 
     def __enter__(self) -> "MaskTimer":
-        original = self.original = self.cls.fill_mask
-        seconds = self.seconds
+        original = self.original = self.cls.fill
+        steps = self.steps
 
-        def timed(matcher, row):
+        def timed(bitmask, requests):
             start = time.perf_counter()
             try:
-                return original(matcher, row)
+                return original(bitmask, requests)
             finally:
-                seconds.append(time.perf_counter() - start)
+                steps.append((time.perf_counter() - start, len(requests)))
 
-        self.cls.fill_mask = timed
+        self.cls.fill = timed
         return self
 
     def __exit__(self, *exc) -> None:
-        self.cls.fill_mask = self.original
+        self.cls.fill = self.original
 
 
 def run_batch(engine: Engine, prompts, params, batch: int) -> tuple[list, float]:
@@ -272,7 +274,7 @@ def run_batch(engine: Engine, prompts, params, batch: int) -> tuple[list, float]
     return outs, time.perf_counter() - start
 
 
-def throughput(engine: Engine, name: str, batch: int, requests: int, rounds: int) -> dict:
+def throughput(engine: Engine, batch: int, requests: int, rounds: int) -> dict:
     """Constrained and unconstrained runs alternate `rounds` times (the machine's load
     drifts); the ratio is the median over the rounds."""
     prompts = [engine.encode_chat([{"role": "user", "content":
@@ -283,7 +285,7 @@ def throughput(engine: Engine, name: str, batch: int, requests: int, rounds: int
                                   max_new_tokens=96) for i in range(requests)]
     run_batch(engine, prompts, constrained, batch)  # warm: compiled grammar, caches
     ratios, tokens_per_s = [], collections.defaultdict(list)
-    masks, mask_wall = MaskTimer(name), 0.0
+    masks, mask_wall = MaskTimer(), 0.0
     for _ in range(rounds):
         before = engine.stats()
         with masks:
@@ -305,9 +307,11 @@ def throughput(engine: Engine, name: str, batch: int, requests: int, rounds: int
             "unconstrained_tokens_per_s": statistics.median(tokens_per_s["unconstrained"]),
             "constrained_vs_unconstrained": statistics.median(ratios),
             "constrained_steps": steps, "unconstrained_steps": plain_steps,
-            "mask_us": {"p50": 1e6 * percentile(masks.seconds, 50),
-                        "p99": 1e6 * percentile(masks.seconds, 99),
-                        "share_of_wall": sum(masks.seconds) / mask_wall},
+            "mask_us": {"p50": 1e6 * percentile(masks.per_token(), 50),
+                        "p99": 1e6 * percentile(masks.per_token(), 99),
+                        "step_p50": 1e6 * percentile([t for t, _ in masks.steps], 50),
+                        "step_p99": 1e6 * percentile([t for t, _ in masks.steps], 99),
+                        "share_of_wall": sum(t for t, _ in masks.steps) / mask_wall},
             "finished": sum(o.finish_reason == "stop" for o in outs)}
 
 
@@ -320,18 +324,28 @@ def main() -> None:
     parser.add_argument("--generate-sample", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=192)
     parser.add_argument("--timeout", type=float, default=30.0)
+    parser.add_argument("--sections", default="coverage,validity,throughput",
+                        help="which to run (validity needs coverage)")
+    parser.add_argument("--model", default=None,
+                        help="model for validity and throughput (default: the embedded one)")
+    parser.add_argument("--load-format", default="auto",
+                        help="'dummy': random weights in the model folder's shape (GPU runs)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
+    if "validity" in sections and "coverage" not in sections:
+        parser.error("--sections: validity needs coverage")
     logging.disable(logging.WARNING)  # refusals are counted instead
-    from transformers import AutoTokenizer
-
-    from radixlm.runtime.models.loader import resolve_model
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(None))
     coverage: dict[str, dict] = collections.defaultdict(dict)
     by_key: dict[str, dict] = {}
     both: set[str] = set()  # the generation sample: schemas every engine accepts
-    for split in splits():
+    if "coverage" in sections:
+        from transformers import AutoTokenizer
+
+        from radixlm.runtime.models.loader import resolve_model
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model(None))
+    for split in (splits() if "coverage" in sections else []):
         schemas = load_schemas(split, args.coverage_sample)
         by_key.update((key, json.loads(text)) for key, text in schemas)
         coverage["llguidance strict (peer)"][split], _ = peer_coverage(tokenizer, schemas)
@@ -348,16 +362,21 @@ def main() -> None:
         sorted(both), min(args.generate_sample, len(both)))]
 
     generation, speed = {}, {}
-    for name in ENGINES:
-        with Engine(max_total_tokens=32768, grammar_backend=name,
+    device, dtype = "cpu", "float32"
+    for name in ENGINES if sections & {"validity", "throughput"} else ():
+        with Engine(args.model, max_total_tokens=32768, grammar_backend=name,
+                    load_format=args.load_format,
                     grammar_compile_timeout=args.timeout) as engine:
-            generation[name] = validity(engine, cases, args.new_tokens)
-            for batch, requests, rounds in ((1, 4, 2), (64, 64, 2)):
-                speed[f"{name}, batch {batch}"] = throughput(engine, name, batch, requests,
-                                                             rounds)
+            if "validity" in sections:
+                generation[name] = validity(engine, cases, args.new_tokens)
+            if "throughput" in sections:
+                for batch, requests, rounds in ((1, 4, 2), (64, 64, 2)):
+                    speed[f"{name}, batch {batch}"] = throughput(engine, batch, requests,
+                                                                 rounds)
+            device = engine.device.type
+            dtype = str(engine.dtype).removeprefix("torch.")
 
-    print(f"\n{cpu_name()}, {torch.get_num_threads()} threads, float32, "
-          f"{datetime.date.today()}")
+    print(f"\n{cpu_name()}, {torch.get_num_threads()} threads, {datetime.date.today()}")
     print(f"{'engine':26} {'split':12} {'accepted':>10} {'p50 ms':>8} {'p90 ms':>8} "
           f"{'p99 ms':>8} {'max ms':>8} {'unsound':>9} {'err':>3} {'mask p50/p99 us':>16}")
     for name, per_split in coverage.items():
@@ -374,23 +393,29 @@ def main() -> None:
               f"{r['cut_by_length']} cut at {args.new_tokens} tokens, {r['aborted']} aborted "
               f"({r['requests']} requests, {r['wall_s']:.1f}s)")
     for label, r in speed.items():
+        m = r["mask_us"]
         print(f"{label}: constrained {r['constrained_tokens_per_s']:.1f} tok/s, unconstrained "
               f"{r['unconstrained_tokens_per_s']:.1f} tok/s "
               f"(x{r['constrained_vs_unconstrained']:.2f}), {r['constrained_steps']} steps vs "
-              f"{r['unconstrained_steps']}; masks p50 {r['mask_us']['p50']:.0f} us, p99 "
-              f"{r['mask_us']['p99']:.0f} us, {r['mask_us']['share_of_wall']:.1%} of wall")
+              f"{r['unconstrained_steps']}; masks per token p50 {m['p50']:.0f} us, p99 "
+              f"{m['p99']:.0f} us (per step {m['step_p50']:.0f} / {m['step_p99']:.0f} us), "
+              f"{m['share_of_wall']:.1%} of wall")
 
+    model = args.model or "smollm2-135m-instruct"
     record = {"benchmark": "structured", "date": datetime.date.today().isoformat(),
               "machine": {"processor": cpu_name(), "cores": os.cpu_count(),
-                          "threads": torch.get_num_threads(), "torch": torch.__version__},
-              "config": {"model": "smollm2-135m-instruct", "dtype": "float32",
+                          "threads": torch.get_num_threads(), "torch": torch.__version__,
+                          "gpu": torch.cuda.get_device_name() if device == "cuda" else None},
+              "config": {"model": model, "load_format": args.load_format,
+                         "sections": sorted(sections), "device": device, "dtype": dtype,
                          "coverage_sample_per_split": args.coverage_sample,
                          "outlines_sample_per_split": args.outlines_sample,
                          "walks_per_schema": args.walks, "generate_sample": len(cases),
                          "new_tokens": args.new_tokens, "compile_timeout_s": args.timeout},
               "coverage": coverage, "validity": generation, "throughput": speed}
+    label = "h200" if device == "cuda" else f"cpu_{dtype}"
     out = Path(args.out or Path(__file__).parent / "results" /
-               f"structured_cpu_float32_{record['date']}.json")
+               f"structured_{label}_{record['date']}.json")
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}")
 

@@ -60,8 +60,10 @@ class Http:
         data = json.dumps(json_body).encode() if json_body is not None else content
         if isinstance(data, str):
             data = data.encode()
+        # urllib would send form encoding; the server takes JSON only (415 otherwise).
+        kind = {"Content-Type": "application/json"} if data is not None else {}
         request = urllib.request.Request(self.url + path, data=data, method=method,
-                                         headers={**self.headers, **(headers or {})})
+                                         headers={**kind, **self.headers, **(headers or {})})
         try:
             with urllib.request.urlopen(request, timeout=120) as response:
                 return Reply(response.status, response.headers, response.read())
@@ -598,7 +600,7 @@ def test_metrics(http):
 
 def test_engine_process_dies_with_the_server(server, http):
     """Last in the module: SIGKILL the HTTP process; the engine process must not outlive it."""
-    engine_pid = http.get("/get_server_info").json()["engine_pid"]
+    engine_pid = server.engine_pid()
     os.kill(server.proc.pid, signal.SIGKILL)
     server.proc.wait(10)
     deadline = time.monotonic() + 10

@@ -59,6 +59,9 @@ class Engine:
                                        self.device, self.config.seed)
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._closed = False
+        # Rounds of the engine loop so far: a watchdog on another thread reads it (with
+        # has_work) to tell a busy engine from a stalled one.
+        self.loop_rounds = 0
         self._thread = threading.Thread(target=self._loop, name="radixlm-engine", daemon=True)
         self._thread.start()
 
@@ -85,15 +88,18 @@ class Engine:
                               sampling_params: ParamsArg = None, *,
                               input_ids: Sequence[int] | None = None,
                               request_id: str | None = None,
-                              cache_salt: str | None = None) -> AsyncIterator[Output]:
-        """Yield an Output per new token (with `delta`), the last one with `finish_reason`."""
+                              cache_salt: str | None = None,
+                              queue_rank: int | None = None) -> AsyncIterator[Output]:
+        """Yield an Output per new token (with `delta`), the last one with `finish_reason`.
+        `queue_rank`: where this prompt's samples stand in a batch that a caller (a server)
+        submits one prompt at a time, for fair admission (see Request.queue_rank)."""
         single, prompts = self._normalize_prompts(prompt, input_ids)
         if not single:
             raise ValueError("prompt: generate_stream takes one prompt")
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[Output] = asyncio.Queue()
         requests = self._make_requests(prompts, sampling_params, request_id, cache_salt,
-                                       stream=True)
+                                       stream=True, first_rank=queue_rank)
         for request in requests:
             request.on_output = _threadsafe_put(loop, chunks)
         self._submit(requests)
@@ -136,16 +142,19 @@ class Engine:
         return self._call(lambda core: core.release_lease(lease_id))
 
     def score(self, prefix_ids: Sequence[int], continuation_ids: Sequence[Sequence[int]], *,
-              cache_salt: str | None = None) -> list[list[float]]:
+              cache_salt: str | None = None,
+              request_id: str | None = None) -> list[list[float]]:
         """Logprob of every token of each continuation, given the prefix and the
         continuation's earlier tokens. One batch: the prefix is computed once and shared
-        (prompt-token logprobs; nothing is generated)."""
+        (prompt-token logprobs; nothing is generated). With a `request_id`, its requests are
+        "<id>#<i>", so abort(request_id) stops them all."""
         prefix = self._check_ids(prefix_ids)
         if not isinstance(continuation_ids, (list, tuple)) or not continuation_ids:
             raise ValueError("continuation_ids must be a non-empty list of token id lists")
         prompts = [prefix + self._check_ids(ids) for ids in continuation_ids]
         params = SamplingParams(max_new_tokens=0, temperature=0, logprob_start_len=len(prefix))
-        outputs = self._run(self._make_requests(prompts, params, None, cache_salt,
+        ids = None if request_id is None else [f"{request_id}#{i}" for i in range(len(prompts))]
+        outputs = self._run(self._make_requests(prompts, params, ids, cache_salt,
                                                 stream=False))
         failed = [o.error for o in outputs if o.error is not None or o.finish_reason == "abort"]
         if failed:
@@ -188,6 +197,11 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         return self.core.stats()
+
+    @property
+    def has_work(self) -> bool:
+        """Requests running or waiting (read from any thread: a snapshot)."""
+        return self.core.has_work
 
     def close(self) -> None:
         if not self._closed:
@@ -244,9 +258,10 @@ class Engine:
         return self._factory.check_ids(ids)
 
     def _make_requests(self, prompts: list[list[int]], sampling_params: Any,
-                       request_id: Any, cache_salt: Any, stream: bool) -> list[Request]:
+                       request_id: Any, cache_salt: Any, stream: bool,
+                       first_rank: int | None = None) -> list[Request]:
         requests = self._factory.requests(prompts, sampling_params, request_id, cache_salt,
-                                          stream, on_output=_ignore)
+                                          stream, on_output=_ignore, first_rank=first_rank)
         if any(r.params.constrained for r in requests):
             self.core.grammar_engine()  # built here, not on the engine thread
         return requests
@@ -317,6 +332,7 @@ class Engine:
                 except queue.Empty:
                     message = None
             core.expire_leases()
+            self.loop_rounds += 1
             if core.has_work:
                 try:
                     core.step()

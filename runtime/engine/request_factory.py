@@ -72,9 +72,12 @@ class RequestFactory:
         return list(ids)
 
     def requests(self, prompts: list[list[int]], sampling_params: Any, request_id: Any,
-                 cache_salt: Any, stream: bool,
-                 on_output: Callable[[Output], None]) -> list[Request]:
-        """One request per prompt and sample (`n`), ids "<id>#<index>" when n > 1."""
+                 cache_salt: Any, stream: bool, on_output: Callable[[Output], None],
+                 first_rank: int | None = None) -> list[Request]:
+        """One request per prompt and sample (`n`), ids "<id>#<index>" when n > 1. With a
+        `first_rank`, queue ranks first_rank, first_rank + 1, ... in that order (see
+        Request.queue_rank); without, rank 0 for all (one caller's batch, ordered as it came
+        or by cached prefix)."""
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         params = _params_per_prompt(sampling_params, len(prompts))
@@ -102,6 +105,7 @@ class RequestFactory:
                     index=index,
                     generator=self._generator(p, index),
                     namespace=cache_salt,
+                    queue_rank=0 if first_rank is None else first_rank + len(requests),
                 ))
         return requests
 

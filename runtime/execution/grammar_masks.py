@@ -31,22 +31,22 @@ class BatchBitmask:
         rows = self.bits[: len(requests)]
         matchers = [r.grammar for r in requests]
         errors = type(matchers[0]).fill_masks(matchers, rows)
-        failed: dict[Request, Exception] = {}
         limit = self.words * 32
-        for row, request, error in zip(rows, requests, errors):
+        for i, (request, error) in enumerate(zip(requests, errors)):
             if error is None:
                 try:
                     if request.grammar.is_final and _eos_allowed(request):
                         for eos in request.eos_token_ids:
                             if 0 <= eos < limit:
-                                row[eos >> 5] |= np.uint32(1 << (eos & 31))
-                    if not row.any():
-                        error = RuntimeError("the grammar allows no token here")
+                                rows[i, eos >> 5] |= np.uint32(1 << (eos & 31))
                 except Exception as exc:
-                    error = exc
-            if error is not None:  # one request's grammar must not fail the batch
-                row[:] = 0
-                failed[request] = error
+                    errors[i] = exc
+        failed: dict[Request, Exception] = {}
+        empty = ~rows.any(axis=1)  # one pass over the batch, not a Python call per row
+        for i in np.flatnonzero(empty | np.array([e is not None for e in errors])):
+            # One request's grammar must not fail the batch: its row allows nothing.
+            rows[i] = 0
+            failed[requests[i]] = errors[i] or RuntimeError("the grammar allows no token here")
         masks = self.host[: len(requests)]
         return masks.to(self.device, non_blocking=True), failed
 

@@ -80,6 +80,10 @@ class Request:
     namespace: Any = None  # KV from another namespace is never reused
     table_row: int | None = None
     admitted: bool = False  # admitted at least once (cached_tokens counts the first time)
+    # Position among the requests a server received in one HTTP request (its prompts and
+    # samples); waiting requests are admitted by rank, then by arrival, so a large batch's
+    # later requests let other clients' first ones in. 0 for the offline Engine's batches.
+    queue_rank: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     matched_stop: str | int | None = None

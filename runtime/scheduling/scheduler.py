@@ -8,7 +8,9 @@ cached prefixes, chunked prefill, decode and recomputation after a retraction:
     new tokens for a request = min(uncomputed tokens, chunked_prefill_size, budget left)
 
 A step first serves running requests, oldest first, then admits waiting requests while the
-token budget, `max_running_requests` and KV pages allow. A request whose grammar is still
+token budget, `max_running_requests` and KV pages allow. Waiting requests are taken by their
+rank in the server request they came with (`Request.queue_rank`), then in arrival order: a
+client's first prompt never waits behind another client's 1000-prompt batch. A request whose grammar is still
 compiling holds back its last token (`held_back_tokens`) and is skipped once the rest is
 computed, so it never holds up the batch. With the "lpm" policy the waiting
 queue is ordered by longest cached prefix, and a request that shares a not-yet-cached prefix
@@ -109,7 +111,11 @@ class Scheduler:
         hits: dict[Request, int] = {}
         if lpm and len(candidates) <= LPM_QUEUE_LIMIT:
             hits = {r: self.kv.match(r) for r in candidates}
-            candidates.sort(key=lambda r: -hits[r])  # stable: FCFS among equals
+        if hits or any(r.queue_rank for r in candidates):
+            # Fair share first (retracted requests, then by rank in their batch), then the
+            # longest cached prefix; the sort is stable: FCFS among equals.
+            candidates.sort(key=lambda r: (-1 if r.admitted else r.queue_rank,
+                                           -hits.get(r, 0)))
         prefilling = [r for r in self.running if r.num_computed_tokens < r.prompt_len]
         for request in candidates:
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:

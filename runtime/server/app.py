@@ -6,6 +6,10 @@ Middlewares, outermost first:
   errors   ApiError -> its status and OpenAI-shaped body; aiohttp's own HTTP errors (404, 405)
            -> the same shape; any other exception -> 500 with its message. The failure stays
            inside the one request: the loop, the engine and other requests carry on;
+  browser  a POST a web page could have sent (cross-origin by its Origin or Sec-Fetch-Site
+           header) is 403, and a POST body that is not JSON is 415: a page open in a local
+           browser cannot drive a keyless server (forms and `text/plain` need no CORS
+           preflight; JSON does, and the server grants none);
   auth     when an API key is set, every route but /health needs `Authorization: Bearer KEY`,
            compared in constant time.
 """
@@ -16,13 +20,15 @@ import asyncio
 import hashlib
 import hmac
 import logging
+import time
 import uuid
 from typing import Awaitable, Callable
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
 from radixlm.runtime.config.sampling_params import SamplingParams
-from radixlm.runtime.server import native_routes, openai_routes
+from radixlm.runtime.server import access_log, native_routes, openai_routes
 from radixlm.runtime.server.generation import Generation
 from radixlm.runtime.server.protocol import ApiError
 from radixlm.runtime.server.state import ServerState
@@ -32,12 +38,14 @@ log = logging.getLogger("radixlm.server")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 OPEN_PATHS = frozenset({"/health"})
+QUIET_PATHS = frozenset({"/health", "/metrics"})  # polled: their access lines are debug
+TRIM_AFTER_BYTES = 256 << 10  # bodies this large are parsed off the loop, into an arena
 HEALTH_GENERATE_TIMEOUT = 60.0
 
 
 def build_app(state: ServerState) -> web.Application:
     app = web.Application(client_max_size=state.config.max_request_bytes,
-                          middlewares=[_metrics, _errors, _auth])
+                          middlewares=[_metrics, _errors, _browser, _auth])
     app[STATE] = state
     app.router.add_get("/health", health)
     app.router.add_get("/health_generate", health_generate)
@@ -52,18 +60,25 @@ async def _metrics(request: web.Request, handler: Handler) -> web.StreamResponse
     state = state_of(request)
     state.active_requests += 1
     status = 500
-    try:
-        response = await handler(request)
-        status = response.status
-        return response
-    except asyncio.CancelledError:
-        status = 499  # the client went away (nginx's code for it)
-        raise
-    finally:
-        state.active_requests -= 1
-        resource = request.match_info.route.resource
-        route = resource.canonical if resource is not None else "unmatched"
-        state.metrics.requests.labels(route, str(status)).inc()
+    start = time.monotonic()
+    with access_log.RequestLog() as record:
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except asyncio.CancelledError:
+            status = 499  # the client went away (nginx's code for it)
+            raise
+        finally:
+            state.active_requests -= 1
+            resource = request.match_info.route.resource
+            route = resource.canonical if resource is not None else "unmatched"
+            state.metrics.requests.labels(route, str(status)).inc()
+            level = logging.DEBUG if request.path in QUIET_PATHS else logging.INFO
+            access_log.log.log(level, "%s", record.line(request.method, request.path, status,
+                                                        time.monotonic() - start))
+            if request.content_length and request.content_length > TRIM_AFTER_BYTES:
+                state.heap.trim_soon()  # its parsed body is garbage now
 
 
 @web.middleware
@@ -71,19 +86,49 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except ApiError as exc:
+        _note(exc.message)
         return error_response(exc)
     except web.HTTPException as exc:  # the router's 404 and 405, aiohttp's own 413
         if exc.status < 400:
             raise
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status)
+        _note(exc.reason)
         return error_response(ApiError(exc.status, f"{request.method} {request.path}: "
                                        f"{exc.reason}", code=code))
     except ConnectionResetError:  # the client went away while we answered
         raise
     except Exception as exc:
-        log.exception("%s %s failed", request.method, request.path)
-        return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}",
+        # Our bug: the traceback goes to the log, the client gets an id to find it by.
+        incident = uuid.uuid4().hex[:12]
+        log.exception("%s %s failed (incident %s)", request.method, request.path, incident)
+        _note(f"{type(exc).__name__}: {exc} (incident {incident})")
+        return error_response(ApiError(500, f"internal error (incident {incident}; the "
+                                            f"server log has the details)",
                                        code="internal_error"))
+
+
+def _note(reason: str) -> None:
+    record = access_log.current()
+    if record is not None:
+        record.error = reason
+
+
+@web.middleware
+async def _browser(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if request.method == "POST":
+        origin = request.headers.get("Origin")
+        fetch_site = request.headers.get("Sec-Fetch-Site")
+        if fetch_site in ("cross-site", "same-site") or (
+                origin is not None and urlsplit(origin).netloc != request.host):
+            raise ApiError(403, f"cross-origin POSTs are refused (Origin {origin!r}, "
+                                f"Sec-Fetch-Site {fetch_site!r})", code="cross_origin")
+        media = request.content_type  # application/octet-stream when the header is absent
+        if request.body_exists and not (media == "application/json" or media.endswith("+json")):
+            raise ApiError(415, f"a POST body must be JSON, sent as Content-Type: "
+                                f"application/json (got {media}; with curl, add -H "
+                                f"'Content-Type: application/json')",
+                           code="unsupported_media_type")
+    return await handler(request)
 
 
 @web.middleware
@@ -110,7 +155,7 @@ async def health(request: web.Request) -> web.Response:
     elif state.info is None:
         status = "starting"
     elif not state.engine.alive:
-        status = "engine_down"
+        status = "engine_stalled" if getattr(state.engine, "stalled", False) else "engine_down"
     else:
         return json_response({"status": "ok"})
     return json_response({"status": status}, 503)

@@ -28,6 +28,19 @@ class ServerConfig:
     # more are refused with 503 + Retry-After instead of piling up.
     max_queued_requests: int = 2048
     max_request_bytes: int = 8 << 20  # larger bodies get 413
+    # Samples one request may ask for (prompts x n); more is a 400. Also never more than
+    # the server holds at once (max_running_requests + max_queued_requests).
+    max_samples_per_request: int = 1024
+    # A connection is closed when it has been idle this long: after connecting or after its
+    # last response, without a complete request head (so a client that sends half a header
+    # is cut off too). 0: never.
+    keep_alive_timeout: float = 75.0
+    # A request body must arrive within this long of its head; otherwise 408.
+    body_timeout: float = 60.0
+    # With work queued, an engine that makes no progress this long is declared stalled:
+    # /health turns 503, in-flight requests fail, the engine is killed and the server exits
+    # with status 1 (for its supervisor to restart it). 0: no watchdog.
+    watchdog_timeout: float = 300.0
     # SIGTERM: in-flight requests get this long to finish, then they are aborted.
     shutdown_timeout: float = 30.0
     served_model_name: str | None = None  # the `model` id of the OpenAI routes
@@ -36,11 +49,13 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("max_queued_requests", "max_request_bytes"):
+        for name in ("max_queued_requests", "max_request_bytes", "shutdown_timeout",
+                     "keep_alive_timeout", "body_timeout", "watchdog_timeout"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.shutdown_timeout < 0:
-            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.max_samples_per_request < 1:
+            raise ValueError(f"max_samples_per_request must be >= 1, got "
+                             f"{self.max_samples_per_request}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
 
@@ -63,6 +78,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "503 with Retry-After")
     server.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes,
                         help="largest request body; larger ones get 413")
+    server.add_argument("--max-samples-per-request", type=int,
+                        default=ServerConfig.max_samples_per_request,
+                        help="samples (prompts x n) one request may ask for; more get 400")
+    server.add_argument("--keep-alive-timeout", type=float,
+                        default=ServerConfig.keep_alive_timeout,
+                        help="seconds a connection may stay idle, or take to send a request "
+                             "head, before it is closed (0: never)")
+    server.add_argument("--body-timeout", type=float, default=ServerConfig.body_timeout,
+                        help="seconds a request body may take to arrive; slower ones get 408")
+    server.add_argument("--watchdog-timeout", type=float, default=ServerConfig.watchdog_timeout,
+                        help="seconds without engine progress, with work queued, after which "
+                             "the server fails its requests and exits 1 (0: no watchdog)")
     server.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout,
                         help="seconds in-flight requests get to finish after SIGTERM")
     server.add_argument("--served-model-name", default=None,

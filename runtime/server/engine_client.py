@@ -20,6 +20,7 @@ import multiprocessing
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +62,9 @@ class EngineClient:
         self._call_ids = itertools.count()
         self._closing = False
         self.died = asyncio.Event()  # set when the engine process exits unexpectedly
+        self.stalled = False  # the watchdog found it making no progress (and killed it)
+        self._rounds = -1  # the engine loop's rounds at the last heartbeat
+        self._last_progress = time.monotonic()  # when a heartbeat last showed progress
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -82,6 +86,7 @@ class EngineClient:
             self.process.join(timeout=5)
             raise RuntimeError(f"the engine process failed to start: {payload}")
         self.info = payload
+        self._last_progress = time.monotonic()
         threading.Thread(target=self._read, name="engine-reader", daemon=True).start()
         threading.Thread(target=self._write, name="engine-writer", daemon=True).start()
         return payload
@@ -126,8 +131,9 @@ class EngineClient:
         return key in self._tracked
 
     def submit(self, key: str, input_ids: list[int], params: Any, cache_salt: str | None,
-               sink: Sink, group: str | None = None) -> None:
-        """Start a request; its chunks (or an EngineError) arrive in `sink` as (key, item)."""
+               sink: Sink, group: str | None = None, rank: int = 0) -> None:
+        """Start a request; its chunks (or an EngineError) arrive in `sink` as (key, item).
+        `rank`: how many samples of the same HTTP request come before it (fair admission)."""
         if not self.alive:
             sink.put_nowait((key, EngineError(503, "the engine is not running")))
             return
@@ -135,7 +141,7 @@ class EngineClient:
             raise ValueError(f"request id {key!r} is already in use")
         self._tracked[key] = _Tracked(sink, params.n, group)
         self._in_flight += params.n
-        self._outbox.put(("generate", key, input_ids, params, cache_salt))
+        self._outbox.put(("generate", key, input_ids, params, cache_salt, rank))
 
     def abort(self, key: str) -> None:
         """Stop a request; the engine still sends its last chunks (finish_reason "abort")."""
@@ -174,6 +180,18 @@ class EngineClient:
         finally:
             self._calls.pop(call_id, None)
 
+    async def call_counted(self, key: str, count: int, method: str, **kwargs: Any) -> Any:
+        """A call that runs `count` engine requests named "<key>#<i>" (e.g. score): they count
+        as in flight while it runs, and are aborted when the caller goes away."""
+        self._in_flight += count
+        try:
+            return await self.call(method, request_id=key, **kwargs)
+        except asyncio.CancelledError:
+            self._outbox.put(("abort", key))
+            raise
+        finally:
+            self._in_flight -= count
+
     # -- pipe threads and routing (results are handled on the event loop) -------------------
 
     def _read(self) -> None:
@@ -211,6 +229,11 @@ class EngineClient:
                     self._in_flight -= tracked.remaining
                     if not tracked.detached:
                         tracked.sink.put_nowait((message[1], message[2]))
+            elif kind == "beat":
+                _, rounds, has_work = message
+                if rounds != self._rounds or not has_work:
+                    self._rounds = rounds
+                    self._last_progress = time.monotonic()
             elif kind == "reply":
                 _, call_id, result, error = message
                 future = self._calls.get(call_id)
@@ -232,13 +255,34 @@ class EngineClient:
         if not tracked.detached:
             tracked.sink.put_nowait((key, chunk))
 
+    async def watch(self, timeout: float) -> None:
+        """The watchdog: when the engine has work but its loop has not moved for `timeout`
+        seconds (or its heartbeats stopped: a frozen process), fail every request with a
+        503, kill the engine process and set `died`, so that the server exits 1."""
+        while not (self.died.is_set() or self._closing):
+            await asyncio.sleep(min(1.0, timeout / 4))
+            stuck = time.monotonic() - self._last_progress
+            if stuck > timeout and not (self.died.is_set() or self._closing):
+                log.error("the engine made no progress for %.0f s while it had work (or it "
+                          "stopped answering): failing its requests and stopping "
+                          "(--watchdog-timeout %g)", stuck, timeout)
+                self.stalled = True
+                self._fail_everything(EngineError(
+                    503, f"the engine made no progress for {stuck:.0f} s; the server is "
+                         f"restarting"))
+                if self.process is not None:
+                    self.process.kill()
+                return
+
     def _on_engine_exit(self) -> None:
-        if self._closing:
+        if self._closing or self.died.is_set():
             return
         log.error("the engine process exited unexpectedly (exit code %s)",
                   self.process.exitcode if self.process else None)
+        self._fail_everything(EngineError(500, "the engine process exited"))
+
+    def _fail_everything(self, error: EngineError) -> None:
         self.died.set()
-        error = EngineError(500, "the engine process exited")
         for key, tracked in self._tracked.items():
             if not tracked.detached:
                 tracked.sink.put_nowait((key, error))

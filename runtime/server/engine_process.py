@@ -30,6 +30,7 @@ log = logging.getLogger("radixlm.engine_process")
 # Engine methods the HTTP process may call, each run on a worker thread because most block
 # until the engine loop has done the work (pin_prefix computes the prefix, score a batch).
 CALLS = ("pin_prefix", "release_prefix", "score", "flush_cache", "stats")
+BEAT_SECONDS = 1.0
 
 
 def run(options: dict[str, Any], conn: Connection, parent_pid: int, log_level: str) -> None:
@@ -51,8 +52,7 @@ def run(options: dict[str, Any], conn: Connection, parent_pid: int, log_level: s
         info = EngineInfo(max_model_len=engine.max_model_len,
                           vocab_size=engine.model_config.vocab_size,
                           architecture=engine.model_config.architecture,
-                          eos_token_ids=sorted(eos), config=_plain(engine.config),
-                          pid=os.getpid())
+                          eos_token_ids=sorted(eos), config=_plain(engine.config))
     except BaseException as exc:  # report why, or the HTTP process waits for nothing
         log.exception("engine failed to start")
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
@@ -95,6 +95,7 @@ class _EngineServer:
         threading.Thread(target=self._read, args=(loop,), name="pipe-reader",
                          daemon=True).start()
         threading.Thread(target=self._write, name="pipe-writer", daemon=True).start()
+        threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
         await self.stopped.wait()
         for key in list(self.tasks):
             self.engine.abort(key)
@@ -133,13 +134,22 @@ class _EngineServer:
             if done:
                 return
 
+    def _beat(self) -> None:
+        """Every BEAT_SECONDS, how far the engine loop got and whether it has work: the HTTP
+        process's watchdog tells a stalled engine (or a frozen process: no beats) from a busy
+        one with it."""
+        while True:
+            self.outbox.put(("beat", self.engine.loop_rounds, self.engine.has_work))
+            time.sleep(BEAT_SECONDS)
+
     # -- messages --------------------------------------------------------------------------
 
     def _handle(self, message: tuple) -> None:
         kind = message[0]
         if kind == "generate":
-            _, key, input_ids, params, cache_salt = message
-            task = asyncio.ensure_future(self._generate(key, input_ids, params, cache_salt))
+            _, key, input_ids, params, cache_salt, rank = message
+            task = asyncio.ensure_future(self._generate(key, input_ids, params, cache_salt,
+                                                        rank))
             self.tasks[key] = task
             task.add_done_callback(lambda _t, k=key: self.tasks.pop(k, None))
         elif kind == "abort":
@@ -157,11 +167,12 @@ class _EngineServer:
             log.error("unknown message %r", kind)
 
     async def _generate(self, key: str, input_ids: list[int], params: Any,
-                        cache_salt: str | None) -> None:
+                        cache_salt: str | None, rank: int) -> None:
         sent_tokens: dict[int, int] = {}
         try:
             stream = self.engine.generate_stream(input_ids=input_ids, sampling_params=params,
-                                                 request_id=key, cache_salt=cache_salt)
+                                                 request_id=key, cache_salt=cache_salt,
+                                                 queue_rank=rank)
             async for out in stream:
                 start = sent_tokens.get(out.index, 0)
                 sent_tokens[out.index] = len(out.token_ids)

@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator
 
 from radixlm.runtime.config.sampling_params import SamplingParams
 from radixlm.runtime.grammar.spec import GRAMMAR_FIELDS
+from radixlm.runtime.server import access_log
 from radixlm.runtime.server.ipc import Chunk, EngineError, LogprobEntry
 from radixlm.runtime.server.protocol import ApiError
 from radixlm.runtime.server.state import ServerState
@@ -78,6 +79,10 @@ class Generation:
         self.cache_salt = cache_salt
         self.group = group
         self.arrival = time.monotonic()
+        check_samples(state, sum(p.n for p in params), f"{len(prompts)} prompt(s) times n")
+        record = access_log.current()
+        if record is not None:
+            record.generations.append(self)
         self.samples: list[Sample] = []
         self._by_id: dict[tuple[str, int], Sample] = {}
         for i, (key, p) in enumerate(zip(keys, params)):
@@ -92,8 +97,10 @@ class Generation:
     async def __aenter__(self) -> "Generation":
         self._admit()
         engine = self.state.engine
+        rank = 0  # of this request's samples, for fair admission (Request.queue_rank)
         for key, ids, p in zip(self.keys, self.prompts, self.params):
-            engine.submit(key, ids, p, self.cache_salt, self._sink, self.group)
+            engine.submit(key, ids, p, self.cache_salt, self._sink, self.group, rank)
+            rank += p.n
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -113,12 +120,7 @@ class Generation:
             if engine.is_tracked(key):
                 raise ApiError(400, f"request id {key!r} is already in use", "rid",
                                "duplicate_id")
-        # Always admit into an idle server, so one large request can never be refused forever.
-        wanted = len(self.samples)
-        if engine.in_flight and engine.in_flight + wanted > state.max_in_flight:
-            raise ApiError(503, f"the server is at capacity ({engine.in_flight} requests in "
-                                f"flight); retry later", code="queue_full",
-                           headers={"Retry-After": "1"})
+        state.check_room(len(self.samples))
 
     async def chunks(self) -> AsyncIterator[tuple[Sample, Chunk]]:
         while any(self._pending.values()):
@@ -176,6 +178,18 @@ class Generation:
             if sample.finish_reason == "abort" and sample.error:
                 return abort_error(sample.error, sample.error_invalid)
         return None
+
+
+def check_samples(state: ServerState, wanted: int, what: str, param: str = "n") -> None:
+    """One request may not ask for more samples than its cap, or than the server ever holds
+    (it would wait for room that never comes, or push everyone else out). `what` says where
+    the count comes from."""
+    cap = state.config.max_samples_per_request
+    if state.info is not None:
+        cap = min(cap, max(1, state.max_in_flight))
+    if wanted > cap:
+        raise ApiError(400, f"this request asks for {wanted} samples ({what}); this server "
+                            f"takes at most {cap} per request", param, "too_many_samples")
 
 
 def abort_error(error: str, invalid: bool) -> ApiError:

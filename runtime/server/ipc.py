@@ -67,4 +67,3 @@ class EngineInfo:
     architecture: str
     eos_token_ids: list[int]
     config: dict[str, Any]
-    pid: int

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 from aiohttp import web
 
+from radixlm.runtime.server.access_log import log_engine_stats
 from radixlm.runtime.server.app import build_app
 from radixlm.runtime.server.args import ServerConfig, add_serve_args, engine_options, server_config
 from radixlm.runtime.server.engine_client import EngineClient
@@ -29,6 +30,9 @@ from radixlm.runtime.server.state import ServerState
 from radixlm.runtime.server.text_codec import TextCodec
 
 log = logging.getLogger("radixlm.server")
+
+_NEVER = 1e9  # seconds
+STATS_LOG_INTERVAL = 10.0  # seconds between engine-stats log lines while there is work
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -61,9 +65,13 @@ async def _serve(config: ServerConfig, options: dict[str, Any]) -> int:
     state = ServerState(config=config, engine=EngineClient(options, config.log_level),
                         codec=TextCodec(None),
                         model_name=config.served_model_name or model or DEFAULT_MODEL,
-                        model_path=model, model_folder=None)
+                        model_path=model)
+    # keepalive_timeout also bounds how long a connection may take to send a request head:
+    # aiohttp counts the connection idle until the head is complete. (Its 0 would mean "close
+    # after each response"; ours means never.)
     runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None,
-                           shutdown_timeout=5.0)
+                           shutdown_timeout=5.0,
+                           keepalive_timeout=config.keep_alive_timeout or _NEVER)
     await runner.setup()
     try:
         await web.TCPSite(runner, config.host, config.port).start()
@@ -88,9 +96,14 @@ async def _serve(config: ServerConfig, options: dict[str, Any]) -> int:
                  "(%.1f s to load)", host, port, state.model_name,
                  state.info.max_model_len if state.info else 0, time.monotonic() - started)
         died = asyncio.ensure_future(state.engine.died.wait())
+        background = [asyncio.ensure_future(log_engine_stats(state, STATS_LOG_INTERVAL))]
+        if config.watchdog_timeout > 0:
+            background.append(asyncio.ensure_future(state.engine.watch(config.watchdog_timeout)))
         await asyncio.wait({stopping, died}, return_when=asyncio.FIRST_COMPLETED)
         code = 1 if died.done() else 0
         died.cancel()
+        for task in background:
+            task.cancel()
     elif startup.done():
         log.error("startup failed: %s", startup.exception())
         code = 1
@@ -109,11 +122,10 @@ async def _start_engine(state: ServerState, options: dict[str, Any]) -> None:
     folder = await loop.run_in_executor(None, _resolve, options)
     if folder is not None:
         options = {**options, "model": str(folder)}
-        state.model_folder = str(folder)
     state.engine.options = options
     tokenizer = loop.run_in_executor(None, _load_tokenizer, folder)
     info = await state.engine.start()
-    state.codec.tokenizer = await tokenizer
+    await loop.run_in_executor(None, state.codec.configure, await tokenizer, info.max_model_len)
     state.info = info  # from here on the routes serve
 
 

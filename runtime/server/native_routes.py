@@ -5,18 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from typing import Any, AsyncIterator
 
 from aiohttp import web
 
 from radixlm.runtime.server import native_protocol as native
 from radixlm.runtime.server.engine_client import EngineCallError
-from radixlm.runtime.server.generation import Generation, abort_error
+from radixlm.runtime.server.generation import Generation, abort_error, check_samples
 from radixlm.runtime.server.metrics import cache_hit_rate
 from radixlm.runtime.server.openai_protocol import parse_messages
 from radixlm.runtime.server.protocol import ApiError, Fields, bad, check_prompt_len, fit_context
 from radixlm.runtime.server.state import ServerState
 from radixlm.runtime.server.web_util import json_response, read_json, state_of, stream_events
+
+
+STATS_TIMEOUT = 10.0  # seconds /get_server_info waits for the engine's statistics
 
 
 def add_routes(app: web.Application) -> None:
@@ -31,8 +35,13 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/get_server_info", get_server_info)
 
 
-async def call_engine(state: ServerState, method: str, **kwargs: Any) -> Any:
+async def call_engine(state: ServerState, method: str, *, counted: tuple[str, int] | None = None,
+                      **kwargs: Any) -> Any:
+    """An Engine method run in the engine process; `counted`: (key, n) for a call that runs n
+    engine requests (see EngineClient.call_counted)."""
     try:
+        if counted is not None:
+            return await state.engine.call_counted(*counted, method, **kwargs)
         return await state.engine.call(method, **kwargs)
     except EngineCallError as exc:
         raise ApiError(exc.status, exc.message,
@@ -159,6 +168,11 @@ async def score(request: web.Request) -> web.Response:
     state = state_of(request)
     info = state.require_engine()
     spec = native.parse_score(await read_json(request), info.vocab_size)
+    param = "continuations" if spec["continuations"] is not None else "continuation_ids"
+    count = len(spec["continuations"] or spec["continuation_ids"])
+    # One engine request per continuation: bounded and queued like generation's samples.
+    check_samples(state, count, f"{count} continuations", param)
+    state.check_room(count)
     prefix_ids = spec["prefix_ids"]
     if prefix_ids is None:
         prefix_ids = await state.codec.encode_prompt(spec["prefix"], "prefix")
@@ -173,8 +187,9 @@ async def score(request: web.Request) -> web.Response:
             continuation_ids.append(ids)
     longest = len(prefix_ids) + max(len(c) for c in continuation_ids)
     check_prompt_len(longest, info.max_model_len, "continuations")
-    logprobs = await call_engine(state, "score", prefix_ids=prefix_ids,
-                                 continuation_ids=continuation_ids,
+    # Counted in flight, and aborted in the engine if the client leaves.
+    logprobs = await call_engine(state, "score", counted=(f"score-{uuid.uuid4().hex}", count),
+                                 prefix_ids=prefix_ids, continuation_ids=continuation_ids,
                                  cache_salt=spec["cache_salt"])
     return json_response({"logprobs": logprobs})
 
@@ -197,7 +212,6 @@ async def get_model_info(request: web.Request) -> web.Response:
     tok = state.codec.tokenizer
     return json_response({
         "model_path": state.model_path or state.model_name,
-        "model_folder": state.model_folder,
         "served_model_name": state.model_name,
         "architecture": info.architecture,
         "vocab_size": info.vocab_size,
@@ -214,14 +228,18 @@ async def get_model_info(request: web.Request) -> web.Response:
 async def get_server_info(request: web.Request) -> web.Response:
     state = state_of(request)
     info = state.require_engine()
-    stats = await call_engine(state, "stats")
+    try:  # a busy engine answers between two steps; a stalled one never does
+        stats = await asyncio.wait_for(call_engine(state, "stats"), STATS_TIMEOUT)
+    except asyncio.TimeoutError:
+        raise ApiError(503, f"the engine did not answer within {STATS_TIMEOUT:g} s",
+                       code="engine_unresponsive") from None
     total = stats.get("kv_pages_total", 0)
     server = {k: v for k, v in vars(state.config).items() if k != "api_key"}
     server["api_key_set"] = state.config.api_key is not None
     return json_response({
-        # The engine loads the folder the model resolved to; report what the user asked for.
+        # The engine loads the folder the model resolved to; report what the user asked for
+        # (never where it lives on this machine).
         "engine_config": {**info.config, "model": state.model_path},
-        "model_folder": state.model_folder,
         "server_config": server,
         "stats": stats,
         "kv_usage": (total - stats.get("kv_pages_free", 0)) / total if total else 0.0,
@@ -230,6 +248,5 @@ async def get_server_info(request: web.Request) -> web.Response:
                   "num_waiting": stats.get("num_waiting", 0),
                   "in_flight": state.engine.in_flight,
                   "max_in_flight": state.max_in_flight},
-        "engine_pid": info.pid,
         "uptime_s": time.time() - state.started_at,
     })

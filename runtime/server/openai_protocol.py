@@ -199,6 +199,10 @@ def parse_messages(value: Any, param: str = "messages") -> list[dict[str, Any]]:
         for key, item in message.items():  # e.g. a previous reply echoed back: tool_calls=None
             if key not in ("role", "content", "name") and item not in (None, [], {}, ""):
                 raise bad(f"{where}.{key} is not supported", f"{where}.{key}", "not_supported")
+        if message.get("content") is None and ROLES[role] != "assistant":
+            # OpenAI requires it; only an assistant turn (one that called tools) may omit it.
+            raise bad(f"{where}.content is required for role {role!r}", f"{where}.content",
+                      "missing_field")
         out = {"role": ROLES[role], "content": _content(message.get("content"), where)}
         name = f.string("name")
         if name is not None:

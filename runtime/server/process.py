@@ -65,6 +65,18 @@ class ServerProcess:
         raise TimeoutError(f"the server was not ready in {self.startup_timeout:.0f} s:\n"
                            f"{self.log_text()[-4000:]}")
 
+    def engine_pid(self) -> int:
+        """The pid of the server's engine process (Linux only: read from /proc). The server
+        does not report it: its info routes show nothing about the machine."""
+        assert self.proc is not None
+        pid = self.proc.pid
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        for child in children:
+            command = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
+            if b"spawn_main" in command:  # multiprocessing's spawn entry point
+                return int(child)
+        raise LookupError(f"no engine process among the children {children} of {pid}")
+
     def _healthy(self) -> bool:
         try:
             with urllib.request.urlopen(self.url + "/health", timeout=2) as response:

@@ -17,8 +17,9 @@ from typing import Any, Iterable, Mapping
 from radixlm.runtime.config.sampling_params import SamplingParams
 
 ERROR_TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-    409: "conflict_error", 413: "invalid_request_error", 500: "internal_server_error",
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 408: "timeout_error", 409: "conflict_error",
+    413: "invalid_request_error", 415: "invalid_request_error", 500: "internal_server_error",
     501: "not_implemented_error", 503: "service_unavailable_error",
 }
 
@@ -28,6 +29,7 @@ MAX_N = 128
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 256  # scanned at every decode step
 MAX_SEED = 2**63 - 1 - MAX_N  # the engine seeds sample i with seed + i; torch takes int64
 
 
@@ -75,7 +77,44 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {_type(body)}",
                   code="invalid_json")
+    # UTF-8 cannot carry a lone surrogate, only a \\uD800-\\uDFFF escape can; such a string
+    # is not text (it cannot be encoded, tokenized or echoed back), so find it only then.
+    if _SURROGATE_ESCAPE.search(raw):
+        try:
+            where = _lone_surrogate(body, "")
+        except RecursionError:
+            raise bad("invalid JSON: nested too deeply", code="invalid_json") from None
+        if where is not None:
+            raise bad(f"{where or 'a field name'} holds a lone UTF-16 surrogate (an unpaired "
+                      f"\\uD800-\\uDFFF escape), which is not valid Unicode", where or None,
+                      "invalid_json")
     return body
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(value: Any, path: str) -> str | None:
+    """The path of the first string holding a lone surrogate ("" for a field name); None if
+    there is none."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+            return None
+        except UnicodeEncodeError:
+            return path
+    children: Iterable[tuple[str, Any]] = ()
+    if isinstance(value, dict):
+        if any(_lone_surrogate(key, "") is not None for key in value):
+            return ""
+        children = ((f"{path}.{key}" if path else key, item) for key, item in value.items())
+    elif isinstance(value, list):
+        children = ((f"{path}[{i}]", item) for i, item in enumerate(value))
+    for name, item in children:
+        found = _lone_surrogate(item, name)
+        if found is not None:
+            return found
+    return None
 
 
 def _type(value: Any) -> str:
@@ -224,6 +263,9 @@ def check_limits(p: SamplingParams, names: Mapping[str, str], prefix: str = "") 
     if len(p.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in p.stop):
         raise bad(f"{name('stop')}: at most {MAX_STOP_STRINGS} strings of at most "
                   f"{MAX_STOP_CHARS} characters", name("stop"))
+    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise bad(f"{name('stop_token_ids')}: at most {MAX_STOP_TOKEN_IDS} token ids, got "
+                  f"{len(p.stop_token_ids)}", name("stop_token_ids"))
 
 
 def fit_context(params: SamplingParams, prompt_len: int, max_model_len: int,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixlm.runtime.server.args import ServerConfig
+from radixlm.runtime.server.heap import HeapTrimmer
 from radixlm.runtime.server.ipc import EngineInfo
 from radixlm.runtime.server.metrics import Metrics
 from radixlm.runtime.server.protocol import ApiError
@@ -21,8 +22,8 @@ class ServerState:
     codec: TextCodec
     model_name: str  # the id clients use on the OpenAI routes
     model_path: str | None  # what --model said (None: the default model)
-    model_folder: str | None  # the Hugging Face folder it resolved to
     metrics: Metrics = field(default_factory=Metrics)
+    heap: HeapTrimmer = field(default_factory=HeapTrimmer)
     info: EngineInfo | None = None  # set once the engine has loaded the model
     draining: bool = False  # SIGTERM received: finish what runs, take nothing new
     active_requests: int = 0  # HTTP requests being handled (what a shutdown waits for)
@@ -38,6 +39,16 @@ class ServerState:
         if not self.engine.alive:
             raise ApiError(503, "the engine process is not running", code="engine_down")
         return self.info
+
+    def check_room(self, wanted: int) -> None:
+        """503 + Retry-After when `wanted` more samples would overfill the server. An idle
+        server always takes a request (its size is capped per request, see generation.py),
+        so no request can be refused forever."""
+        in_flight = self.engine.in_flight
+        if in_flight and in_flight + wanted > self.max_in_flight:
+            raise ApiError(503, f"the server is at capacity ({in_flight} requests in "
+                                f"flight); retry later", code="queue_full",
+                           headers={"Retry-After": "1"})
 
     @property
     def max_in_flight(self) -> int:

@@ -1,39 +1,63 @@
-"""Tokenization in the HTTP process, off the event loop.
+"""Tokenization in the HTTP process, off the event loop, in two lanes.
 
-Every tokenizer call runs on one dedicated thread: a 100k-token prompt (or a slow chat
-template) then delays only its own request, while the loop keeps answering /health and
-streaming other responses. One thread, not a pool, because a Hugging Face fast tokenizer
-shared between threads can fail with "Already borrowed" when one call reconfigures it.
+Tokenizer calls run on dedicated threads: a 100k-token prompt (or a slow chat template) then
+delays only requests behind it in its lane, while the loop keeps answering /health and
+streaming other responses. Texts longer than LONG_TEXT_CHARS go to a lane of their own, so a
+megabyte prompt never holds up a two-token one. Each lane has its own copy of the tokenizer:
+a Hugging Face fast tokenizer shared between threads can fail with "Already borrowed".
 
-Prompt text is encoded with `radixlm.runtime.engine.tokenization.encode_prompt`, the same rule the
-offline Engine uses, so the server and `Engine.generate` see the same ids for the same text.
+A text is refused before tokenization when it is longer than the context could hold even if
+every token were the vocabulary's longest (max_model_len x that many characters).
+
+Prompt text is encoded with `radixlm.runtime.engine.tokenization.encode_prompt`, the same rule
+the offline Engine uses, so the server and `Engine.generate` see the same ids for the same text.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from radixlm.runtime.engine.tokenization import encode_prompt
 from radixlm.runtime.server.protocol import ApiError, bad
 
+LONG_TEXT_CHARS = 16_384
+
 
 class TextCodec:
-    def __init__(self, tokenizer: Any | None) -> None:
-        self.tokenizer = tokenizer
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+    def __init__(self, tokenizer: Any | None, max_model_len: int | None = None) -> None:
+        self._short = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        self._long = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer-long")
         self._token_text: dict[int, str] = {}
+        self.max_text_chars: int | None = None
+        self.configure(tokenizer, max_model_len)
+
+    def configure(self, tokenizer: Any | None, max_model_len: int | None) -> None:
+        """Use this tokenizer for a model of this context length."""
+        self.tokenizer = tokenizer
+        self._long_tokenizer = copy.deepcopy(tokenizer) if tokenizer is not None else None
+        self.max_text_chars = None
+        if tokenizer is not None and max_model_len:
+            pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+            longest = max((len(p) for p in pieces if isinstance(p, str)), default=1)
+            self.max_text_chars = max_model_len * max(longest, 1)
 
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
     def close(self) -> None:
-        self._thread.shutdown(wait=False, cancel_futures=True)
+        for lane in (self._short, self._long):
+            lane.shutdown(wait=False, cancel_futures=True)
 
-    async def _run(self, fn: Callable[[], Any]) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._thread, fn)
+    async def _run(self, fn: Callable[[Any], Any], chars: int = 0) -> Any:
+        """fn(tokenizer) on the lane for a text of `chars` characters."""
+        long = chars > LONG_TEXT_CHARS
+        tokenizer = self._long_tokenizer if long else self.tokenizer
+        lane = self._long if long else self._short
+        return await asyncio.get_running_loop().run_in_executor(lane, fn, tokenizer)
 
     def _need_tokenizer(self, param: str) -> Any:
         if self.tokenizer is None:
@@ -42,21 +66,28 @@ class TextCodec:
 
     async def encode_prompt(self, text: str, param: str) -> list[int]:
         """Prompt text -> ids, special tokens added as the offline engine adds them."""
-        tokenizer = self._need_tokenizer(param)
-        ids = await self._encode(lambda: encode_prompt(tokenizer, text), param)
+        ids = await self._encode(text, lambda tok: encode_prompt(tok, text), param)
         if not ids:
             raise bad(f"{param} is empty after tokenization", param)
         return ids
 
     async def encode_plain(self, text: str, param: str) -> list[int]:
         """Text that continues other text (e.g. a scored continuation): no special tokens."""
-        tokenizer = self._need_tokenizer(param)
-        return await self._encode(lambda: tokenizer.encode(text, add_special_tokens=False),
+        return await self._encode(text, lambda tok: tok.encode(text, add_special_tokens=False),
                                   param)
 
-    async def _encode(self, fn: Callable[[], list[int]], param: str) -> list[int]:
+    def check_length(self, chars: int, param: str) -> None:
+        """400 for text the context could never hold, before spending time tokenizing it."""
+        if self.max_text_chars is not None and chars > self.max_text_chars:
+            raise bad(f"{param} is {chars} characters: more than this model's context could "
+                      f"hold, even as the vocabulary's longest tokens ({self.max_text_chars} "
+                      f"characters)", param, "context_length_exceeded")
+
+    async def _encode(self, text: str, fn: Callable[[Any], list[int]], param: str) -> list[int]:
+        self._need_tokenizer(param)
+        self.check_length(len(text), param)
         try:
-            return list(await self._run(fn))
+            return list(await self._run(fn, len(text)))
         except ApiError:
             raise
         except Exception as exc:  # e.g. lone surrogates the tokenizer cannot encode
@@ -65,16 +96,18 @@ class TextCodec:
     async def render_chat(self, messages: list[dict[str, Any]],
                           add_generation_prompt: bool = True) -> str:
         """The conversation rendered by the model's chat template."""
-        tokenizer = self._need_tokenizer("messages")
+        self._need_tokenizer("messages")
         if not self.has_chat_template:
             raise bad("messages: this model has no chat template; use /v1/completions",
                       "messages", "no_chat_template")
+        chars = sum(len(m.get("content") or "") for m in messages)
+        self.check_length(chars, "messages")
 
-        def render() -> str:
+        def render(tokenizer: Any) -> str:
             return tokenizer.apply_chat_template(messages, tokenize=False,
                                                  add_generation_prompt=add_generation_prompt)
         try:
-            return await self._run(render)
+            return await self._run(render, chars)
         except Exception as exc:  # templates raise on e.g. roles that do not alternate
             raise bad(f"messages could not be rendered by the chat template: {exc}",
                       "messages") from None
@@ -83,10 +116,9 @@ class TextCodec:
         """Each token's own text (for logprobs), cached per id."""
         missing = sorted({t for t in ids if t not in self._token_text})
         if missing:
-            tokenizer = self.tokenizer
-            if tokenizer is None:
+            if self.tokenizer is None:
                 texts = [str(t) for t in missing]
             else:
-                texts = await self._run(lambda: [tokenizer.decode([t]) for t in missing])
+                texts = await self._run(lambda tok: [tok.decode([t]) for t in missing])
             self._token_text.update(zip(missing, texts))
         return [self._token_text[t] for t in ids]

@@ -29,10 +29,15 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     limit = state_of(request).config.max_request_bytes
     if request.content_length is not None and request.content_length > limit:
         raise _too_large(limit)
+    timeout = state_of(request).config.body_timeout or None
     try:
-        raw = await request.read()  # aiohttp stops reading at client_max_size (= limit)
+        # aiohttp stops reading at client_max_size (= limit).
+        raw = await asyncio.wait_for(request.read(), timeout)
     except web.HTTPRequestEntityTooLarge:
         raise _too_large(limit) from None
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} s",
+                       code="request_timeout", headers={"Connection": "close"}) from None
     if len(raw) <= _PARSE_INLINE_BYTES:
         return parse_json(raw)
     return await asyncio.get_running_loop().run_in_executor(None, parse_json, raw)
