@@ -19,7 +19,6 @@ from radixlm.runtime.server.protocol import ApiError, Fields, bad, check_prompt_
 from radixlm.runtime.server.state import ServerState
 from radixlm.runtime.server.web_util import json_response, read_json, state_of, stream_events
 
-
 STATS_TIMEOUT = 10.0  # seconds /get_server_info waits for the engine's statistics
 
 
