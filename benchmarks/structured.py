@@ -377,8 +377,9 @@ def main() -> None:
             dtype = str(engine.dtype).removeprefix("torch.")
 
     print(f"\n{cpu_name()}, {torch.get_num_threads()} threads, {datetime.date.today()}")
-    print(f"{'engine':26} {'split':12} {'accepted':>10} {'p50 ms':>8} {'p90 ms':>8} "
-          f"{'p99 ms':>8} {'max ms':>8} {'unsound':>9} {'err':>3} {'mask p50/p99 us':>16}")
+    if coverage:
+        print(f"{'engine':26} {'split':12} {'accepted':>10} {'p50 ms':>8} {'p90 ms':>8} "
+              f"{'p99 ms':>8} {'max ms':>8} {'unsound':>9} {'err':>3} {'mask p50/p99 us':>16}")
     for name, per_split in coverage.items():
         for split, r in per_split.items():
             mask = r.get("mask_us")
