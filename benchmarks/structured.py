@@ -330,6 +330,8 @@ def main() -> None:
                         help="model for validity and throughput (default: the embedded one)")
     parser.add_argument("--load-format", default="auto",
                         help="'dummy': random weights in the model folder's shape (GPU runs)")
+    parser.add_argument("--engine-options", default="{}",
+                        help='extra Engine options as JSON, e.g. \'{"overlap_schedule": "off"}\'')
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     sections = set(args.sections.split(","))
@@ -364,9 +366,9 @@ def main() -> None:
     generation, speed = {}, {}
     device, dtype = "cpu", "float32"
     for name in ENGINES if sections & {"validity", "throughput"} else ():
-        with Engine(args.model, max_total_tokens=32768, grammar_backend=name,
-                    load_format=args.load_format,
-                    grammar_compile_timeout=args.timeout) as engine:
+        options = {"max_total_tokens": 32768, "load_format": args.load_format,
+                   "grammar_compile_timeout": args.timeout, **json.loads(args.engine_options)}
+        with Engine(args.model, grammar_backend=name, **options) as engine:
             if "validity" in sections:
                 generation[name] = validity(engine, cases, args.new_tokens)
             if "throughput" in sections:
@@ -408,6 +410,7 @@ def main() -> None:
                           "threads": torch.get_num_threads(), "torch": torch.__version__,
                           "gpu": torch.cuda.get_device_name() if device == "cuda" else None},
               "config": {"model": model, "load_format": args.load_format,
+                         "engine_options": json.loads(args.engine_options),
                          "sections": sorted(sections), "device": device, "dtype": dtype,
                          "coverage_sample_per_split": args.coverage_sample,
                          "outlines_sample_per_split": args.outlines_sample,
