@@ -96,7 +96,10 @@ class EngineConfig:
     grammar_cache_memory_gb: float = 1.0
     json_max_whitespace: int = 1  # spaces allowed between JSON tokens (0: compact JSON)
     # Append the text a grammar forces (`{"name": "`) without sampling it token by token.
-    enable_jump_forward: bool = True
+    # None: on, unless decode steps replay CUDA graphs: forced text makes a step a multi-token
+    # one, which runs the whole batch without its graph (an H200 at batch 64 ran constrained
+    # decoding at 0.59x of unconstrained with it, 0.96x without).
+    enable_jump_forward: bool | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -165,8 +168,9 @@ class EngineConfig:
                 self.json_max_whitespace, int) or not 0 <= self.json_max_whitespace <= 8:
             raise ValueError("json_max_whitespace must be an int in [0, 8], "
                              f"got {self.json_max_whitespace!r}")
-        if not isinstance(self.enable_jump_forward, bool):
-            raise ValueError("enable_jump_forward must be a bool")
+        if self.enable_jump_forward is not None and not isinstance(self.enable_jump_forward,
+                                                                   bool):
+            raise ValueError("enable_jump_forward must be a bool or None")
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> "EngineConfig":

@@ -66,6 +66,8 @@ class EngineCore:
         attn = create_backend(config.attention_backend, scale=mc.head_dim ** -0.5,
                               device=device, dtype=dtype, head_dim=mc.head_dim)
         graphs = uses_decode_graphs(config, device, attn)
+        self.jump_forward = (config.enable_jump_forward if config.enable_jump_forward is not None
+                             else not graphs)
         # Tensor parallelism: rank 0's model is the stand-in that sends each call to the other
         # ranks; graphs capture the shard itself, and send each replay (see cuda_graph).
         tp_group = loaded.model.group if isinstance(loaded.model, ShardedModel) else None
@@ -386,7 +388,7 @@ class EngineCore:
 
     def _jump_forward(self, request: Request) -> None:
         """Append the tokens the grammar forces next; the next step computes them at once."""
-        if not self.config.enable_jump_forward or request.params.wants_logprobs:
+        if not self.jump_forward or request.params.wants_logprobs:
             return  # (forced tokens would have no logprobs)
         try:
             tokens = request.grammar.forced_tokens(request.token_ids)
