@@ -257,7 +257,7 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     ax.set_xlabel("seconds")
     ax.set_ylabel("resident memory (MB)")
     ax.set_ylim(bottom=0)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="center right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     return True
