@@ -28,7 +28,8 @@ class HeapTrimmer:
     def __init__(self) -> None:
         libc = _libc()
         self._trim = getattr(libc, "malloc_trim", None)
-        self._scheduled = False
+        self._scheduled = False  # a trim is pending, running, or cooling down
+        self._again = False  # asked for again meanwhile: trim once more after the cool-down
         if libc is not None and hasattr(libc, "mallopt"):
             # Each thread that parses a large body would otherwise get an arena of its own
             # (up to 8 per core), and freed memory scatters across them.
@@ -36,9 +37,12 @@ class HeapTrimmer:
 
     def trim_soon(self) -> None:
         """Trim the heap shortly (called on the event loop); repeated calls coalesce."""
-        if self._trim is None or self._scheduled:
+        if self._trim is None:
             return
-        self._scheduled = True
+        if self._scheduled:
+            self._again = True
+            return
+        self._scheduled, self._again = True, False
         asyncio.get_running_loop().call_later(TRIM_DELAY, self._start)
 
     def _start(self) -> None:
@@ -49,6 +53,8 @@ class HeapTrimmer:
 
     def _ready(self) -> None:
         self._scheduled = False
+        if self._again:  # a large request finished after the trim started
+            self.trim_soon()
 
 
 def _libc() -> Any:
