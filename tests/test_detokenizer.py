@@ -98,14 +98,14 @@ def encode(tok: Any, text: str) -> list[int]:
 
 
 def stream(tok: Any, ids: Sequence[int], prompt: Sequence[int] = (), stop: Sequence[str] = (),
-           skip_special_tokens: bool = True, finish: bool = True,
+           skip_special_tokens: bool = True, finish: bool = True, keep_stop: bool = False,
            ) -> tuple[IncrementalDetokenizer, list[str]]:
     """Push ids one at a time, taking a delta after each push (and after finish()).
 
     Checks the streaming invariant on the way: the deltas so far always concatenate to `text`.
     """
     detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip_special_tokens,
-                                   stop=stop)
+                                   stop=stop, keep_stop=keep_stop)
     deltas: list[str] = []
     for token in ids:
         detok.push(token)
@@ -231,6 +231,12 @@ def test_stop_spanning_tokens(tokenizer: Any) -> None:
         streamed += d
         assert "Hello world. The ".startswith(streamed)
         assert "end" not in d and "is" not in d
+
+
+def test_keep_stop_ends_the_text_with_the_stop_string(smollm2: Any) -> None:
+    ids = encode(smollm2, SENTENCE)
+    detok, _ = stream(smollm2, ids, stop=["end is"], keep_stop=True)
+    assert (detok.text, detok.stopped_on) == ("Hello world. The end is", "end is")
 
 
 def test_stop_spans_several_smollm2_tokens(smollm2: Any) -> None:

@@ -119,6 +119,23 @@ def test_stop_string_spanning_tokens(engine):
     assert base.text.startswith(out.text + stop)
 
 
+def test_no_stop_trim_keeps_the_stop_string_and_the_stop_token(engine, reference):
+    base = engine.generate(PROMPTS[3], GREEDY)
+    stop = engine.tokenizer.decode(base.token_ids[:6])[-3:]
+    trimmed = engine.generate(PROMPTS[3], {**GREEDY, "stop": [stop]})
+    kept = engine.generate(PROMPTS[3], {**GREEDY, "stop": [stop], "no_stop_trim": True})
+    assert kept.text == trimmed.text + stop and kept.token_ids == trimmed.token_ids
+    first = reference[0]
+    stop_id = first[3]
+    by_id = engine.generate(PROMPTS[0], {**GREEDY, "stop_token_ids": [stop_id]})
+    kept_id = engine.generate(PROMPTS[0], {**GREEDY, "stop_token_ids": [stop_id],
+                                           "no_stop_trim": True})
+    assert by_id.token_ids == kept_id.token_ids
+    assert kept_id.text == engine.tokenizer.decode(kept_id.token_ids)
+    assert kept_id.text.startswith(by_id.text) and kept_id.text != by_id.text
+    assert_no_leak(engine)
+
+
 def test_stop_token_ids_min_and_zero_new_tokens(engine, reference):
     first = reference[0]
     out = engine.generate(PROMPTS[0], {**GREEDY, "stop_token_ids": [first[3]]})

@@ -158,6 +158,26 @@ def test_one_prompt_is_admitted_before_the_rest_of_a_large_batch(http):
     assert done["single"] < done["batch"]  # FCFS would run all 16 first
 
 
+def test_the_fields_sglangs_frontend_sends_are_accepted(http):
+    """RuntimeEndpoint.generate's sampling_params, as SGLang 0.5's frontend builds them."""
+    sampling = {"skip_special_tokens": True, "spaces_between_special_tokens": True,
+                "max_new_tokens": 4, "min_new_tokens": 0, "n": 1, "stop": [],
+                "stop_token_ids": [], "stop_regex": [], "temperature": 0, "top_p": 1.0,
+                "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+                "ignore_eos": True, "regex": None, "json_schema": None}
+    reply = http.post("/generate", json={"text": "hi", "sampling_params": sampling})
+    assert reply.status_code == 200, reply.text
+    seeded = [http.post("/generate", json={"text": "hi", "sampling_params": {
+        "max_new_tokens": 6, "temperature": 1.0, key: 11}}).json()["output_ids"]
+        for key in ("seed", "sampling_seed")]
+    assert seeded[0] == seeded[1]
+    error = error_of(http.post("/generate", json={"text": "hi", "sampling_params": {
+        "stop_regex": ["[0-9]+"]}}), 400)
+    assert error["param"] == "sampling_params.stop_regex" and error["code"] == "not_supported"
+    assert error_of(http.post("/generate", json={"text": "hi", "sampling_params": {
+        "made_up": 1}}), 400)["param"] == "sampling_params.made_up"
+
+
 # -- client errors that were 500s (8, 12) ------------------------------------------------------
 
 @pytest.mark.parametrize("path,body,param", [

@@ -34,6 +34,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # Kept special tokens are joined with spaces (SGLang's and transformers' default; only
+    # tokenizers that insert them, the slow ones, see a difference).
+    spaces_between_special_tokens: bool = True
+    # Keep the stop string, or the stop token's text, at the end of the output.
+    no_stop_trim: bool = False
     n: int = 1
     # Logprobs are of the model's raw distribution (log-softmax of the logits, before
     # temperature, penalties and truncation), as select() needs for scoring.
@@ -75,8 +80,8 @@ class SamplingParams:
         for name in ("seed", "logprob_start_len"):
             if getattr(self, name) is not None:
                 _check_int(getattr(self, name), name)
-        for name in ("ignore_eos", "skip_special_tokens", "logprobs", "json_object",
-                     "json_schema_strict"):
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                     "no_stop_trim", "logprobs", "json_object", "json_schema_strict"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         self._check_ranges()

@@ -167,7 +167,8 @@ class IncrementalDetokenizer:
     is excluded; after a match `stopped_on` is set and further pushes are ignored. While
     streaming, a suffix that could still become a stop string is held back, so the deltas from
     `take_delta` always concatenate to `text`. If stop strings overlap, the one completed first
-    (earliest end; at equal ends, the longest) wins.
+    (earliest end; at equal ends, the longest) wins. With `keep_stop` (SGLang's no_stop_trim)
+    the matched stop string ends the text instead.
     """
 
     def __init__(
@@ -176,11 +177,16 @@ class IncrementalDetokenizer:
         prompt_ids: Sequence[int],
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
+        spaces_between_special_tokens: bool = True,
+        keep_stop: bool = False,
     ) -> None:
         if isinstance(stop, str):  # a bare string is one stop string, not one per character
             stop = (stop,)
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._decode_options = ({} if spaces_between_special_tokens or skip_special_tokens
+                                else {"spaces_between_special_tokens": False})
+        self._keep_stop = keep_stop  # a matched stop string stays in the text
         self._skipped_ids: frozenset[int] = (
             _skipped_special_ids(tokenizer) if skip_special_tokens else frozenset()
         )
@@ -272,7 +278,8 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if not ids:
             return ""
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens,
+                                      **self._decode_options)
 
     def _emit_difference(self, force: bool) -> None:
         """Decode the window; if the unread tokens completed some text, pass it on and make
@@ -318,7 +325,7 @@ class IncrementalDetokenizer:
             # The match ends inside delta and starts within pending + delta, because pending is
             # precisely the longest suffix that could start a stop string.
             start = len(self._pending) + end - len(stop)
-            self._make_final(buffer[:start])
+            self._make_final(buffer[:start + len(stop)] if self._keep_stop else buffer[:start])
             self._pending = ""
             self._stopped_on = stop
             self._window = []  # nothing more will be decoded

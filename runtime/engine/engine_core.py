@@ -312,6 +312,8 @@ class EngineCore:
         is_eos = token in request.eos_token_ids and not params.ignore_eos
         if enough and (is_eos or token in params.stop_token_ids):
             request.matched_stop = token
+            if params.no_stop_trim and request.detokenizer is not None:
+                request.detokenizer.push(token)  # its text stays in the output
             self._finish(request, "stop")
             return
         if request.grammar is not None:

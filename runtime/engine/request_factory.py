@@ -112,7 +112,8 @@ class RequestFactory:
     def _detokenizer(self, prompt_ids: list[int], p: SamplingParams) -> Any:
         if self.tokenizer is None:
             return None
-        return IncrementalDetokenizer(self.tokenizer, prompt_ids, p.skip_special_tokens, p.stop)
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, p.skip_special_tokens, p.stop,
+                                      p.spaces_between_special_tokens, p.no_stop_trim)
 
     def _generator(self, p: SamplingParams, index: int) -> torch.Generator | None:
         if p.greedy:

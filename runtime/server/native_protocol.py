@@ -68,7 +68,7 @@ def parse_generate(body: dict[str, Any], vocab_size: int) -> GenerateRequest:
     for values in raw_list:
         if not isinstance(values, dict):
             raise bad("sampling_params must hold objects", "sampling_params", "invalid_type")
-        values = dict(values)
+        values = _sglang_fields(dict(values))
         if return_logprob:
             values.update(logprobs=True, top_logprobs_num=top_n,
                           logprob_start_len=start if start >= 0 else None)
@@ -79,6 +79,43 @@ def parse_generate(body: dict[str, Any], vocab_size: int) -> GenerateRequest:
                            stream=f.boolean("stream", False), return_logprob=return_logprob,
                            text_in_logprobs=f.boolean("return_text_in_logprobs", False),
                            cache_salt=f.string("cache_salt"))
+
+
+# SGLang's /generate sampling fields that we do not implement, and why. Its frontend sends
+# some of them with every request, empty: an empty value is taken as absent, any other is a
+# 400 naming the field.
+_SGLANG_UNSUPPORTED = {
+    "stop_regex": "stop at a regex match is not supported; use stop strings",
+    "logit_bias": "logit_bias is not supported on /generate",
+    "custom_params": "custom logit processors are not supported",
+    "structural_tag": "structural tags are not supported; use json_schema, regex or ebnf",
+    "beam_width": "beam search is not supported",
+    "watermark": "watermarking is not supported",
+}
+
+
+def _sglang_fields(values: dict[str, Any]) -> dict[str, Any]:
+    """SGLang's spellings of our sampling fields, in place: `sampling_seed` is `seed`;
+    `stream_interval` (how many tokens per streamed event) is a hint we take as 1."""
+    for name, why in _SGLANG_UNSUPPORTED.items():
+        value = values.pop(name, None)
+        unset = (None, [], {}, "") + ((1,) if name == "beam_width" else ())  # 1: no beams
+        if value not in unset:
+            raise bad(f"sampling_params.{name}: {why}", f"sampling_params.{name}",
+                      "not_supported")
+    interval = values.pop("stream_interval", None)
+    if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int)
+                                 or interval < 1):
+        raise bad(f"sampling_params.stream_interval must be an integer >= 1, got {interval!r}",
+                  "sampling_params.stream_interval")
+    if "sampling_seed" in values:
+        seed = values.pop("sampling_seed")
+        if values.get("seed") is not None and seed is not None and seed != values["seed"]:
+            raise bad("sampling_params: seed and sampling_seed differ",
+                      "sampling_params.sampling_seed")
+        if seed is not None:
+            values["seed"] = seed
+    return values
 
 
 def _prompts(f: Fields, vocab_size: int) -> tuple[list[str] | None, list[list[int]] | None,
