@@ -178,6 +178,17 @@ def test_the_fields_sglangs_frontend_sends_are_accepted(http):
         "made_up": 1}}), 400)["param"] == "sampling_params.made_up"
 
 
+def test_sglangs_route_names_and_fork_join_route(http):
+    assert http.get("/model_info").json() == http.get("/get_model_info").json()
+    assert http.get("/model_info").json()["tokenizer_path"]
+    assert set(http.get("/server_info").json()) == set(http.get("/get_server_info").json())
+    reply = http.post("/concate_and_append_request", json={"src_rids": ["a", "b"],
+                                                            "dst_rid": "c"})
+    assert reply.status_code == 200 and reply.json()["success"] is True
+    error = error_of(http.post("/concate_and_append_request", json={"src_rids": "a"}), 400)
+    assert error["param"] == "src_rids"
+
+
 # -- client errors that were 500s (8, 12) ------------------------------------------------------
 
 @pytest.mark.parametrize("path,body,param", [

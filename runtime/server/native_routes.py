@@ -32,6 +32,10 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/apply_chat_template", apply_chat_template)
     app.router.add_get("/get_model_info", get_model_info)
     app.router.add_get("/get_server_info", get_server_info)
+    # SGLang's newer names for the same routes, and its fork-join route.
+    app.router.add_get("/model_info", get_model_info)
+    app.router.add_get("/server_info", get_server_info)
+    app.router.add_post("/concate_and_append_request", concate_and_append_request)
 
 
 async def call_engine(state: ServerState, method: str, *, counted: tuple[str, int] | None = None,
@@ -105,6 +109,21 @@ async def abort_request(request: web.Request) -> web.Response:
     rid = f.string("rid", required=True)
     count = state.engine.abort_matching(rid)
     return json_response({"rid": rid, "aborted": count > 0})
+
+
+async def concate_and_append_request(request: web.Request) -> web.Response:
+    """SGLang's join(mode="concate_and_append"): splice the forked branches' KV after the
+    destination's. We recompute instead, exactly: the destination's next request carries the
+    joined text, and the radix cache serves its prefix up to the fork point."""
+    state = state_of(request)
+    state.require_engine()
+    f = Fields(await read_json(request))
+    f.only(("src_rids", "dst_rid"))
+    sources = f.get("src_rids", (list,), required=True, what="an array of request ids")
+    if not all(isinstance(rid, str) and rid for rid in sources):
+        raise bad("src_rids must hold non-empty strings", "src_rids", "invalid_type")
+    destination = f.string("dst_rid", required=True)
+    return json_response({"success": True, "dst_rid": destination, "spliced": False})
 
 
 async def flush_cache(request: web.Request) -> web.Response:
@@ -211,6 +230,7 @@ async def get_model_info(request: web.Request) -> web.Response:
     tok = state.codec.tokenizer
     return json_response({
         "model_path": state.model_path or state.model_name,
+        "tokenizer_path": state.model_path or state.model_name,  # the model's own
         "served_model_name": state.model_name,
         "architecture": info.architecture,
         "vocab_size": info.vocab_size,
