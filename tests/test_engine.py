@@ -136,6 +136,21 @@ def test_no_stop_trim_keeps_the_stop_string_and_the_stop_token(engine, reference
     assert_no_leak(engine)
 
 
+def test_logit_bias_forces_and_bans_tokens_and_keeps_raw_logprobs(engine, reference):
+    first = reference[0]
+    forced = next(t for t in range(100, 49152) if t != first[0])
+    out = engine.generate(PROMPTS[0], {**GREEDY, "max_new_tokens": 3, "logprobs": True,
+                                       "logit_bias": {str(forced): 100}})
+    assert out.token_ids == [forced] * 3
+    assert out.logprobs[0].logprob < -1  # the raw distribution, not the biased one
+    banned = engine.generate(PROMPTS[0], {**GREEDY, "max_new_tokens": 1,
+                                          "logit_bias": {first[0]: -100}})
+    assert banned.token_ids[0] != first[0]
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.generate(PROMPTS[0], {"logit_bias": {49152: 1}})
+    assert_no_leak(engine)
+
+
 def test_stop_token_ids_min_and_zero_new_tokens(engine, reference):
     first = reference[0]
     out = engine.generate(PROMPTS[0], {**GREEDY, "stop_token_ids": [first[3]]})

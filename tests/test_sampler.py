@@ -419,3 +419,25 @@ def test_compute_logprobs_without_top_n_and_clamped() -> None:
     _, vals, ids = compute_logprobs(logits, torch.tensor([0, 1, 2]), 10)
     assert vals is not None and ids is not None and vals.shape == (3, 4)
     assert torch.equal(ids.sort(dim=-1).values, torch.arange(4).expand(3, -1))
+
+
+def test_logit_bias_adds_per_row_and_leaves_the_input_alone() -> None:
+    from radixlm.runtime.execution.sampler import apply_logit_bias
+
+    logits = torch.zeros(3, 8)
+    out = apply_logit_bias(logits, [0, 2], [((1, 5.0), (7, -100.0)), ((3, 2.5),)])
+    expected = torch.zeros(3, 8)
+    expected[0, 1], expected[0, 7], expected[2, 3] = 5.0, -100.0, 2.5
+    assert torch.equal(out, expected) and torch.equal(logits, torch.zeros(3, 8))
+
+
+@pytest.mark.parametrize("bias, message", [
+    ({"x": 1}, "keys must be token ids"), ({"3": 101}, "[-100, 100]"),
+    ({"3": float("nan")}, "[-100, 100]"), ([1, 2], "map token ids"),
+    ({str(i): 1 for i in range(1025)}, "at most 1024"),
+])
+def test_logit_bias_is_checked(bias, message) -> None:
+    with pytest.raises(ValueError, match="logit_bias") as error:
+        SamplingParams(logit_bias=bias)
+    assert message in str(error.value)
+    assert SamplingParams(logit_bias={"5": 1, 2: -3.5}).logit_bias == ((2, -3.5), (5, 1.0))

@@ -189,6 +189,26 @@ def test_sglangs_route_names_and_fork_join_route(http):
     assert error["param"] == "src_rids"
 
 
+def test_logit_bias_on_every_route(http):
+    forced = 1234
+    native = http.post("/generate", json={"text": "hi", "sampling_params": {
+        "max_new_tokens": 2, "temperature": 0, "logit_bias": {str(forced): 100}}}).json()
+    assert native["output_ids"] == [forced, forced]
+    body = {"model": "m", "prompt": "hi", "max_tokens": 1, "logit_bias": {str(forced): 100}}
+    completion = http.post("/v1/completions", json=body)
+    assert completion.status_code == 200, completion.text
+    chat = http.post("/v1/chat/completions", json={
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+        "logit_bias": {str(forced): 100}})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["usage"]["completion_tokens"] == 1
+    error = error_of(http.post("/v1/completions", json={**body, "logit_bias": {"5": 500}}), 400)
+    assert error["param"] == "logit_bias"
+    error = error_of(http.post("/generate", json={"text": "hi", "sampling_params": {
+        "logit_bias": {"99999999": 1}}}), 400)
+    assert "outside the vocabulary" in error["message"]
+
+
 # -- client errors that were 500s (8, 12) ------------------------------------------------------
 
 @pytest.mark.parametrize("path,body,param", [

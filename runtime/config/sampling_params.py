@@ -30,6 +30,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     # A per-request seed makes sampling reproducible whatever else is in the batch.
     seed: int | None = None
+    # Added to the logits before sampling, as OpenAI's `logit_bias`: token id -> a bias in
+    # [-100, 100] (a mapping, or (id, bias) pairs; kept as sorted pairs). Logprobs stay those
+    # of the raw distribution.
+    logit_bias: tuple[tuple[int, float], ...] = ()
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -66,6 +70,7 @@ class SamplingParams:
         if self.stop_token_ids is None:
             set_(self, "stop_token_ids", ())
         set_(self, "stop", _tuple_of(self.stop, str, "stop"))
+        set_(self, "logit_bias", _bias_pairs(self.logit_bias))
         set_(self, "stop_token_ids", _tuple_of(self.stop_token_ids, int, "stop_token_ids"))
         for name in ("temperature", "top_p", "min_p", "repetition_penalty",
                      "frequency_penalty", "presence_penalty"):
@@ -168,6 +173,38 @@ class SamplingParams:
 
     def replace(self, **changes: Any) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
+
+
+MAX_LOGIT_BIAS_TOKENS = 1024
+
+
+def _bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
+    """{id: bias} (ids may be strings of digits, as JSON object keys are) or (id, bias)
+    pairs -> sorted (int, float) pairs, each checked."""
+    if value is None:
+        return ()
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    elif isinstance(value, (list, tuple)) and all(
+            isinstance(p, (list, tuple)) and len(p) == 2 for p in value):
+        items = [tuple(p) for p in value]
+    else:
+        raise ValueError("logit_bias must map token ids to biases")
+    if len(items) > MAX_LOGIT_BIAS_TOKENS:
+        raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS_TOKENS} tokens, got "
+                         f"{len(items)}")
+    pairs: dict[int, float] = {}
+    for token, bias in items:
+        if isinstance(token, str) and token.isdigit():
+            token = int(token)
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValueError(f"logit_bias: keys must be token ids, got {token!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not (
+                math.isfinite(bias) and -100 <= bias <= 100):
+            raise ValueError(f"logit_bias: the bias of token {token} must be a number in "
+                             f"[-100, 100], got {bias!r}")
+        pairs[token] = float(bias)
+    return tuple(sorted(pairs.items()))
 
 
 def _check_int(value: Any, name: str) -> None:

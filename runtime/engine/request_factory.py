@@ -88,6 +88,10 @@ class RequestFactory:
                          if getattr(constrained, f))
             raise ValueError(f"{field}: structured output needs a tokenizer; this model "
                              "has none")
+        for p in params:
+            if p.logit_bias and p.logit_bias[-1][0] >= self.vocab_size:  # sorted by id
+                raise ValueError(f"logit_bias: token id {p.logit_bias[-1][0]} is outside the "
+                                 f"vocabulary [0, {self.vocab_size})")
         requests = []
         for prompt_ids, p, rid in zip(prompts, params, ids):
             if len(prompt_ids) >= self.max_model_len:

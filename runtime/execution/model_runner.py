@@ -8,7 +8,7 @@ logprobs were asked for. Rows of requests with a grammar are masked to the token
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -236,6 +236,7 @@ class ModelRunner:
         if sbatch.needs_penalties:
             logits = sampler.apply_penalties(logits, sbatch, [r.prompt_ids for r in requests],
                                              [r.output_ids for r in requests])
+        logits = _biased(logits, requests)
         banned_rows, banned_ids = _min_token_bans(requests,
                                                   [r.num_output_tokens for r in requests])
         if banned_rows:
@@ -272,6 +273,7 @@ class ModelRunner:
             logits = sampler.apply_penalties(
                 logits, penalties, [r.prompt_ids for r in per_row],
                 [r.output_ids + r.draft_tokens[:d] for r, d in zip(per_row, drafted)])
+        logits = _biased(logits, per_row)
         banned_rows, banned_ids = _min_token_bans(
             per_row, [r.num_output_tokens + d for r, d in zip(per_row, drafted)])
         if banned_rows:
@@ -332,6 +334,14 @@ class ModelRunner:
         raw = self.model.compute_logits(hidden[index])
         top_n = max(r.params.top_logprobs_num for r, _, _ in rows)
         step._prompt = (rows, targets, *sampler.compute_logprobs(raw, targets, top_n))
+
+
+def _biased(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """The logits with each row's request's logit_bias added (the same tensor if none)."""
+    rows = [i for i, r in enumerate(requests) if r.params.logit_bias]
+    if not rows:
+        return logits
+    return sampler.apply_logit_bias(logits, rows, [requests[i].params.logit_bias for i in rows])
 
 
 def _min_token_bans(requests: list[Request], num_outputs: list[int]

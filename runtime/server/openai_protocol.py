@@ -1,6 +1,6 @@
 """OpenAI request shapes (`/v1/completions`, `/v1/chat/completions`) mapped onto
 `SamplingParams`, with the extras SGLang and vLLM accept (top_k, min_p, ...). A field we do not
-know, or one we know but do not implement (tools, logit_bias, echo), is a 400 naming it:
+know, or one we know but do not implement (tools, echo), is a 400 naming it:
 silently ignoring it would return something the client did not ask for."""
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ _DIRECT = {"n": "n", "stop": "stop", "temperature": "temperature", "top_p": "top
            "frequency_penalty": "frequency_penalty", "top_k": "top_k", "min_p": "min_p",
            "repetition_penalty": "repetition_penalty", "min_tokens": "min_new_tokens",
            "ignore_eos": "ignore_eos", "skip_special_tokens": "skip_special_tokens",
-           "stop_token_ids": "stop_token_ids",
+           "stop_token_ids": "stop_token_ids", "logit_bias": "logit_bias",
            # Grammars OpenAI has no field for, as SGLang names them (the SDK's extra_body).
            "regex": "regex", "ebnf": "ebnf"}
-_COMMON = (*_DIRECT, "model", "stream", "stream_options", "max_tokens", "user", "logit_bias",
+_COMMON = (*_DIRECT, "model", "stream", "stream_options", "max_tokens", "user",
            "response_format", "cache_salt")
 COMPLETION_FIELDS = (*_COMMON, "prompt", "logprobs", "echo", "best_of", "suffix")
 CHAT_FIELDS = (*_COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs",
@@ -54,7 +54,7 @@ class OpenAIRequest:
 def parse_completion(body: dict[str, Any], vocab_size: int) -> OpenAIRequest:
     f = Fields(body)
     f.only(COMPLETION_FIELDS)
-    _unsupported(f, echo=False, suffix="", logit_bias={})
+    _unsupported(f, echo=False, suffix="")
     values, names = _common(f)
     if f.has("best_of") and f.integer("best_of") != values.get("n", 1):
         raise bad("best_of is not supported (it must equal n)", "best_of", "not_supported")
@@ -72,7 +72,7 @@ def parse_completion(body: dict[str, Any], vocab_size: int) -> OpenAIRequest:
 def parse_chat(body: dict[str, Any]) -> OpenAIRequest:
     f = Fields(body)
     f.only(CHAT_FIELDS)
-    _unsupported(f, logit_bias={}, tools=[])
+    _unsupported(f, tools=[])
     if f.has("tool_choice") and body["tool_choice"] != "none":
         raise bad("tool calling is not supported", "tool_choice", "not_supported")
     f.boolean("parallel_tool_calls")
