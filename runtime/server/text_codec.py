@@ -31,14 +31,13 @@ class TextCodec:
         self._short = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
         self._long = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer-long")
         self._token_text: dict[int, str] = {}
-        self.max_text_chars: int | None = None
         self.configure(tokenizer, max_model_len)
 
     def configure(self, tokenizer: Any | None, max_model_len: int | None) -> None:
         """Use this tokenizer for a model of this context length."""
         self.tokenizer = tokenizer
         self._long_tokenizer = copy.deepcopy(tokenizer) if tokenizer is not None else None
-        self.max_text_chars = None
+        self.max_text_chars: int | None = None
         if tokenizer is not None and max_model_len:
             pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
             longest = max((len(p) for p in pieces if isinstance(p, str)), default=1)
