@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -99,13 +100,13 @@ def encode(tok: Any, text: str) -> list[int]:
 
 def stream(tok: Any, ids: Sequence[int], prompt: Sequence[int] = (), stop: Sequence[str] = (),
            skip_special_tokens: bool = True, finish: bool = True, keep_stop: bool = False,
-           ) -> tuple[IncrementalDetokenizer, list[str]]:
+           stop_regex: Sequence[str] = ()) -> tuple[IncrementalDetokenizer, list[str]]:
     """Push ids one at a time, taking a delta after each push (and after finish()).
 
     Checks the streaming invariant on the way: the deltas so far always concatenate to `text`.
     """
     detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip_special_tokens,
-                                   stop=stop, keep_stop=keep_stop)
+                                   stop=stop, keep_stop=keep_stop, stop_regex=stop_regex)
     deltas: list[str] = []
     for token in ids:
         detok.push(token)
@@ -445,3 +446,55 @@ def test_numpy_scalars_and_finish_rules(smollm2: Any) -> None:
     assert detok.text == "Hi there"
     with pytest.raises(RuntimeError):
         detok.push(0)
+
+
+# ------------------------------------------------------------------------------ stop_regex
+
+
+def _through_matching_token(tok: Any, text: str, patterns: list[str]) -> str:
+    """`text` cut after the token in which the first match of any pattern ends."""
+    ends = [k for k in range(1, len(text) + 1) if any(re.search(p, text[:k]) for p in patterns)]
+    if not ends:
+        return text
+    boundaries = [*char_offsets(tok, encode(tok, text))[1:], len(text)]
+    return text[:min(b for b in boundaries if b >= ends[0])]
+
+
+@pytest.mark.parametrize(("patterns", "matched"), [
+    ([r"end \w+"], r"end \w+"),     # the token that completes the match stays whole
+    ([r"\.", r"wor"], "wor"),        # the first match to complete wins
+    ([r"^Hello"], "^Hello"),         # anchored at the start of the output
+    ([r"^world"], None),             # ... so it matches nowhere else
+    ([r"(a+)+b"], None),             # no match, and no backtracking
+])
+def test_stop_regex_ends_the_text_with_the_matching_token(
+        tokenizer: Any, patterns: list[str], matched: str | None) -> None:
+    detok, _ = stream(tokenizer, encode(tokenizer, SENTENCE), stop_regex=patterns)
+    expected = SENTENCE if matched is None else _through_matching_token(
+        tokenizer, SENTENCE, [p.lstrip("^") for p in patterns])
+    assert (detok.text, detok.stopped_on) == (expected, matched)
+
+
+def test_stop_regex_and_stop_strings_the_earlier_wins(smollm2: Any) -> None:
+    # (In one token, a stop string wins; SmolLM2 has a token per word here.)
+    ids = encode(smollm2, SENTENCE)
+    detok, _ = stream(smollm2, ids, stop=["The"], stop_regex=[r"end"])
+    assert (detok.text, detok.stopped_on) == ("Hello world. ", "The")
+    detok, _ = stream(smollm2, ids, stop=["near"], stop_regex=[r"w\w+d"])
+    assert (detok.text, detok.stopped_on) == ("Hello world", r"w\w+d")
+
+
+def test_stop_regex_is_linear_on_a_catastrophic_pattern(smollm2: Any) -> None:
+    # Python's re needs ~2^n steps for (a+)+b on n a's; the automaton reads each byte once.
+    ids = encode(smollm2, "a" * 3000)
+    detok, _ = stream(smollm2, ids, stop_regex=[r"(a+)+b"])
+    assert detok.text == "a" * 3000 and detok.stopped_on is None
+
+
+@pytest.mark.parametrize("patterns", [[""], ["(unclosed"], ["a(?=b)"], ["x" * 300],
+                                      ["a"] * 33])
+def test_bad_stop_regex_is_refused_naming_the_field(patterns: list[str]) -> None:
+    from radixlm.runtime.config.sampling_params import SamplingParams
+
+    with pytest.raises(ValueError, match="stop_regex"):
+        SamplingParams(stop_regex=patterns)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import threading
@@ -172,10 +173,30 @@ def test_the_fields_sglangs_frontend_sends_are_accepted(http):
         for key in ("seed", "sampling_seed")]
     assert seeded[0] == seeded[1]
     error = error_of(http.post("/generate", json={"text": "hi", "sampling_params": {
-        "stop_regex": ["[0-9]+"]}}), 400)
-    assert error["param"] == "sampling_params.stop_regex" and error["code"] == "not_supported"
+        "custom_params": {"a": 1}}}), 400)
+    assert error["param"] == "sampling_params.custom_params" and error["code"] == "not_supported"
     assert error_of(http.post("/generate", json={"text": "hi", "sampling_params": {
         "made_up": 1}}), 400)["param"] == "sampling_params.made_up"
+
+
+def test_stop_regex_ends_the_output_with_the_matching_token(http):
+    greedy = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    full = http.post("/generate", json={"text": "hi", "sampling_params": greedy}).json()
+    tokens = full["output_ids"]
+    # A pattern for the text of the 5th token's first character, after the 4th token.
+    head = http.post("/generate", json={"text": "hi", "sampling_params": {
+        **greedy, "max_new_tokens": 4}}).json()["text"]
+    pattern = re.escape(head[-2:] + full["text"][len(head)])
+    out = http.post("/generate", json={"text": "hi", "sampling_params": {
+        **greedy, "stop_regex": pattern}}).json()
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
+    assert full["text"].startswith(out["text"]) and re.search(pattern, out["text"])
+    assert out["output_ids"] == tokens[:len(out["output_ids"])]
+    assert not re.search(pattern, http.post("/generate", json={"text": "hi", "sampling_params": {
+        **greedy, "max_new_tokens": len(out["output_ids"]) - 1}}).json()["text"])
+    error = error_of(http.post("/generate", json={"text": "hi", "sampling_params": {
+        "stop_regex": ["a(?=b)"]}}), 400)
+    assert error["param"] == "sampling_params.stop_regex"
 
 
 def test_sglangs_route_names_and_fork_join_route(http):

@@ -97,6 +97,9 @@ class OpenAI(Backend):
     def _body(self, params: SamplingParams) -> dict[str, Any]:
         if params.n != 1:
             raise ValueError("n: a gen produces one completion; use s.fork(n) for several")
+        if params.stop_regex:
+            raise BackendError("stop_regex: OpenAI-compatible APIs have no stop_regex; use stop "
+                               "strings, or rl.Engine / rl.RuntimeEndpoint")
         for name in ("regex", "ebnf"):
             if getattr(params, name) is not None:
                 raise BackendError(f"{name}: OpenAI-compatible APIs have no {name} constraint; "

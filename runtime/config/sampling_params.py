@@ -35,6 +35,9 @@ class SamplingParams:
     # of the raw distribution.
     logit_bias: tuple[tuple[int, float], ...] = ()
     stop: tuple[str, ...] = ()
+    # Stop where the output first contains a match of one of these regexes (SGLang's
+    # `stop_regex`); the matched text stays in the output.
+    stop_regex: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -67,9 +70,13 @@ class SamplingParams:
             set_(self, "stop", (self.stop,))
         elif self.stop is None:
             set_(self, "stop", ())
-        if self.stop_token_ids is None:
-            set_(self, "stop_token_ids", ())
+        if isinstance(self.stop_regex, str):
+            set_(self, "stop_regex", (self.stop_regex,))
+        for name in ("stop_token_ids", "stop_regex"):
+            if getattr(self, name) is None:
+                set_(self, name, ())
         set_(self, "stop", _tuple_of(self.stop, str, "stop"))
+        set_(self, "stop_regex", _tuple_of(self.stop_regex, str, "stop_regex"))
         set_(self, "logit_bias", _bias_pairs(self.logit_bias))
         set_(self, "stop_token_ids", _tuple_of(self.stop_token_ids, int, "stop_token_ids"))
         for name in ("temperature", "top_p", "min_p", "repetition_penalty",
@@ -96,6 +103,10 @@ class SamplingParams:
 
             set_(self, "json_schema", check_grammar_fields(self.regex, self.json_schema,
                                                            self.ebnf, self.json_object))
+        if self.stop_regex:
+            from radixlm.runtime.grammar.stop_regex import check_stop_regexes
+
+            check_stop_regexes(self.stop_regex)
 
     def _check_ranges(self) -> None:
         if self.max_new_tokens < 0:

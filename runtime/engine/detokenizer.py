@@ -21,7 +21,10 @@ Two layers, each O(small) per generated token:
 from __future__ import annotations
 
 import weakref
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    from radixlm.runtime.grammar.stop_regex import StopRegexMatcher
 
 __all__ = ["IncrementalDetokenizer"]
 
@@ -168,7 +171,8 @@ class IncrementalDetokenizer:
     streaming, a suffix that could still become a stop string is held back, so the deltas from
     `take_delta` always concatenate to `text`. If stop strings overlap, the one completed first
     (earliest end; at equal ends, the longest) wins. With `keep_stop` (SGLang's no_stop_trim)
-    the matched stop string ends the text instead.
+    the matched stop string ends the text instead. A `stop_regex` match ends the text with the
+    token it completes in (see grammar/stop_regex.py); `stopped_on` is then the pattern.
     """
 
     def __init__(
@@ -179,6 +183,7 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         spaces_between_special_tokens: bool = True,
         keep_stop: bool = False,
+        stop_regex: Sequence[str] = (),
     ) -> None:
         if isinstance(stop, str):  # a bare string is one stop string, not one per character
             stop = (stop,)
@@ -214,6 +219,11 @@ class IncrementalDetokenizer:
         # yet returned by take_delta.
         stops = [s for s in stop if s]  # "" would match everywhere: treat as absent
         self._matcher: _StopMatcher | None = _StopMatcher(stops) if stops else None
+        self._regex_matcher: StopRegexMatcher | None = None
+        if stop_regex:  # imported here: llguidance loads only for requests that use it
+            from radixlm.runtime.grammar.stop_regex import StopRegexMatcher
+
+            self._regex_matcher = StopRegexMatcher(stop_regex)
         self._pending = ""
         self._final: list[str] = []
         self._undelivered: list[str] = []
@@ -315,8 +325,12 @@ class IncrementalDetokenizer:
     # ---------------------------------------------------------------- layer 2: stop strings
 
     def _on_text(self, delta: str) -> None:
+        # A stop_regex match keeps the whole piece it completes in (see grammar/stop_regex.py).
+        regex_stop = self._regex_matcher.feed(delta) if self._regex_matcher else None
         if self._matcher is None:
             self._make_final(delta)
+            if regex_stop is not None:
+                self._stop(regex_stop)
             return
         buffer = self._pending + delta
         match = self._matcher.feed(delta)
@@ -327,13 +341,21 @@ class IncrementalDetokenizer:
             start = len(self._pending) + end - len(stop)
             self._make_final(buffer[:start + len(stop)] if self._keep_stop else buffer[:start])
             self._pending = ""
-            self._stopped_on = stop
-            self._window = []  # nothing more will be decoded
+            self._stop(stop)
+            return
+        if regex_stop is not None:  # no stop string ended sooner: nothing is held back now
+            self._make_final(buffer)
+            self._pending = ""
+            self._stop(regex_stop)
             return
         keep = self._matcher.held
         cut = len(buffer) - keep
         self._make_final(buffer[:cut])
         self._pending = buffer[cut:]
+
+    def _stop(self, matched: str) -> None:
+        self._stopped_on = matched
+        self._window = []  # nothing more will be decoded
 
     def _make_final(self, chunk: str) -> None:
         if chunk:

@@ -117,7 +117,8 @@ class RequestFactory:
         if self.tokenizer is None:
             return None
         return IncrementalDetokenizer(self.tokenizer, prompt_ids, p.skip_special_tokens, p.stop,
-                                      p.spaces_between_special_tokens, p.no_stop_trim)
+                                      p.spaces_between_special_tokens, p.no_stop_trim,
+                                      p.stop_regex)
 
     def _generator(self, p: SamplingParams, index: int) -> torch.Generator | None:
         if p.greedy:

@@ -85,7 +85,6 @@ def parse_generate(body: dict[str, Any], vocab_size: int) -> GenerateRequest:
 # some of them with every request, empty: an empty value is taken as absent, any other is a
 # 400 naming the field.
 _SGLANG_UNSUPPORTED = {
-    "stop_regex": "stop at a regex match is not supported; use stop strings",
     "custom_params": "custom logit processors are not supported",
     "structural_tag": "structural tags are not supported; use json_schema, regex or ebnf",
     "beam_width": "beam search is not supported",

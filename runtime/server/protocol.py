@@ -225,7 +225,7 @@ def sampling_params(values: Mapping[str, Any], names: Mapping[str, str],
     """Build SamplingParams from engine-named `values`; a bad value is a 400 naming the request
     field it came from (`names` maps engine field -> request field; a field not in it is
     named `prefix + field`)."""
-    for field in ("stop", "stop_token_ids"):  # SamplingParams would take a dict's keys
+    for field in ("stop", "stop_token_ids", "stop_regex"):  # SamplingParams would take keys
         if isinstance(values.get(field), dict):
             param = names.get(field, prefix + field)
             raise bad(f"{param} must be a string or an array, got object", param, "invalid_type")
