@@ -179,6 +179,25 @@ def test_generate_logprobs(http, offline):
     assert prompt[1][0] == pytest.approx(ref.prompt_logprobs[1].logprob, abs=1e-4)
 
 
+def test_streamed_logprobs_come_once_each(http):
+    """SGLang's streaming shape: each event carries the logprobs of its new tokens, and the
+    running count as `output_token_logprobs_length` (= completion_tokens)."""
+    body = {"text": PROMPTS[3], "sampling_params": {**GREEDY, "max_new_tokens": 6},
+            "return_logprob": True, "logprob_start_len": 0}
+    whole = http.post("/generate", json=body).json()["meta_info"]
+    assert whole["output_token_logprobs_length"] == 6
+    events = sse(http.post("/generate", json={**body, "stream": True}).text)
+    streamed, sent, prompt_events = [], 0, 0
+    for event in events:
+        meta = event["meta_info"]
+        new = meta["output_token_logprobs"]
+        assert meta["output_token_logprobs_length"] == meta["completion_tokens"] == sent + len(new)
+        prompt_events += "input_token_logprobs" in meta
+        streamed += new
+        sent += len(new)
+    assert streamed == whole["output_token_logprobs"] and prompt_events == 1
+
+
 def test_native_stream_equals_non_stream(http):
     body = {"text": PROMPTS[5], "sampling_params": {**GREEDY, "max_new_tokens": 12}}
     whole = http.post("/generate", json=body).json()

@@ -15,6 +15,8 @@ from radixlm.backends.http import HttpClient
 from radixlm.choices import ChoiceScores
 from radixlm.runtime.config.sampling_params import SamplingParams
 
+# Meta info lists a streamed /generate event holds only the new entries of.
+INCREMENTAL_META_KEYS = ("output_token_logprobs", "output_top_logprobs")
 # A fork's prefix stays pinned at most this long if the program never joins.
 LEASE_TTL_S = 600.0
 
@@ -37,13 +39,19 @@ class RuntimeEndpoint(Backend):
         if on_delta is None:
             return _generation(self.http.post("/generate", body))
         text, last = "", None
+        logprobs: dict[str, list[Any]] = {key: [] for key in INCREMENTAL_META_KEYS}
         for event in self.http.stream("/generate", body):
-            new = event["text"]  # each event holds the whole text so far
+            new = event["text"]  # each event holds the whole text so far ...
             if len(new) > len(text):
                 on_delta(new[len(text):])
+            for key, values in logprobs.items():  # ... and only the new logprobs
+                values.extend(event.get("meta_info", {}).get(key) or ())
             text, last = new, event
         if last is None:
             raise BackendError("/generate: the stream ended without a result")
+        for key, values in logprobs.items():
+            if key in last.get("meta_info", {}):
+                last["meta_info"][key] = values
         return _generation(last)
 
     def score(self, prefix: str, choices: Sequence[str], unconditional: bool) -> ChoiceScores:

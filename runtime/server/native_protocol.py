@@ -174,9 +174,16 @@ def finish_reason(sample: Sample) -> dict[str, Any] | None:
     return {"type": "abort", "message": sample.error or "aborted"}
 
 
+# The logprob lists a streamed event carries only the new entries of (SGLang's shape).
+INCREMENTAL_META_KEYS = ("output_token_logprobs", "output_top_logprobs")
+
+
 def result(sample: Sample, req: GenerateRequest, texts: dict[int, str],
-           e2e_latency: float | None = None) -> dict[str, Any]:
-    """One sample in SGLang's shape; `texts` maps token ids to their text for logprobs."""
+           e2e_latency: float | None = None, logprobs_from: int = 0,
+           prompt_logprobs: bool = True) -> dict[str, Any]:
+    """One sample in SGLang's shape; `texts` maps token ids to their text for logprobs.
+    A streamed event passes `logprobs_from`, the output logprobs sent already, to carry only
+    the newer ones, and `prompt_logprobs=False` once the prompt's went out."""
     meta: dict[str, Any] = {
         "id": sample.request_id,
         "prompt_tokens": sample.prompt_tokens,
@@ -195,9 +202,11 @@ def result(sample: Sample, req: GenerateRequest, texts: dict[int, str],
         def tops(e: LogprobEntry | None) -> list[list[Any]] | None:
             return None if e is None or e[2] is None else [entry(lp, t) for t, lp in e[2]]
 
-        meta["output_token_logprobs"] = [entry(lp, t) for t, lp, _ in sample.logprobs]
-        meta["output_top_logprobs"] = [tops(e) for e in sample.logprobs]
-        if sample.prompt_logprobs is not None:
+        new = sample.logprobs[logprobs_from:]
+        meta["output_token_logprobs"] = [entry(lp, t) for t, lp, _ in new]
+        meta["output_top_logprobs"] = [tops(e) for e in new]
+        meta["output_token_logprobs_length"] = len(sample.logprobs)
+        if sample.prompt_logprobs is not None and prompt_logprobs:
             prompt = _prompt_ids(req, sample)
             start = len(prompt) - len(sample.prompt_logprobs)
             meta["input_token_logprobs"] = [

@@ -81,6 +81,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
 async def _events(state: ServerState, gen: Generation,
                   req: native.GenerateRequest) -> AsyncIterator[dict[str, Any]]:
     flat = {id(s): i for i, s in enumerate(gen.samples)}
+    sent = dict.fromkeys(flat, 0)  # output logprobs already streamed, per sample
+    prompt_sent: set[int] = set()  # samples whose prompt logprobs went out
     async with gen:
         async for sample, chunk in gen.chunks():
             if chunk.finish_reason == "abort" and chunk.error:
@@ -88,8 +90,13 @@ async def _events(state: ServerState, gen: Generation,
             if not (chunk.token_ids or chunk.finished):
                 continue
             texts = await _logprob_texts(state, gen, req)
-            # SGLang's shape: each event holds the sample's whole text and ids so far.
-            event = native.result(sample, req, texts)
+            # SGLang's shape: each event holds the sample's whole text and ids so far, and
+            # the logprobs of the tokens new since the last event.
+            event = native.result(sample, req, texts, logprobs_from=sent[id(sample)],
+                                  prompt_logprobs=id(sample) not in prompt_sent)
+            sent[id(sample)] = len(sample.logprobs)
+            if sample.prompt_logprobs is not None:
+                prompt_sent.add(id(sample))
             event["index"] = flat[id(sample)]
             yield event
 
