@@ -10,21 +10,46 @@
     with rl.Engine() as backend:                 # the embedded SmolLM2-135M-Instruct
         print(qa.run(question="What is 2 + 2?", backend=backend)["answer"])
 
-Programs run on `rl.Engine` (in process), `rl.RuntimeEndpoint` (our server) or `rl.OpenAI`
-(any OpenAI-compatible server). The runtime itself is `radixlm.runtime`.
+Programs run on `rl.Engine` (in process), `rl.RuntimeEndpoint` (our server), `rl.Runtime`
+(our server, started as a child process) or `rl.OpenAI` (any OpenAI-compatible server). The
+language is a superset of SGLang's frontend; `radixlm.compat.sglang` gives an SGLang program
+SGLang's exact names. The runtime itself is `radixlm.runtime`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from radixlm.backends.base import Backend, BackendError, set_default_backend, use_backend
+from radixlm.backends.base import (
+    Backend,
+    BackendError,
+    flush_cache,
+    get_server_info,
+    set_default_backend,
+    use_backend,
+)
 from radixlm.choices import (
     greedy_token_selection,
     token_length_normalized,
     unconditional_likelihood_normalized,
 )
-from radixlm.expr import assistant, gen, gen_int, gen_string, select, system, user
+from radixlm.expr import (
+    assistant,
+    assistant_begin,
+    assistant_end,
+    gen,
+    gen_int,
+    gen_string,
+    image,
+    select,
+    system,
+    system_begin,
+    system_end,
+    user,
+    user_begin,
+    user_end,
+    video,
+)
 from radixlm.interpreter import ProgramError
 from radixlm.program import Program, function
 from radixlm.state import ForkGroup, ProgramState
@@ -33,9 +58,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Backend", "BackendError", "Engine", "ForkGroup", "OpenAI", "Program", "ProgramError",
-    "ProgramState", "RuntimeEndpoint", "assistant", "function", "gen", "gen_int",
-    "gen_string", "greedy_token_selection", "select", "set_default_backend", "system",
-    "token_length_normalized", "unconditional_likelihood_normalized", "use_backend", "user",
+    "ProgramState", "Runtime", "RuntimeEndpoint", "assistant", "assistant_begin",
+    "assistant_end", "flush_cache", "function", "gen", "gen_int", "gen_string",
+    "get_server_info", "greedy_token_selection", "image", "select", "set_default_backend",
+    "system", "system_begin", "system_end", "token_length_normalized",
+    "unconditional_likelihood_normalized", "use_backend", "user", "user_begin", "user_end",
+    "video",
 ]
 
 # The backends are imported on first use: rl.Engine pulls in torch and the model stack,
@@ -43,6 +71,7 @@ __all__ = [
 _BACKENDS = {
     "Engine": "radixlm.backends.local",
     "RuntimeEndpoint": "radixlm.backends.runtime_endpoint",
+    "Runtime": "radixlm.backends.runtime",
     "OpenAI": "radixlm.backends.openai_compat",
 }
 

@@ -26,13 +26,31 @@ SAMPLING_ALIASES = {
 }
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
-# Regexes behind `dtype=`: bounded, so a constrained number can't run to max_tokens.
+# SGLang's fields that are not SamplingParams fields: the token text is always in our logprob
+# entries, so asking for it changes nothing.
+LANGUAGE_ONLY_FIELDS = frozenset({"return_text_in_logprobs"})
+
+# Regexes behind `dtype=`: bounded, so a constrained number can't run to max_tokens. A number
+# may end with one space or newline, so a model that wants to end it can (EOS is rarely
+# likely mid-sentence); the value and the text appended are the number without it.
+NUMBER_END = "[ \n]?"
 DTYPE_REGEX = {
-    int: r"-?(0|[1-9][0-9]{0,17})",
-    float: r"-?(0|[1-9][0-9]{0,17})(\.[0-9]{1,12})?",
+    int: r"-?(0|[1-9][0-9]{0,17})" + NUMBER_END,
+    float: r"-?(0|[1-9][0-9]{0,17})(\.[0-9]{1,12})?" + NUMBER_END,
     bool: r"(True|False)",
-    str: r'"[^"\\\n]*"',  # unbounded: max_tokens bounds it, and it compiles fast
+    # No control characters (JSON forbids them raw); unbounded: max_tokens bounds it.
+    str: r'"[^"\\\x00-\x1f]*"',
 }
+DTYPE_NAMES = {"int": int, "float": float, "bool": bool, "str": str, "string": str}
+
+# SGLang's positional order of gen()'s fields after the name (gen_int and gen_string have no
+# min_tokens), so `gen("answer", 64)` is max_tokens=64 as there.
+GEN_POSITIONAL = ("max_tokens", "min_tokens", "n", "stop", "stop_token_ids", "stop_regex",
+                  "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
+                  "presence_penalty", "ignore_eos", "return_logprob", "logprob_start_len",
+                  "top_logprobs_num", "return_text_in_logprobs", "dtype", "choices",
+                  "choices_method", "regex", "json_schema")
+TYPED_GEN_POSITIONAL = tuple(f for f in GEN_POSITIONAL[:17] if f != "min_tokens")
 
 
 class Expr:
@@ -117,9 +135,12 @@ class VarScopeEnd(Expr):
 
 
 def normalize_sampling(kwargs: dict[str, Any], where: str) -> dict[str, Any]:
-    """Map aliases onto SamplingParams names and check every value now, naming the field."""
+    """Map aliases onto SamplingParams names and check every value now, naming the field.
+    A None value is left out (unset), as in SGLang's signatures."""
     out: dict[str, Any] = {}
     for key, value in kwargs.items():
+        if value is None or key in LANGUAGE_ONLY_FIELDS:
+            continue
         name = SAMPLING_ALIASES.get(key, key)
         if name not in SAMPLING_FIELDS:
             known = sorted(SAMPLING_FIELDS | set(SAMPLING_ALIASES))
@@ -135,42 +156,72 @@ def normalize_sampling(kwargs: dict[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
-def gen(name: str | None = None, *, choices: Sequence[str] | None = None,
-        dtype: type | None = None, **sampling: Any) -> Gen | Select:
+def _positional(where: str, order: tuple[str, ...], args: tuple, kwargs: dict[str, Any]
+                ) -> dict[str, Any]:
+    if len(args) > len(order):
+        raise TypeError(f"{where}: takes at most {len(order) + 1} positional arguments")
+    for key, value in zip(order, args):
+        if key in kwargs:
+            raise TypeError(f"{where}: {key!r} given by position and by name")
+        kwargs[key] = value
+    return kwargs
+
+
+def gen(name: str | None = None, *args: Any, **kwargs: Any) -> Gen | Select:
     """Generate text into variable `name`. Takes every SamplingParams field (and the aliases
-    max_tokens, min_tokens, return_logprob, grammar for ebnf). `choices=[...]` is `select`;
-    `dtype=int|float|bool|str` constrains the text with a regex and converts the value."""
+    max_tokens, min_tokens, return_logprob, grammar for ebnf), by name or in SGLang's
+    positional order (`gen("answer", 64)` is max_tokens=64). `choices=[...]` is `select`;
+    `dtype=int|float|bool|str` (or its name) constrains the text with a regex and converts
+    the value."""
+    kwargs = _positional("gen", GEN_POSITIONAL, args, kwargs)
+    choices = kwargs.pop("choices", None)
+    dtype = kwargs.pop("dtype", None)
     if choices is not None:
-        if sampling or dtype is not None:
+        method = kwargs.pop("choices_method", None) or token_length_normalized
+        temperature = kwargs.pop("temperature", None) or 0.0
+        if dtype is not None or any(v is not None for v in kwargs.values()):
             raise TypeError("gen: choices= takes no sampling fields or dtype; use select()")
-        return select(name, choices)
+        return select(name, choices, temperature, method)
+    if kwargs.pop("choices_method", None) is not None:
+        raise TypeError("gen: choices_method= goes with choices=")
     _check_name(name, "gen")
-    params = normalize_sampling(sampling, "gen")
+    params = normalize_sampling(kwargs, "gen")
     if dtype is not None:
+        dtype = DTYPE_NAMES.get(dtype, dtype) if isinstance(dtype, str) else dtype
         if dtype not in DTYPE_REGEX:
-            raise TypeError(f"gen: dtype must be one of int, float, bool, str; got {dtype!r}")
+            raise TypeError(f"gen: dtype must be one of int, float, bool, str (or their names); "
+                            f"got {dtype!r}")
         if any(k in params for k in ("regex", "json_schema", "ebnf", "json_object")):
             raise TypeError("gen: dtype= builds its own regex; don't pass another grammar")
         params["regex"] = DTYPE_REGEX[dtype]
     return Gen(name, params, dtype)
 
 
-def gen_int(name: str | None = None, **sampling: Any) -> Gen:
-    return gen(name, dtype=int, **sampling)
+def gen_int(name: str | None = None, *args: Any, **kwargs: Any) -> Gen:
+    """`gen(name, dtype=int)`: an integer, bounded to 18 digits."""
+    return gen(name, dtype=int, **_positional("gen_int", TYPED_GEN_POSITIONAL, args, kwargs))
 
 
-def gen_string(name: str | None = None, **sampling: Any) -> Gen:
-    return gen(name, dtype=str, **sampling)
+def gen_string(name: str | None = None, *args: Any, **kwargs: Any) -> Gen:
+    """`gen(name, dtype=str)`: a double-quoted string on one line."""
+    return gen(name, dtype=str, **_positional("gen_string", TYPED_GEN_POSITIONAL, args, kwargs))
 
 
 def select(name: str | None = None, choices: Sequence[str] | None = None,
+           temperature: float = 0.0,
            choices_method: ChoicesMethod = token_length_normalized) -> Select:
     """Pick one of `choices` by the model's likelihood of each, scored in one engine call
-    over the shared prefix. The chosen text is appended and stored in `name`."""
+    over the shared prefix. The chosen text is appended and stored in `name`. Selection is
+    deterministic: `temperature` (SGLang's argument) must be 0."""
     _check_name(name, "select")
     if (choices is None or isinstance(choices, str)
             or not all(isinstance(c, str) and c for c in choices) or not choices):
         raise ValueError("select: choices must be a non-empty list of non-empty strings")
+    if isinstance(temperature, ChoicesMethod):  # select(name, choices, method), our old order
+        temperature, choices_method = 0.0, temperature
+    if temperature != 0:
+        raise ValueError("select: temperature must be 0; the choice with the best score under "
+                         "choices_method is taken")
     if not isinstance(choices_method, ChoicesMethod):
         raise TypeError("select: choices_method must be rl.token_length_normalized, "
                         "rl.greedy_token_selection or rl.unconditional_likelihood_normalized")
@@ -193,6 +244,41 @@ def user(content: Any = None) -> Role | RoleBegin:
 
 def assistant(content: Any = None) -> Role | RoleBegin:
     return _role("assistant", content)
+
+
+# SGLang's explicit markers: `s += rl.user_begin()` ... `s += rl.user_end()`.
+def system_begin() -> RoleBegin:
+    return RoleBegin("system")
+
+
+def system_end() -> RoleEnd:
+    return RoleEnd("system")
+
+
+def user_begin() -> RoleBegin:
+    return RoleBegin("user")
+
+
+def user_end() -> RoleEnd:
+    return RoleEnd("user")
+
+
+def assistant_begin() -> RoleBegin:
+    return RoleBegin("assistant")
+
+
+def assistant_end() -> RoleEnd:
+    return RoleEnd("assistant")
+
+
+def image(path: Any) -> Expr:
+    raise ValueError("image: radixlm runs text-only models so far; a program cannot add an "
+                     "image")
+
+
+def video(path: Any, num_frames: int) -> Expr:
+    raise ValueError("video: radixlm runs text-only models so far; a program cannot add a "
+                     "video")
 
 
 def _check_name(name: Any, where: str) -> None:

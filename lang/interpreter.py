@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from radixlm.backends.base import Backend, Prompt
@@ -41,10 +41,12 @@ class ProgramError(RuntimeError):
 
 @dataclass
 class Chunk:
-    """A piece of text appended to a state, for streaming: `var` names the gen it came from."""
+    """A piece of text appended to a state, for streaming: `var` names the gen it came from,
+    `meta` is that gen's meta info for this piece (token counts so far, the new logprobs)."""
 
     text: str
     var: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
 
 
 class Interpreter:
@@ -179,12 +181,13 @@ class Interpreter:
         else:  # pragma: no cover - _flatten only yields the kinds above
             raise TypeError(f"unknown expression {expr!r}")
 
-    def _append(self, text: str, var: str | None = None) -> None:
+    def _append(self, text: str, var: str | None = None,
+                meta: dict[str, Any] | None = None) -> None:
         if not text:
             return
         with self._cv:
             self.text += text
-            self.chunks.append(Chunk(text, var))
+            self.chunks.append(Chunk(text, var, meta or {}))
             self._cv.notify_all()
 
     def _gen(self, expr: Gen) -> None:
@@ -192,18 +195,22 @@ class Interpreter:
         prompt = Prompt(self.text, self._open_messages(), self.role)
         streamed: list[str] = []
 
-        def on_delta(delta: str) -> None:
+        def on_delta(delta: str, meta: dict[str, Any]) -> None:
             streamed.append(delta)
-            self._append(delta, expr.name)
+            self._append(delta, expr.name, meta)
 
-        result = self.backend.generate(prompt, params, on_delta if self.stream else None)
+        # A number's text is only known once its end is (see expr.NUMBER_END): not streamed.
+        number = expr.dtype in (int, float)
+        result = self.backend.generate(prompt, params,
+                                       on_delta if self.stream and not number else None)
+        text = result.text.rstrip(" \n") if number else result.text
         done = "".join(streamed)
-        if not result.text.startswith(done):  # never expected; keep the text exact anyway
+        if not text.startswith(done):  # never expected; keep the text exact anyway
             raise RuntimeError("streamed text does not match the final text")
-        self._append(result.text[len(done):], expr.name)
+        self._append(text[len(done):], expr.name, result.meta)
         if expr.name is not None:
             self.meta[expr.name] = result.meta
-            self.set_var(expr.name, _convert(result.text, expr.dtype, expr.name))
+            self.set_var(expr.name, _convert(text, expr.dtype, expr.name))
 
     def _select(self, expr: Select) -> None:
         # Score "The answer is" + " yes", not "The answer is " + "yes": BPE vocabularies

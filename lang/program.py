@@ -17,22 +17,34 @@ import inspect
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from tqdm.auto import tqdm
 
 from radixlm.backends.base import Backend, Prompt, resolve_backend
 from radixlm.choices import ChoiceScores
-from radixlm.expr import SAMPLING_ALIASES, SAMPLING_FIELDS, normalize_sampling
+from radixlm.expr import (
+    LANGUAGE_ONLY_FIELDS,
+    SAMPLING_ALIASES,
+    SAMPLING_FIELDS,
+    normalize_sampling,
+)
+from radixlm.runtime.config.sampling_params import SamplingParams
 from radixlm.state import ProgramState, Run
 
 log = logging.getLogger(__name__)
 
+DEFAULT_CONCURRENCY = 64  # programs of a batch in flight at once
+
 
 class Program:
-    def __init__(self, fn: Callable[..., Any], bound: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, fn: Callable[..., Any], bound: Mapping[str, Any] | None = None,
+                 raise_errors: bool = False) -> None:
         self.fn = fn
         self.bound = dict(bound or {})
+        # True: an exception the program's own code raises also propagates out of run() (and
+        # run_batch()), as in SGLang, besides being recorded in the state.
+        self.raise_errors = raise_errors
         self.signature = inspect.signature(fn)
         params = list(self.signature.parameters)
         if not params:
@@ -44,14 +56,15 @@ class Program:
     def bind(self, **kwargs: Any) -> "Program":
         """A program with some arguments fixed."""
         self._split(kwargs)  # unknown names fail here, not at run time
-        return Program(self.fn, {**self.bound, **kwargs})
+        return Program(self.fn, {**self.bound, **kwargs}, self.raise_errors)
 
     def run(self, *args: Any, backend: Backend | None = None, stream: bool = False,
-            **kwargs: Any) -> ProgramState:
+            use_thread: bool = True, **kwargs: Any) -> ProgramState:
         """Run the program. Keyword arguments are the program's own, then sampling defaults
         for every gen in it (e.g. temperature=0, max_tokens=64; a gen's own fields win).
         With stream=True it returns at once; read the output with `state.text_iter()`.
-        A failure is recorded in `state.error()` (reading a variable it prevented raises)."""
+        A failure is recorded in `state.error()` (reading a variable it prevented raises).
+        (`use_thread` is SGLang's; a state always runs its expressions on a worker thread.)"""
         backend = resolve_backend(backend)
         call_args, defaults = self._arguments(args, kwargs)
         run = Run(backend, defaults, stream)
@@ -63,26 +76,36 @@ class Program:
             self._execute(run, state, call_args)
         return state
 
-    def run_batch(self, batch_kwargs: Sequence[Mapping[str, Any]], *,
-                  backend: Backend | None = None, concurrency: int = 64,
-                  progress_bar: bool = True, **defaults: Any) -> list[ProgramState]:
-        """Run the program once per dict of arguments, `concurrency` at a time; the states
-        come back in input order, each with its own error (one failure stops nothing else).
-        The prefix all runs share is computed once first and kept cached for the batch."""
+    def run_batch(self, batch_kwargs: Sequence[Mapping[str, Any] | Sequence[Any]], *,
+                  backend: Backend | None = None, concurrency: int | None = None,
+                  num_threads: int | str = "auto", progress_bar: bool = True,
+                  generator_style: bool = False, **defaults: Any
+                  ) -> list[ProgramState] | Iterator[ProgramState]:
+        """Run the program once per item of `batch_kwargs` (a dict of arguments, or a tuple of
+        them in the program's order), `concurrency` (SGLang: `num_threads`; "auto" is 64) at a
+        time. The states come back in input order, each with its own error (one failure stops
+        nothing else); `generator_style=True` yields each as soon as it and those before it
+        are done. The prefix all runs share is computed once first and kept cached."""
         backend = resolve_backend(backend)
-        if isinstance(batch_kwargs, Mapping) or not all(isinstance(k, Mapping)
-                                                       for k in batch_kwargs):
-            raise TypeError("run_batch: pass a list of dicts of program arguments")
+        if isinstance(batch_kwargs, Mapping) or not isinstance(batch_kwargs, (list, tuple)):
+            raise TypeError("run_batch: pass a list of dicts (or tuples) of program arguments")
+        if concurrency is None:
+            concurrency = DEFAULT_CONCURRENCY if num_threads == "auto" else num_threads
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise ValueError(f"concurrency must be a positive int, got {concurrency!r}")
-        prepared = [self._arguments((), {**defaults, **kwargs}) for kwargs in batch_kwargs]
+        prepared = [self._arguments(*_batch_item(self, item), defaults) for item in batch_kwargs]
+        states = self._run_all(backend, prepared, concurrency, progress_bar)
+        return states if generator_style else list(states)
+
+    def _run_all(self, backend: Backend, prepared: list, concurrency: int,
+                 progress_bar: bool) -> Iterator[ProgramState]:
         lease = self._warm(backend, prepared)
         try:
             with ThreadPoolExecutor(max_workers=concurrency,
                                     thread_name_prefix="radixlm-batch") as pool, \
                     tqdm(total=len(prepared), disable=not progress_bar,
                          desc=self.fn.__name__) as bar:
-                def one(item: tuple[dict[str, Any], dict[str, Any]]) -> ProgramState:
+                def one(item: tuple[inspect.BoundArguments, dict[str, Any]]) -> ProgramState:
                     call_args, sampling = item
                     run = Run(backend, sampling, stream=False)
                     state = ProgramState(run, run.interpreter())
@@ -90,10 +113,28 @@ class Program:
                     bar.update(1)
                     return state
 
-                return list(pool.map(one, prepared))
+                yield from pool.map(one, prepared)
         finally:
             if lease is not None:
                 backend.release_prefix(lease)
+
+    def trace(self, *, backend: Backend | None = None, **kwargs: Any) -> str:
+        """The text the program builds before its first gen or select, for these arguments
+        (with the backend's chat template): the prefix its runs share."""
+        backend = resolve_backend(backend)
+        call_args, _ = self._arguments((), kwargs)
+        prefix = self._trace(backend, call_args)
+        return prefix or ""
+
+    def cache(self, backend: Backend | None = None, **kwargs: Any) -> str:
+        """Compute the KV of the program's prefix (see `trace`) into the backend's prefix
+        cache now, so the first runs find it there; it stays cached like any prefix (until
+        evicted). Returns the prefix."""
+        backend = resolve_backend(backend)
+        prefix = self.trace(backend=backend, **kwargs)
+        if prefix and backend.supports_cache_hints:
+            backend.generate(Prompt(prefix), SamplingParams(max_new_tokens=0))
+        return prefix
 
     def __call__(self, *args: Any, **kwargs: Any) -> ProgramState:
         return self.run(*args, **kwargs)
@@ -106,16 +147,17 @@ class Program:
         for key, value in kwargs.items():
             if key in self.arg_names:
                 program[key] = value
-            elif key in SAMPLING_FIELDS or key in SAMPLING_ALIASES:
+            elif key in SAMPLING_FIELDS or key in SAMPLING_ALIASES or key in LANGUAGE_ONLY_FIELDS:
                 sampling[key] = value
             else:
                 raise TypeError(f"{self.fn.__name__}() got an unexpected argument {key!r}: "
                                 f"not a parameter of the program nor a sampling field")
         return program, sampling
 
-    def _arguments(self, args: tuple, kwargs: Mapping[str, Any]
+    def _arguments(self, args: tuple, kwargs: Mapping[str, Any],
+                   defaults: Mapping[str, Any] | None = None
                    ) -> tuple[inspect.BoundArguments, dict[str, Any]]:
-        program, sampling = self._split({**self.bound, **kwargs})
+        program, sampling = self._split({**(defaults or {}), **self.bound, **kwargs})
         try:
             call_args = self.signature.bind(None, *args, **program)
         except TypeError as exc:
@@ -124,12 +166,16 @@ class Program:
         return call_args, normalize_sampling(sampling, f"{self.fn.__name__}.run")
 
     def _execute(self, run: Run, state: ProgramState, call_args: inspect.BoundArguments) -> None:
+        raised = None
         try:
             self.fn(state, *call_args.args[1:], **call_args.kwargs)
         except BaseException as exc:  # noqa: BLE001 - recorded in the state, see run()
             state._interp.fail(exc)
+            raised = exc
         finally:
             run.finish()
+        if raised is not None and self.raise_errors:
+            raise raised
         if state._interp.error is not None:
             log.warning("program %s failed: %s", self.fn.__name__, state._interp.error)
 
@@ -191,6 +237,35 @@ def _common_prefix(texts: list[str]) -> str:
     return first[:n]
 
 
-def function(fn: Callable[..., Any]) -> Program:
-    """Decorator: `def f(s, ...)` becomes a program (see Program.run / run_batch / bind)."""
+def _batch_item(program: Program, item: Any) -> tuple[tuple, dict[str, Any]]:
+    """(positional, keyword) arguments of one run_batch item."""
+    if isinstance(item, Mapping):
+        return (), dict(item)
+    if isinstance(item, (list, tuple)):
+        return tuple(item), {}
+    raise TypeError(f"run_batch: each item must be a dict or a tuple of {program.fn.__name__}'s "
+                    f"arguments, got {type(item).__name__}")
+
+
+def function(fn: Callable[..., Any] | None = None, *,
+             num_api_spec_tokens: int | None = None) -> Any:
+    """Decorator: `def f(s, ...)` becomes a program (see Program.run / run_batch / bind).
+    `@rl.function(num_api_spec_tokens=N)` is accepted as in SGLang; every gen is its own call
+    (no speculative API execution), so the result is the same, only not the call count."""
+    if num_api_spec_tokens is not None and (isinstance(num_api_spec_tokens, bool) or not
+                                            isinstance(num_api_spec_tokens, int)
+                                            or num_api_spec_tokens < 1):
+        raise ValueError(f"num_api_spec_tokens must be a positive int, got "
+                         f"{num_api_spec_tokens!r}")
+    if fn is None:
+        return Program
     return Program(fn)
+
+
+def sglang_function(fn: Callable[..., Any] | None = None, *,
+                    num_api_spec_tokens: int | None = None) -> Any:
+    """`function` with SGLang's error semantics (see Program.raise_errors)."""
+    function(lambda s: None, num_api_spec_tokens=num_api_spec_tokens)  # checks the argument
+    if fn is None:
+        return lambda f: Program(f, raise_errors=True)
+    return Program(fn, raise_errors=True)

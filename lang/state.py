@@ -9,10 +9,12 @@ import threading
 from concurrent.futures import Future
 from typing import Any, AsyncIterator, Iterator, Sequence
 
-from radixlm.expr import Expr, RoleBegin, RoleEnd, VarScopeBegin, VarScopeEnd, to_expr
+from radixlm.expr import Expr, Role, RoleBegin, RoleEnd, VarScopeBegin, VarScopeEnd, to_expr
 from radixlm.interpreter import Interpreter, ProgramError
 
 log = logging.getLogger(__name__)
+
+JOIN_MODES = {"gather_variable": "gather", "concate_and_append": "concat"}  # SGLang's names
 
 
 class Run:
@@ -85,6 +87,7 @@ class ProgramState:
         self._interp.submit(to_expr(other))
         return self
 
+    @contextlib.contextmanager
     def _block(self, begin: Expr, end: Expr) -> Iterator[None]:
         self._interp.submit(begin)
         try:
@@ -92,42 +95,60 @@ class ProgramState:
         finally:
             self._interp.submit(end)
 
-    @contextlib.contextmanager
-    def system(self) -> Iterator[None]:
-        yield from self._block(RoleBegin("system"), RoleEnd("system"))
+    def _role(self, role: str, content: Any) -> Any:
+        if content is None:  # `with s.user():` wraps what the block appends
+            return self._block(RoleBegin(role), RoleEnd(role))
+        message = Role(role, to_expr(content))  # `s.user("Hi")` appends a whole message
+        self._interp.submit(message)
+        return message
 
-    @contextlib.contextmanager
-    def user(self) -> Iterator[None]:
-        yield from self._block(RoleBegin("user"), RoleEnd("user"))
+    def system(self, content: Any = None) -> Any:
+        return self._role("system", content)
 
-    @contextlib.contextmanager
-    def assistant(self) -> Iterator[None]:
-        yield from self._block(RoleBegin("assistant"), RoleEnd("assistant"))
+    def user(self, content: Any = None) -> Any:
+        return self._role("user", content)
 
-    @contextlib.contextmanager
-    def var_scope(self, name: str) -> Iterator[None]:
+    def assistant(self, content: Any = None) -> Any:
+        return self._role("assistant", content)
+
+    def var_scope(self, name: str) -> contextlib.AbstractContextManager[None]:
         """`with s.var_scope("x"):` stores the text appended inside the block in `x`."""
-        yield from self._block(VarScopeBegin(name), VarScopeEnd(name))
+        return self._block(VarScopeBegin(name), VarScopeEnd(name))
 
     # -- branches ----------------------------------------------------------------------------
 
-    def fork(self, n: int) -> "ForkGroup":
-        """`n` branches that continue from here. Their shared prefix is computed once and kept
-        cached until `join` (or the end of the program)."""
+    def fork(self, size: int = 1, position_ids_offset: Any = None) -> "ForkGroup":
+        """`size` branches that continue from here. Their shared prefix is computed once and
+        kept cached until `join` (or the end of the program)."""
+        n = size
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"fork: n must be a positive int, got {n!r}")
+            raise ValueError(f"fork: size must be a positive int, got {n!r}")
+        if position_ids_offset is not None:
+            raise ValueError("fork: position_ids_offset is not supported")
         self._interp.sync()
         self._raise_if_failed()
         lease = self._run.pin(self._interp.text)
         branches = [ProgramState(self._run, self._run.interpreter(self._interp))
                     for _ in range(n)]
-        return ForkGroup(branches, lease)
+        return ForkGroup(branches, lease, self)
+
+    @contextlib.contextmanager
+    def copy(self) -> Iterator["ProgramState"]:
+        """`with s.copy() as c:` a branch of its own, joined (its variables gathered) after."""
+        forks = self.fork(1)
+        try:
+            yield forks[0]
+        finally:
+            self.join(forks)
 
     def join(self, forks: "ForkGroup", mode: str = "gather") -> dict[str, list[Any]] | None:
-        """Wait for the branches. `gather` sets (and returns) each variable the branches
-        produced as a list over the branches; `concat` appends their new text to this state."""
+        """Wait for the branches. `gather` (SGLang: `gather_variable`) sets (and returns) each
+        variable the branches produced as a list over the branches; `concat` (SGLang:
+        `concate_and_append`) appends their new text to this state, in branch order."""
+        mode = JOIN_MODES.get(mode, mode)
         if mode not in ("gather", "concat"):
-            raise ValueError(f"join: mode must be 'gather' or 'concat', got {mode!r}")
+            raise ValueError(f"join: mode must be 'gather' or 'concat' (or SGLang's "
+                             f"'gather_variable', 'concate_and_append'), got {mode!r}")
         if not isinstance(forks, ForkGroup):
             raise TypeError("join: pass the ForkGroup that fork() returned")
         try:
@@ -154,6 +175,13 @@ class ProgramState:
 
     def __getitem__(self, name: str) -> Any:
         return self._interp.get(name)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self.set_var(name, value)
+
+    def __contains__(self, name: str) -> bool:
+        self._interp.sync()
+        return name in self._interp.vars
 
     def get_var(self, name: str) -> Any:
         return self._interp.get(name)
@@ -183,9 +211,9 @@ class ProgramState:
     def sync(self) -> None:
         self._interp.sync()
 
-    def text_iter(self, name: str | None = None) -> Iterator[str]:
+    def text_iter(self, var_name: str | None = None) -> Iterator[str]:
         """The text as it is appended (run with stream=True to get gen output token by
-        token); with `name`, only what gen/select `name` produces."""
+        token); with `var_name`, only what gen/select `var_name` produces."""
         seen = 0
         while True:
             chunks, done = self._interp.wait_chunks(seen)
@@ -193,11 +221,14 @@ class ProgramState:
                 return
             seen += len(chunks)
             for chunk in chunks:
-                if name is None or chunk.var == name:
+                if var_name is None or chunk.var == var_name:
                     yield chunk.text
 
-    async def text_async_iter(self, name: str | None = None) -> AsyncIterator[str]:
-        """`text_iter` for asyncio code: waits in a worker thread, never in the event loop."""
+    async def text_async_iter(self, var_name: str | None = None,
+                              return_meta_data: bool = False) -> AsyncIterator[Any]:
+        """`text_iter` for asyncio code: waits in a worker thread, never in the event loop.
+        With `return_meta_data`, yields (text, meta info) pairs: the gen's token counts so
+        far and, with return_logprob, the logprobs of the tokens of this piece."""
         seen = 0
         while True:
             chunks, done = await asyncio.to_thread(self._interp.wait_chunks, seen)
@@ -205,8 +236,8 @@ class ProgramState:
                 return
             seen += len(chunks)
             for chunk in chunks:
-                if name is None or chunk.var == name:
-                    yield chunk.text
+                if var_name is None or chunk.var == var_name:
+                    yield (chunk.text, chunk.meta) if return_meta_data else chunk.text
 
     def _raise_if_failed(self) -> None:
         if self._interp.error is not None:
@@ -218,12 +249,15 @@ class ProgramState:
 
 
 class ForkGroup(Sequence[ProgramState]):
-    """The branches of `s.fork(n)`. `forks += expr` appends to every branch; `forks[i] +=`
-    to one."""
+    """The branches of `s.fork(n)`. `forks += expr` appends to every branch, `forks[i] +=` to
+    one; `forks += lambda i: ...` and `forks += [e0, e1, ...]` give each branch its own.
+    `forks.join()` is `s.join(forks)`."""
 
-    def __init__(self, branches: list[ProgramState], lease: Any) -> None:
+    def __init__(self, branches: list[ProgramState], lease: Any,
+                 parent: ProgramState) -> None:
         self._branches = branches
         self.lease = lease
+        self.parent = parent
 
     def __getitem__(self, index):  # type: ignore[override]
         return self._branches[index]
@@ -237,6 +271,18 @@ class ForkGroup(Sequence[ProgramState]):
         return len(self._branches)
 
     def __iadd__(self, other: Any) -> "ForkGroup":
-        for branch in self._branches:
-            branch += other
+        if callable(other) and not isinstance(other, Expr):
+            parts = [other(i) for i in range(len(self._branches))]
+        elif isinstance(other, (list, tuple)):
+            if len(other) != len(self._branches):
+                raise ValueError(f"forks += list: {len(other)} items for "
+                                 f"{len(self._branches)} branches")
+            parts = list(other)
+        else:
+            parts = [other] * len(self._branches)
+        for branch, part in zip(self._branches, parts):
+            branch += part
         return self
+
+    def join(self, mode: str = "gather") -> dict[str, list[Any]] | None:
+        return self.parent.join(self, mode)

@@ -41,7 +41,7 @@ class FakeBackend(Backend):
                     f"<{count}>")
         if on_delta is not None:
             for ch in text:
-                on_delta(ch)
+                on_delta(ch, {"completion_tokens": 1})
         return Generation(text, {"finish_reason": "stop"})
 
     def score(self, prefix, choices, unconditional):

@@ -32,6 +32,9 @@ class Prompt:
     open_role: str | None = None
 
 
+OnDelta = Callable[[str, dict[str, Any]], None]
+
+
 @dataclass
 class Generation:
     text: str
@@ -43,9 +46,11 @@ class Backend:
     supports_cache_hints = False
 
     def generate(self, prompt: Prompt, params: SamplingParams,
-                 on_delta: Callable[[str], None] | None = None) -> Generation:
-        """Generate after the prompt. With on_delta, call it with each new piece of text as it
-        is generated (the pieces add up to the returned text)."""
+                 on_delta: OnDelta | None = None) -> Generation:
+        """Generate after the prompt. With on_delta, call it with each new, non-empty piece of
+        text as it is generated (the pieces add up to the returned text) and that piece's meta
+        info (token counts so far; with logprobs, the entries of the tokens new since the last
+        piece, see `logprob_meta`)."""
         raise NotImplementedError
 
     def score(self, prefix: str, choices: Sequence[str], unconditional: bool) -> ChoiceScores:
@@ -65,6 +70,14 @@ class Backend:
     def release_prefix(self, handle: Any) -> None:
         pass
 
+    def flush_cache(self) -> bool:
+        """Drop the backend's cached prefixes; False when it has no cache to flush."""
+        return False
+
+    def server_info(self) -> dict[str, Any]:
+        """What the backend says about itself (model, limits, statistics)."""
+        return {}
+
     def close(self) -> None:
         pass
 
@@ -75,15 +88,37 @@ class Backend:
         self.close()
 
 
+def logprob_meta(entries: Sequence[tuple[float | None, int, Any]], total: int,
+                 tops: Sequence[Any] | None = None) -> dict[str, Any]:
+    """Logprobs as every backend reports them (SGLang's shape): `output_token_logprobs`, one
+    [logprob, token_id, token_text] per token, `output_top_logprobs` alike per token (None
+    without top_logprobs_num), and `output_token_logprobs_length`, the count so far (a streamed
+    piece carries only its new tokens)."""
+    return {"output_token_logprobs": [list(e) for e in entries],
+            "output_top_logprobs": list(tops) if tops is not None else [None] * len(entries),
+            "output_token_logprobs_length": total}
+
+
+# The backend of `set_default_backend`, for the whole process; `use_backend` overrides it in
+# its own context (thread or task).
+_process_default: Backend | None = None
 _current: contextvars.ContextVar[Backend | None] = contextvars.ContextVar(
     "radixlm_backend", default=None)
 
 
-def set_default_backend(backend: Backend) -> None:
-    """Use `backend` for programs run from this context (thread or task) on. Prefer passing
-    `backend=` or `with rl.use_backend(...)`, which say where each program runs."""
-    _check(backend)
-    _current.set(backend)
+def set_default_backend(backend: Backend | None) -> None:
+    """Use `backend` for every program run without `backend=`, from any thread (None unsets
+    it). `with rl.use_backend(b):` overrides it for the code inside."""
+    global _process_default
+    if backend is not None:
+        _check(backend)
+    _process_default = backend
+
+
+def default_backend() -> Backend | None:
+    """The backend a program run here without `backend=` would use, if any."""
+    current = _current.get()
+    return current if current is not None else _process_default
 
 
 @contextlib.contextmanager
@@ -98,10 +133,11 @@ def use_backend(backend: Backend) -> Iterator[Backend]:
 
 
 def resolve_backend(backend: Backend | None) -> Backend:
-    backend = backend if backend is not None else _current.get()
+    backend = backend if backend is not None else default_backend()
     if backend is None:
         raise ValueError("backend: no backend given; pass backend=rl.Engine(...) (or "
-                         "rl.RuntimeEndpoint / rl.OpenAI), or use `with rl.use_backend(b):`")
+                         "rl.RuntimeEndpoint / rl.OpenAI), use `with rl.use_backend(b):`, or "
+                         "rl.set_default_backend(b)")
     _check(backend)
     return backend
 
@@ -110,3 +146,16 @@ def _check(backend: Any) -> None:
     if not isinstance(backend, Backend):
         raise TypeError(f"backend must be rl.Engine, rl.RuntimeEndpoint or rl.OpenAI, got "
                         f"{type(backend).__name__}")
+
+
+def flush_cache(backend: Backend | None = None) -> bool:
+    """Drop the cached prefixes of `backend` (default: the default backend); False when there
+    is none, or it has no cache."""
+    backend = backend if backend is not None else default_backend()
+    return backend.flush_cache() if backend is not None else False
+
+
+def get_server_info(backend: Backend | None = None) -> dict[str, Any] | None:
+    """What `backend` (default: the default backend) says about itself; None without one."""
+    backend = backend if backend is not None else default_backend()
+    return backend.server_info() if backend is not None else None

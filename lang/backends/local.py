@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-from radixlm.backends.base import Backend, BackendError, Generation, Prompt
+from radixlm.backends.base import Backend, BackendError, Generation, OnDelta, Prompt, logprob_meta
 from radixlm.choices import ChoiceScores
 from radixlm.runtime.config.sampling_params import SamplingParams
 from radixlm.runtime.engine.engine import Engine as RuntimeEngine
 from radixlm.runtime.engine.tokenization import encode_prompt
-from radixlm.runtime.scheduling.request import Output
+from radixlm.runtime.scheduling.request import Output, TokenLogprob
 
 # A fork's prefix stays pinned at most this long if the program never joins (e.g. it hangs).
 LEASE_TTL_S = 600.0
@@ -38,24 +38,53 @@ class Engine(Backend):
             raise ValueError("model: programs need a model with a tokenizer")
 
     def generate(self, prompt: Prompt, params: SamplingParams,
-                 on_delta: Callable[[str], None] | None = None) -> Generation:
+                 on_delta: OnDelta | None = None) -> Generation:
         if params.n != 1:
             raise ValueError("n: a gen produces one completion; use s.fork(n) for several")
         if on_delta is None:
             out = self.engine.generate(prompt.text, params)
         else:
             out = asyncio.run(self._stream(prompt.text, params, on_delta))
-        return _generation(out)
+        if out.finish_reason == "abort":
+            raise BackendError(f"the engine aborted the request: {out.error or 'aborted'}")
+        return Generation(out.text, self._meta(out))
 
-    async def _stream(self, text: str, params: SamplingParams,
-                      on_delta: Callable[[str], None]) -> Output:
-        last = None
+    async def _stream(self, text: str, params: SamplingParams, on_delta: OnDelta) -> Output:
+        last, sent = None, 0  # sent: logprob entries passed on with earlier pieces
         async for out in self.engine.generate_stream(text, params):
             if out.delta:
-                on_delta(out.delta)
+                on_delta(out.delta, self._meta(out, sent, prompt=sent == 0))
+                sent = len(out.logprobs or ())
             last = out
         assert last is not None
         return last
+
+    def _meta(self, out: Output, logprobs_from: int = 0, prompt: bool = True) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "prompt_tokens": out.prompt_tokens,
+            "completion_tokens": out.completion_tokens,
+            "cached_tokens": out.cached_tokens,
+            "finish_reason": out.finish_reason,
+            "matched_stop": out.matched_stop,
+        }
+        if out.logprobs is not None:
+            new = out.logprobs[logprobs_from:]
+            tops = [None if e.top is None else self._entries(e.top) for e in new]
+            meta.update(logprob_meta(self._entries([(e.token_id, e.logprob) for e in new]),
+                                     len(out.logprobs), tops))
+        if out.prompt_logprobs is not None and prompt:
+            meta["input_token_logprobs"] = self._prompt_entries(out.prompt_logprobs)
+        return meta
+
+    def _entries(self, pairs: Sequence[tuple[int, float]]) -> list[tuple[float, int, str]]:
+        texts = self.tokenizer.batch_decode([[t] for t, _ in pairs]) if pairs else []
+        return [(lp, t, text) for (t, lp), text in zip(pairs, texts)]
+
+    def _prompt_entries(self, logprobs: Sequence[TokenLogprob | None]
+                        ) -> list[tuple[float | None, int | None, str | None]]:
+        known = self._entries([(e.token_id, e.logprob) for e in logprobs if e is not None])
+        it = iter(known)
+        return [(None, None, None) if e is None else next(it) for e in logprobs]
 
     def score(self, prefix: str, choices: Sequence[str], unconditional: bool) -> ChoiceScores:
         choice_ids = [self.tokenizer.encode(c, add_special_tokens=False) for c in choices]
@@ -95,19 +124,15 @@ class Engine(Backend):
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
 
+    def flush_cache(self) -> bool:
+        self.engine.flush_cache()
+        return True
+
+    def server_info(self) -> dict[str, Any]:
+        return {"model_path": self.engine.config.model, "max_model_len": self.engine.max_model_len,
+                "stats": self.engine.stats()}
+
     def close(self) -> None:
         if self._owns_engine:
             self.engine.close()
 
-
-def _generation(out: Output) -> Generation:
-    if out.finish_reason == "abort":
-        raise BackendError(f"the engine aborted the request: {out.error or 'aborted'}")
-    return Generation(out.text, {
-        "prompt_tokens": out.prompt_tokens,
-        "completion_tokens": out.completion_tokens,
-        "cached_tokens": out.cached_tokens,
-        "finish_reason": out.finish_reason,
-        "matched_stop": out.matched_stop,
-        "logprobs": out.logprobs,
-    })

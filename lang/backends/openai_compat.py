@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-from radixlm.backends.base import Backend, BackendError, Generation, Prompt
+from radixlm.backends.base import Backend, BackendError, Generation, OnDelta, Prompt
 from radixlm.backends.http import HttpClient
 from radixlm.choices import ChoiceScores
 from radixlm.runtime.config.sampling_params import SamplingParams
@@ -43,7 +43,7 @@ class OpenAI(Backend):
                                    "OPENAI_API_KEY"), timeout)
 
     def generate(self, prompt: Prompt, params: SamplingParams,
-                 on_delta: Callable[[str], None] | None = None) -> Generation:
+                 on_delta: OnDelta | None = None) -> Generation:
         body = self._body(params)
         if prompt.open_role is None and not prompt.messages:
             path, body["prompt"] = "/completions", prompt.text
@@ -62,7 +62,7 @@ class OpenAI(Backend):
                 piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
                 if piece:
                     pieces.append(piece)
-                    on_delta(piece)
+                    on_delta(piece, {})  # usage comes only at the end
                 if choice.get("finish_reason"):
                     meta["finish_reason"] = choice["finish_reason"]
             if event.get("usage"):

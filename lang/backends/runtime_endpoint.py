@@ -8,9 +8,9 @@ with any sampling field, `/score` for select, `/apply_chat_template` for roles, 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-from radixlm.backends.base import Backend, BackendError, Generation, Prompt
+from radixlm.backends.base import Backend, BackendError, Generation, OnDelta, Prompt
 from radixlm.backends.http import HttpClient
 from radixlm.choices import ChoiceScores
 from radixlm.runtime.config.sampling_params import SamplingParams
@@ -31,25 +31,41 @@ class RuntimeEndpoint(Backend):
         self.supports_cache_hints = cache_hints
 
     def generate(self, prompt: Prompt, params: SamplingParams,
-                 on_delta: Callable[[str], None] | None = None) -> Generation:
+                 on_delta: OnDelta | None = None) -> Generation:
         if params.n != 1:
             raise ValueError("n: a gen produces one completion; use s.fork(n) for several")
-        body = {"text": prompt.text, "sampling_params": _changed_fields(params),
-                "stream": on_delta is not None}
+        sampling = _changed_fields(params)
+        body: dict[str, Any] = {"text": prompt.text, "sampling_params": sampling,
+                                "stream": on_delta is not None}
+        if params.wants_logprobs:  # the route takes logprob requests beside sampling_params
+            for name in ("logprobs", "top_logprobs_num", "logprob_start_len"):
+                sampling.pop(name, None)
+            body.update(return_logprob=True, top_logprobs_num=params.top_logprobs_num,
+                        return_text_in_logprobs=True)
+            if params.logprob_start_len is not None:
+                body["logprob_start_len"] = params.logprob_start_len
         if on_delta is None:
             return _generation(self.http.post("/generate", body))
         text, last = "", None
-        logprobs: dict[str, list[Any]] = {key: [] for key in INCREMENTAL_META_KEYS}
+        whole: dict[str, list[Any]] = {key: [] for key in INCREMENTAL_META_KEYS}
+        pending: dict[str, list[Any]] = {key: [] for key in INCREMENTAL_META_KEYS}
         for event in self.http.stream("/generate", body):
-            new = event["text"]  # each event holds the whole text so far ...
+            meta = event.get("meta_info", {})
+            for key in INCREMENTAL_META_KEYS:  # events hold only the new logprobs ...
+                whole[key].extend(meta.get(key) or ())
+                pending[key].extend(meta.get(key) or ())
+            new = event["text"]  # ... and the whole text so far
             if len(new) > len(text):
-                on_delta(new[len(text):])
-            for key, values in logprobs.items():  # ... and only the new logprobs
-                values.extend(event.get("meta_info", {}).get(key) or ())
+                piece = dict(meta)
+                if "output_token_logprobs" in meta:  # a token that added no text passes its
+                    # logprobs on to the next piece
+                    piece.update({k: pending[k] for k in INCREMENTAL_META_KEYS})
+                    pending = {k: [] for k in INCREMENTAL_META_KEYS}
+                on_delta(new[len(text):], piece)
             text, last = new, event
         if last is None:
             raise BackendError("/generate: the stream ended without a result")
-        for key, values in logprobs.items():
+        for key, values in whole.items():
             if key in last.get("meta_info", {}):
                 last["meta_info"][key] = values
         return _generation(last)
@@ -92,6 +108,17 @@ class RuntimeEndpoint(Backend):
     def stats(self) -> dict[str, Any]:
         return self.http.get("/get_server_info")["stats"]
 
+    def flush_cache(self) -> bool:
+        self.http.post("/flush_cache", {})
+        return True
+
+    def server_info(self) -> dict[str, Any]:
+        return self.http.get("/get_server_info")
+
+    def get_model_name(self) -> str:
+        """The model's path or name, as the server reports it (SGLang's method)."""
+        return self.info["model_path"]
+
 
 def _changed_fields(params: SamplingParams) -> dict[str, Any]:
     """Only what differs from the defaults: short requests, and the server's defaults (the
@@ -111,4 +138,5 @@ def _generation(result: dict[str, Any]) -> Generation:
     if reason == "abort":
         raise BackendError(f"the server aborted the request: {finish}")
     meta["finish_reason"] = reason
+    meta["matched_stop"] = finish.get("matched") if isinstance(finish, dict) else None
     return Generation(result["text"], meta)

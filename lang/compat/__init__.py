@@ -1,0 +1,1 @@
+"""Other frontends' exact names over radixlm's language: `radixlm.compat.sglang`."""
