@@ -60,7 +60,8 @@ CANNOT_RUN = {
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, default_model_folder):
+def tiny_model(tmp_path_factory, default_model_folder) -> Path:
+    """A random Llama with SmolLM2's tokenizer and room for the programs' long prompts."""
     folder = tmp_path_factory.mktemp("tiny-sglang")
     save_tiny_hf_model(folder, "llama", vocab_size=49152, tie=True, seed=1,
                        max_position_embeddings=4096)
@@ -70,7 +71,12 @@ def server(tmp_path_factory, default_model_folder):
     cfg = json.loads((folder / "config.json").read_text())
     cfg["eos_token_id"] = 2
     (folder / "config.json").write_text(json.dumps(cfg))
-    with ServerProcess(["--model", str(folder), "--max-total-tokens", "16384"]) as process:
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    with ServerProcess(["--model", str(tiny_model), "--max-total-tokens", "16384"]) as process:
         yield process
 
 
@@ -138,3 +144,21 @@ def test_sglangs_programs_run(server, mode):
               or (r == "wrong answer" and n not in MODEL_DEPENDENT
                   and (mode, n) not in FRONTEND_RACES)}
     assert not failed, f"programs that failed on a protocol or API error: {failed}"
+
+
+def test_runtime_starts_a_server_and_is_its_endpoint(tiny_model):
+    @compat.function
+    def hello(s):
+        s += "Hello" + compat.gen("x", max_tokens=3, ignore_eos=True)
+
+    runtime = compat.Runtime(model_path=str(tiny_model), max_total_tokens=4096)
+    try:
+        assert runtime.endpoint is runtime
+        assert runtime.get_model_name() == str(tiny_model)
+        state = hello.run(backend=runtime, temperature=0)
+        assert state.get_meta_info("x")["completion_tokens"] == 3
+        assert compat.flush_cache(runtime) is True
+        assert compat.get_server_info(runtime)["stats"]["num_running"] == 0
+    finally:
+        runtime.shutdown()
+    assert runtime.server.proc.poll() is not None
