@@ -65,16 +65,25 @@ def default_model_folder() -> Path:
         pytest.skip(str(exc))
 
 
-@pytest.fixture(scope="session")
-def tiny_chat_model(tmp_path_factory, default_model_folder) -> Path:
-    """A tiny random Llama with the real SmolLM2 tokenizer (vocab 49152), for engine tests
-    that need text in and out but not a good model."""
-    folder = tmp_path_factory.mktemp("tiny-chat")
-    save_tiny_hf_model(folder, "llama", vocab_size=49152, tie=True, seed=1)
+def save_tiny_chat_model(folder: Path, default_model_folder: Path, chat_template: str | None = None,
+                         max_position_embeddings: int = 1024) -> Path:
+    """A tiny random Llama with the real SmolLM2 tokenizer (vocab 49152) in `folder`, with
+    SmolLM2's chat template or `chat_template`."""
+    save_tiny_hf_model(folder, "llama", vocab_size=49152, tie=True, seed=1,
+                       max_position_embeddings=max_position_embeddings)
     for f in default_model_folder.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
             shutil.copy(f, folder / f.name)
+    if chat_template is not None:
+        (folder / "chat_template.jinja").write_text(chat_template)
     cfg = json.loads((folder / "config.json").read_text())
     cfg["eos_token_id"] = 2
     (folder / "config.json").write_text(json.dumps(cfg))
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory, default_model_folder) -> Path:
+    """A tiny random Llama with the real SmolLM2 tokenizer (vocab 49152), for engine tests
+    that need text in and out but not a good model."""
+    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"), default_model_folder)

@@ -421,7 +421,7 @@ def error_of(response: Reply, status: int) -> dict:
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "tools": [{"type": "function"}]}, "tools"),
+                              "tools": [{"type": "function"}]}, "tools[0].function"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "response_format": {"type": "yaml"}}, "response_format.type"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],

@@ -15,8 +15,6 @@ API error. An outcome is "wrong answer" when the exception comes from the progra
 from __future__ import annotations
 
 import importlib.util
-import json
-import shutil
 import signal
 import traceback
 from pathlib import Path
@@ -25,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from conftest import save_tiny_hf_model
+from conftest import save_tiny_chat_model
 
 sglang = pytest.importorskip("sglang", reason="the test extra installs sglang's frontend")
 from sglang.test import test_programs  # noqa: E402
@@ -62,16 +60,8 @@ CANNOT_RUN = {
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory, default_model_folder) -> Path:
     """A random Llama with SmolLM2's tokenizer and room for the programs' long prompts."""
-    folder = tmp_path_factory.mktemp("tiny-sglang")
-    save_tiny_hf_model(folder, "llama", vocab_size=49152, tie=True, seed=1,
-                       max_position_embeddings=4096)
-    for f in default_model_folder.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
-            shutil.copy(f, folder / f.name)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["eos_token_id"] = 2
-    (folder / "config.json").write_text(json.dumps(cfg))
-    return folder
+    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-sglang"), default_model_folder,
+                                max_position_embeddings=4096)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from radixlm.runtime.config.engine_config import EngineConfig
+from radixlm.runtime.server.tool_parsers import FORMATS as TOOL_CALL_FORMATS
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,9 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     served_model_name: str | None = None  # the `model` id of the OpenAI routes
     log_level: str = "info"
+    # How the model writes tool calls (hermes, llama3_json, mistral); None: from its chat
+    # template (see docs/server.md#tool-calling).
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -58,6 +62,9 @@ class ServerConfig:
                              f"{self.max_samples_per_request}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        if self.tool_call_parser not in (None, *TOOL_CALL_FORMATS):
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_FORMATS)}, "
+                             f"got {self.tool_call_parser!r}")
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -97,6 +104,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "model's name)")
     server.add_argument("--log-level", default=ServerConfig.log_level,
                         choices=["debug", "info", "warning", "error"])
+    server.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_FORMATS,
+                        help="how the model writes tool calls (default: picked from its chat "
+                             "template; hermes for templates without tools)")
     add_engine_args(parser.add_argument_group("engine (see docs/engine.md)"))
 
 

@@ -1,7 +1,8 @@
 """OpenAI request shapes (`/v1/completions`, `/v1/chat/completions`) mapped onto
 `SamplingParams`, with the extras SGLang and vLLM accept (top_k, min_p, ...). A field we do not
-know, or one we know but do not implement (tools, echo), is a 400 naming it:
-silently ignoring it would return something the client did not ask for."""
+know, or one we know but do not implement (echo, suffix), is a 400 naming it:
+silently ignoring it would return something the client did not ask for. Tool calling's
+fields are in openai_tools.py."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixlm.runtime.config.sampling_params import SamplingParams
+from radixlm.runtime.server.openai_tools import ToolRequest, assistant_calls, parse_tools
 from radixlm.runtime.server.protocol import (
     MAX_TOP_LOGPROBS,
     Fields,
@@ -34,7 +36,10 @@ _COMMON = (*_DIRECT, "model", "stream", "stream_options", "max_tokens", "user",
 COMPLETION_FIELDS = (*_COMMON, "prompt", "logprobs", "echo", "best_of", "suffix")
 CHAT_FIELDS = (*_COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs",
                "tools", "tool_choice", "parallel_tool_calls")
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+         "tool": "tool"}
+# Message fields besides role and content, per role.
+_MESSAGE_FIELDS = {"assistant": ("name", "tool_calls"), "tool": ("name", "tool_call_id")}
 MAX_PROMPTS = 1024
 UNLIMITED = 2**31 - 1
 
@@ -49,6 +54,7 @@ class OpenAIRequest:
     cache_salt: str | None
     prompts: list[str] | list[list[int]] | None = None  # completions
     messages: list[dict[str, Any]] | None = None  # chat
+    tools: ToolRequest = dataclasses.field(default_factory=ToolRequest)  # chat
 
 
 def parse_completion(body: dict[str, Any], vocab_size: int) -> OpenAIRequest:
@@ -72,10 +78,7 @@ def parse_completion(body: dict[str, Any], vocab_size: int) -> OpenAIRequest:
 def parse_chat(body: dict[str, Any]) -> OpenAIRequest:
     f = Fields(body)
     f.only(CHAT_FIELDS)
-    _unsupported(f, tools=[])
-    if f.has("tool_choice") and body["tool_choice"] != "none":
-        raise bad("tool calling is not supported", "tool_choice", "not_supported")
-    f.boolean("parallel_tool_calls")
+    tools = parse_tools(f)
     values, names = _common(f)
     max_param = "max_tokens"
     if f.has("max_completion_tokens"):  # the newer name wins when both are given
@@ -92,6 +95,7 @@ def parse_chat(body: dict[str, Any]) -> OpenAIRequest:
     values.setdefault("max_new_tokens", UNLIMITED)
     req = _request(f, values, names, max_param, explicit)
     req.messages = parse_messages(body.get("messages"))
+    req.tools = tools
     return req
 
 
@@ -194,19 +198,25 @@ def parse_messages(value: Any, param: str = "messages") -> list[dict[str, Any]]:
         role = f.string("role", required=True)
         if role not in ROLES:
             raise bad(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}",
-                      f"{where}.role", "not_supported" if role in ("tool", "function")
+                      f"{where}.role", "not_supported" if role == "function"
                       else "invalid_value")
-        for key, item in message.items():  # e.g. a previous reply echoed back: tool_calls=None
-            if key not in ("role", "content", "name") and item not in (None, [], {}, ""):
+        role = ROLES[role]
+        extra = _MESSAGE_FIELDS.get(role, ("name",))
+        for key, item in message.items():  # e.g. a previous reply echoed back: refusal=None
+            if key not in ("role", "content", *extra) and item not in (None, [], {}, ""):
                 raise bad(f"{where}.{key} is not supported", f"{where}.{key}", "not_supported")
-        if message.get("content") is None and ROLES[role] != "assistant":
-            # OpenAI requires it; only an assistant turn (one that called tools) may omit it.
+        calls = message.get("tool_calls") if role == "assistant" else None
+        if message.get("content") is None and not calls:
+            # OpenAI requires it; only an assistant turn that called tools may omit it.
             raise bad(f"{where}.content is required for role {role!r}", f"{where}.content",
                       "missing_field")
-        out = {"role": ROLES[role], "content": _content(message.get("content"), where)}
-        name = f.string("name")
-        if name is not None:
-            out["name"] = name
+        out: dict[str, Any] = {"role": role, "content": _content(message.get("content"), where)}
+        for key in extra:
+            if key == "tool_calls":
+                if calls:
+                    out["tool_calls"] = assistant_calls(calls, where)
+            elif f.string(key) is not None:
+                out[key] = message[key]
         messages.append(out)
     return messages
 

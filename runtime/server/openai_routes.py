@@ -8,10 +8,12 @@ from typing import Any, AsyncIterator
 
 from aiohttp import web
 
+from radixlm.runtime.server import tool_parsers
 from radixlm.runtime.server.generation import Generation, Sample, abort_error
 from radixlm.runtime.server.ipc import LogprobEntry
 from radixlm.runtime.server.openai_protocol import OpenAIRequest, parse_chat, parse_completion
-from radixlm.runtime.server.protocol import fit_context
+from radixlm.runtime.server.openai_tools import for_plain_template, supports_tools
+from radixlm.runtime.server.protocol import bad, fit_context
 from radixlm.runtime.server.state import ServerState
 from radixlm.runtime.server.web_util import json_response, read_json, state_of, stream_events
 
@@ -46,13 +48,33 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state.require_engine()
     req = parse_chat(await read_json(request))
     assert req.messages is not None
-    text = await state.codec.render_chat(req.messages, add_generation_prompt=True)
+    tools, messages = req.tools, req.messages
+    native = supports_tools(state.codec.chat_template)
+    fmt = state.config.tool_call_parser or tool_parsers.format_for_template(
+        state.codec.chat_template if native else None)
+    has_tool_turns = any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+    if not native and (tools.active or has_tool_turns):
+        messages = for_plain_template(messages, tools.tools if tools.active else [])
+    text = await state.codec.render_chat(
+        messages, add_generation_prompt=True,
+        tools=tools.template_tools() if native and tools.active else None)
+    if tools.constrained:
+        if req.params.constrained:
+            raise bad("tool_choice 'required' or a named function constrains the reply to tool "
+                      "calls; it cannot be combined with response_format, regex or ebnf",
+                      "tool_choice")
+        req.params = req.params.replace(
+            ebnf=tool_parsers.call_grammar(fmt, tools.allowed(), tools.parallel))
+    if tools.active and fmt == "mistral":  # its trigger is a special token
+        req.params = req.params.replace(skip_special_tokens=False)
     prompts = [await state.codec.encode_prompt(text, "messages")]
-    return await _respond(request, state, req, prompts, "chatcmpl", "chat.completion")
+    return await _respond(request, state, req, prompts, "chatcmpl", "chat.completion",
+                          fmt if tools.active else None)
 
 
 async def _respond(request: web.Request, state: ServerState, req: OpenAIRequest,
-                   prompts: list[list[int]], prefix: str, kind: str) -> web.StreamResponse:
+                   prompts: list[list[int]], prefix: str, kind: str,
+                   tool_format: str | None = None) -> web.StreamResponse:
     info = state.require_engine()
     prompt_param = "prompt" if kind == "text_completion" else "messages"
     params = [fit_context(req.params, len(ids), info.max_model_len, req.explicit_max,
@@ -61,7 +83,7 @@ async def _respond(request: web.Request, state: ServerState, req: OpenAIRequest,
     keys = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
     gen = Generation(state, prompts, params, keys, req.cache_salt, group=rid)
     head = {"id": rid, "object": kind, "created": int(time.time()), "model": state.model_name}
-    render = _Renderer(state, req, kind == "chat.completion")
+    render = _Renderer(state, req, kind == "chat.completion", tool_format)
     if req.stream:
         return await stream_events(request, _events(gen, head, render, req))
     async with gen:
@@ -95,38 +117,66 @@ async def _events(gen: Generation, head: dict[str, Any], render: "_Renderer",
                 continue  # text held back (a possible stop string, half a character)
             choice = await render.delta(flat[id(sample)], sample, chunk.delta, logprobs or [],
                                         chunk.finish_reason)
-            yield {**head, "choices": [choice]}
+            if choice is not None:
+                yield {**head, "choices": [choice]}
     if req.include_usage:
         yield {**head, "choices": [], "usage": gen.usage()}
 
 
 class _Renderer:
-    """Choices and logprobs in the completions or the chat shape."""
+    """Choices and logprobs in the completions or the chat shape; with tools, the replies'
+    tool calls parsed out (`tool_format`)."""
 
-    def __init__(self, state: ServerState, req: OpenAIRequest, chat: bool) -> None:
+    def __init__(self, state: ServerState, req: OpenAIRequest, chat: bool,
+                 tool_format: str | None = None) -> None:
         self.codec = state.codec
         self.chat = chat
         self.wants_logprobs = req.params.logprobs
         self.offsets: dict[int, int] = {}  # completions text_offset, per streamed choice
+        self.tool_format = tool_format
+        self.tool_names = [t["name"] for t in req.tools.tools]
+        self.parsers: dict[int, tool_parsers.StreamingToolParser] = {}  # per streamed choice
 
     async def choice(self, index: int, sample: Sample) -> dict[str, Any]:
         logprobs = await self._logprobs(index, sample.logprobs) if self.wants_logprobs else None
-        if self.chat:
-            out = {"index": index, "message": {"role": "assistant", "content": sample.text},
-                   "logprobs": logprobs, "finish_reason": sample.finish_reason}
-        else:
+        if not self.chat:
             out = {"index": index, "text": sample.text, "logprobs": logprobs,
                    "finish_reason": sample.finish_reason}
+            return _with_warnings(out, sample)
+        content, calls = sample.text, []
+        if self.tool_format is not None:
+            content, calls = tool_parsers.parse(self.tool_format, sample.text, self.tool_names)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["content"] = content or None
+            message["tool_calls"] = [c.openai() for c in calls]
+        out = {"index": index, "message": message, "logprobs": logprobs,
+               "finish_reason": _finish(sample.finish_reason, calls)}
         return _with_warnings(out, sample)
 
     async def delta(self, index: int, sample: Sample, text: str,
-                    entries: list[LogprobEntry], finish: str | None) -> dict[str, Any]:
+                    entries: list[LogprobEntry], finish: str | None) -> dict[str, Any] | None:
         logprobs = await self._logprobs(index, entries) if self.wants_logprobs else None
-        if self.chat:
-            out = {"index": index, "delta": {"content": text} if text else {},
-                   "logprobs": logprobs, "finish_reason": finish}
-        else:
+        if not self.chat:
             out = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            return _with_warnings(out, sample) if finish is not None else out
+        delta: dict[str, Any] = {}
+        calls: list[tool_parsers.ToolCall] = []
+        if self.tool_format is not None:
+            parser = self.parsers.setdefault(index, tool_parsers.StreamingToolParser(
+                self.tool_format, self.tool_names))
+            text = parser.feed(text)
+            if finish is not None:
+                rest, calls = parser.finish()
+                text += rest
+        if text:
+            delta["content"] = text
+        if calls:
+            delta["tool_calls"] = [c.openai(i) for i, c in enumerate(calls)]
+        if not delta and finish is None and logprobs is None:
+            return None  # text held back while a tool call may be starting
+        out = {"index": index, "delta": delta, "logprobs": logprobs,
+               "finish_reason": _finish(finish, calls) if finish is not None else None}
         return _with_warnings(out, sample) if finish is not None else out
 
     async def _logprobs(self, index: int, entries: list[LogprobEntry]) -> dict[str, Any]:
@@ -151,6 +201,10 @@ class _Renderer:
                 "top_logprobs": [{texts[a]: alp for a, alp in top or ()}
                                  for _, _, top in entries],
                 "text_offset": offsets}
+
+
+def _finish(reason: str | None, calls: list[Any]) -> str | None:
+    return "tool_calls" if calls and reason in ("stop", "length") else reason
 
 
 def _with_warnings(choice: dict[str, Any], sample: Sample) -> dict[str, Any]:

@@ -47,6 +47,10 @@ class TextCodec:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
+    @property
+    def chat_template(self) -> Any:
+        return getattr(self.tokenizer, "chat_template", None)
+
     def close(self) -> None:
         for lane in (self._short, self._long):
             lane.shutdown(wait=False, cancel_futures=True)
@@ -93,17 +97,19 @@ class TextCodec:
             raise bad(f"{param} could not be tokenized: {exc}", param) from None
 
     async def render_chat(self, messages: list[dict[str, Any]],
-                          add_generation_prompt: bool = True) -> str:
-        """The conversation rendered by the model's chat template."""
+                          add_generation_prompt: bool = True,
+                          tools: list[dict[str, Any]] | None = None) -> str:
+        """The conversation rendered by the model's chat template (with `tools` in OpenAI's
+        shape, for templates that take them)."""
         self._need_tokenizer("messages")
         if not self.has_chat_template:
             raise bad("messages: this model has no chat template; use /v1/completions",
                       "messages", "no_chat_template")
-        chars = sum(len(m.get("content") or "") for m in messages)
+        chars = sum(len(m.get("content") or "") for m in messages) + len(str(tools or ""))
         self.check_length(chars, "messages")
 
         def render(tokenizer: Any) -> str:
-            return tokenizer.apply_chat_template(messages, tokenize=False,
+            return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                                  add_generation_prompt=add_generation_prompt)
         try:
             return await self._run(render, chars)

@@ -1,0 +1,224 @@
+"""OpenAI tool calling: the parsers of each chat format (whole and streamed), and
+/v1/chat/completions with the official `openai` SDK on a tiny random model, in every
+`tool_choice` mode, streamed and not, over a two-turn conversation.
+
+The model is random, so `auto` replies are text; `required` and named replies are calls that
+the grammar makes valid, checked with `jsonschema` on seeded samples."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from radixlm.runtime.server import tool_parsers as tp
+from radixlm.runtime.server.process import ServerProcess
+
+from conftest import save_tiny_chat_model
+
+TEMPLATES = Path(__file__).parent / "templates"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city"], "additionalProperties": False}}}
+ORDER = {"type": "function", "function": {  # nested objects and arrays
+    "name": "place_order", "parameters": {"type": "object", "properties": {
+        "customer": {"type": "object", "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "address": {"type": "object", "properties": {
+                "street": {"type": "string", "maxLength": 16},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                "required": ["street", "zip"], "additionalProperties": False}},
+            "required": ["name", "address"], "additionalProperties": False},
+        "items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
+            "type": "object", "properties": {
+                "sku": {"type": "string", "maxLength": 8},
+                "quantity": {"type": "integer", "minimum": 1, "maximum": 9}},
+            "required": ["sku", "quantity"], "additionalProperties": False}}},
+        "required": ["customer", "items"], "additionalProperties": False}}}
+TOOLS = [WEATHER, ORDER]
+NAMES = ["get_weather", "place_order"]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+# -- parsers ----------------------------------------------------------------------------------
+
+CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
+REPLIES = {
+    "hermes": ("Let me check.\n<tool_call>\n" + json.dumps(CALL) + "\n</tool_call>\n"
+               "<tool_call>\n" + json.dumps({**CALL, "arguments": {"city": "Oslo"}})
+               + "\n</tool_call>", "Let me check.", ["Paris", "Oslo"]),
+    "llama3_json": ("<|python_tag|>" + json.dumps({"name": "get_weather", "parameters": {
+        "city": "Paris"}}) + "; " + json.dumps({"name": "get_weather", "parameters": {
+            "city": "Oslo"}}), "", ["Paris", "Oslo"]),
+    "mistral": ("[TOOL_CALLS]" + json.dumps([CALL, {**CALL, "arguments": {"city": "Oslo"}}]),
+                "", ["Paris", "Oslo"]),
+}
+
+
+@pytest.mark.parametrize("fmt", tp.FORMATS)
+def test_each_format_parses_whole_and_streamed_alike(fmt):
+    text, content, cities = REPLIES[fmt]
+    got_content, calls = tp.parse(fmt, text, NAMES)
+    assert got_content == content
+    assert [json.loads(c.arguments)["city"] for c in calls] == cities
+    assert all(c.name == "get_weather" and c.id for c in calls)
+    parser = tp.StreamingToolParser(fmt, NAMES)
+    streamed = "".join(parser.feed(ch) for ch in text)
+    rest, streamed_calls = parser.finish()
+    assert (streamed + rest).strip() == content
+    assert [(c.name, c.arguments) for c in streamed_calls] == [(c.name, c.arguments)
+                                                              for c in calls]
+
+
+@pytest.mark.parametrize(("fmt", "text"), [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'),  # cut off
+    ("hermes", '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>'),  # unknown
+    ("hermes", "Just text, no calls."),
+    ("llama3_json", '{"name": "get_weather", "parameters": [1, 2]}'),
+    ("llama3_json", "The weather is fine {not json}"),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": "{bad"}]'),
+])
+def test_a_reply_that_is_not_a_valid_call_is_text(fmt, text):
+    assert tp.parse(fmt, text, NAMES) == (text, [])
+    parser = tp.StreamingToolParser(fmt, NAMES)
+    streamed = "".join(parser.feed(ch) for ch in text)
+    rest, calls = parser.finish()
+    assert streamed + rest == text and calls == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(max_size=40), st.integers(1, 9))
+def test_streamed_content_is_never_lost_or_reordered(prefix, step):
+    text = prefix + "<tool_call>\n" + json.dumps(CALL) + "\n</tool_call>"
+    parser = tp.StreamingToolParser("hermes", NAMES)
+    streamed = "".join(parser.feed(text[i:i + step]) for i in range(0, len(text), step))
+    rest, calls = parser.finish()
+    whole_content, whole_calls = tp.parse("hermes", text, NAMES)
+    assert streamed + rest in (whole_content, prefix)  # the text before the call, as sent
+    assert len(calls) == len(whole_calls)
+
+
+@pytest.mark.parametrize(("template", "fmt"), [
+    ("hermes_tools.jinja", "hermes"), ("llama3_tools.jinja", "llama3_json"),
+    ("mistral_tools.jinja", "mistral"), (None, "hermes")])
+def test_the_format_is_picked_from_the_template(template, fmt):
+    text = (TEMPLATES / template).read_text() if template else None
+    assert tp.format_for_template(text) == fmt
+
+
+# -- the server -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=["hermes_tools.jinja", "llama3_tools.jinja",
+                                        "mistral_tools.jinja", "smollm2"])
+def client(request, tmp_path_factory, default_model_folder):
+    """An OpenAI client on a server whose model has this chat template ("smollm2": the
+    default model's, which knows no tools)."""
+    template = None if request.param == "smollm2" else (TEMPLATES / request.param).read_text()
+    folder = save_tiny_chat_model(tmp_path_factory.mktemp("tiny-tools"), default_model_folder,
+                                  template, max_position_embeddings=4096)
+    with ServerProcess(["--model", str(folder), "--max-total-tokens", "16384"]) as server:
+        yield openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def _chat(client, **kwargs):
+    return client.chat.completions.create(model="m", messages=kwargs.pop("messages", ASK),
+                                          tools=kwargs.pop("tools", TOOLS), **kwargs)
+
+
+def _schema(name: str) -> dict:
+    return next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
+
+
+def test_required_calls_are_valid_on_every_template(client):
+    for seed in range(8):
+        reply = _chat(client, tool_choice="required", temperature=1.0, seed=seed,
+                      max_tokens=400)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        for call in choice.message.tool_calls:
+            assert call.type == "function" and call.id
+            jsonschema.validate(json.loads(call.function.arguments), _schema(call.function.name))
+
+
+def test_named_choice_calls_that_function(client):
+    named = {"type": "function", "function": {"name": "place_order"}}
+    for seed in range(4):
+        reply = _chat(client, tool_choice=named, temperature=1.0, seed=seed, max_tokens=400)
+        calls = reply.choices[0].message.tool_calls
+        assert [c.function.name for c in calls] == ["place_order"]
+        jsonschema.validate(json.loads(calls[0].function.arguments), _schema("place_order"))
+
+
+def test_streamed_calls_equal_the_whole_reply(client):
+    body = dict(tool_choice="required", temperature=1.0, seed=3, max_tokens=400)
+    whole = _chat(client, **body).choices[0]
+    calls, content, finish = {}, "", None
+    for chunk in _chat(client, stream=True, **body):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for call in choice.delta.tool_calls or []:
+                entry = calls.setdefault(call.index, {"name": "", "arguments": ""})
+                entry["name"] += call.function.name or ""
+                entry["arguments"] += call.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+    assert content == (whole.message.content or "")
+
+
+def test_auto_and_none_reply_with_text_or_valid_calls(client):
+    for choice_mode in ("auto", "none"):
+        for stream in (False, True):
+            body = dict(tool_choice=choice_mode, temperature=0, max_tokens=24)
+            if not stream:
+                choice = _chat(client, **body).choices[0]
+                calls = choice.message.tool_calls or []
+            else:
+                calls = [c for chunk in _chat(client, stream=True, **body)
+                         for ch in chunk.choices for c in ch.delta.tool_calls or []]
+            if choice_mode == "none":
+                assert calls == []
+            for call in calls:  # a random model rarely calls; when it does, validly
+                jsonschema.validate(json.loads(call.function.arguments),
+                                    _schema(call.function.name))
+
+
+def test_a_two_turn_tool_conversation(client):
+    first = _chat(client, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                  temperature=0, max_tokens=200).choices[0].message
+    call = first.tool_calls[0]
+    messages = [*ASK, first.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 18}'}]
+    reply = _chat(client, messages=messages, temperature=0, max_tokens=8)
+    assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_bad_tool_requests_are_400_naming_the_field(client):
+    cases = [
+        ({"tools": [{"type": "function", "function": {"name": "bad name"}}]},
+         "tools[0].function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"type": 5}}}}}]},
+         "tools[0].function.parameters"),
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "tool_choice.function.name"),
+        ({"tools": [], "tool_choice": "required"}, "tool_choice"),
+        ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"type": "function",
+                       "function": {"name": "get_weather", "arguments": "{oops"}}]}]},
+         "messages[1].tool_calls[0].function.arguments"),
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}},
+         "tool_choice"),
+    ]
+    for extra, param in cases:
+        with pytest.raises(openai.BadRequestError) as caught:
+            _chat(client, max_tokens=4, **extra)
+        assert caught.value.body["param"] == param, caught.value.body
