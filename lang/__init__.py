@@ -45,6 +45,8 @@ from radixlm.expr import (
     system,
     system_begin,
     system_end,
+    tool,
+    tool_call,
     user,
     user_begin,
     user_end,
@@ -61,7 +63,7 @@ __all__ = [
     "ProgramState", "Runtime", "RuntimeEndpoint", "assistant", "assistant_begin",
     "assistant_end", "flush_cache", "function", "gen", "gen_int", "gen_string",
     "get_server_info", "greedy_token_selection", "image", "select", "set_default_backend",
-    "system", "system_begin", "system_end", "token_length_normalized",
+    "system", "system_begin", "system_end", "token_length_normalized", "tool", "tool_call",
     "unconditional_likelihood_normalized", "use_backend", "user", "user_begin", "user_end",
     "video",
 ]

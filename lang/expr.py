@@ -112,11 +112,25 @@ class Role(Expr):
 
     role: str
     content: Expr
+    fields: tuple[tuple[str, Any], ...] = ()  # other message fields (a tool's tool_call_id)
 
 
 @dataclass(frozen=True)
 class RoleBegin(Expr):
     role: str
+    fields: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class ToolCalls(Expr):
+    """Let the model call the tools; the variable is the list of calls it made."""
+
+    name: str | None
+    tools: Any  # the server-side ToolRequest: tools, choice, parallel
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+    def params(self, defaults: dict[str, Any]) -> SamplingParams:
+        return SamplingParams.from_dict({**defaults, **self.sampling})
 
 
 @dataclass(frozen=True)
@@ -269,6 +283,38 @@ def assistant_begin() -> RoleBegin:
 
 def assistant_end() -> RoleEnd:
     return RoleEnd("assistant")
+
+
+def tool(content: Any, tool_call_id: str | None = None) -> Role:
+    """A tool's result, answering the call `tool_call_id` (a call's "id")."""
+    fields = (("tool_call_id", tool_call_id),) if tool_call_id is not None else ()
+    return Role("tool", to_expr(content), fields)
+
+
+def tool_call(name: str | None = None, tools: Sequence[dict[str, Any]] = (),
+              tool_choice: Any = "auto", parallel_tool_calls: bool = True,
+              **sampling: Any) -> ToolCalls:
+    """The model's tool calls, as the content of an assistant message:
+    `s += rl.assistant(rl.tool_call("calls", tools=[...]))`. `tools` are OpenAI's function
+    tools; `tool_choice` "auto", "required", "none" or a function's name. The variable is a
+    list of calls, {"id", "name", "arguments": dict} each ([] when the model answered with
+    text, which is appended as usual). "required" and a named function are enforced by a
+    grammar of the tools' schemas on rl.Engine and rl.RuntimeEndpoint."""
+    from radixlm.runtime.server.openai_tools import parse_tools
+    from radixlm.runtime.server.protocol import ApiError, Fields
+
+    _check_name(name, "tool_call")
+    choice = tool_choice
+    if isinstance(choice, str) and choice not in ("auto", "required", "none"):
+        choice = {"type": "function", "function": {"name": choice}}
+    try:
+        request = parse_tools(Fields({"tools": list(tools), "tool_choice": choice,
+                                      "parallel_tool_calls": parallel_tool_calls}))
+    except ApiError as exc:
+        raise ValueError(f"tool_call: {exc.message}") from None
+    if not request.tools:
+        raise ValueError("tool_call: tools must be a non-empty list of function tools")
+    return ToolCalls(name, request, normalize_sampling(sampling, "tool_call"))
 
 
 def image(path: Any) -> Expr:

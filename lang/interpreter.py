@@ -11,6 +11,7 @@ waits forever.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections import deque
@@ -28,6 +29,7 @@ from radixlm.expr import (
     RoleEnd,
     Select,
     Text,
+    ToolCalls,
     VarScopeBegin,
     VarScopeEnd,
 )
@@ -71,7 +73,11 @@ class Interpreter:
             self.messages: list[dict[str, str]] = []
             self.role: str | None = None
             self.role_start = 0
-            self.role_closing = ""
+            self.role_opening = self.role_closing = ""
+            # The open role's other message fields, and its whole message once a tool call
+            # wrote it (the text then holds the template's rendering of the calls).
+            self.role_fields: dict[str, Any] = {}
+            self.role_message: dict[str, Any] | None = None
             self.scopes: dict[str, int] = {}
         else:  # a fork: a copy of the parent's (synced) state
             self.text = parent.text
@@ -79,7 +85,9 @@ class Interpreter:
             self.meta = dict(parent.meta)
             self.messages = [dict(m) for m in parent.messages]
             self.role, self.role_start = parent.role, parent.role_start
-            self.role_closing = parent.role_closing
+            self.role_opening, self.role_closing = parent.role_opening, parent.role_closing
+            self.role_fields = dict(parent.role_fields)
+            self.role_message = parent.role_message
             self.scopes = dict(parent.scopes)
         self.fork_point = len(self.text)
         self.new_vars: list[str] = []  # set since the fork, in order (join's gather)
@@ -170,8 +178,10 @@ class Interpreter:
             self._gen(expr)
         elif isinstance(expr, Select):
             self._select(expr)
+        elif isinstance(expr, ToolCalls):
+            self._tool_calls(expr)
         elif isinstance(expr, RoleBegin):
-            self._role_begin(expr.role)
+            self._role_begin(expr.role, dict(expr.fields))
         elif isinstance(expr, RoleEnd):
             self._role_end(expr.role)
         elif isinstance(expr, VarScopeBegin):
@@ -229,24 +239,51 @@ class Interpreter:
                                     "unconditional_token_logprobs": scores.unconditional}
             self.set_var(expr.name, choice)
 
-    def _role_begin(self, role: str) -> None:
+    def _tool_calls(self, expr: ToolCalls) -> None:
+        if self.role != "assistant" or self.text[self.role_start:] or self.role_message:
+            raise ValueError("tool_call must be the whole content of an assistant message: "
+                             "s += rl.assistant(rl.tool_call(...))")
+        prompt = Prompt(self.text, self._open_messages(), self.role)
+        result = self.backend.call_tools(prompt, expr.tools, expr.params(self.defaults))
+        calls = result.meta.get("tool_calls") or []
+        if not calls:  # the model answered with text
+            self._append(result.text, expr.name, result.meta)
+        else:
+            message = {"role": "assistant", "content": result.text, "tool_calls": calls}
+            body = self.renderer.body(self.messages, message, self.role_opening,
+                                      self.role_closing)
+            if body is None:  # no template (or an odd one): one JSON call per line
+                body = result.text + "".join(f"\n{json.dumps(c['function'])}" for c in calls)
+            self._append(body, expr.name, result.meta)
+            self.role_message = message
+        if expr.name is not None:
+            self.meta[expr.name] = result.meta
+            self.set_var(expr.name, [{"id": c.get("id"), "name": c["function"]["name"],
+                                      "arguments": c["function"]["arguments"]} for c in calls])
+
+    def _role_begin(self, role: str, fields: dict[str, Any] | None = None) -> None:
         if self.role is not None:
             raise ValueError(f"roles cannot nest: {role!r} opened inside {self.role!r}")
-        opening, self.role_closing = self.renderer.delimiters(self.messages, role)
-        self._append(opening)
+        self.role_fields = fields or {}
+        self.role_opening, self.role_closing = self.renderer.delimiters(
+            self.messages, role, self.role_fields)
+        self._append(self.role_opening)
         self.role, self.role_start = role, len(self.text)
+        self.role_message = None
 
     def _role_end(self, role: str) -> None:
         if self.role != role:
             raise ValueError(f"role {role!r} closed but {self.role!r} is open")
-        self.messages.append({"role": role, "content": self.text[self.role_start:]})
-        self.role = None
+        self.messages.append(self.role_message or {
+            "role": role, "content": self.text[self.role_start:], **self.role_fields})
+        self.role, self.role_message = None, None
         self._append(self.role_closing)
 
-    def _open_messages(self) -> list[dict[str, str]]:
+    def _open_messages(self) -> list[dict[str, Any]]:
         messages = [dict(m) for m in self.messages]
         if self.role is not None:
-            messages.append({"role": self.role, "content": self.text[self.role_start:]})
+            messages.append(self.role_message or {
+                "role": self.role, "content": self.text[self.role_start:], **self.role_fields})
         return messages
 
     def _render(self, messages: list[dict[str, str]]) -> str | None:
@@ -257,13 +294,13 @@ def _flatten(expr: Expr) -> list[Expr]:
     if isinstance(expr, Concat):
         return [leaf for part in expr.parts for leaf in _flatten(part)]
     if isinstance(expr, Role):
-        return [RoleBegin(expr.role), *_flatten(expr.content), RoleEnd(expr.role)]
+        return [RoleBegin(expr.role, expr.fields), *_flatten(expr.content), RoleEnd(expr.role)]
     return [expr]
 
 
 def _produces(expr: Expr) -> str | None:
     """The variable an expression sets when it runs, if any."""
-    if isinstance(expr, (Gen, Select)):
+    if isinstance(expr, (Gen, Select, ToolCalls)):
         return expr.name
     if isinstance(expr, VarScopeEnd):
         return expr.name

@@ -16,6 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import radixlm as rl
+from radixlm.runtime import Engine
 from radixlm.runtime.server import tool_parsers as tp
 from radixlm.runtime.server.process import ServerProcess
 
@@ -118,14 +120,20 @@ def test_the_format_is_picked_from_the_template(template, fmt):
 
 @pytest.fixture(scope="module", params=["hermes_tools.jinja", "llama3_tools.jinja",
                                         "mistral_tools.jinja", "smollm2"])
-def client(request, tmp_path_factory, default_model_folder):
-    """An OpenAI client on a server whose model has this chat template ("smollm2": the
-    default model's, which knows no tools)."""
+def server(request, tmp_path_factory, default_model_folder):
+    """A server whose model has this chat template ("smollm2": the default model's, which
+    knows no tools)."""
     template = None if request.param == "smollm2" else (TEMPLATES / request.param).read_text()
     folder = save_tiny_chat_model(tmp_path_factory.mktemp("tiny-tools"), default_model_folder,
                                   template, max_position_embeddings=4096)
-    with ServerProcess(["--model", str(folder), "--max-total-tokens", "16384"]) as server:
-        yield openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    with ServerProcess(["--model", str(folder), "--max-total-tokens", "16384"]) as process:
+        process.model_folder = folder
+        yield process
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
 
 
 def _chat(client, **kwargs):
@@ -222,3 +230,36 @@ def test_bad_tool_requests_are_400_naming_the_field(client):
         with pytest.raises(openai.BadRequestError) as caught:
             _chat(client, max_tokens=4, **extra)
         assert caught.value.body["param"] == param, caught.value.body
+
+
+# -- the language -----------------------------------------------------------------------------
+
+@rl.function
+def weather_agent(s, question):
+    s += rl.user(question)
+    s += rl.assistant(rl.tool_call("calls", tools=TOOLS, tool_choice="get_weather",
+                                   max_tokens=200))
+    for call in s["calls"]:
+        s += rl.tool(json.dumps({"city": call["arguments"]["city"], "temp_c": 18}),
+                     tool_call_id=call["id"])
+    s += rl.assistant(rl.gen("answer", max_tokens=8))
+
+
+@pytest.mark.parametrize("backend_kind", ["engine", "endpoint", "openai"])
+def test_tool_call_in_programs_on_every_backend(server, backend_kind):
+    if backend_kind == "engine":
+        backend = rl.Engine(engine=Engine(str(server.model_folder)))
+    elif backend_kind == "endpoint":
+        backend = rl.RuntimeEndpoint(server.url)
+    else:
+        backend = rl.OpenAI("m", base_url=server.url + "/v1", api_key="none")
+    with backend:
+        state = weather_agent.run(question="Weather in Paris?", backend=backend, temperature=0)
+        assert state.error() is None, state.error()
+        calls = state["calls"]
+        assert [c["name"] for c in calls] == ["get_weather"] and calls[0]["id"]
+        jsonschema.validate(calls[0]["arguments"], _schema("get_weather"))
+        roles = [m["role"] for m in state.messages()]
+        assert roles == ["user", "assistant", "tool", "assistant"]
+        assert state.messages()[1]["tool_calls"][0]["function"]["name"] == "get_weather"
+        assert isinstance(state["answer"], str)

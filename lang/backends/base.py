@@ -58,10 +58,16 @@ class Backend:
         `unconditional`), in as few calls as the backend allows."""
         raise NotImplementedError
 
-    def render_chat(self, messages: list[dict[str, str]],
+    def render_chat(self, messages: list[dict[str, Any]],
                     add_generation_prompt: bool = False) -> str | None:
         """The model's chat template applied to `messages`; None when there is none."""
         return None
+
+    def call_tools(self, prompt: Prompt, tools: Any, params: SamplingParams) -> Generation:
+        """The model's reply to `prompt.messages` (ending in an open, empty assistant message)
+        given `tools` (a ToolRequest): its text, and in meta["tool_calls"] the calls it made
+        in OpenAI's shape with the arguments as an object."""
+        raise BackendError("tool_call: this backend does not support tool calling")
 
     def pin_prefix(self, text: str) -> Any:
         """Keep `text`'s KV cached until `release_prefix(handle)`; None when not pinned."""

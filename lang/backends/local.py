@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any, Sequence
 
 from radixlm.backends.base import Backend, BackendError, Generation, OnDelta, Prompt, logprob_meta
@@ -11,6 +12,7 @@ from radixlm.runtime.config.sampling_params import SamplingParams
 from radixlm.runtime.engine.engine import Engine as RuntimeEngine
 from radixlm.runtime.engine.tokenization import encode_prompt
 from radixlm.runtime.scheduling.request import Output, TokenLogprob
+from radixlm.runtime.server import openai_tools, tool_parsers
 
 # A fork's prefix stays pinned at most this long if the program never joins (e.g. it hangs).
 LEASE_TTL_S = 600.0
@@ -106,11 +108,37 @@ class Engine(Backend):
                              "choices without context")
         return [start]
 
-    def render_chat(self, messages: list[dict[str, str]],
+    def render_chat(self, messages: list[dict[str, Any]],
                     add_generation_prompt: bool = False) -> str | None:
-        if not getattr(self.tokenizer, "chat_template", None):
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not template:
             return None
-        return self.engine.apply_chat_template(messages, add_generation_prompt)
+        return self.engine.apply_chat_template(openai_tools.for_template(template, messages),
+                                               add_generation_prompt)
+
+    def call_tools(self, prompt: Prompt, tools: Any, params: SamplingParams) -> Generation:
+        """As the server's chat route does it: the template's tools (or a system message
+        describing them), the call grammar for required and named choices, the reply parsed
+        in the template's format."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise BackendError("tool_call: the model has no chat template")
+        plan = openai_tools.plan(template, prompt.messages[:-1], tools)
+        text = self.engine.apply_chat_template(plan.messages, True, plan.template_tools)
+        if plan.grammar is not None:
+            params = params.replace(ebnf=plan.grammar)
+        if plan.format == "mistral":
+            params = params.replace(skip_special_tokens=False)
+        out = self.engine.generate(text, params)
+        if out.finish_reason == "abort":
+            raise BackendError(f"the engine aborted the request: {out.error or 'aborted'}")
+        content, calls = (tool_parsers.parse(plan.format, out.text,
+                                             [t["name"] for t in tools.tools])
+                          if plan.format else (out.text, []))
+        return Generation(content, {**self._meta(out), "tool_calls": [
+            {"id": c.id, "type": "function",
+             "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+            for c in calls]})
 
     def pin_prefix(self, text: str) -> Any:
         if not self.supports_cache_hints or not text:

@@ -69,6 +69,9 @@ class OpenAI(Backend):
                 meta.update(_usage(event["usage"]))
         return Generation("".join(pieces), meta)
 
+    def call_tools(self, prompt: Prompt, tools: Any, params: SamplingParams) -> Generation:
+        return chat_with_tools(self.http, "/chat/completions", self._body(params), prompt, tools)
+
     def score(self, prefix: str, choices: Sequence[str], unconditional: bool) -> ChoiceScores:
         if unconditional:
             raise BackendError("select: unconditional_likelihood_normalized needs scoring "
@@ -95,34 +98,79 @@ class OpenAI(Backend):
         return picked
 
     def _body(self, params: SamplingParams) -> dict[str, Any]:
-        if params.n != 1:
-            raise ValueError("n: a gen produces one completion; use s.fork(n) for several")
-        if params.stop_regex:
-            raise BackendError("stop_regex: OpenAI-compatible APIs have no stop_regex; use stop "
-                               "strings, or rl.Engine / rl.RuntimeEndpoint")
-        for name in ("regex", "ebnf"):
-            if getattr(params, name) is not None:
-                raise BackendError(f"{name}: OpenAI-compatible APIs have no {name} constraint; "
-                                   "use rl.Engine or rl.RuntimeEndpoint for regex, ebnf and "
-                                   "dtype=")
-        body: dict[str, Any] = {"model": self.model}
-        for name, key in OPENAI_NAMES.items():
-            value = getattr(params, name)
-            if value is not None:
-                body[key] = value
-        if params.stop:
-            body["stop"] = list(params.stop)
-        defaults = SamplingParams()
-        for name, key in EXTRA_NAMES.items():
-            value = getattr(params, name)
-            if value != getattr(defaults, name):
-                body[key] = list(value) if isinstance(value, tuple) else value
-        if params.json_schema is not None:
-            body["response_format"] = {"type": "json_schema", "json_schema": {
-                "name": "output", "schema": json.loads(params.json_schema)}}
-        elif params.json_object:
-            body["response_format"] = {"type": "json_object"}
-        return body
+        return request_body(self.model, params)
+
+
+def request_body(model: str, params: SamplingParams) -> dict[str, Any]:
+    """An OpenAI request's sampling fields for `params` (plus SGLang/vLLM's extras)."""
+    if params.n != 1:
+        raise ValueError("n: a gen produces one completion; use s.fork(n) for several")
+    if params.stop_regex:
+        raise BackendError("stop_regex: OpenAI-compatible APIs have no stop_regex; use stop "
+                           "strings, or rl.Engine / rl.RuntimeEndpoint")
+    for name in ("regex", "ebnf"):
+        if getattr(params, name) is not None:
+            raise BackendError(f"{name}: OpenAI-compatible APIs have no {name} constraint; "
+                               "use rl.Engine or rl.RuntimeEndpoint for regex, ebnf and "
+                               "dtype=")
+    body: dict[str, Any] = {"model": model}
+    for name, key in OPENAI_NAMES.items():
+        value = getattr(params, name)
+        if value is not None:
+            body[key] = value
+    if params.stop:
+        body["stop"] = list(params.stop)
+    defaults = SamplingParams()
+    for name, key in EXTRA_NAMES.items():
+        value = getattr(params, name)
+        if value != getattr(defaults, name):
+            body[key] = list(value) if isinstance(value, tuple) else value
+    if params.json_schema is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "output", "schema": json.loads(params.json_schema)}}
+    elif params.json_object:
+        body["response_format"] = {"type": "json_object"}
+    return body
+
+
+def chat_with_tools(http: HttpClient, path: str, body: dict[str, Any], prompt: Prompt,
+                    tools: Any) -> Generation:
+    """A chat completion with `tools` (a ToolRequest) at `path`: the reply's text, and its
+    calls in meta["tool_calls"] with the arguments as objects."""
+    choice: Any = tools.choice
+    if choice == "function":
+        choice = {"type": "function", "function": {"name": tools.forced}}
+    body = {**body, "messages": _wire_messages(_chat_messages(prompt)),
+            "tools": tools.template_tools(), "tool_choice": choice}
+    if choice != "none":
+        body["parallel_tool_calls"] = tools.parallel
+    result = http.post(path, body)
+    choice_out = result["choices"][0]
+    message = choice_out["message"]
+    calls = []
+    for call in message.get("tool_calls") or []:
+        fn = call["function"]
+        try:
+            arguments = json.loads(fn["arguments"]) if isinstance(fn["arguments"], str) \
+                else fn["arguments"]
+        except ValueError:
+            raise BackendError(f"the server returned a tool call with arguments that are not "
+                               f"JSON: {fn['arguments']!r}") from None
+        calls.append({"id": call.get("id"), "type": "function",
+                      "function": {"name": fn["name"], "arguments": arguments}})
+    return Generation(message.get("content") or "", {**_meta(result, choice_out),
+                                                     "tool_calls": calls})
+
+
+def _wire_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as the OpenAI API takes them: a call's arguments as JSON text."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            m = {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(
+                c["function"]["arguments"])}} for c in m["tool_calls"]]}
+        out.append(m)
+    return out
 
 
 def _chat_messages(prompt: Prompt) -> list[dict[str, str]]:

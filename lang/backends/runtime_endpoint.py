@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 from radixlm.backends.base import Backend, BackendError, Generation, OnDelta, Prompt
 from radixlm.backends.http import HttpClient
+from radixlm.backends.openai_compat import chat_with_tools, request_body
 from radixlm.choices import ChoiceScores
 from radixlm.runtime.config.sampling_params import SamplingParams
 
@@ -69,6 +70,11 @@ class RuntimeEndpoint(Backend):
             if key in last.get("meta_info", {}):
                 last["meta_info"][key] = values
         return _generation(last)
+
+    def call_tools(self, prompt: Prompt, tools: Any, params: SamplingParams) -> Generation:
+        # The server's OpenAI route does it all: the template's tools, the call grammar.
+        return chat_with_tools(self.http, "/v1/chat/completions",
+                               request_body("m", params), prompt, tools)
 
     def score(self, prefix: str, choices: Sequence[str], unconditional: bool) -> ChoiceScores:
         conditional = self._score({"prefix": prefix} if prefix else

@@ -178,12 +178,16 @@ class Engine:
                                      add_special_tokens=False)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
+                            add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The conversation as the chat template writes it (`tools` in OpenAI's shape, for
+        templates that render them)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("messages: this model has no chat template")
         if not messages:
             raise ValueError("messages must not be empty")
-        return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
+        return self.tokenizer.apply_chat_template(list(messages), tools=list(tools or []) or None,
+                                                  tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
 
     def abort(self, request_id: str) -> None:

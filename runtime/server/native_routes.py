@@ -15,6 +15,7 @@ from radixlm.runtime.server.engine_client import EngineCallError
 from radixlm.runtime.server.generation import Generation, abort_error, check_samples
 from radixlm.runtime.server.metrics import cache_hit_rate
 from radixlm.runtime.server.openai_protocol import parse_messages
+from radixlm.runtime.server.openai_tools import for_template
 from radixlm.runtime.server.protocol import ApiError, Fields, bad, check_prompt_len, fit_context
 from radixlm.runtime.server.state import ServerState
 from radixlm.runtime.server.web_util import json_response, read_json, state_of, stream_events
@@ -224,7 +225,7 @@ async def apply_chat_template(request: web.Request) -> web.Response:
     body = await read_json(request)
     f = Fields(body)
     f.only(("messages", "add_generation_prompt"))
-    messages = parse_messages(body.get("messages"))
+    messages = for_template(state.codec.chat_template, parse_messages(body.get("messages")))
     add = f.boolean("add_generation_prompt", True)
     return json_response({"text": await state.codec.render_chat(messages, add)})
 

@@ -8,11 +8,10 @@ from typing import Any, AsyncIterator
 
 from aiohttp import web
 
-from radixlm.runtime.server import tool_parsers
+from radixlm.runtime.server import openai_tools, tool_parsers
 from radixlm.runtime.server.generation import Generation, Sample, abort_error
 from radixlm.runtime.server.ipc import LogprobEntry
 from radixlm.runtime.server.openai_protocol import OpenAIRequest, parse_chat, parse_completion
-from radixlm.runtime.server.openai_tools import for_plain_template, supports_tools
 from radixlm.runtime.server.protocol import bad, fit_context
 from radixlm.runtime.server.state import ServerState
 from radixlm.runtime.server.web_util import json_response, read_json, state_of, stream_events
@@ -48,28 +47,21 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state.require_engine()
     req = parse_chat(await read_json(request))
     assert req.messages is not None
-    tools, messages = req.tools, req.messages
-    native = supports_tools(state.codec.chat_template)
-    fmt = state.config.tool_call_parser or tool_parsers.format_for_template(
-        state.codec.chat_template if native else None)
-    has_tool_turns = any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
-    if not native and (tools.active or has_tool_turns):
-        messages = for_plain_template(messages, tools.tools if tools.active else [])
-    text = await state.codec.render_chat(
-        messages, add_generation_prompt=True,
-        tools=tools.template_tools() if native and tools.active else None)
-    if tools.constrained:
+    plan = openai_tools.plan(state.codec.chat_template, req.messages, req.tools,
+                             state.config.tool_call_parser)
+    text = await state.codec.render_chat(plan.messages, add_generation_prompt=True,
+                                         tools=plan.template_tools)
+    if plan.grammar is not None:
         if req.params.constrained:
             raise bad("tool_choice 'required' or a named function constrains the reply to tool "
                       "calls; it cannot be combined with response_format, regex or ebnf",
                       "tool_choice")
-        req.params = req.params.replace(
-            ebnf=tool_parsers.call_grammar(fmt, tools.allowed(), tools.parallel))
-    if tools.active and fmt == "mistral":  # its trigger is a special token
+        req.params = req.params.replace(ebnf=plan.grammar)
+    if plan.format == "mistral":  # its trigger is a special token
         req.params = req.params.replace(skip_special_tokens=False)
     prompts = [await state.codec.encode_prompt(text, "messages")]
     return await _respond(request, state, req, prompts, "chatcmpl", "chat.completion",
-                          fmt if tools.active else None)
+                          plan.format)
 
 
 async def _respond(request: web.Request, state: ServerState, req: OpenAIRequest,

@@ -147,6 +147,40 @@ def assistant_calls(value: Any, where: str) -> list[dict[str, Any]]:
     return calls
 
 
+@dataclass
+class ToolPlan:
+    """How one chat request with tools is run: the messages and tools the template renders,
+    the format replies are parsed in, and the grammar that enforces a call (if any)."""
+
+    messages: list[dict[str, Any]]
+    template_tools: list[dict[str, Any]] | None
+    format: str | None  # None: tools are off for this request
+    grammar: str | None
+
+
+def plan(template: Any, messages: list[dict[str, Any]], tools: ToolRequest,
+         parser: str | None = None) -> ToolPlan:
+    """`parser` overrides the format the template implies."""
+    native = supports_tools(template)
+    fmt = parser or tool_parsers.format_for_template(template if native else None)
+    if not native and tools.active:
+        messages = for_plain_template(messages, tools.tools)
+    else:
+        messages = for_template(template, messages)
+    grammar = (tool_parsers.call_grammar(fmt, tools.allowed(), tools.parallel)
+               if tools.constrained else None)
+    return ToolPlan(messages, tools.template_tools() if native and tools.active else None,
+                    fmt if tools.active else None, grammar)
+
+
+def for_template(template: Any, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A conversation (tool turns included) as `template` can render it."""
+    if supports_tools(template) or not any(m["role"] == "tool" or m.get("tool_calls")
+                                           for m in messages):
+        return messages
+    return for_plain_template(messages, [])
+
+
 def supports_tools(template: Any) -> bool:
     """Does the chat template render `tools` (and tool turns) itself?"""
     texts = template.values() if isinstance(template, dict) else [template or ""]
