@@ -18,6 +18,7 @@ import few_shot_qa  # noqa: E402
 import json_extraction  # noqa: E402
 import parallel_tips  # noqa: E402
 import react_agent  # noqa: E402
+import tool_agent  # noqa: E402
 
 SHOWCASE = [
     ("Few-shot QA over a batch (run_batch)", few_shot_qa),
@@ -26,6 +27,7 @@ SHOWCASE = [
     ("Classification with select", classify),
     ("JSON extraction (regex and JSON schema)", json_extraction),
     ("A tool-using agent (ReAct)", react_agent),
+    ("An agent with OpenAI-style tool calls (tool_call)", tool_agent),
 ]
 
 

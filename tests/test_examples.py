@@ -46,6 +46,9 @@ def test_example_runs(path, backend, capsys):
         assert result == ["Positive", "Negative", "Positive", "Negative"]
     elif path.stem == "react_agent":
         assert result == ["437", "Tokyo"]
+    elif path.stem == "tool_agent":
+        assert [(c["name"], c["arguments"]) for c in result] == [
+            ("get_weather", {"city": "Tokyo"}), ("get_weather", {"city": "Oslo"})]
     elif path.stem == "json_extraction":
         assert [p["age"] for p in result] == [34, 27]
     assert backend.stats()["leases"] == 0
