@@ -42,6 +42,7 @@ from radixlm.expr import (
     gen_string,
     image,
     select,
+    separate_reasoning,
     system,
     system_begin,
     system_end,
@@ -60,9 +61,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Backend", "BackendError", "Engine", "ForkGroup", "OpenAI", "Program", "ProgramError",
-    "ProgramState", "Runtime", "RuntimeEndpoint", "assistant", "assistant_begin",
-    "assistant_end", "flush_cache", "function", "gen", "gen_int", "gen_string",
-    "get_server_info", "greedy_token_selection", "image", "select", "set_default_backend",
+    "ProgramState", "Runtime", "RuntimeEndpoint", "assistant", "assistant_begin", "assistant_end",
+    "flush_cache", "function", "gen", "gen_int", "gen_string", "get_server_info",
+    "greedy_token_selection", "image", "select", "separate_reasoning", "set_default_backend",
     "system", "system_begin", "system_end", "token_length_normalized", "tool", "tool_call",
     "unconditional_likelihood_normalized", "use_backend", "user", "user_begin", "user_end",
     "video",

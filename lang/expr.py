@@ -317,6 +317,31 @@ def tool_call(name: str | None = None, tools: Sequence[dict[str, Any]] = (),
     return ToolCalls(name, request, normalize_sampling(sampling, "tool_call"))
 
 
+@dataclass(frozen=True)
+class SeparateReasoning(Expr):
+    """After gen `name`: split its thinking out (see separate_reasoning)."""
+
+    name: str
+    parser: str
+
+
+REASONING_MODEL_TYPES = {"qwen3": "qwen3", "deepseek-r1": "deepseek_r1",
+                         "deepseek_r1": "deepseek_r1"}
+
+
+def separate_reasoning(expr: Gen, model_type: str = "qwen3") -> Expr:
+    """`rl.separate_reasoning(rl.gen("answer"), model_type="deepseek-r1")`: the gen's variable
+    and text keep only the answer; `answer_reasoning_content` holds the thinking (None when
+    the reply did not think). model_type: "qwen3" (thinking opens with <think>) or
+    "deepseek-r1" (the template opens it; the reply starts inside)."""
+    if not isinstance(expr, Gen) or expr.name is None:
+        raise TypeError("separate_reasoning: pass a named rl.gen(...)")
+    if model_type not in REASONING_MODEL_TYPES:
+        raise ValueError(f"separate_reasoning: model_type must be one of "
+                         f"{', '.join(REASONING_MODEL_TYPES)}, got {model_type!r}")
+    return Concat([expr, SeparateReasoning(expr.name, REASONING_MODEL_TYPES[model_type])])
+
+
 def image(path: Any) -> Expr:
     raise ValueError("image: radixlm runs text-only models so far; a program cannot add an "
                      "image")

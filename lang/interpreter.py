@@ -28,6 +28,7 @@ from radixlm.expr import (
     RoleBegin,
     RoleEnd,
     Select,
+    SeparateReasoning,
     Text,
     ToolCalls,
     VarScopeBegin,
@@ -180,6 +181,8 @@ class Interpreter:
             self._select(expr)
         elif isinstance(expr, ToolCalls):
             self._tool_calls(expr)
+        elif isinstance(expr, SeparateReasoning):
+            self._separate_reasoning(expr)
         elif isinstance(expr, RoleBegin):
             self._role_begin(expr.role, dict(expr.fields))
         elif isinstance(expr, RoleEnd):
@@ -261,6 +264,17 @@ class Interpreter:
             self.set_var(expr.name, [{"id": c.get("id"), "name": c["function"]["name"],
                                       "arguments": c["function"]["arguments"]} for c in calls])
 
+    def _separate_reasoning(self, expr: SeparateReasoning) -> None:
+        from radixlm.runtime.server.reasoning import split
+
+        reply = self.vars[expr.name]
+        thought, answer = split(expr.parser, reply)
+        with self._cv:
+            if self.text.endswith(reply):  # the gen's text is the last thing appended
+                self.text = self.text[:len(self.text) - len(reply)] + answer
+        self.set_var(f"{expr.name}_reasoning_content", thought)
+        self.set_var(expr.name, answer)
+
     def _role_begin(self, role: str, fields: dict[str, Any] | None = None) -> None:
         if self.role is not None:
             raise ValueError(f"roles cannot nest: {role!r} opened inside {self.role!r}")
@@ -301,6 +315,8 @@ def _flatten(expr: Expr) -> list[Expr]:
 def _produces(expr: Expr) -> str | None:
     """The variable an expression sets when it runs, if any."""
     if isinstance(expr, (Gen, Select, ToolCalls)):
+        return expr.name
+    if isinstance(expr, SeparateReasoning):
         return expr.name
     if isinstance(expr, VarScopeEnd):
         return expr.name

@@ -148,3 +148,16 @@ def test_compat_module_keeps_sglangs_meanings():
     assert state.messages() == [{"role": "user", "content": ""}]  # an empty message
     with pytest.raises(AttributeError, match="offline engine"):
         sgl.Engine
+
+
+def test_separate_reasoning_keeps_the_answer_in_the_text_and_variable():
+    @sgl.function
+    def think(s):
+        s += "Q: 2+2?\nA:" + sgl.separate_reasoning(sgl.gen("a"), model_type="deepseek-r1")
+        s += "\nDone."
+
+    state = think.run(backend=FakeBackend(answers={"A:": "add them</think>\n\n4"}))
+    assert state["a"] == "4" and state["a_reasoning_content"] == "add them"
+    assert state.text() == "Q: 2+2?\nA:4\nDone."
+    with pytest.raises(ValueError, match="model_type"):
+        rl.separate_reasoning(rl.gen("a"), model_type="gpt")

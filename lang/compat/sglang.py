@@ -36,6 +36,7 @@ from radixlm import (
     greedy_token_selection,
     image,
     select,
+    separate_reasoning,
     set_default_backend,
     system_begin,
     system_end,
@@ -51,9 +52,9 @@ from radixlm.program import sglang_function as function
 
 __all__ = [
     "ForkGroup", "OpenAI", "ProgramState", "Runtime", "RuntimeEndpoint", "assistant",
-    "assistant_begin", "assistant_end", "flush_cache", "function", "gen", "gen_int",
-    "gen_string", "get_server_info", "global_config", "greedy_token_selection", "image",
-    "select", "set_default_backend", "system", "system_begin", "system_end",
+    "assistant_begin", "assistant_end", "flush_cache", "function", "gen", "gen_int", "gen_string",
+    "get_server_info", "global_config", "greedy_token_selection", "image", "select",
+    "separate_reasoning", "set_default_backend", "system", "system_begin", "system_end",
     "token_length_normalized", "unconditional_likelihood_normalized", "user", "user_begin",
     "user_end", "video",
 ]
@@ -126,7 +127,6 @@ def OpenAI(model_name: str, is_chat_model: bool | None = None,  # noqa: N802
 
 _NOT_OFFERED = {
     "Engine": "SGLang's offline engine; use radixlm.runtime.Engine (its own API) or rl.Engine",
-    "separate_reasoning": "reasoning separation in programs is not supported yet",
     "Anthropic": "only OpenAI-compatible servers are supported as remote backends",
     "LiteLLM": "only OpenAI-compatible servers are supported as remote backends",
     "VertexAI": "only OpenAI-compatible servers are supported as remote backends",

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from radixlm.runtime.config.engine_config import EngineConfig
+from radixlm.runtime.server.reasoning import PARSERS as REASONING_PARSERS
 from radixlm.runtime.server.tool_parsers import FORMATS as TOOL_CALL_FORMATS
 
 
@@ -49,6 +50,9 @@ class ServerConfig:
     # How the model writes tool calls (hermes, llama3_json, mistral); None: from its chat
     # template (see docs/server.md#tool-calling).
     tool_call_parser: str | None = None
+    # Split the thinking of reasoning models from their answer (qwen3, deepseek_r1); None:
+    # replies are returned whole.
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -62,6 +66,9 @@ class ServerConfig:
                              f"{self.max_samples_per_request}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
         if self.tool_call_parser not in (None, *TOOL_CALL_FORMATS):
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_FORMATS)}, "
                              f"got {self.tool_call_parser!r}")
@@ -107,6 +114,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_FORMATS,
                         help="how the model writes tool calls (default: picked from its chat "
                              "template; hermes for templates without tools)")
+    server.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                        help="return the thinking of reasoning models as reasoning_content, "
+                             "apart from the answer (default: replies whole)")
     add_engine_args(parser.add_argument_group("engine (see docs/engine.md)"))
 
 

@@ -35,7 +35,11 @@ _COMMON = (*_DIRECT, "model", "stream", "stream_options", "max_tokens", "user",
            "response_format", "cache_salt")
 COMPLETION_FIELDS = (*_COMMON, "prompt", "logprobs", "echo", "best_of", "suffix")
 CHAT_FIELDS = (*_COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs",
-               "tools", "tool_choice", "parallel_tool_calls")
+               "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
+               "separate_reasoning")
+# chat_template_kwargs may not replace what the server passes the template itself.
+_RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt", "tokenize",
+                             "conversation", "documents"}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
          "tool": "tool"}
 # Message fields besides role and content, per role.
@@ -55,6 +59,8 @@ class OpenAIRequest:
     prompts: list[str] | list[list[int]] | None = None  # completions
     messages: list[dict[str, Any]] | None = None  # chat
     tools: ToolRequest = dataclasses.field(default_factory=ToolRequest)  # chat
+    template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # chat
+    separate_reasoning: bool = True  # chat: with a reasoning parser, split the thinking out
 
 
 def parse_completion(body: dict[str, Any], vocab_size: int) -> OpenAIRequest:
@@ -96,7 +102,20 @@ def parse_chat(body: dict[str, Any]) -> OpenAIRequest:
     req = _request(f, values, names, max_param, explicit)
     req.messages = parse_messages(body.get("messages"))
     req.tools = tools
+    req.template_kwargs = _template_kwargs(f)
+    req.separate_reasoning = f.boolean("separate_reasoning", True)
     return req
+
+
+def _template_kwargs(f: Fields) -> dict[str, Any]:
+    """`chat_template_kwargs` (e.g. {"enable_thinking": false} for Qwen3): extra variables for
+    the chat template."""
+    kwargs = f.object("chat_template_kwargs") or {}
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs))
+    if reserved:
+        raise bad(f"chat_template_kwargs may not set {', '.join(reserved)}",
+                  "chat_template_kwargs")
+    return dict(kwargs)
 
 
 def _common(f: Fields) -> tuple[dict[str, Any], dict[str, str]]:

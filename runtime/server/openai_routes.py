@@ -8,7 +8,7 @@ from typing import Any, AsyncIterator
 
 from aiohttp import web
 
-from radixlm.runtime.server import openai_tools, tool_parsers
+from radixlm.runtime.server import openai_tools, reasoning, tool_parsers
 from radixlm.runtime.server.generation import Generation, Sample, abort_error
 from radixlm.runtime.server.ipc import LogprobEntry
 from radixlm.runtime.server.openai_protocol import OpenAIRequest, parse_chat, parse_completion
@@ -50,7 +50,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     plan = openai_tools.plan(state.codec.chat_template, req.messages, req.tools,
                              state.config.tool_call_parser)
     text = await state.codec.render_chat(plan.messages, add_generation_prompt=True,
-                                         tools=plan.template_tools)
+                                         tools=plan.template_tools,
+                                         template_kwargs=req.template_kwargs)
     if plan.grammar is not None:
         if req.params.constrained:
             raise bad("tool_choice 'required' or a named function constrains the reply to tool "
@@ -128,6 +129,9 @@ class _Renderer:
         self.tool_format = tool_format
         self.tool_names = [t["name"] for t in req.tools.tools]
         self.parsers: dict[int, tool_parsers.StreamingToolParser] = {}  # per streamed choice
+        self.reasoning = (state.config.reasoning_parser
+                          if chat and req.separate_reasoning else None)
+        self.thinking: dict[int, reasoning.ReasoningStream] = {}  # per streamed choice
 
     async def choice(self, index: int, sample: Sample) -> dict[str, Any]:
         logprobs = await self._logprobs(index, sample.logprobs) if self.wants_logprobs else None
@@ -135,10 +139,14 @@ class _Renderer:
             out = {"index": index, "text": sample.text, "logprobs": logprobs,
                    "finish_reason": sample.finish_reason}
             return _with_warnings(out, sample)
-        content, calls = sample.text, []
+        thought, content, calls = None, sample.text, []
+        if self.reasoning is not None:
+            thought, content = reasoning.split(self.reasoning, content)
         if self.tool_format is not None:
-            content, calls = tool_parsers.parse(self.tool_format, sample.text, self.tool_names)
+            content, calls = tool_parsers.parse(self.tool_format, content, self.tool_names)
         message: dict[str, Any] = {"role": "assistant", "content": content}
+        if thought is not None:
+            message["reasoning_content"] = thought
         if calls:
             message["content"] = content or None
             message["tool_calls"] = [c.openai() for c in calls]
@@ -154,6 +162,14 @@ class _Renderer:
             return _with_warnings(out, sample) if finish is not None else out
         delta: dict[str, Any] = {}
         calls: list[tool_parsers.ToolCall] = []
+        if self.reasoning is not None:
+            stream = self.thinking.setdefault(index, reasoning.ReasoningStream(self.reasoning))
+            thought, text = stream.feed(text)
+            if finish is not None:
+                more_thought, more_text = stream.finish()
+                thought, text = thought + more_thought, text + more_text
+            if thought:
+                delta["reasoning_content"] = thought
         if self.tool_format is not None:
             parser = self.parsers.setdefault(index, tool_parsers.StreamingToolParser(
                 self.tool_format, self.tool_names))

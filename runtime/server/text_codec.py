@@ -98,9 +98,10 @@ class TextCodec:
 
     async def render_chat(self, messages: list[dict[str, Any]],
                           add_generation_prompt: bool = True,
-                          tools: list[dict[str, Any]] | None = None) -> str:
+                          tools: list[dict[str, Any]] | None = None,
+                          template_kwargs: dict[str, Any] | None = None) -> str:
         """The conversation rendered by the model's chat template (with `tools` in OpenAI's
-        shape, for templates that take them)."""
+        shape, for templates that take them, and extra template variables)."""
         self._need_tokenizer("messages")
         if not self.has_chat_template:
             raise bad("messages: this model has no chat template; use /v1/completions",
@@ -110,7 +111,8 @@ class TextCodec:
 
         def render(tokenizer: Any) -> str:
             return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt)
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 **(template_kwargs or {}))
         try:
             return await self._run(render, chars)
         except Exception as exc:  # templates raise on e.g. roles that do not alternate
