@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import statistics
 import time
@@ -127,6 +128,10 @@ def test_health_info_and_models(server, http, offline):
     assert info["bos_token"] == offline.tokenizer.bos_token and 2 in info["eos_token_ids"]
     models = http.get("/v1/models").json()
     assert models["data"][0]["id"] == info["served_model_name"]
+    name = info["served_model_name"]
+    assert http.get(f"/v1/models/{name}").json() == models["data"][0]
+    missing = error_of(http.get("/v1/models/no-such-model"), 404)
+    assert missing["code"] == "model_not_found"
     server_info = http.get("/get_server_info").json()
     assert server_info["engine_config"]["max_total_tokens"] == 16384
     assert "api_key" not in server_info["server_config"]
@@ -432,6 +437,27 @@ def error_of(response: Reply, status: int) -> dict:
 ])
 def test_bad_fields_are_400_naming_the_field(http, path, body, param):
     assert error_of(http.post(path, json=body), 400)["param"] == param
+
+
+def test_vllm_and_sglang_structured_output_fields(http):
+    chat = {"messages": [{"role": "user", "content": "Pick."}], "max_tokens": 40,
+            "temperature": 1.0, "seed": 5}
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+
+    def text(extra):
+        reply = http.post("/v1/chat/completions", json={**chat, **extra})
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["message"]["content"]
+
+    assert text({"guided_choice": ["red", "green"]}) in ("red", "green")
+    assert re.fullmatch("[ab]{3}", text({"guided_regex": "[ab]{3}"}))
+    assert text({"guided_grammar": 'start: "yes" | "no"'}) in ("yes", "no")
+    for field in ("guided_json", "json_schema"):
+        assert set(json.loads(text({field: schema}))) == {"n"}
+    both = error_of(http.post("/v1/chat/completions", json={
+        **chat, "guided_regex": "a", "guided_choice": ["b"]}), 400)
+    assert "at most one" in both["message"]
 
 
 def test_response_format_is_passed_on_or_refused_never_ignored(http):

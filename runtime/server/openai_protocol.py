@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixlm.runtime.config.sampling_params import SamplingParams
+from radixlm.runtime.grammar.spec import choices_regex
 from radixlm.runtime.server.openai_tools import ToolRequest, assistant_calls, parse_tools
 from radixlm.runtime.server.protocol import (
     MAX_TOP_LOGPROBS,
@@ -31,8 +32,10 @@ _DIRECT = {"n": "n", "stop": "stop", "temperature": "temperature", "top_p": "top
            "stop_token_ids": "stop_token_ids", "logit_bias": "logit_bias",
            # Grammars OpenAI has no field for, as SGLang names them (the SDK's extra_body).
            "regex": "regex", "ebnf": "ebnf"}
-_COMMON = (*_DIRECT, "model", "stream", "stream_options", "max_tokens", "user",
-           "response_format", "cache_salt")
+# vLLM's names for structured output (the SDK's extra_body), and SGLang's json_schema.
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "json_schema")
+_COMMON = (*_DIRECT, *GUIDED, "model", "stream", "stream_options", "max_tokens", "user",
+           "response_format", "cache_salt", "spaces_between_special_tokens", "no_stop_trim")
 COMPLETION_FIELDS = (*_COMMON, "prompt", "logprobs", "echo", "best_of", "suffix")
 CHAT_FIELDS = (*_COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs",
                "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
@@ -128,8 +131,45 @@ def _common(f: Fields) -> tuple[dict[str, Any], dict[str, str]]:
     if f.has("max_tokens"):
         values["max_new_tokens"] = f.integer("max_tokens", lo=1)
     names["max_new_tokens"] = "max_tokens"
-    values.update(_response_format(f))
+    for name in ("spaces_between_special_tokens", "no_stop_trim"):
+        if f.has(name):
+            values[name] = f.boolean(name)
+    given = [n for n in (*GUIDED, "regex", "ebnf") if f.has(n)]
+    response_format = _response_format(f)
+    if response_format:
+        given.insert(0, "response_format")
+    if len(given) > 1:
+        raise bad(f"at most one of response_format, regex, ebnf, json_schema and the guided_* "
+                  f"fields, got {', '.join(given)}", given[-1])
+    values.update(response_format)
+    values.update(_guided(f, names))
     return values, names
+
+
+def _guided(f: Fields, names: dict[str, str]) -> dict[str, Any]:
+    """vLLM's guided_* fields and SGLang's json_schema -> the engine's grammar fields."""
+    out: dict[str, Any] = {}
+    for name in ("guided_json", "json_schema"):
+        if f.has(name):
+            schema = f.body[name]
+            if not isinstance(schema, (dict, str)):
+                raise bad(f"{name} must be a JSON Schema (an object or its JSON text)", name,
+                          "invalid_type")
+            out["json_schema"] = schema if isinstance(schema, str) else json.dumps(schema)
+            names["json_schema"] = name
+    if f.has("guided_regex"):
+        out["regex"] = f.string("guided_regex")
+        names["regex"] = "guided_regex"
+    if f.has("guided_grammar"):
+        out["ebnf"] = f.string("guided_grammar")
+        names["ebnf"] = "guided_grammar"
+    if f.has("guided_choice"):
+        try:
+            out["regex"] = choices_regex(f.body["guided_choice"])
+        except ValueError as exc:
+            raise bad(f"guided_choice: {exc}", "guided_choice") from None
+        names["regex"] = "guided_choice"
+    return out
 
 
 def _request(f: Fields, values: dict[str, Any], names: dict[str, str], max_param: str,

@@ -12,7 +12,7 @@ from radixlm.runtime.server import openai_tools, reasoning, tool_parsers
 from radixlm.runtime.server.generation import Generation, Sample, abort_error
 from radixlm.runtime.server.ipc import LogprobEntry
 from radixlm.runtime.server.openai_protocol import OpenAIRequest, parse_chat, parse_completion
-from radixlm.runtime.server.protocol import bad, fit_context
+from radixlm.runtime.server.protocol import ApiError, bad, fit_context
 from radixlm.runtime.server.state import ServerState
 from radixlm.runtime.server.web_util import json_response, read_json, state_of, stream_events
 
@@ -21,15 +21,28 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model_id:.+}", model)
+
+
+def _card(state: ServerState) -> dict[str, Any]:
+    info = state.require_engine()  # 503 while the model loads: it cannot be used yet
+    return {"id": state.model_name, "object": "model", "created": int(state.started_at),
+            "owned_by": "radixlm", "root": state.model_path or state.model_name,
+            "max_model_len": info.max_model_len}
 
 
 async def models(request: web.Request) -> web.Response:
+    return json_response({"object": "list", "data": [_card(state_of(request))]})
+
+
+async def model(request: web.Request) -> web.Response:
     state = state_of(request)
-    card = {"id": state.model_name, "object": "model", "created": int(state.started_at),
-            "owned_by": "radixlm", "root": state.model_path or state.model_name}
-    if state.info is not None:
-        card["max_model_len"] = state.info.max_model_len
-    return json_response({"object": "list", "data": [card]})
+    card = _card(state)
+    wanted = request.match_info["model_id"]
+    if wanted != state.model_name:
+        raise ApiError(404, f"the model {wanted!r} does not exist; this server serves "
+                            f"{state.model_name!r}", "model", "model_not_found")
+    return json_response(card)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
