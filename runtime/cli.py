@@ -16,18 +16,37 @@ from typing import Sequence
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None,
+    from radixlm.runtime.config.engine_config import (
+        DTYPE_ALIASES,
+        DTYPES,
+        LOAD_FORMATS,
+        SPECULATIVE_METHODS,
+    )
+
+    parser.add_argument("--model", "--model-path", default=None,
                         help="model folder, .gguf file, short name or Hub id "
                              "(default: the embedded smollm2-135m-instruct)")
-    parser.add_argument("--dtype", default="auto",
-                        choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--revision", default=None, help="Hub revision of the model")
+    parser.add_argument("--tokenizer", default=None,
+                        help="another tokenizer than the model's (a folder or Hub id)")
+    parser.add_argument("--chat-template", default=None,
+                        help="a chat template (a file, or Jinja text) for --chat")
+    parser.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
+                        help="dummy: random weights (with a model folder or a preset shape)")
+    parser.add_argument("--dtype", default="auto", type=str.lower,
+                        choices=["auto", *DTYPES, *DTYPE_ALIASES])
     parser.add_argument("--device", default="auto")
     parser.add_argument("--max-total-tokens", type=int, default=None,
                         help="KV pool size in tokens (default: sized from free memory)")
     parser.add_argument("--quantization", default=None,
                         choices=["fp8", "int8", "awq", "gptq"],
                         help="quantized linears (default: what the checkpoint declares)")
-    parser.add_argument("--tp", type=int, default=1, dest="tp_size",
+    parser.add_argument("--speculative", default=None, choices=SPECULATIVE_METHODS,
+                        help="speculative decoding (see docs/speculative.md)")
+    parser.add_argument("--draft-model", default=None, help="the draft model of --speculative "
+                                                            "draft")
+    parser.add_argument("--tp", "--tensor-parallel-size", "-tp", type=int, default=1,
+                        dest="tp_size",
                         help="tensor-parallel ranks (processes); see docs/distributed.md")
 
 
@@ -37,9 +56,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             stop=tuple(args.stop or ()))
-    with Engine(args.model, dtype=args.dtype, device=args.device,
-                max_total_tokens=args.max_total_tokens,
-                quantization=args.quantization, tp_size=args.tp_size) as engine:
+    options = {name: getattr(args, name) for name in (
+        "revision", "tokenizer", "chat_template", "load_format", "dtype", "device",
+        "max_total_tokens", "quantization", "speculative", "draft_model", "tp_size")}
+    with Engine(args.model, **options) as engine:
         texts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
         # Chat prompts are token ids: the template already holds the special tokens.
         prompts = ([{"input_ids": engine.encode_chat([{"role": "user", "content": t}])}
@@ -85,10 +105,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from importlib.metadata import version
+
     from radixlm.runtime.models.quantization.command import add_quantize_args
     from radixlm.runtime.server.args import add_serve_args
 
     parser = argparse.ArgumentParser(prog="radixlm", description="radixlm LLM runtime")
+    parser.add_argument("--version", action="version", version=f"radixlm {version('radixlm')}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text offline with the local engine")
     gen.add_argument("prompt", nargs="*", help="prompts (default: one per line of stdin)")

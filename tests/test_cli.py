@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
+
+import pytest
 
 from radixlm.runtime.cli import main
 
@@ -39,3 +42,41 @@ def test_chat_stream_prints_what_generate_prints(tiny_chat_model, capsys):
     whole = capsys.readouterr().out
     assert main(args + ["--stream"]) == 0
     assert capsys.readouterr().out == whole
+
+
+def test_version_and_the_spellings_vllm_and_sglang_users_type(tiny_chat_model, tmp_path,
+                                                              capsys):
+    from radixlm.runtime.config.engine_config import EngineConfig
+    from radixlm.runtime.server.args import add_serve_args, engine_options
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith("radixlm ")
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    args = parser.parse_args([str(tiny_chat_model), "-tp", "1", "--context-length", "512",
+                              "--mem-fraction-static", "0.3", "--dtype", "fp32",
+                              "--log-level", "WARNING"])
+    options = engine_options(args)
+    assert options["model"] == str(tiny_chat_model) and options["max_model_len"] == 512
+    assert options["kv_cache_memory_fraction"] == 0.3 and args.log_level == "warning"
+    assert EngineConfig.from_kwargs(**options).dtype == "float32"
+    both = parser.parse_args([str(tiny_chat_model), "--model-path", "other"])
+    with pytest.raises(ValueError, match="given twice"):
+        engine_options(both)
+    with pytest.raises(SystemExit):  # argparse lists the valid backends
+        parser.parse_args(["--attention-backend", "magic"])
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<<{{ m.content }}>>{% endfor %}")
+    code = main(["generate", "Hi", "--chat", "--chat-template", str(template),
+                 "--model-path", str(tiny_chat_model), "--max-new-tokens", "2",
+                 "--max-total-tokens", "1024", "--dtype", "bf16", "--speculative", "ngram"])
+    assert code == 0
+    from radixlm.runtime import Engine
+
+    with Engine(str(tiny_chat_model), chat_template=str(template), max_total_tokens=1024) as eng:
+        assert eng.apply_chat_template([{"role": "user", "content": "Hi"}]) == "<<Hi>>"
+    with pytest.raises(FileNotFoundError, match="chat_template"):
+        Engine(str(tiny_chat_model), chat_template="no/such/file.jinja")

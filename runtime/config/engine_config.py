@@ -13,6 +13,9 @@ from typing import Any
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The spellings vLLM, SGLang and transformers users type.
+DTYPE_ALIASES = {"bf16": "bfloat16", "half": "float16", "fp16": "float16", "float": "float32",
+                 "fp32": "float32"}
 LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
@@ -26,8 +29,16 @@ class EngineConfig:
     # A model folder, a .gguf file, a short name (e.g. "smollm2-135m-instruct") or a Hub id.
     # None means the embedded default model.
     model: str | None = None
+    # A Hub revision (branch, tag or commit) for a model fetched from the Hub.
+    revision: str | None = None
+    # Another tokenizer (a folder or Hub id) than the model's own.
+    tokenizer: str | None = None
+    # A chat template (Jinja text, or a file holding it) instead of the tokenizer's own.
+    chat_template: str | None = None
     load_format: str = "auto"
-    dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
+    # float32, bfloat16 or float16 (or bf16, half, fp16, fp32); "auto": float32 on CPU,
+    # bfloat16 on CUDA.
+    dtype: str = "auto"
     device: str = "auto"  # cuda when available, else cpu
     seed: int = 0  # seeds requests that have no seed of their own, and dummy weights
     # Quantized decoder linears: fp8 (W8A8) or int8 (weight-only) quantize any checkpoint on
@@ -44,8 +55,8 @@ class EngineConfig:
     max_running_requests: int = 256
     max_num_batched_tokens: int = 2048
     chunked_prefill_size: int = 512
-    # "auto": torch on CPU; on CUDA flashinfer when it imports (and fits the dtype and
-    # head_dim), else triton.
+    # torch, triton or flashinfer; "auto": torch on CPU, our Triton kernels on CUDA (faster
+    # than FlashInfer's decode on the shapes we measured; docs/performance.md).
     attention_backend: str = "auto"
     # Decode-only steps replay CUDA graphs captured per padded batch size (CUDA, triton or
     # flashinfer attention); this turns that off and runs every step eagerly.
@@ -73,9 +84,10 @@ class EngineConfig:
     # tensors, used up to the decode graphs' largest batch), "nccl", or "auto" (symmetric
     # where the GPUs support it, else NCCL). Larger tensors (prefill) always use NCCL.
     tp_all_reduce: str = "auto"
-    # Prefix cache (RadixAttention) and the waiting-queue order: "lpm" serves the longest
-    # cached prefix first and lets requests that share an uncached prefix wait for it.
+    # Turn the prefix cache (RadixAttention) off: every prompt is computed in full.
     disable_radix_cache: bool = False
+    # The waiting-queue order: "lpm" serves the longest cached prefix first and lets requests
+    # that share an uncached prefix wait for it; "fcfs" serves in arrival order.
     schedule_policy: str = "lpm"
     # Prefixes pinned by leases (a program's fork, a server client's pin) may hold at most
     # this fraction of the KV pool; further pins are refused and the program runs unpinned.
@@ -107,6 +119,8 @@ class EngineConfig:
         _one_of(self.load_format, LOAD_FORMATS, "load_format")
         if self.quantization is not None:
             _one_of(self.quantization, ("fp8", "int8", "awq", "gptq"), "quantization")
+        if isinstance(self.dtype, str) and self.dtype.lower() in DTYPE_ALIASES:
+            object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype.lower()])
         _one_of(self.dtype, ("auto", *DTYPES), "dtype")
         _one_of(self.attention_backend, ATTENTION_BACKENDS, "attention_backend")
         _one_of(self.schedule_policy, SCHEDULE_POLICIES, "schedule_policy")

@@ -227,7 +227,9 @@ class Engine:
         loaded = load_model(self.config.model, self.config.load_format, self.dtype,
                             self.device, max_positions=self.config.max_model_len,
                             seed=self.config.seed, quantization=self.config.quantization,
-                            tp=None if tp is None else tp.info)
+                            tp=None if tp is None else tp.info, revision=self.config.revision,
+                            tokenizer=self.config.tokenizer,
+                            chat_template=self.config.chat_template)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         # A draft model is not sharded: it runs on rank 0 only, on the host's side of the

@@ -72,8 +72,9 @@ class LoadedModel:
     tokenizer: Any | None  # a transformers tokenizer; None for weight-less presets
 
 
-def resolve_model(model: str | None) -> Path:
-    """Return the Hugging Face-format folder for a name, path, GGUF file or Hub id."""
+def resolve_model(model: str | None, revision: str | None = None) -> Path:
+    """Return the Hugging Face-format folder for a name, path, GGUF file or Hub id (at
+    `revision`, for a Hub id)."""
     name = model or DEFAULT_MODEL
     if name.lower() in EMBEDDED_MODELS:
         return _embedded_folder(name.lower())
@@ -89,7 +90,7 @@ def resolve_model(model: str | None) -> Path:
         raise FileNotFoundError(f"model folder {path} has no config.json"
                                 + (f" and {len(ggufs)} .gguf files" if ggufs else ""))
     if re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not path.exists():
-        return _download(name)
+        return _download(name, revision)
     raise FileNotFoundError(
         f"model {name!r} not found: looked for a folder with config.json, a .gguf file, an "
         f"embedded model ({', '.join(EMBEDDED_MODELS)}) and a Hub id (org/name). Supported "
@@ -118,12 +119,12 @@ def _convert(path: Path) -> Path:
     return convert_gguf(path)
 
 
-def _download(repo_id: str) -> Path:
+def _download(repo_id: str, revision: str | None = None) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
-        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+        patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
     except Exception as exc:  # offline, unknown repo, gated model...
         raise FileNotFoundError(f"could not fetch {repo_id!r} from the Hugging Face Hub: "
                                 f"{exc}") from exc
@@ -132,16 +133,18 @@ def _download(repo_id: str) -> Path:
 def load_model(model: str | None, load_format: str, dtype: torch.dtype,
                device: torch.device, max_positions: int | None = None,
                seed: int = 0, quantization: str | None = None,
-               tp: TPInfo | None = None) -> LoadedModel:
+               tp: TPInfo | None = None, revision: str | None = None,
+               tokenizer: str | None = None, chat_template: str | None = None) -> LoadedModel:
     """Build the model and fill its weights. `quantization` forces a method (fp8, int8, awq,
     gptq); None takes whatever the checkpoint's config.json declares, if anything. With a
-    TPInfo of size > 1, build and load only this rank's shard."""
+    TPInfo of size > 1, build and load only this rank's shard. `tokenizer` and
+    `chat_template` replace the model's own (see load_tokenizer)."""
     if load_format == "dummy" and model in ARCHITECTURE_PRESETS:
-        config, folder, tokenizer = ModelConfig.from_dict(ARCHITECTURE_PRESETS[model]), None, None
+        config, folder = ModelConfig.from_dict(ARCHITECTURE_PRESETS[model]), None
     else:
-        folder = resolve_model(model)
+        folder = resolve_model(model, revision)
         config = ModelConfig.from_folder(folder)
-        tokenizer = _load_tokenizer(folder)
+    tok = load_tokenizer(folder, tokenizer, chat_template)
     quant = resolve_quant_config(quantization, config.raw, dummy=load_format == "dummy")
     positions = max_positions or config.max_position_embeddings
     with torch.device(device):
@@ -154,15 +157,34 @@ def load_model(model: str | None, load_format: str, dtype: torch.dtype,
     net.eval()
     # Fused Triton norms, activation and rotary on CUDA; CPU keeps the plain torch ops.
     net.use_fused_kernels(device.type == "cuda" and importlib.util.find_spec("triton") is not None)
-    return LoadedModel(net, config, tokenizer)
+    return LoadedModel(net, config, tok)
 
 
-def _load_tokenizer(folder: Path) -> Any | None:
+def load_tokenizer(folder: Path | None, tokenizer: str | None = None,
+                   chat_template: str | None = None) -> Any | None:
+    """The model's tokenizer (None when its folder has none), or `tokenizer`'s (a folder or
+    Hub id), with `chat_template` (Jinja text, or a file holding it) as its chat template."""
     from transformers import AutoTokenizer
 
-    has_tokenizer = any((folder / f).exists() for f in
-                        ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-    return AutoTokenizer.from_pretrained(str(folder)) if has_tokenizer else None
+    if tokenizer is not None:
+        try:
+            tok = AutoTokenizer.from_pretrained(tokenizer)
+        except Exception as exc:  # a missing folder, an unknown Hub id, offline
+            raise FileNotFoundError(f"tokenizer {tokenizer!r} could not be loaded: {exc}") \
+                from None
+    elif folder is not None and any((folder / f).exists() for f in (
+            "tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        tok = AutoTokenizer.from_pretrained(str(folder))
+    else:
+        return None
+    if chat_template is not None:
+        path = Path(chat_template).expanduser()
+        looks_like_file = "\n" not in chat_template and "{" not in chat_template
+        if looks_like_file and not path.is_file():
+            raise FileNotFoundError(f"chat_template: no file {chat_template!r} (pass a file "
+                                    f"or the template's Jinja text)")
+        tok.chat_template = path.read_text() if looks_like_file else chat_template
+    return tok
 
 
 def _checkpoint_tensors(folder: Path, lazy: bool = False) -> Iterator[tuple[str, Any]]:

@@ -274,7 +274,7 @@ def _resolved(config: EngineConfig) -> EngineConfig:
     the same model."""
     if config.load_format == "dummy" and config.model in ARCHITECTURE_PRESETS:
         return config
-    return dataclasses.replace(config, model=str(resolve_model(config.model)))
+    return dataclasses.replace(config, model=str(resolve_model(config.model, config.revision)))
 
 
 def _launch_worker(rank: int, env: dict[str, str]) -> subprocess.Popen:

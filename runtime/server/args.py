@@ -15,7 +15,15 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Union
 
-from radixlm.runtime.config.engine_config import EngineConfig
+from radixlm.runtime.config.engine_config import (
+    ATTENTION_BACKENDS,
+    GRAMMAR_BACKENDS,
+    LOAD_FORMATS,
+    OVERLAP_MODES,
+    SCHEDULE_POLICIES,
+    SPECULATIVE_METHODS,
+    EngineConfig,
+)
 from radixlm.runtime.server.reasoning import PARSERS as REASONING_PARSERS
 from radixlm.runtime.server.tool_parsers import FORMATS as TOOL_CALL_FORMATS
 
@@ -76,7 +84,9 @@ class ServerConfig:
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """Add every `radixlm serve` flag to `parser`."""
-    parser.add_argument("--model", default=None,
+    parser.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                        help="the model, as --model")
+    parser.add_argument("--model", "--model-path", default=None,
                         help="model folder, .gguf file, short name or Hub id "
                              "(default: the embedded smollm2-135m-instruct)")
     server = parser.add_argument_group("server")
@@ -109,7 +119,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--served-model-name", default=None,
                         help="model id on the OpenAI routes (default: --model or the default "
                              "model's name)")
-    server.add_argument("--log-level", default=ServerConfig.log_level,
+    server.add_argument("--log-level", default=ServerConfig.log_level, type=str.lower,
                         choices=["debug", "info", "warning", "error"])
     server.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_FORMATS,
                         help="how the model writes tool calls (default: picked from its chat "
@@ -120,7 +130,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser.add_argument_group("engine (see docs/engine.md)"))
 
 
-_ALIASES = {"tp_size": ["--tp"]}  # short spellings of some engine flags
+# Other spellings of some engine flags, as vLLM and SGLang users type them. Their memory
+# fractions are of the whole GPU; ours is of the memory left free after the weights.
+_ALIASES = {"tp_size": ["--tp", "--tensor-parallel-size", "-tp"],
+            "max_model_len": ["--context-length"],
+            "kv_cache_memory_fraction": ["--mem-fraction-static", "--gpu-memory-utilization"]}
+# Engine flags with a fixed set of values (listed in --help, checked by argparse).
+_CHOICES = {"attention_backend": ATTENTION_BACKENDS, "schedule_policy": SCHEDULE_POLICIES,
+            "grammar_backend": GRAMMAR_BACKENDS, "overlap_schedule": OVERLAP_MODES,
+            "speculative": SPECULATIVE_METHODS, "load_format": LOAD_FORMATS,
+            "tp_all_reduce": ("auto", "symmetric", "nccl"),
+            "quantization": ("fp8", "int8", "awq", "gptq")}
 
 
 def add_engine_args(group: Any) -> None:
@@ -137,12 +157,19 @@ def add_engine_args(group: Any) -> None:
             group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default,
                                help=help_)
         else:
-            group.add_argument(*flags, type=kind, default=f.default, help=help_)
+            group.add_argument(*flags, type=kind, default=f.default, help=help_,
+                               choices=_CHOICES.get(f.name))
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The EngineConfig keyword arguments the parsed flags ask for (model included)."""
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    positional = getattr(args, "model_arg", None)
+    if positional is not None:
+        if options["model"] not in (None, positional):
+            raise ValueError(f"the model is given twice: {positional!r} and --model "
+                             f"{options['model']!r}")
+        options["model"] = positional
     return options
 
 

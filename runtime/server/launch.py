@@ -123,7 +123,7 @@ async def _start_engine(state: ServerState, options: dict[str, Any]) -> None:
     if folder is not None:
         options = {**options, "model": str(folder)}
     state.engine.options = options
-    tokenizer = loop.run_in_executor(None, _load_tokenizer, folder)
+    tokenizer = loop.run_in_executor(None, _load_tokenizer, folder, options)
     info = await state.engine.start()
     await loop.run_in_executor(None, state.codec.configure, await tokenizer, info.max_model_len)
     state.info = info  # from here on the routes serve
@@ -134,16 +134,13 @@ def _resolve(options: dict[str, Any]) -> Path | None:
 
     if options.get("load_format") == "dummy" and options.get("model") in ARCHITECTURE_PRESETS:
         return None  # a weight-less shape: no folder, no tokenizer
-    return resolve_model(options.get("model"))
+    return resolve_model(options.get("model"), options.get("revision"))
 
 
-def _load_tokenizer(folder: Path | None) -> Any | None:
-    if folder is None or not any((folder / f).exists() for f in
-                                 ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return None
-    from transformers import AutoTokenizer
+def _load_tokenizer(folder: Path | None, options: dict[str, Any]) -> Any | None:
+    from radixlm.runtime.models.loader import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(str(folder))
+    return load_tokenizer(folder, options.get("tokenizer"), options.get("chat_template"))
 
 
 def _on_signal(state: ServerState, stop: asyncio.Event) -> None:
