@@ -632,16 +632,29 @@ def test_client_disconnect_aborts_and_frees_kv(server, http):
     assert s["generated_tokens"] - before < 2 * 900  # both stopped early
 
 
-def test_metrics(http):
+def test_metrics(http, server):
     text = http.get("/metrics").text
     for name in ("radixlm_requests_total", "radixlm_prompt_tokens_total",
                  "radixlm_generation_tokens_total", "radixlm_cached_tokens_total",
                  "radixlm_time_to_first_token_seconds_bucket",
                  "radixlm_inter_token_latency_seconds_bucket", "radixlm_num_waiting_requests",
-                 "radixlm_kv_cache_usage_ratio", "radixlm_prefix_cache_hit_rate"):
+                 "radixlm_kv_cache_usage_ratio", "radixlm_prefix_cache_hit_rate",
+                 "radixlm_request_queue_time_seconds_bucket",
+                 "radixlm_request_prefill_time_seconds_bucket",
+                 "radixlm_request_decode_time_seconds_bucket", "radixlm_num_preemptions_total",
+                 "radixlm_samples_finished_total", "radixlm_grammar_compile_seconds_total",
+                 "radixlm_spec_decode_acceptance_rate"):
         assert name in text, name
-    assert 'radixlm_requests_total{route="/generate",status="200"}' in text
+    model = http.get("/get_model_info").json()["served_model_name"]
+    assert (f'radixlm_requests_total{{model_name="{model}",route="/generate",status="200"}}'
+            in text)
     assert 'status="400"' in text and 'status="401"' in text
+    assert "_created" not in text
+    samples = [line for line in text.splitlines() if line and not line.startswith("#")]
+    assert all(f'model_name="{model}"' in line for line in samples)
+    decode = next(line for line in samples
+                  if line.startswith("radixlm_request_decode_time_seconds_count"))
+    assert float(decode.split()[-1]) > 100
     ttft_count = next(line for line in text.splitlines()
                       if line.startswith("radixlm_time_to_first_token_seconds_count"))
     assert float(ttft_count.split()[-1]) > 200

@@ -47,6 +47,7 @@ class Output:
     # What the grammar leaves unenforced of what was asked (json_schema_strict=False only).
     grammar_warnings: tuple[str, ...] = ()
     time_to_first_token: float | None = None  # seconds from submission to the first token
+    queue_time: float | None = None  # seconds from submission to admission into the batch
     lease_id: str | None = None  # the lease a prefix pin took (Engine.pin_prefix)
 
     @property
@@ -93,6 +94,7 @@ class Request:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.perf_counter)
+    admitted_time: float | None = None  # first admitted to the running batch
     first_token_time: float | None = None
     max_total_len: int = 0  # prompt + completion may not exceed this (the context length)
     # Set for a prefix pin: when the prompt is computed, its cached pages are leased for
@@ -180,5 +182,7 @@ class Request:
             grammar_warnings=self.grammar_warnings,
             time_to_first_token=(None if self.first_token_time is None
                                  else self.first_token_time - self.arrival_time),
+            queue_time=(None if self.admitted_time is None
+                        else self.admitted_time - self.arrival_time),
             lease_id=self.lease_id,
         )

@@ -25,6 +25,7 @@ always progress: one request never needs more than the whole pool.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -141,6 +142,7 @@ class Scheduler:
             self.waiting.remove(request)
             if not request.admitted:
                 request.admitted = True
+                request.admitted_time = time.perf_counter()
                 request.cached_tokens = request.num_computed_tokens
                 self.num_cached_tokens += request.cached_tokens
             request.status = RequestStatus.RUNNING

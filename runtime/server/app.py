@@ -73,7 +73,7 @@ async def _metrics(request: web.Request, handler: Handler) -> web.StreamResponse
             state.active_requests -= 1
             resource = request.match_info.route.resource
             route = resource.canonical if resource is not None else "unmatched"
-            state.metrics.requests.labels(route, str(status)).inc()
+            state.metrics.request(route, status)
             level = logging.DEBUG if request.path in QUIET_PATHS else logging.INFO
             access_log.log.log(level, "%s", record.line(request.method, request.path, status,
                                                         time.monotonic() - start))

@@ -215,6 +215,9 @@ def _chunk(out: Any, start: int) -> Chunk:
         chunk.error = out.error
         chunk.error_invalid = out.error_invalid
         chunk.grammar_warnings = out.grammar_warnings
+        chunk.queue_time = out.queue_time
+        if out.queue_time is not None and out.time_to_first_token is not None:
+            chunk.prefill_time = out.time_to_first_token - out.queue_time
         if out.prompt_logprobs is not None:
             chunk.prompt_logprobs = [None if e is None else _entry(e)
                                      for e in out.prompt_logprobs]

@@ -156,8 +156,14 @@ class Generation:
             sample.last_token_time = chunk.time
         if chunk.finished:
             m.generation_tokens.inc(sample.completion_tokens)
-            m.finished.labels(chunk.finish_reason).inc()
+            m.finished(chunk.finish_reason)
             m.e2e.observe(max(0.0, chunk.time - self.arrival))
+            if chunk.queue_time is not None:
+                m.queue_time.observe(max(0.0, chunk.queue_time))
+            if chunk.prefill_time is not None:
+                m.prefill_time.observe(max(0.0, chunk.prefill_time))
+            if sample.first_token_time is not None:
+                m.decode_time.observe(max(0.0, chunk.time - sample.first_token_time))
             if sample.index == 0:  # the prompt is counted once, whatever n is
                 m.prompt_tokens.inc(sample.prompt_tokens)
                 m.cached_tokens.inc(sample.cached_tokens)

@@ -44,6 +44,8 @@ class Chunk:
     error_invalid: bool = False  # ... and it was the request's fault (its grammar)
     grammar_warnings: tuple[str, ...] = ()  # what its grammar leaves unenforced
     prompt_logprobs: list[LogprobEntry | None] | None = None
+    queue_time: float | None = None  # seconds it waited for admission, in the engine
+    prefill_time: float | None = None  # seconds from admission to its first token
 
     @property
     def finished(self) -> bool:

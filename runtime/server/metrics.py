@@ -1,16 +1,20 @@
 """Prometheus metrics of one server, in their own registry (two apps in one process, as in
-tests, never share or clash).
+tests, never share or clash). Every series has a `model_name` label, as vLLM's and SGLang's
+do, so one dashboard serves several servers; docs/server.md#metrics lists them.
 
 Counters and histograms are updated as requests go; the gauges that describe the engine
-(queue lengths, KV usage, cache hit rate) are refreshed from `Engine.stats()` at scrape time.
+(queue lengths, KV usage, cache hit rate) and the engine's own counters (retractions,
+speculative and grammar work) are refreshed from `Engine.stats()` at scrape time.
 Token timings use the engine process's timestamps (CLOCK_MONOTONIC, shared by both processes
 on one host), so batching chunks over the pipe does not distort inter-token latency.
+Buckets span GPU latencies (milliseconds) to a laptop CPU's (seconds to minutes).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import prometheus_client
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -20,47 +24,95 @@ from prometheus_client import (
     generate_latest,
 )
 
-TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# The `*_created` timestamp series only double what a scrape shows; vLLM drops them too.
+prometheus_client.disable_created_metrics()
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                120.0, 300.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+               1800.0)
+PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                 60.0, 120.0, 300.0, 600.0)
+COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
+
+# Engine.stats() counters exported as counters: stat -> (metric, help).
+ENGINE_COUNTERS = {
+    "retractions": ("radixlm_num_preemptions", "Requests retracted (preempted) for memory; "
+                    "they restart from the prefix cache"),
+    "spec_drafted_tokens": ("radixlm_spec_decode_num_draft_tokens", "Speculative tokens "
+                            "drafted"),
+    "spec_accepted_tokens": ("radixlm_spec_decode_num_accepted_tokens", "Speculative tokens "
+                             "accepted by verification"),
+    "grammar_compiles": ("radixlm_grammar_compiles", "Grammars compiled (cache misses)"),
+    "grammar_cache_hits": ("radixlm_grammar_cache_hits", "Grammars found compiled"),
+    "grammar_compile_errors": ("radixlm_grammar_compile_errors", "Grammars refused"),
+    "grammar_compile_seconds": ("radixlm_grammar_compile_seconds", "Time spent compiling "
+                                "grammars"),
+}
 
 
 class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("radixlm_requests", "HTTP requests by route and status code",
-                                ["route", "status"], registry=r)
-        self.prompt_tokens = Counter("radixlm_prompt_tokens", "Prompt tokens of finished "
-                                     "generation requests", registry=r)
-        self.generation_tokens = Counter("radixlm_generation_tokens", "Generated tokens",
-                                         registry=r)
-        self.cached_tokens = Counter("radixlm_cached_tokens", "Prompt tokens served from the "
-                                     "prefix cache", registry=r)
-        self.finished = Counter("radixlm_samples_finished", "Finished samples by finish "
-                                "reason", ["reason"], registry=r)
-        self.ttft = Histogram("radixlm_time_to_first_token_seconds", "Time from request "
-                              "arrival to the first generated token", buckets=TTFT_BUCKETS,
-                              registry=r)
-        self.itl = Histogram("radixlm_inter_token_latency_seconds", "Time between two "
-                             "consecutive tokens of one sample", buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("radixlm_e2e_request_latency_seconds", "Time from request arrival "
-                             "to its last token", buckets=E2E_BUCKETS, registry=r)
-        self.in_flight = Gauge("radixlm_num_requests_in_flight", "Engine requests (one per "
-                               "sample) submitted by this server and not finished", registry=r)
-        self.running = Gauge("radixlm_num_running_requests", "Requests in the engine's "
-                             "running batch", registry=r)
-        self.waiting = Gauge("radixlm_num_waiting_requests", "Requests waiting for admission "
-                             "to the running batch", registry=r)
-        self.kv_usage = Gauge("radixlm_kv_cache_usage_ratio", "Fraction of KV pages neither "
-                              "free nor evictable (held by running requests or leases)",
-                              registry=r)
-        self.kv_pages = Gauge("radixlm_kv_cache_pages", "KV pages by state", ["state"],
-                              registry=r)
-        self.hit_rate = Gauge("radixlm_prefix_cache_hit_rate", "Fraction of prompt tokens "
-                              "served from the prefix cache since start", registry=r)
+    def __init__(self, model_name: str = "") -> None:
+        self.model_name = model_name
+        self.registry = r = CollectorRegistry()
+        m = ["model_name"]
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, m, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, doc, m, buckets=buckets, registry=r).labels(model_name)
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(name, doc, m, registry=r).labels(model_name)
+
+        self._requests = Counter("radixlm_requests", "HTTP requests by route and status code",
+                                 [*m, "route", "status"], registry=r)
+        self._finished = Counter("radixlm_samples_finished", "Finished samples by finish "
+                                 "reason (stop, length, abort)", [*m, "reason"], registry=r)
+        self._kv_pages = Gauge("radixlm_kv_cache_pages", "KV pages by state", [*m, "state"],
+                               registry=r)
+        self.prompt_tokens = counter("radixlm_prompt_tokens", "Prompt tokens of finished "
+                                     "generation requests")
+        self.generation_tokens = counter("radixlm_generation_tokens", "Generated tokens")
+        self.cached_tokens = counter("radixlm_cached_tokens", "Prompt tokens served from the "
+                                     "prefix cache")
+        self.ttft = histogram("radixlm_time_to_first_token_seconds", "Time from request "
+                              "arrival to the first generated token", TTFT_BUCKETS)
+        self.itl = histogram("radixlm_inter_token_latency_seconds", "Time between two "
+                             "consecutive tokens of one sample", ITL_BUCKETS)
+        self.e2e = histogram("radixlm_e2e_request_latency_seconds", "Time from request "
+                             "arrival to its last token", E2E_BUCKETS)
+        self.queue_time = histogram("radixlm_request_queue_time_seconds", "Time a sample "
+                                    "waited in the engine before admission", PHASE_BUCKETS)
+        self.prefill_time = histogram("radixlm_request_prefill_time_seconds", "Time from "
+                                      "admission to the first token", PHASE_BUCKETS)
+        self.decode_time = histogram("radixlm_request_decode_time_seconds", "Time from the "
+                                     "first token to the last", PHASE_BUCKETS)
+        self.in_flight = gauge("radixlm_num_requests_in_flight", "Engine requests (one per "
+                               "sample) submitted by this server and not finished")
+        self.running = gauge("radixlm_num_running_requests", "Requests in the engine's "
+                             "running batch")
+        self.waiting = gauge("radixlm_num_waiting_requests", "Requests waiting for admission "
+                             "to the running batch")
+        self.kv_usage = gauge("radixlm_kv_cache_usage_ratio", "Fraction of KV pages neither "
+                              "free nor evictable (held by running requests or leases)")
+        self.hit_rate = gauge("radixlm_prefix_cache_hit_rate", "Fraction of prompt tokens "
+                              "served from the prefix cache since start")
+        self.spec_acceptance = gauge("radixlm_spec_decode_acceptance_rate", "Accepted over "
+                                     "drafted speculative tokens since start")
+        self._engine_counters = {stat: counter(name, doc)
+                                 for stat, (name, doc) in ENGINE_COUNTERS.items()}
+        self._engine_seen: dict[str, float] = {}
+
+    def request(self, route: str, status: int) -> None:
+        self._requests.labels(self.model_name, route, str(status)).inc()
+
+    def finished(self, reason: str) -> None:
+        self._finished.labels(self.model_name, reason).inc()
 
     def observe_stats(self, stats: dict[str, Any], in_flight: int) -> None:
         self.in_flight.set(in_flight)
@@ -71,8 +123,15 @@ class Metrics:
         evictable = stats.get("kv_pages_evictable", 0)
         self.kv_usage.set((total - free - evictable) / total if total else 0.0)
         for state in ("total", "free", "cached", "evictable", "leased"):
-            self.kv_pages.labels(state).set(stats.get(f"kv_pages_{state}", 0))
+            self._kv_pages.labels(self.model_name, state).set(stats.get(f"kv_pages_{state}", 0))
         self.hit_rate.set(cache_hit_rate(stats))
+        self.spec_acceptance.set(stats.get("spec_acceptance_rate", 0.0))
+        for stat, metric in self._engine_counters.items():
+            value = float(stats.get(stat, 0))
+            grown = value - self._engine_seen.get(stat, 0.0)
+            if grown > 0:  # the engine's counts only grow; a restart starts a new server
+                metric.inc(grown)
+                self._engine_seen[stat] = value
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

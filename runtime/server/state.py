@@ -22,12 +22,15 @@ class ServerState:
     codec: TextCodec
     model_name: str  # the id clients use on the OpenAI routes
     model_path: str | None  # what --model said (None: the default model)
-    metrics: Metrics = field(default_factory=Metrics)
+    metrics: Metrics = field(init=False)  # labelled with model_name
     heap: HeapTrimmer = field(default_factory=HeapTrimmer)
     info: EngineInfo | None = None  # set once the engine has loaded the model
     draining: bool = False  # SIGTERM received: finish what runs, take nothing new
     active_requests: int = 0  # HTTP requests being handled (what a shutdown waits for)
     started_at: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        self.metrics = Metrics(self.model_name)
 
     def require_engine(self) -> EngineInfo:
         """The engine's info, or 503 while starting, after a crash, or when shutting down."""
