@@ -1,10 +1,11 @@
-"""The `radixlm` command. Subcommands: `generate`, `models`, `serve`, `quantize`.
+"""The `radixlm` command. Subcommands: `generate`, `models`, `serve`, `quantize`, `cache`.
 
     radixlm generate "The capital of France is" --max-new-tokens 16 --temperature 0
     radixlm generate --chat "Write a haiku about the sea." --stream
     radixlm models
     radixlm serve --port 30000          (the HTTP server; see docs/server.md)
     radixlm quantize --method awq --out smollm2-awq     (see docs/quantization.md)
+    radixlm cache list                  (converted GGUF models; `clear` deletes them)
 """
 
 from __future__ import annotations
@@ -92,6 +93,25 @@ def _cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_cache(args: argparse.Namespace) -> int:
+    import datetime
+
+    from radixlm.runtime.models.gguf_loader import cache_entries, cache_root, clear_cache
+
+    if args.action == "clear":
+        freed = clear_cache()
+        print(f"removed {freed / 2**20:.0f} MiB from {cache_root()}")
+        return 0
+    entries = cache_entries()
+    print(f"{cache_root()}: {len(entries)} converted model(s)")
+    for e in entries:
+        when = (datetime.datetime.fromtimestamp(e["converted"]).strftime("%Y-%m-%d %H:%M")
+                if e["converted"] else "?")
+        print(f"  {e['folder'].name}  {e['bytes'] / 2**20:8.0f} MiB  {when}  "
+              f"from {e['source'] or '?'}")
+    return 0
+
+
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from radixlm.runtime.models.quantization.command import run_quantize
 
@@ -131,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
                                          "routes)")
     add_serve_args(serve)
     serve.set_defaults(func=_cmd_serve)
+    cache = sub.add_parser("cache", help="list or clear the converted GGUF models (the cache "
+                                         "in $RADIXLM_CACHE_DIR or ~/.cache/radixlm)")
+    cache.add_argument("action", choices=["list", "clear"])
+    cache.set_defaults(func=_cmd_cache)
     quantize = sub.add_parser("quantize", help="quantize a model (RTN, AWQ or GPTQ) into an "
                                                "AWQ/GPTQ-format checkpoint")
     add_quantize_args(quantize)

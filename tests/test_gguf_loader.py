@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import shutil
 import time
 
 import numpy as np
@@ -129,9 +130,9 @@ def test_second_call_is_served_from_cache(converted, gguf_path, monkeypatch):
     assert convert_gguf(gguf_path) == folder
 
 
-def test_cache_key_tracks_the_file_and_failures_leave_nothing(tmp_path, monkeypatch):
+def test_cache_key_is_the_content_and_failures_leave_nothing(tmp_path, monkeypatch):
     source, cache = tmp_path / "tiny.gguf", tmp_path / "cache"
-    source.write_bytes(b"GGUF")
+    source.write_bytes(b"GGUF" + bytes(range(256)) * 4000)
     written: list[pathlib.Path] = []
 
     def fake_convert(path: pathlib.Path, out_dir: pathlib.Path) -> None:
@@ -145,10 +146,22 @@ def test_cache_key_tracks_the_file_and_failures_leave_nothing(tmp_path, monkeypa
     assert (first / "config.json").is_file()
     assert convert_gguf(source, cache) == first and len(written) == 1
 
+    # A touched file, or the same bytes elsewhere, is the same model: no new conversion.
     stat = source.stat()
     os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    copy = tmp_path / "elsewhere" / "tiny.gguf"
+    copy.parent.mkdir()
+    shutil.copy(source, copy)
+    assert convert_gguf(source, cache) == first and convert_gguf(copy, cache) == first
+    # One changed byte in the middle is another model.
+    data = bytearray(source.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    source.write_bytes(bytes(data))
     second = convert_gguf(source, cache)
     assert second != first and len(written) == 2
+    entries = gguf_loader.cache_entries(cache)
+    assert [e["folder"] for e in entries] == sorted([first, second])
+    assert {e["source"] for e in entries} == {str(source.resolve())}
 
     def crash(path: pathlib.Path, out_dir: pathlib.Path) -> None:
         (out_dir / "model.safetensors").write_bytes(b"half")
@@ -159,6 +172,14 @@ def test_cache_key_tracks_the_file_and_failures_leave_nothing(tmp_path, monkeypa
     with pytest.raises(RuntimeError, match="disk full"):
         convert_gguf(source, cache)
     assert sorted((cache / "gguf").iterdir()) == sorted([first, second])
+    assert gguf_loader.clear_cache(cache) > 0 and gguf_loader.cache_entries(cache) == []
+
+
+def test_a_truncated_file_is_one_clear_error(tmp_path):
+    source = tmp_path / "cut.gguf"
+    source.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 10)
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        convert_gguf(source, tmp_path / "cache")
 
 
 def test_missing_file(tmp_path):

@@ -22,10 +22,11 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SUPPORTED_GGUF_ARCHITECTURES", "convert_gguf"]
+__all__ = ["SUPPORTED_GGUF_ARCHITECTURES", "cache_entries", "clear_cache", "convert_gguf"]
 
 # Bump when the output of the conversion changes, so that stale cache folders are not reused.
 CONVERTER_VERSION = 1
+SOURCE_FILE = "radixlm_source.json"  # in each cache folder: what it was converted from
 
 # GGUF architecture -> (HF architectures entry, HF model_type).
 _HF_CLASSES = {
@@ -80,6 +81,9 @@ def convert_gguf(
     start = time.perf_counter()
     try:
         _convert(path, tmp)
+        (tmp / SOURCE_FILE).write_text(json.dumps({
+            "source": str(path), "size": path.stat().st_size, "converted": time.time(),
+            "converter_version": CONVERTER_VERSION}) + "\n")
         _make_readable(tmp)
         try:
             os.replace(tmp, final)
@@ -95,14 +99,34 @@ def convert_gguf(
     return final
 
 
-def _cache_folder(path: pathlib.Path, cache_root: str | os.PathLike | None) -> pathlib.Path:
-    if cache_root is None:
-        cache_root = os.environ.get("RADIXLM_CACHE_DIR") or pathlib.Path.home() / ".cache/radixlm"
-    # Size and mtime stand in for a content hash: hashing gigabytes would defeat the fast path.
-    stat = path.stat()
-    ident = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{CONVERTER_VERSION}"
-    key = hashlib.sha256(ident.encode()).hexdigest()[:16]
-    return pathlib.Path(cache_root).expanduser() / "gguf" / f"{path.stem}-{key}"
+def cache_root(root: str | os.PathLike | None = None) -> pathlib.Path:
+    """Where converted GGUF files are kept: `root`, $RADIXLM_CACHE_DIR or ~/.cache/radixlm."""
+    if root is None:
+        root = os.environ.get("RADIXLM_CACHE_DIR") or pathlib.Path.home() / ".cache/radixlm"
+    return pathlib.Path(root).expanduser() / "gguf"
+
+
+_SAMPLE_BYTES = 1 << 16
+_SAMPLES = 32
+
+
+def content_key(path: pathlib.Path) -> str:
+    """A key for the file's content, not its name or mtime (a copy or a touched file hits the
+    same conversion; a changed one does not): its size and a hash of its header, its end and
+    32 slices spread over it. Reads about 2 MiB whatever the file's size."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(f"{size}|{CONVERTER_VERSION}".encode())
+    with open(path, "rb") as f:
+        offsets = {0, max(0, size - _SAMPLE_BYTES)}
+        offsets.update(size * i // _SAMPLES for i in range(1, _SAMPLES))
+        for offset in sorted(offsets):
+            f.seek(offset)
+            digest.update(f.read(_SAMPLE_BYTES if offset else 1 << 20))
+    return digest.hexdigest()[:16]
+
+
+def _cache_folder(path: pathlib.Path, root: str | os.PathLike | None) -> pathlib.Path:
+    return cache_root(root) / f"{path.stem}-{content_key(path)}"
 
 
 def _convert(path: pathlib.Path, out_dir: pathlib.Path) -> None:
@@ -111,7 +135,11 @@ def _convert(path: pathlib.Path, out_dir: pathlib.Path) -> None:
     import torch
     from safetensors.torch import save_file
 
-    reader = gguf.GGUFReader(path)
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as exc:  # truncated or not a GGUF file at all
+        raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): "
+                         f"{type(exc).__name__}: {exc}") from None
     arch = _field(reader, "general.architecture")
     if arch not in _HF_CLASSES:
         raise ValueError(
@@ -121,8 +149,11 @@ def _convert(path: pathlib.Path, out_dir: pathlib.Path) -> None:
     config = _build_config(reader, arch)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
 
+    from tqdm.auto import tqdm
+
     tensors: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
+    for tensor in tqdm(reader.tensors, desc=f"converting {path.name}", unit="tensor",
+                       leave=False, disable=None):
         hf_name, base = _hf_name(tensor.name)
         data = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
         # GGUF lists dimensions innermost-first; the numpy data is already row-major [out, in].
@@ -142,6 +173,35 @@ def _convert(path: pathlib.Path, out_dir: pathlib.Path) -> None:
         generation["pad_token_id"] = int(pad_id)
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     _save_tokenizer(path, out_dir, _field(reader, "tokenizer.chat_template"))
+
+
+def cache_entries(root: str | os.PathLike | None = None) -> list[dict[str, Any]]:
+    """The converted models in the cache: folder, bytes on disk, source file, when."""
+    entries = []
+    folder = cache_root(root)
+    for entry in sorted(folder.iterdir()) if folder.is_dir() else []:
+        if not entry.is_dir() or entry.name.startswith("."):
+            continue
+        record: dict[str, Any] = {}
+        try:
+            record = json.loads((entry / SOURCE_FILE).read_text())
+        except (OSError, ValueError):
+            pass  # converted by an older version: no record
+        entries.append({"folder": entry, "bytes": sum(f.stat().st_size for f in entry.iterdir()
+                                                      if f.is_file()),
+                        "source": record.get("source"), "converted": record.get("converted")})
+    return entries
+
+
+def clear_cache(root: str | os.PathLike | None = None) -> int:
+    """Delete every converted model (and unfinished conversions); the bytes freed."""
+    freed = 0
+    folder = cache_root(root)
+    for entry in list(folder.iterdir()) if folder.is_dir() else []:
+        if entry.is_dir():
+            freed += sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
+            shutil.rmtree(entry, ignore_errors=True)
+    return freed
 
 
 def _make_readable(folder: pathlib.Path) -> None:
