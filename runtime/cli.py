@@ -166,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as exc:  # bad input: a message, not a traceback
+    except (ValueError, FileNotFoundError) as exc:  # bad input: a message, not a traceback
         print(f"radixlm: error: {exc}", file=sys.stderr)
         return 2
 

@@ -80,3 +80,22 @@ def test_version_and_the_spellings_vllm_and_sglang_users_type(tiny_chat_model, t
         assert eng.apply_chat_template([{"role": "user", "content": "Hi"}]) == "<<Hi>>"
     with pytest.raises(FileNotFoundError, match="chat_template"):
         Engine(str(tiny_chat_model), chat_template="no/such/file.jinja")
+
+
+def test_loader_failures_are_one_clear_line(tiny_chat_model, tmp_path, capsys):
+    import shutil
+
+    import torch
+
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(tiny_chat_model, corrupt)
+    weights = corrupt / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    cases = [(["--model", "./no-such-model"], "no such file or folder"),
+             (["--model", str(corrupt)], "model.safetensors is not a readable safetensors")]
+    if not torch.cuda.is_available():
+        cases.append((["--model", str(tiny_chat_model), "--device", "cuda"], "device 'cuda'"))
+    for extra, message in cases:
+        assert main(["generate", "hi", "--max-total-tokens", "1024", *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err

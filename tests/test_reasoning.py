@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import openai
 import pytest
-from conftest import save_tiny_chat_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixlm.runtime.server import reasoning
 from radixlm.runtime.server.process import ServerProcess
+
+from conftest import save_tiny_chat_model
 
 
 @pytest.mark.parametrize(("parser", "text", "expected"), [

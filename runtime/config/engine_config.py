@@ -198,6 +198,10 @@ class EngineConfig:
     def torch_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            reason = ("this torch build has no CUDA" if torch.version.cuda is None
+                      else "no CUDA device is visible")
+            raise ValueError(f"device {self.device!r}: {reason}; use device 'cpu' (or 'auto')")
         return torch.device(self.device)
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:

@@ -89,8 +89,12 @@ def resolve_model(model: str | None, revision: str | None = None) -> Path:
             return _convert(ggufs[0])
         raise FileNotFoundError(f"model folder {path} has no config.json"
                                 + (f" and {len(ggufs)} .gguf files" if ggufs else ""))
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not path.exists():
+    # A Hub id is org/name; a path that starts like one (./x, ../x, /x, ~/x) is a path.
+    looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not looks_local and not path.exists():
         return _download(name, revision)
+    if looks_local and not path.exists():
+        raise FileNotFoundError(f"model {name!r}: no such file or folder")
     raise FileNotFoundError(
         f"model {name!r} not found: looked for a folder with config.json, a .gguf file, an "
         f"embedded model ({', '.join(EMBEDDED_MODELS)}) and a Hub id (org/name). Supported "
@@ -200,9 +204,20 @@ def _checkpoint_tensors(folder: Path, lazy: bool = False) -> Iterator[tuple[str,
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {folder}")
     for filename in files:
-        with safe_open(str(folder / filename), framework="pt") as f:
-            for key in f.keys():
-                yield key, f.get_slice(key) if lazy else f.get_tensor(key)
+        path = folder / filename
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    yield key, f.get_slice(key) if lazy else f.get_tensor(key)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"the checkpoint names {filename}, which is not in "
+                                    f"{folder}") from None
+        except Exception as exc:  # safetensors' own errors: a truncated or corrupt file
+            if isinstance(exc, (ValueError, RuntimeError, OSError)) or "Safetensor" in type(
+                    exc).__name__:
+                raise ValueError(f"{path} is not a readable safetensors file (truncated or "
+                                 f"corrupt?): {exc}") from None
+            raise
 
 
 def _load_checkpoint(net: LlamaForCausalLM, folder: Path, lazy: bool = False) -> None:
