@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 from radixlm.runtime.parallel.groups import free_port
 
 from gpu_timing import capture, median_replay_ms
+from results_dir import results_dir
 
 NVLINK_GBPS = 450.0  # per direction, per GPU (H200: 900 GB/s bidirectional)
 
@@ -145,7 +146,7 @@ def main() -> None:
               "config": {"hidden": args.hidden, "count": args.count, "dtype": "bfloat16"},
               "results": rows}
     device = "h200" if "H200" in gpu else "gpu"
-    out = Path(args.out or Path(__file__).parent / "results" /
+    out = Path(args.out or results_dir() /
                f"all_reduce_{device}x{args.world}_{datetime.date.today()}.json")
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}")

@@ -30,6 +30,8 @@ from radixlm.runtime.attention.kv_cache import KVCache
 from radixlm.runtime.attention.torch_native import TorchNativeAttention
 from radixlm.runtime.attention.triton_backend import TritonAttention
 
+from results_dir import results_dir
+
 HEADS, KV_HEADS, DIM, DTYPE = 32, 8, 128, torch.bfloat16
 DECODE = {  # name: (batch, context, page_size)
     "B64 ctx2048 page16": (64, 2048, 16),
@@ -306,7 +308,7 @@ def main() -> None:
                    "bandwidth_ceiling_bytes_s": args.bandwidth},
         "results": rows, "sweeps": sweeps, "errors": errors,
     }
-    out = args.out or Path("benchmarks/results") / (
+    out = args.out or results_dir() / (
         f"attention_kernels_{gpu.split()[-1].lower()}_{result['date']}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     # Each step is recorded as it finishes (and a failure noted, not fatal): a run that is

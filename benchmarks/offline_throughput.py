@@ -32,6 +32,8 @@ import torch
 from radixlm.runtime import Engine
 from radixlm.runtime.models.loader import resolve_model
 
+from results_dir import results_dir
+
 TOPICS = ["the ocean", "a lost key", "mathematics", "a small village", "the moon", "coffee",
           "an old library", "trains", "winter", "a robot", "music", "gardening", "volcanoes",
           "friendship", "the internet", "bicycles"]
@@ -156,7 +158,7 @@ def run_cuda(args: argparse.Namespace) -> None:
                     "retractions": stats["retractions"],
                     "kv_pages_total": stats["kv_pages_total"]},
     }
-    out = Path(args.out or Path(__file__).parent / "results" /
+    out = Path(args.out or results_dir() /
                f"offline_throughput_h200_{record['date']}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")
@@ -183,7 +185,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--skip-sequential", action="store_true",
                         help="skip transformers one-prompt-at-a-time (the slowest part)")
-    parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/)")
+    parser.add_argument("--out", default=None,
+                        help="JSON path (default: a dated file in $RADIXLM_RESULTS_DIR or "
+                             "~/.cache/radixlm/benchmarks)")
     args = parser.parse_args()
     if args.num_prompts is None:
         args.num_prompts = 512 if args.device == "cuda" else 64
@@ -238,7 +242,7 @@ def main() -> None:
         "results": results, "gemm_floor": floor,
         "identical_greedy_outputs_vs_hf_batched": same,
     }
-    out = Path(args.out or Path(__file__).parent / "results" /
+    out = Path(args.out or results_dir() /
                f"offline_throughput_cpu_{args.dtype}_{record['date']}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")

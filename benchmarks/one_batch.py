@@ -29,6 +29,7 @@ import torch
 from radixlm.runtime import Engine
 
 from gpu_timing import median_replay_ms
+from results_dir import results_dir
 
 COPY_BANDWIDTH = 4.1e12  # bytes/s, device-to-device copy measured on the H200
 GEMM_RATE = 753e12  # bf16 FLOP/s, 8192^3 GEMM measured on the same card
@@ -286,7 +287,7 @@ def main() -> None:
         "floor": {**costs, "copy_bandwidth": COPY_BANDWIDTH, "gemm_rate": GEMM_RATE},
         "rows": rows,
     }
-    out = Path(args.out or Path(__file__).parent / "results" /
+    out = Path(args.out or results_dir() /
                f"one_batch_h200_{record['date']}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")

@@ -29,6 +29,8 @@ import torch
 
 from radixlm.runtime import Engine
 
+from results_dir import results_dir
+
 QUESTIONS = ["Summarize this in one sentence.", "What is the main idea?",
              "Give one example.", "Which keyword matters most here?",
              "Explain it to a beginner.", "What could go wrong?",
@@ -191,7 +193,7 @@ def main() -> None:
               "ideal_shared_prefix_prefill": ideal,
               "results": {k: {f: v for f, v in r.items() if f != "outputs"}
                           for k, r in results.items()}}
-    out = Path(args.out or Path(__file__).parent / "results" /
+    out = Path(args.out or results_dir() /
                (f"prefix_sharing_h200_{record['date']}.json" if cuda else
                 f"prefix_sharing_cpu_{args.dtype}_{record['date']}.json"))
     out.write_text(json.dumps(record, indent=2) + "\n")

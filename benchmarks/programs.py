@@ -29,6 +29,8 @@ from radixlm.backends.base import Backend
 from radixlm.runtime import Engine
 from radixlm.runtime.engine.tokenization import encode_prompt
 
+from results_dir import results_dir
+
 CAPITALS = [("Germany", "Berlin"), ("Spain", "Madrid"), ("Canada", "Ottawa"),
             ("Kenya", "Nairobi"), ("Peru", "Lima"), ("Norway", "Oslo"), ("Chile", "Santiago"),
             ("Egypt", "Cairo"), ("Poland", "Warsaw"), ("Cuba", "Havana")]
@@ -171,7 +173,7 @@ def main() -> None:
                          "max_tokens": args.max_tokens},
               "results": {k: {f: v for f, v in r.items() if f != "texts"}
                           for k, r in results.items()}}
-    out = Path(args.out or Path(__file__).parent / "results" /
+    out = Path(args.out or results_dir() /
                f"programs_cpu_{args.dtype}_{record['date']}.json")
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}")

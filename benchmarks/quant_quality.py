@@ -41,6 +41,8 @@ from radixlm.runtime.models.quantization.calibration import (
 from radixlm.runtime.models.quantization.checkpoint import save_quantized
 from radixlm.runtime.models.quantization.quantize import QuantizeOptions, quantize_model
 
+from results_dir import results_dir
+
 CPU = torch.device("cpu")
 # name -> (load dtype, online quantization, offline quantizer options)
 CONFIGS: dict[str, tuple[torch.dtype, str | None, QuantizeOptions | None]] = {
@@ -120,7 +122,7 @@ def main() -> None:
                    "int4_grid": "asymmetric (zero point)"},
         "rows": rows,
     }
-    out = Path(args.out or Path(__file__).parent / "results" /
+    out = Path(args.out or results_dir() /
                f"quant_quality_cpu_{record['date']}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")

@@ -41,6 +41,7 @@ from radixlm.runtime import Engine
 from radixlm.runtime.models.layers.linear import Linear
 
 from gpu_timing import median_replay_ms
+from results_dir import results_dir
 
 COPY_BANDWIDTH = 4.1e12  # bytes/s, device-to-device copy measured on the H200
 QUANTIZATION = {"bf16": None, "fp8": "fp8", "int8": "int8", "int4": "awq"}
@@ -450,7 +451,7 @@ def main() -> None:
                      "tokens/s" if "large_batch" in row else ""), flush=True)
         record["rows"] = rows
     suffix = "_sweep" if args.sweep else ""
-    out = Path(args.out or Path(__file__).parent / "results" /
+    out = Path(args.out or results_dir() /
                f"quant_speed_h200_{record['date']}{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")

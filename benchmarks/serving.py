@@ -33,6 +33,8 @@ from typing import Any
 
 import aiohttp
 
+from results_dir import results_dir
+
 WORDS = ("time person year way day thing man world life hand part child eye woman place work "
          "week case point government company number group problem fact be have do say get "
          "make go know take see come think look want give use find tell ask seem feel try "
@@ -323,7 +325,7 @@ def main() -> None:
         "server": info,
         "results": summary,
     }
-    out = Path(args.out or Path(__file__).parent / "results" /
+    out = Path(args.out or results_dir() /
                f"serving_{record['date']}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2, default=str) + "\n")

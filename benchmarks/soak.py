@@ -33,6 +33,8 @@ from typing import Any
 
 import aiohttp
 
+from results_dir import results_dir
+
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0,
                                                    "maximum": 120}},
@@ -298,7 +300,7 @@ def main() -> None:
     print(f"KV pages leaked: {summary['kv_pages_leaked']}, in flight at the end: "
           f"{summary['in_flight_at_end']}, server exit code {code}")
     date = datetime.date.today().isoformat()
-    out = Path(args.out or Path(__file__).parent / "results" / f"soak_cpu_{date}.json")
+    out = Path(args.out or results_dir() / f"soak_cpu_{date}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {"benchmark": "soak", "date": date,
               "machine": {"processor": platform.processor() or platform.machine(),

@@ -43,6 +43,8 @@ import torch
 from radixlm.runtime import Engine, SamplingParams
 from radixlm.runtime.execution import speculative
 
+from results_dir import results_dir
+
 VERIFY_GREEDY = speculative.verify_greedy
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40}, "city": {"type": "string", "maxLength": 40},
@@ -209,7 +211,7 @@ def main() -> None:
                           "torch": torch.__version__},
               "config": vars(args), "rows": rows}
     tag = "h200" if args.device == "cuda" else "cpu"
-    out = Path(args.out or Path(__file__).parent / "results" /
+    out = Path(args.out or results_dir() /
                f"speculative_{tag}_{record['date']}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")

@@ -27,6 +27,8 @@ from radixlm.runtime.engine.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.grammar.stop_regex import StopRegexMatcher
 from radixlm.runtime.models.loader import resolve_model
 
+from results_dir import results_dir
+
 TEXT = ("The quick brown fox jumps over the lazy dog, and then the dog sleeps in the sun "
         "while the fox counts to one hundred and twenty three before it runs away. ") * 40
 CASES = [
@@ -72,7 +74,7 @@ def baseline(pattern: str, deadline_s: float):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="JSON file (default: a dated file in "
-                                                    "benchmarks/results/)")
+                        "$RADIXLM_RESULTS_DIR or ~/.cache/radixlm/benchmarks)")
     parser.add_argument("--baseline-deadline", type=float, default=20.0,
                         help="seconds after which a baseline run counts as stalled")
     args = parser.parse_args()
@@ -99,7 +101,7 @@ def main() -> None:
         print(f"{r['case']:<24}{r['tokens']:>8}{r['ours_us_per_token']:>14.2f}{base:>14}"
               f"{r['detokenize_us_per_token']:>15.2f}")
     today = datetime.date.today().isoformat()
-    out = Path(args.out or Path(__file__).parent / "results" / f"stop_regex_cpu_{today}.json")
+    out = Path(args.out or results_dir() / f"stop_regex_cpu_{today}.json")
     out.write_text(json.dumps({"date": today, "machine": platform.processor() or
                                platform.machine(), "window_chars": WINDOW,
                                "baseline_deadline_s": args.baseline_deadline, "rows": rows},

@@ -49,6 +49,8 @@ from radixlm.runtime import Engine, EngineConfig, SamplingParams
 from radixlm.runtime.grammar.engine import create_grammar_engine
 from radixlm.runtime.grammar.spec import GrammarSpec
 
+from results_dir import results_dir
+
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschemabench"
 ENGINES = ("llguidance", "outlines")
 PERSON = {"type": "object", "properties": {
@@ -418,7 +420,7 @@ def main() -> None:
                          "new_tokens": args.new_tokens, "compile_timeout_s": args.timeout},
               "coverage": coverage, "validity": generation, "throughput": speed}
     label = "h200" if device == "cuda" else f"cpu_{dtype}"
-    out = Path(args.out or Path(__file__).parent / "results" /
+    out = Path(args.out or results_dir() /
                f"structured_{label}_{record['date']}.json")
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}")

@@ -47,6 +47,7 @@ from radixlm.runtime.parallel.groups import (
 )
 
 from gpu_timing import capture, median_replay_ms
+from results_dir import results_dir
 
 
 @contextmanager
@@ -196,7 +197,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--batch", type=int, default=128, help="large-batch size")
     parser.add_argument("--max-total-tokens", type=int, default=None)
-    parser.add_argument("--out", default=None, help="JSON file (default: benchmarks/results)")
+    parser.add_argument("--out", default=None,
+                        help="JSON file (default: a dated file in $RADIXLM_RESULTS_DIR or "
+                             "~/.cache/radixlm/benchmarks)")
     args = parser.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off
     rows = []
@@ -236,7 +239,7 @@ def main() -> None:
               "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
               "nccl_version": nccl_version(),
               "nccl_env": nccl, "results": rows, "graph_all_reduce_replay": replay_ms}
-    out = Path(args.out or Path(__file__).parent / "results" /
+    out = Path(args.out or results_dir() /
                f"tp_{device}_{datetime.date.today()}.json")
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}")

@@ -4,7 +4,7 @@
     radixlm generate --chat "Write a haiku about the sea." --stream
     radixlm models
     radixlm serve --port 30000          (the HTTP server; see docs/server.md)
-    radixlm quantize --method awq --out smollm2-awq     (see docs/quantization.md)
+    radixlm quantize --method awq --out ~/models/smollm2-awq     (see docs/quantization.md)
     radixlm cache list                  (converted GGUF models; `clear` deletes them)
 """
 

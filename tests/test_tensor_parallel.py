@@ -19,7 +19,7 @@ import torch
 from radixlm.runtime.engine.engine import Engine
 from radixlm.runtime.models.layers.linear import Linear, LinearShard
 from radixlm.runtime.models.quantization.config import QuantConfig
-from radixlm.runtime.parallel.groups import TPInfo, active_all_reduce
+from radixlm.runtime.parallel.groups import TPInfo, active_all_reduce, valid_tp_sizes
 
 from conftest import save_tiny_hf_model
 
@@ -79,6 +79,18 @@ def test_tp_options_are_validated():
         Engine(tp_size=2, tp_timeout=0)
     with pytest.raises(ValueError, match="tp_all_reduce"):
         Engine(tp_size=2, tp_all_reduce="mpi")
+
+
+def test_a_size_that_does_not_split_the_model_lists_those_that_do(tmp_path):
+    # The default model: 9 heads, 3 KV heads, 1536 MLP columns.
+    assert valid_tp_sizes(9, 3, 1536) == [1, 3]
+    assert valid_tp_sizes(32, 8, 14336, limit=8) == [1, 2, 4, 8]
+    assert valid_tp_sizes(4, 1, 128, limit=4) == [1, 2, 4]  # one KV head, replicated
+    folder = save_tiny_hf_model(tmp_path / "m", "llama")  # 4 heads, 2 KV heads
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="sizes that do: 1, 2, 4"):
+        Engine(str(folder), tp_size=3)
+    assert time.monotonic() - started < 10  # refused before any rank starts
 
 
 @pytest.mark.parametrize("family, overrides, tp_options", [

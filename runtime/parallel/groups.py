@@ -54,6 +54,15 @@ class TPInfo:
         return self.rank * length, length
 
 
+def valid_tp_sizes(num_heads: int, num_kv_heads: int, intermediate_size: int,
+                   limit: int = 16) -> list[int]:
+    """The tensor-parallel sizes up to `limit` a model with these shapes can be split over:
+    attention heads and MLP columns divide evenly, and KV heads divide or are replicated."""
+    return [n for n in range(1, limit + 1)
+            if num_heads % n == 0 and intermediate_size % n == 0
+            and (num_kv_heads % n == 0 if num_kv_heads >= n else n % num_kv_heads == 0)]
+
+
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 

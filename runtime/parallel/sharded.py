@@ -32,6 +32,7 @@ import torch.distributed as dist
 from radixlm.runtime.attention.base import ForwardBatch
 from radixlm.runtime.attention.kv_cache import KVCache
 from radixlm.runtime.config.engine_config import EngineConfig
+from radixlm.runtime.models.config import ModelConfig
 from radixlm.runtime.models.loader import ARCHITECTURE_PRESETS, resolve_model
 from radixlm.runtime.parallel.groups import (
     TPInfo,
@@ -39,6 +40,7 @@ from radixlm.runtime.parallel.groups import (
     destroy_group,
     init_group,
     rendezvous_env,
+    valid_tp_sizes,
 )
 
 log = logging.getLogger(__name__)
@@ -131,6 +133,8 @@ class TensorParallelGroup:
     """Rank 0's handle on the group: the worker processes and the step channel."""
 
     def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
+        config = _resolved(config)
+        _check_tp_size(config)  # before any process starts
         self.config = config
         self.size = config.tp_size
         self.error: str | None = None  # set once a rank is lost; the group is then broken
@@ -147,7 +151,7 @@ class TensorParallelGroup:
         try:
             self.info: TPInfo = init_group(0, self.size, backend, config.tp_timeout, env)
             self.channel = StepChannel(device, dtype, self.info.host_group)
-            dist.broadcast_object_list([_resolved(config)], src=0)
+            dist.broadcast_object_list([config], src=0)
         except BaseException:
             self._kill_workers()
             destroy_group()
@@ -275,6 +279,19 @@ def _resolved(config: EngineConfig) -> EngineConfig:
     if config.load_format == "dummy" and config.model in ARCHITECTURE_PRESETS:
         return config
     return dataclasses.replace(config, model=str(resolve_model(config.model, config.revision)))
+
+
+def _check_tp_size(config: EngineConfig) -> None:
+    if config.load_format == "dummy" and config.model in ARCHITECTURE_PRESETS:
+        shape = ModelConfig.from_dict(ARCHITECTURE_PRESETS[config.model])
+    else:
+        shape = ModelConfig.from_folder(config.model)
+    valid = valid_tp_sizes(shape.num_heads, shape.num_kv_heads, shape.intermediate_size)
+    if config.tp_size not in valid:
+        raise ValueError(f"tp_size {config.tp_size} does not split this model ({shape.num_heads} "
+                         f"attention heads, {shape.num_kv_heads} KV heads, "
+                         f"{shape.intermediate_size} MLP columns); sizes that do: "
+                         f"{', '.join(map(str, valid))}")
 
 
 def _launch_worker(rank: int, env: dict[str, str]) -> subprocess.Popen:
