@@ -91,7 +91,7 @@ def test_loader_failures_are_one_clear_line(tiny_chat_model, tmp_path, capsys):
     shutil.copytree(tiny_chat_model, corrupt)
     weights = corrupt / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
-    cases = [(["--model", "./no-such-model"], "no such file or folder"),
+    cases = [(["--model", "./no-such-model"], "'./no-such-model' not found"),
              (["--model", str(corrupt)], "model.safetensors is not a readable safetensors")]
     if not torch.cuda.is_available():
         cases.append((["--model", str(tiny_chat_model), "--device", "cuda"], "device 'cuda'"))

