@@ -108,6 +108,35 @@ def test_streamed_content_is_never_lost_or_reordered(prefix, step):
     assert len(calls) == len(whole_calls)
 
 
+@pytest.mark.parametrize("fmt", tp.FORMATS)
+def test_the_call_grammar_takes_parallel_calls_only_when_allowed(fmt, default_model_folder):
+    import llguidance
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_folder))
+    lltok = llguidance.hf.from_tokenizer(tokenizer)
+    tools = [t["function"] for t in TOOLS]
+    one = {"name": "get_weather", "arguments": {"city": "Paris"}}
+    if fmt == "llama3_json":
+        one = {"name": "get_weather", "parameters": {"city": "Paris"}}
+    text = {"hermes": "<tool_call>\n{0}\n</tool_call>", "llama3_json": "{0}",
+            "mistral": "[TOOL_CALLS][{0}]"}[fmt].format(json.dumps(one))
+    two = {"hermes": text + "\n" + text, "llama3_json": text + "; " + text,
+           "mistral": text[:-1] + ", " + json.dumps(one) + "]"}[fmt]
+
+    def accepts(reply: str, parallel: bool) -> bool:
+        grammar = llguidance.LLMatcher.grammar_from_lark(tp.call_grammar(fmt, tools, parallel))
+        matcher = llguidance.LLMatcher(lltok, grammar)
+        ids = tokenizer.encode(reply, add_special_tokens=False)
+        return matcher.validate_tokens(ids) == len(ids) and matcher.consume_tokens(ids) \
+            and matcher.is_accepting()
+
+    assert accepts(text, parallel=False) and accepts(text, parallel=True)
+    assert accepts(two, parallel=True) and not accepts(two, parallel=False)
+    assert [c.name for c in tp.parse(fmt, two, NAMES)[1]] == ["get_weather"] * 2
+
+
 @pytest.mark.parametrize(("template", "fmt"), [
     ("hermes_tools.jinja", "hermes"), ("llama3_tools.jinja", "llama3_json"),
     ("mistral_tools.jinja", "mistral"), (None, "hermes")])
@@ -154,6 +183,13 @@ def test_required_calls_are_valid_on_every_template(client):
         for call in choice.message.tool_calls:
             assert call.type == "function" and call.id
             jsonschema.validate(json.loads(call.function.arguments), _schema(call.function.name))
+
+
+def test_one_call_when_parallel_calls_are_off(client):
+    for seed in range(4):
+        reply = _chat(client, tool_choice="required", parallel_tool_calls=False,
+                      temperature=1.0, seed=seed, max_tokens=400)
+        assert len(reply.choices[0].message.tool_calls) == 1
 
 
 def test_named_choice_calls_that_function(client):
