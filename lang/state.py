@@ -120,16 +120,15 @@ class ProgramState:
     def fork(self, size: int = 1, position_ids_offset: Any = None) -> "ForkGroup":
         """`size` branches that continue from here. Their shared prefix is computed once and
         kept cached until `join` (or the end of the program)."""
-        n = size
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"fork: size must be a positive int, got {n!r}")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"fork: size must be a positive int, got {size!r}")
         if position_ids_offset is not None:
             raise ValueError("fork: position_ids_offset is not supported")
         self._interp.sync()
         self._raise_if_failed()
         lease = self._run.pin(self._interp.text)
         branches = [ProgramState(self._run, self._run.interpreter(self._interp))
-                    for _ in range(n)]
+                    for _ in range(size)]
         return ForkGroup(branches, lease, self)
 
     @contextlib.contextmanager
