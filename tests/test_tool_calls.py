@@ -147,14 +147,18 @@ def test_the_format_is_picked_from_the_template(template, fmt):
 
 # -- the server -------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module", params=["hermes_tools.jinja", "llama3_tools.jinja",
-                                        "mistral_tools.jinja", "smollm2"])
+def _model(tmp_path_factory, default_model_folder, template: str) -> Path:
+    text = None if template == "smollm2" else (TEMPLATES / template).read_text()
+    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-tools"), default_model_folder,
+                                text, max_position_embeddings=4096)
+
+
+# The server on a template with tools and on one without (the SmolLM2 default's, which gets
+# the tools described in a system message); every format on its template is below, in process.
+@pytest.fixture(scope="module", params=["hermes_tools.jinja", "smollm2"])
 def server(request, tmp_path_factory, default_model_folder):
-    """A server whose model has this chat template ("smollm2": the default model's, which
-    knows no tools)."""
-    template = None if request.param == "smollm2" else (TEMPLATES / request.param).read_text()
-    folder = save_tiny_chat_model(tmp_path_factory.mktemp("tiny-tools"), default_model_folder,
-                                  template, max_position_embeddings=4096)
+    """A server whose model has this chat template."""
+    folder = _model(tmp_path_factory, default_model_folder, request.param)
     with ServerProcess(["--model", str(folder), "--max-total-tokens", "16384"]) as process:
         process.model_folder = folder
         yield process
@@ -174,7 +178,7 @@ def _schema(name: str) -> dict:
     return next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
 
 
-def test_required_calls_are_valid_on_every_template(client):
+def test_required_calls_are_valid(client):
     for seed in range(8):
         reply = _chat(client, tool_choice="required", temperature=1.0, seed=seed,
                       max_tokens=400)
@@ -284,7 +288,7 @@ def weather_agent(s, question):
 @pytest.mark.parametrize("backend_kind", ["engine", "endpoint", "openai"])
 def test_tool_call_in_programs_on_every_backend(server, backend_kind):
     if backend_kind == "engine":
-        backend = rl.Engine(engine=Engine(str(server.model_folder)))
+        backend = rl.Engine(engine=Engine(str(server.model_folder), max_total_tokens=4096))
     elif backend_kind == "endpoint":
         backend = rl.RuntimeEndpoint(server.url)
     else:
@@ -299,3 +303,29 @@ def test_tool_call_in_programs_on_every_backend(server, backend_kind):
         assert roles == ["user", "assistant", "tool", "assistant"]
         assert state.messages()[1]["tool_calls"][0]["function"]["name"] == "get_weather"
         assert isinstance(state["answer"], str)
+
+
+@pytest.mark.parametrize("template", ["hermes_tools.jinja", "llama3_tools.jinja",
+                                      "mistral_tools.jinja"])
+def test_each_format_on_its_template_in_process(template, tmp_path_factory,
+                                                default_model_folder):
+    """The format picked from each template, its grammar and parser: enforced calls valid on
+    seeded samples, and a whole program with the tool result rendered back."""
+    folder = _model(tmp_path_factory, default_model_folder, template)
+
+    @rl.function
+    def call(s, seed):
+        s += rl.user("Do something.")
+        s += rl.assistant(rl.tool_call("calls", tools=TOOLS, tool_choice="required",
+                                       max_tokens=300, seed=seed))
+
+    with rl.Engine(engine=Engine(str(folder), max_total_tokens=8192)) as backend:
+        for state in call.run_batch([{"seed": seed} for seed in range(6)], backend=backend,
+                                    temperature=1.0, progress_bar=False):
+            assert state.error() is None and state["calls"], state.text()
+            for c in state["calls"]:
+                jsonschema.validate(c["arguments"], _schema(c["name"]))
+        state = weather_agent.run(question="Weather in Paris?", backend=backend, temperature=0)
+        assert state.error() is None, state.error()
+        assert [m["role"] for m in state.messages()] == ["user", "assistant", "tool",
+                                                         "assistant"]
