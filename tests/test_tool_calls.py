@@ -137,6 +137,20 @@ def test_the_call_grammar_takes_parallel_calls_only_when_allowed(fmt, default_mo
     assert [c.name for c in tp.parse(fmt, two, NAMES)[1]] == ["get_weather"] * 2
 
 
+def test_call_grammars_close_open_objects_and_stay_within_the_schema():
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {
+        "b": {"type": "integer"}}}, "free": {"type": "object"},
+        "tags": {"type": "object", "additionalProperties": {"type": "string"}},
+        "c": {"const": {"properties": 1}}}}
+    out = tp.closed(schema)
+    assert out["additionalProperties"] is False
+    assert out["properties"]["a"]["additionalProperties"] is False
+    assert "additionalProperties" not in out["properties"]["free"]  # lists no properties
+    assert out["properties"]["tags"]["additionalProperties"] == {"type": "string"}
+    assert out["properties"]["c"] == {"const": {"properties": 1}}  # values are not schemas
+    assert "additionalProperties" not in schema  # the tool's own schema is left as it is
+
+
 @pytest.mark.parametrize(("template", "fmt"), [
     ("hermes_tools.jinja", "hermes"), ("llama3_tools.jinja", "llama3_json"),
     ("mistral_tools.jinja", "mistral"), (None, "hermes")])

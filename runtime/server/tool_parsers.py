@@ -216,7 +216,7 @@ def call_grammar(fmt: str, tools: Sequence[dict[str, Any]], parallel: bool) -> s
     `tools` in `fmt`: one call, or with `parallel` one or more."""
     args_key = "parameters" if fmt == "llama3_json" else "arguments"
     variants = [{"type": "object", "properties": {
-        "name": {"const": t["name"]}, args_key: t["parameters"]},
+        "name": {"const": t["name"]}, args_key: closed(t["parameters"])},
         "required": ["name", args_key], "additionalProperties": False} for t in tools]
     call = variants[0] if len(variants) == 1 else {"anyOf": variants}
     compact = {"x-guidance": {"whitespace_flexible": False, "key_separator": ": ",
@@ -234,6 +234,23 @@ def call_grammar(fmt: str, tools: Sequence[dict[str, Any]], parallel: bool) -> s
         one, sep = obj, '"; "'
     more = f" ({sep} call)*" if parallel else ""
     return f"start: call{more}\ncall: {one}\n"
+
+
+def closed(schema: Any) -> Any:
+    """The schema with objects that list their properties and say nothing of others taking
+    only those: a function cannot take keyword arguments it does not declare, and a model left
+    free to add keys tends to invent them without end. What it accepts is a subset of what the
+    original does, so every call still validates against the tool's own schema."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) if k not in ("const", "enum", "default", "examples") else v
+           for k, v in schema.items()}
+    if ("properties" in out and "additionalProperties" not in out
+            and "patternProperties" not in out and "unevaluatedProperties" not in out):
+        out["additionalProperties"] = False
+    return out
 
 
 def system_prompt(tools: Sequence[dict[str, Any]]) -> str:
