@@ -11,6 +11,8 @@ Parsers (`--reasoning-parser`):
 
 from __future__ import annotations
 
+from radixlm.runtime.server.tool_parsers import partial_suffix
+
 PARSERS = ("qwen3", "deepseek_r1")
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -55,7 +57,7 @@ class ReasoningStream:
         if self.phase == "thinking":
             at = self.held.find(CLOSE)
             if at < 0:
-                keep = _partial_suffix(self.held, CLOSE)
+                keep = partial_suffix(self.held, CLOSE)
                 reasoning, self.held = self.held[:len(self.held) - keep], self.held[
                     len(self.held) - keep:]
                 return reasoning, content
@@ -73,9 +75,3 @@ class ReasoningStream:
         held, self.held = self.held, ""
         return (held, "") if self.phase == "thinking" else ("", held)
 
-
-def _partial_suffix(text: str, tag: str) -> int:
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0

@@ -179,7 +179,7 @@ class StreamingToolParser:
         if at >= 0:
             self.in_calls = True
             return self._release(at)
-        return self._release(len(self.held) - _partial_suffix(self.held, self.trigger))
+        return self._release(len(self.held) - partial_suffix(self.held, self.trigger))
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """(the rest of the content, the calls) at the end of the reply."""
@@ -201,10 +201,11 @@ class StreamingToolParser:
         return out
 
 
-def _partial_suffix(text: str, trigger: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `trigger`."""
-    for n in range(min(len(text), len(trigger) - 1), 0, -1):
-        if trigger.startswith(text[-n:]):
+def partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag`: text a stream
+    holds back, since the next piece may complete the tag."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
             return n
     return 0
 
