@@ -4,9 +4,10 @@ Python's `re` backtracks, and a pattern such as `(a+)+$` over a long output take
 time on the engine thread, stalling every request. So each pattern runs in llguidance's
 derivative-based regex engine, which is linear in the text and builds its automaton lazily
 under a fuel budget, over a byte "vocabulary" (one token per byte): the matcher for
-`(?s:.)*(?:PATTERN)` is accepting exactly after a byte at which some match of PATTERN ends.
-A leading `^` ties the match to the start of the output; a trailing `$` changes nothing
-(the match ends where the text so far ends either way).
+`(?s:.)*(?:PATTERN)(?s:.)*` is accepting once the text so far contains a match, and stays so,
+so a new piece of text can be fed in one call and checked once. A leading `^` ties the match
+to the start of the output; a trailing `$` changes nothing (the match ends where the text so
+far ends either way).
 
 As with SGLang's `stop_regex`, the output keeps the whole text of the token in which the first
 match completes: a pattern such as `Answer: \d+` then ends the output after the first token
@@ -49,7 +50,8 @@ def _template(pattern: str) -> llguidance.LLMatcher:
     """A fresh matcher for `pattern` (compiling takes ~1 ms; copies are cheap)."""
     body = check_regex(pattern, "stop_regex")
     anchored = pattern.startswith(("^", "\\A"))
-    grammar = llguidance.grammar_from("regex", body if anchored else f"(?s:.)*(?:{body})")
+    contains = f"(?:{body})(?s:.)*"
+    grammar = llguidance.grammar_from("regex", contains if anchored else f"(?s:.)*{contains}")
     matcher = llguidance.LLMatcher(_byte_tokenizer(), grammar)
     if matcher.is_error():
         raise ValueError(f"stop_regex {pattern!r}: {matcher.get_error()}")
@@ -70,15 +72,17 @@ def check_stop_regexes(patterns: Sequence[str]) -> None:
 
 
 class StopRegexMatcher:
-    """Fed the output text piece by piece; says where the first match of any pattern ends."""
+    """Fed the output text piece by piece; says which pattern the text first matches."""
 
     def __init__(self, patterns: Sequence[str]) -> None:
         self._matchers = [(p, _template(p).deep_copy()) for p in patterns]
 
     def feed(self, text: str) -> str | None:
-        """The pattern of the first match that `text` completes, or None."""
-        for char in text:
-            data = list(char.encode())
+        """The pattern the text first matches now that `text` was added, or None. With one
+        pattern the piece goes in whole; with several, a character at a time, so the one
+        whose match completes first is named."""
+        for part in (text,) if len(self._matchers) == 1 else text:
+            data = list(part.encode())
             for entry in list(self._matchers):
                 pattern, matcher = entry
                 if not matcher.consume_tokens(data):
