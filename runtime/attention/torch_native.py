@@ -59,17 +59,15 @@ class TorchNativeAttention(AttentionBackend):
             k_pages, v_pages = batch.kv_cache.layer_pages(layer_id)
             bd, pages = self.decode_pages.shape
             qd = q if self.all_decode else q.index_select(0, self.decode_tokens)
-            qd = qd.unsqueeze(2)  # [Bd, H, 1, D]
             # index_select copies whole rows with memcpy: several times faster than
             # advanced indexing on CPU. [Bd * pages, page_size, Hkv, D] -> [Bd, Hkv, L, D]
             flat = self.decode_pages.flatten()
-            kd = k_pages.index_select(0, flat).view(bd, -1, *k.shape[1:]).transpose(1, 2)
-            vd = v_pages.index_select(0, flat).view(bd, -1, *v.shape[1:]).transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask,
-                                                scale=self.scale, enable_gqa=True)
+            kd = k_pages.index_select(0, flat).view(bd, -1, *k.shape[1:])
+            vd = v_pages.index_select(0, flat).view(bd, -1, *v.shape[1:])
+            od = _decode_attention(qd, kd, vd, self.decode_mask, self.scale)
             if self.all_decode:
-                return od.squeeze(2)
-            out.index_copy_(0, self.decode_tokens, od.squeeze(2))
+                return od
+            out.index_copy_(0, self.decode_tokens, od)
         for i in self.prefill:
             start, end = self.q_starts[i], self.q_starts[i + 1]
             q_len, kv_len = end - start, batch.kv_lens[i]
@@ -87,3 +85,23 @@ class TorchNativeAttention(AttentionBackend):
                                                 enable_gqa=True)
             out[start:end] = oi.squeeze(0).transpose(0, 1)
         return out
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """One query token per sequence: q [B, H, D], k/v [B, L, Hkv, D], valid [B, 1, 1, L]
+    -> [B, H, D] in q's dtype.
+
+    Three small batched products in float32 rather than SDPA: with one query row, the fused
+    CPU kernel spends milliseconds per call on tiling it cannot use, while these read each key
+    and value once. The query heads sharing a KV head (GQA) are one matrix of rows.
+    """
+    b, heads, d = q.shape
+    kv_heads = k.shape[2]
+    q4 = q.float().view(b, kv_heads, heads // kv_heads, d)  # [B, Hkv, G, D]
+    keys = k.float().permute(0, 2, 3, 1)  # [B, Hkv, D, L]
+    values = v.float().transpose(1, 2)  # [B, Hkv, L, D]
+    scores = torch.matmul(q4, keys).mul_(scale)  # [B, Hkv, G, L]
+    scores.masked_fill_(~valid, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, values).view(b, heads, d).to(q.dtype)
