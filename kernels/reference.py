@@ -11,13 +11,15 @@ import torch
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               slot_table: torch.Tensor, q_lens: list[int], kv_lens: list[int],
-                              scale: float) -> torch.Tensor:
+                              scale: float, sliding_window: int | None = None,
+                              softcap: float | None = None) -> torch.Tensor:
     """Causal attention of a ragged batch over a paged KV cache.
 
     q: [T, H, D] with the sequences' new tokens back to back; k_cache/v_cache: [slots, Hkv, D]
     already holding every sequence's keys (new tokens included); slot_table[i, p] is the slot
     of position p of sequence i. Query j of sequence i is at position kv_len - q_len + j and
-    sees positions 0 .. kv_len - q_len + j. Returns [T, H, D].
+    sees positions 0 .. kv_len - q_len + j (only the last `sliding_window` of them, if set).
+    With `softcap`, scores become softcap * tanh(scores / softcap). Returns [T, H, D].
     """
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -29,9 +31,14 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         values = v_cache[slots].float().repeat_interleave(group, dim=1)
         queries = q[start:start + q_len].float()  # [q, H, D]
         scores = torch.einsum("qhd,lhd->hql", queries, keys) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         # query j sits at position kv_len - q_len + j and sees keys up to there
         q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
-        visible = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]  # [q, L]
+        k_pos = torch.arange(kv_len, device=q.device)
+        visible = k_pos[None, :] <= q_pos[:, None]  # [q, L]
+        if sliding_window is not None:
+            visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
         weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
         out[start:start + q_len] = torch.einsum("hql,lhd->qhd", weights, values).to(q.dtype)
         start += q_len

@@ -8,6 +8,12 @@ for decode) and attends to `kv_len` tokens (everything computed before plus the 
     0 .. kv_len - q_len + j (causal inside the chunk, everything before it).
 
 Backends get the KV cache and the slot table; the model code never sees pages.
+
+A layer may attend differently from the backend's defaults (`LayerAttention`): its own softmax
+scale (Gemma's query_pre_attn_scalar), a sliding window (query at position p sees keys
+p - window + 1 .. p only; the older keys stay in the cache, where other layers may still read
+them) and tanh soft-capping of the scores (Gemma 2). Each forward call says so itself, so one
+backend serves models whose layers alternate between local and global attention.
 """
 
 from __future__ import annotations
@@ -19,6 +25,25 @@ from dataclasses import dataclass
 import torch
 
 from radixlm.runtime.attention.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """How one layer attends, where it differs from plain causal attention at the backend's
+    scale. Frozen and hashable: backends key per-step state (masks, planned wrappers) by it."""
+
+    scale: float | None = None  # None: the backend's scale (head_dim ** -0.5)
+    sliding_window: int | None = None  # keys within this many positions, the query's own included
+    logit_softcap: float | None = None  # scores -> softcap * tanh(scores / softcap)
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.logit_softcap is not None and self.logit_softcap <= 0:
+            raise ValueError(f"logit_softcap must be > 0, got {self.logit_softcap}")
+
+
+FULL_ATTENTION = LayerAttention()
 
 
 @dataclass
@@ -57,8 +82,8 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                batch: ForwardBatch) -> torch.Tensor:
-        """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H, D]."""
+                batch: ForwardBatch, layer: LayerAttention = FULL_ATTENTION) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H, D], attending as `layer` says."""
 
     def init_cuda_graph(self, batch_sizes: list[int], max_len: int, num_heads: int,
                         kv_cache: KVCache) -> None:

@@ -4,6 +4,10 @@ Decode tokens (q_len == 1) of all sequences are attended in one padded SDPA call
 pages (gathered page by page: whole pages are contiguous, so this copies large blocks rather
 than single tokens); prefill chunks go one sequence at a time, each with its own causal
 offset mask.
+
+A layer with a sliding window gets masks that also hide keys older than its window (built once
+per step and window); a layer with soft-capped scores goes through `_capped_attention`, which
+computes the scores itself since SDPA cannot cap them.
 """
 
 from __future__ import annotations
@@ -11,7 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from radixlm.runtime.attention.base import AttentionBackend, ForwardBatch
+from radixlm.runtime.attention.base import (FULL_ATTENTION, AttentionBackend, ForwardBatch,
+                                            LayerAttention)
 
 
 class TorchNativeAttention(AttentionBackend):
@@ -41,17 +46,47 @@ class TorchNativeAttention(AttentionBackend):
             # [Bd, 1, 1, L]: True where the key position exists for that sequence
             valid = torch.arange(width, device=device)[None, :] < kv_lens[:, None]
             self.decode_mask = valid[:, None, None, :]
-        # Causal offset masks depend only on (q_len, kv_len): build them once per step.
-        self.prefill_masks = {}
+            self.decode_kv_lens = kv_lens
+        # Causal offset masks depend only on (q_len, kv_len) (and a layer's window): build
+        # them once per step, windowed ones on first use.
+        self.prefill_masks: dict[tuple[int, int, int | None], torch.Tensor] = {}
+        self.window_decode_masks: dict[int, torch.Tensor] = {}
+        self.device = batch.slot_table.device
         for i in self.prefill:
             q_len, kv_len = batch.q_lens[i], batch.kv_lens[i]
-            if q_len != kv_len and (q_len, kv_len) not in self.prefill_masks:
-                q_pos = torch.arange(kv_len - q_len, kv_len, device=batch.slot_table.device)
-                k_pos = torch.arange(kv_len, device=batch.slot_table.device)
-                self.prefill_masks[(q_len, kv_len)] = k_pos[None, :] <= q_pos[:, None]
+            if q_len != kv_len:
+                self._prefill_mask(q_len, kv_len, None)
+
+    def _prefill_mask(self, q_len: int, kv_len: int, window: int | None) -> torch.Tensor:
+        """[q_len, kv_len] bool: query j (at position kv_len - q_len + j) sees key p."""
+        key = (q_len, kv_len, window)
+        mask = self.prefill_masks.get(key)
+        if mask is None:
+            q_pos = torch.arange(kv_len - q_len, kv_len, device=self.device)
+            k_pos = torch.arange(kv_len, device=self.device)
+            mask = k_pos[None, :] <= q_pos[:, None]
+            if window is not None:
+                mask &= k_pos[None, :] > q_pos[:, None] - window
+            self.prefill_masks[key] = mask
+        return mask
+
+    def _decode_mask(self, window: int | None) -> torch.Tensor:
+        """[Bd, 1, 1, L] bool: the keys each decode token sees (the last `window` only)."""
+        if window is None:
+            return self.decode_mask
+        mask = self.window_decode_masks.get(window)
+        if mask is None:
+            width = self.decode_mask.shape[-1]
+            k_pos = torch.arange(width, device=self.device)[None, :]
+            recent = k_pos >= (self.decode_kv_lens - window)[:, None]  # [Bd, L]
+            mask = self.decode_mask & recent[:, None, None, :]
+            self.window_decode_masks[window] = mask
+        return mask
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                batch: ForwardBatch) -> torch.Tensor:
+                batch: ForwardBatch, layer: LayerAttention = FULL_ATTENTION) -> torch.Tensor:
+        scale = self.scale if layer.scale is None else layer.scale
+        window, softcap = layer.sliding_window, layer.logit_softcap
         k_cache, v_cache = batch.kv_cache.layer(layer_id)
         batch.kv_cache.store(layer_id, batch.out_slots, k, v)
         out = torch.empty_like(q)
@@ -64,7 +99,12 @@ class TorchNativeAttention(AttentionBackend):
             flat = self.decode_pages.flatten()
             kd = k_pages.index_select(0, flat).view(bd, -1, *k.shape[1:])
             vd = v_pages.index_select(0, flat).view(bd, -1, *v.shape[1:])
-            od = _decode_attention(qd, kd, vd, self.decode_mask, self.scale)
+            mask = self._decode_mask(window)
+            if softcap is None:
+                od = _decode_attention(qd, kd, vd, mask, scale)
+            else:  # [Bd, H, 1, D] against [Bd, Hkv, L, D]
+                od = _capped_attention(qd.unsqueeze(2), kd.transpose(1, 2), vd.transpose(1, 2),
+                                       mask, scale, softcap).squeeze(2)
             if self.all_decode:
                 return od
             out.index_copy_(0, self.decode_tokens, od)
@@ -79,10 +119,17 @@ class TorchNativeAttention(AttentionBackend):
                 ki, vi = k_cache.index_select(0, slots), v_cache.index_select(0, slots)
             ki = ki.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
             vi = vi.transpose(0, 1).unsqueeze(0)
-            mask = self.prefill_masks.get((q_len, kv_len))
-            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask,
-                                                is_causal=mask is None, scale=self.scale,
-                                                enable_gqa=True)
+            # A whole unwindowed sequence is plain causal attention: no mask to build.
+            mask = (None if q_len == kv_len and window is None
+                    else self._prefill_mask(q_len, kv_len, window))
+            if softcap is None:
+                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask,
+                                                    is_causal=mask is None, scale=scale,
+                                                    enable_gqa=True)
+            else:
+                if mask is None:
+                    mask = self._prefill_mask(q_len, kv_len, None)
+                oi = _capped_attention(qi, ki, vi, mask, scale, softcap)
             out[start:end] = oi.squeeze(0).transpose(0, 1)
         return out
 
@@ -105,3 +152,17 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: 
     scores.masked_fill_(~valid, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, values).view(b, heads, d).to(q.dtype)
+
+
+def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                      scale: float, softcap: float) -> torch.Tensor:
+    """Attention with tanh-capped scores: q [B, H, Q, D], k/v [B, Hkv, L, D], visible
+    broadcastable to [B, H, Q, L] -> [B, H, Q, D] in q's dtype. Scores and softmax in float32;
+    the cap applies after the scale and before the mask, as Gemma 2 defines it."""
+    group = q.shape[1] // k.shape[1]
+    keys = k.float().repeat_interleave(group, dim=1)  # [B, H, L, D]
+    values = v.float().repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), keys.transpose(-1, -2)) * scale  # [B, H, Q, L]
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), values).to(q.dtype)
