@@ -33,7 +33,8 @@ def pool_pages(config: EngineConfig, models: list[Any], dtype: torch.dtype,
 
 def max_model_len(config: EngineConfig, mc: Any, pool_tokens: int) -> int:
     limit = mc.max_position_embeddings
-    if mc.sliding_window:  # full attention is only exact inside the window
+    # A family that ignores its configured window (layer_windows None) is exact only inside it.
+    if mc.sliding_window and mc.layer_windows is None:
         limit = min(limit, mc.sliding_window)
     if config.max_model_len is not None:
         if config.max_model_len > limit:

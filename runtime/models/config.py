@@ -11,13 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Architecture name in config.json -> the per-family switches of our one Llama-style model.
-SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
-    "LlamaForCausalLM": {},
-    "MistralForCausalLM": {},
-    "Qwen2ForCausalLM": {"attention_bias": True},
-    "Qwen3ForCausalLM": {"qk_norm": True},
-}
+from radixlm.runtime.models.registry import FAMILIES
+
+# Architecture name in config.json -> its family (the class and the switches read below).
+SUPPORTED_ARCHITECTURES = FAMILIES
+# rope_parameters keyed by layer type (Gemma 3): the global layers' entry is the model's rope.
+_GLOBAL_ROPE = "full_attention"
 
 
 @dataclass(frozen=True)
@@ -39,6 +38,10 @@ class ModelConfig:
     qk_norm: bool = False
     rope_scaling: dict[str, Any] | None = None
     sliding_window: int | None = None
+    # Per layer, the window it attends within (None: full attention), for families that apply
+    # windows; None for those that do not (their configured window caps the sequence length).
+    layer_windows: tuple[int | None, ...] | None = None
+    hidden_act: str = "silu"
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -51,20 +54,36 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported model architecture {archs or cfg.get('model_type')!r}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; only silu")
-        switches = SUPPORTED_ARCHITECTURES[arch]
+        family = SUPPORTED_ARCHITECTURES[arch]
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or family.activations[0]
+        if act not in family.activations:
+            raise ValueError(f"unsupported hidden_act {act!r} for {arch}; supported: "
+                             f"{', '.join(family.activations)}")
         num_heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_parameters") or {}
+        if isinstance(rope.get(_GLOBAL_ROPE), dict):
+            rope = rope[_GLOBAL_ROPE]
         rope_scaling = cfg.get("rope_scaling") or rope or None
-        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
+        kind = rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type"))
+        if kind == "default":
             rope_scaling = None
+        elif kind in ("longrope", "su"):  # Phi-3 keeps these two beside rope_scaling
+            rope_scaling = {
+                "original_max_position_embeddings": cfg.get("original_max_position_embeddings"),
+                "max_position_embeddings": cfg.get("max_position_embeddings"), **rope_scaling}
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         # Mistral/Qwen configs carry a sliding window that is only active when enabled.
         window = cfg.get("sliding_window")
         if arch.startswith("Qwen") and not cfg.get("use_sliding_window", False):
             window = None
+        window = window or None  # some configs write 0 for none
+        layer_windows = None
+        if family.sliding_layers is not None:
+            types = cfg.get("layer_types")
+            sliding = ([t == "sliding_attention" for t in types] if types else
+                       [family.sliding_layers(i, cfg) for i in range(cfg["num_hidden_layers"])])
+            layer_windows = tuple(window if s else None for s in sliding)
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -78,11 +97,13 @@ class ModelConfig:
             rope_theta=cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", switches.get("attention_bias", False))),
+            attention_bias=bool(cfg.get("attention_bias", family.attention_bias)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=switches.get("qk_norm", False),
+            qk_norm=family.qk_norm,
             rope_scaling=rope_scaling,
             sliding_window=window,
+            layer_windows=layer_windows,
+            hidden_act=act,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             raw=cfg,

@@ -16,10 +16,14 @@ from typing import Any, Iterator
 
 import torch
 
+from torch import nn
+
 from radixlm.runtime.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from radixlm.runtime.models.layers.linear import Linear
-from radixlm.runtime.models.llama import LlamaForCausalLM
+from radixlm.runtime.models.layers.norm import RMSNorm
+from radixlm.runtime.models.presets import ARCHITECTURE_PRESETS
 from radixlm.runtime.models.quantization.config import resolve_quant_config
+from radixlm.runtime.models.registry import model_class
 from radixlm.runtime.parallel.groups import TPInfo
 
 log = logging.getLogger(__name__)
@@ -34,43 +38,13 @@ EMBEDDED_MODELS = {
 # radixlm): fetched there instead, once, when the machine is online.
 EMBEDDED_HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
-# Architecture shapes without weights, for load_format="dummy" (benchmarks, GPU tests).
-ARCHITECTURE_PRESETS: dict[str, dict[str, Any]] = {
-    "llama-3-8b": {
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
-        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-        "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-        "max_position_embeddings": 8192, "tie_word_embeddings": False,
-        "bos_token_id": 128000, "eos_token_id": 128001,
-    },
-    "qwen2.5-7b": {
-        "architectures": ["Qwen2ForCausalLM"], "vocab_size": 152064, "hidden_size": 3584,
-        "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
-        "num_key_value_heads": 4, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-        "max_position_embeddings": 131072, "tie_word_embeddings": False,
-        "use_sliding_window": False, "bos_token_id": 151643, "eos_token_id": 151643,
-    },
-    # A draft model for the 8B shape (same vocabulary): speculative-decoding benchmarks.
-    "llama-3.2-1b": {
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 2048,
-        "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
-        "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-        "max_position_embeddings": 8192, "tie_word_embeddings": True,
-        "bos_token_id": 128000, "eos_token_id": 128001,
-    },
-    "llama-3-70b": {
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 8192,
-        "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
-        "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-        "max_position_embeddings": 8192, "tie_word_embeddings": False,
-        "bos_token_id": 128000, "eos_token_id": 128001,
-    },
-}
+__all__ = ["ARCHITECTURE_PRESETS", "LoadedModel", "load_model", "resolve_model"]
 
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
+    # LlamaForCausalLM or another family's model (registry.py): forward, compute_logits
+    model: nn.Module
     config: ModelConfig
     tokenizer: Any | None  # a transformers tokenizer; None for weight-less presets
 
@@ -169,7 +143,7 @@ def load_model(model: str | None, load_format: str, dtype: torch.dtype,
     quant = resolve_quant_config(quantization, config.raw, dummy=load_format == "dummy")
     positions = max_positions or config.max_position_embeddings
     with torch.device(device):
-        net = LlamaForCausalLM(config, dtype, positions, quant, tp)
+        net = model_class(config.architecture)(config, dtype, positions, quant, tp)
     if load_format == "dummy":
         _init_dummy(net, seed)
     else:
@@ -237,7 +211,7 @@ def _checkpoint_tensors(folder: Path, lazy: bool = False) -> Iterator[tuple[str,
             raise
 
 
-def _load_checkpoint(net: LlamaForCausalLM, folder: Path, lazy: bool = False) -> None:
+def _load_checkpoint(net: nn.Module, folder: Path, lazy: bool = False) -> None:
     loaded = net.load_weights(_checkpoint_tensors(folder, lazy))
     missing = net.expected_weight_keys() - loaded
     if missing:
@@ -245,7 +219,7 @@ def _load_checkpoint(net: LlamaForCausalLM, folder: Path, lazy: bool = False) ->
                          f"{', '.join(sorted(missing)[:5])}")
 
 
-def _init_dummy(net: LlamaForCausalLM, seed: int) -> None:
+def _init_dummy(net: nn.Module, seed: int) -> None:
     """Random weights of the right shapes; norms at 1 so activations stay in range. Quantized
     linears get random weights quantized into their checkpoint format, so that loading
     converts them exactly as it converts a real checkpoint."""
@@ -263,15 +237,15 @@ def _init_dummy(net: LlamaForCausalLM, seed: int) -> None:
         for name, param in module.named_parameters(recurse=False):
             if method is not None and name != "bias":
                 continue  # the method's own parameters, filled below
-            if f"{module_name}.{name}".endswith("norm.weight"):
-                param.data.fill_(1.0)
+            if isinstance(module, RMSNorm):  # scale 1 (Gemma's norms store w for 1 + w)
+                param.data.fill_(module.unit_weight)
             else:
                 param.data.copy_(random(tuple(param.shape), param.device))
         if method is not None:
             method.init_dummy(module, random)
 
 
-def _process_quantized_weights(net: LlamaForCausalLM) -> None:
+def _process_quantized_weights(net: nn.Module) -> None:
     """Quantize float weights (fp8, int8) or repack checkpoint formats (awq, gptq) into the
     tensors the quantized linears run on, now that every tensor is in."""
     for module in net.modules():

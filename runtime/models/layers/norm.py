@@ -1,4 +1,8 @@
-"""RMSNorm, normalised in float32 whatever the activation dtype (as the reference models do)."""
+"""RMSNorm, normalised in float32 whatever the activation dtype (as the reference models do).
+
+`OffsetRMSNorm` is Gemma's: the checkpoint stores w and the layer scales by (1 + w), in float32
+before rounding (where Llama rounds first, then scales by w).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ from radixlm.runtime.models.layers.weights import copy_weight
 
 
 class RMSNorm(nn.Module):
+    unit_weight = 1.0  # the stored weight that leaves the normalised input unscaled
+
     def __init__(self, size: int, eps: float, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.eps = eps
@@ -23,3 +29,11 @@ class RMSNorm(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | str | None = None) -> None:
         copy_weight(param.data, loaded)
+
+
+class OffsetRMSNorm(RMSNorm):
+    unit_weight = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)

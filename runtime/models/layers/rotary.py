@@ -1,4 +1,12 @@
-"""Rotary position embeddings (half-split "neox" layout, as in Hugging Face Llama)."""
+"""Rotary position embeddings (half-split "neox" layout, as in Hugging Face Llama).
+
+Scalings: linear, llama3 (Llama 3.1) and longrope (Phi-3's "su"). LongRoPE has two sets of
+per-frequency factors: the short set for contexts within the pretraining length and the long
+set beyond it. Hugging Face switches sets per forward by the longest position in it, which
+re-rotates nothing already cached; we pick one set for the whole engine from the longest
+sequence it serves (max_positions): the long set as soon as that exceeds the pretraining
+length. Every key and query then share one rotation, whatever the batch.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +17,8 @@ import torch
 from torch import nn
 
 
-def rope_inverse_frequencies(head_dim: int, theta: float,
-                             scaling: dict[str, Any] | None) -> torch.Tensor:
+def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None,
+                             max_positions: int | None = None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if not scaling:
         return inv_freq
@@ -19,7 +27,30 @@ def rope_inverse_frequencies(head_dim: int, theta: float,
         return inv_freq / scaling["factor"]
     if kind == "llama3":
         return _llama3_frequencies(inv_freq, scaling)
-    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: linear, llama3")
+    if kind in ("longrope", "su"):
+        long = max_positions is not None and max_positions > scaling[
+            "original_max_position_embeddings"]
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"],
+                               dtype=torch.float32)
+        if factors.numel() != inv_freq.numel():
+            raise ValueError(f"longrope: {factors.numel()} factors for {inv_freq.numel()} "
+                             f"frequencies (partial rotary is not supported)")
+        return inv_freq / factors
+    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: linear, llama3, "
+                     f"longrope")
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """The factor cos and sin are multiplied by (LongRoPE keeps attention entropy in check on
+    long contexts): the config's, or sqrt(1 + ln(s) / ln(original length)) for the extension
+    ratio s = max_position_embeddings / original length."""
+    if not scaling or scaling.get("rope_type", scaling.get("type")) not in ("longrope", "su"):
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or scaling["max_position_embeddings"] / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def _llama3_frequencies(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
@@ -41,11 +72,12 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: dict[str, Any] | None = None) -> None:
         super().__init__()
-        inv_freq = rope_inverse_frequencies(head_dim, theta, scaling)
+        inv_freq = rope_inverse_frequencies(head_dim, theta, scaling, max_positions)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        factor = rope_attention_factor(scaling)
         # [max_positions, head_dim / 2]; kept in float32 and cast per call, like the reference.
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        self.register_buffer("cos", angles.cos() * factor, persistent=False)
+        self.register_buffer("sin", angles.sin() * factor, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

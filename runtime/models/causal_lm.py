@@ -1,0 +1,131 @@
+"""What every model family outside the Llama module shares: the output head, and loading
+checkpoint tensors through each owning layer's weight loader.
+
+A family subclasses `CausalLM`, builds `self.model` (with `embed_tokens`, `layers` and `norm`)
+and `self.lm_head`, writes `forward`, and maps checkpoint names that differ from its parameter
+names in `route` (a fused tensor to its parts, an expert's tensor to its slice of the stacked
+experts). The runner only ever calls `forward`, `compute_logits` and reads `config`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from radixlm.runtime.attention.base import AttentionBackend, ForwardBatch
+from radixlm.runtime.models.config import ModelConfig
+from radixlm.runtime.models.layers.embedding import VocabEmbedding
+from radixlm.runtime.models.layers.linear import Linear, MergedLinear
+from radixlm.runtime.models.layers.moe import FusedMoE
+from radixlm.runtime.models.quantization.config import QuantConfig
+from radixlm.runtime.parallel.groups import TPInfo
+
+# A checkpoint tensor as the loader routes it: (our parameter name, shard id, tensor).
+Routed = tuple[str, Any, Any]
+
+# Separate q/k/v and gate/up projections -> our fused layers, with the part they fill.
+_FUSED_PARTS = {
+    ".q_proj.": (".qkv_proj.", "q"),
+    ".k_proj.": (".qkv_proj.", "k"),
+    ".v_proj.": (".qkv_proj.", "v"),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+# One expert's projection: experts.<e>.<part>.weight, under the names two conventions use.
+_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
+                "down_proj": "down", "w2": "down"}
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, quant: QuantConfig | None,
+                 tp: TPInfo | None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.quant = quant
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        self.fused: Any = None
+        self.model: nn.Module
+        self.lm_head: VocabEmbedding | None = None
+
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        """Hidden states after the final norm, [T, hidden_size]."""
+        raise NotImplementedError
+
+    def use_fused_kernels(self, enabled: bool) -> None:
+        """Switch the fused MoE kernel (CUDA) on or off; the other layers stay in torch."""
+        kernel = None
+        if enabled:
+            from radixlm.kernels import fused_moe as kernel
+        self.fused = kernel
+        for module in self.modules():
+            if isinstance(module, FusedMoE):
+                module.kernel = kernel
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, d] -> [N, vocab] float32 logits (gathered from every rank's vocab shard)."""
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return head.logits(hidden)
+
+    # -- loading ---------------------------------------------------------------------------
+
+    def route(self, name: str, tensor: Any) -> Iterator[Routed]:
+        """Where a checkpoint tensor goes; families extend this for their own names."""
+        expert = _EXPERT.search(name)
+        if expert is not None:
+            target = name[: expert.start()] + ".experts." + (
+                "w2" if _EXPERT_PART[expert[2]] == "down" else "w13")
+            yield target, (int(expert[1]), _EXPERT_PART[expert[2]]), tensor
+            return
+        for fragment, (fused, part) in _FUSED_PARTS.items():
+            if fragment in name:
+                yield name.replace(fragment, fused), part, tensor
+                return
+        yield name, None, tensor
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        """Load checkpoint tensors (Hugging Face names) through each owning layer's
+        weight_loader; return the keys that were set (see `expected_weight_keys`)."""
+        owned = self._parameters_with_owner()
+        modules = dict(self.named_modules())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints store the copy anyway
+            for target, shard, part in self.route(name, tensor):
+                if target not in owned:
+                    module_name, _, param_name = target.rpartition(".")
+                    module = modules.get(module_name)
+                    if isinstance(module, Linear) and module.ignores_checkpoint_tensor(
+                            param_name):
+                        continue
+                    raise ValueError(f"checkpoint tensor {name!r} matches no model parameter")
+                module, param = owned[target]
+                module.weight_loader(param, part, shard)
+                loaded.add(target if shard is None else f"{target}:{shard}")
+        return loaded
+
+    def expected_weight_keys(self) -> set[str]:
+        """Every key a complete checkpoint sets: fused parameters once per part."""
+        keys = set()
+        for name, (module, _) in self._parameters_with_owner().items():
+            param_name = name.rpartition(".")[2]
+            if isinstance(module, Linear) and not module.required_in_checkpoint(param_name):
+                continue
+            if isinstance(module, MergedLinear):
+                keys.update(f"{name}:{shard}" for shard in module.shard_names)
+            elif isinstance(module, FusedMoE):
+                keys.update(f"{name}:{shard}" for shard in module.checkpoint_shards(param_name))
+            else:
+                keys.add(name)
+        return keys
+
+    def _parameters_with_owner(self) -> dict[str, tuple[nn.Module, nn.Parameter]]:
+        return {f"{module_name}.{name}": (module, param)
+                for module_name, module in self.named_modules()
+                for name, param in module.named_parameters(recurse=False)}

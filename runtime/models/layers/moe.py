@@ -1,0 +1,109 @@
+"""Mixture-of-experts: top-k routing and the experts' gated MLPs, all experts in two tensors.
+
+    w13 [E, 2 * I, d]: each expert's gate rows then up rows (checkpoint w1/gate_proj, w3/up_proj)
+    w2  [E, d, I]:     each expert's down projection (checkpoint w2/down_proj)
+
+A token goes through its top-k experts, and its output is the routing-weighted sum of theirs.
+Two ways to compute it, with the same result:
+
+- `grouped_moe` (any device, the CPU path and the GPU reference): the T * k (token, expert)
+  pairs are sorted by expert, so each active expert runs one matmul over all its tokens;
+  Python loops over the active experts, never over tokens.
+- the fused Triton kernel (radixlm.kernels.fused_moe, CUDA): the same sorted pairs, padded per
+  expert to whole blocks, in two grouped GEMMs; no host sync, so decode steps can be captured
+  in a CUDA graph.
+
+Tensor parallelism splits every expert's intermediate channels across ranks, like a dense MLP:
+w13 holds this rank's gate and up rows, w2 its columns, and the partial sums are all-reduced.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixlm.runtime.models.layers.weights import copy_weight, narrow
+from radixlm.runtime.parallel.groups import TPInfo, all_reduce
+
+# Checkpoint part -> (parameter, index of the part in it).
+_PARTS = {"gate": ("w13", 0), "up": ("w13", 1), "down": ("w2", 0)}
+
+
+def route_top_k(router_logits: torch.Tensor, top_k: int,
+                renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, E] router logits -> (weights [T, k] float32, expert ids [T, k] int64): softmax over
+    all experts in float32, the k largest, rescaled to sum to one if `renormalize`."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def grouped_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                ids: torch.Tensor) -> torch.Tensor:
+    """x [T, d] through experts ids [T, k] with weights [T, k] -> [T, d] in x's dtype (SiLU
+    gate). Weighted in float32, summed per token in expert order."""
+    num_tokens, top_k = ids.shape
+    flat = ids.flatten()  # [T * k]: pair p is token p // k's choice p % k
+    order = flat.argsort(stable=True)  # pairs sorted by expert
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    token_of = order // top_k  # [T * k] token of each sorted pair
+    xs = x.index_select(0, token_of)  # [T * k, d], grouped by expert
+    out = torch.empty(xs.shape, dtype=torch.float32, device=x.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = slice(start, start + count)
+        gate, up = F.linear(xs[rows], w13[expert]).chunk(2, dim=-1)  # [n, I] each
+        out[rows] = F.linear(F.silu(gate) * up, w2[expert]).float()  # [n, d]
+        start += count
+    out *= weights.flatten()[order].unsqueeze(1)
+    summed = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    return summed.index_add_(0, token_of, out).to(x.dtype)
+
+
+class FusedMoE(nn.Module):
+    """The experts of one MoE layer. `forward` takes the routing (see route_top_k)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 dtype: torch.dtype, tp: TPInfo | None = None) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.tp = tp
+        self.start, size = (0, intermediate_size) if tp is None else tp.split(
+            intermediate_size, "moe_intermediate_size")
+        self.intermediate_size = size  # this rank's
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * size, hidden_size, dtype=dtype),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, size, dtype=dtype),
+                               requires_grad=False)
+        self.kernel: Any = None  # radixlm.kernels.fused_moe when the fused kernels are on
+
+    def checkpoint_shards(self, param_name: str) -> list[tuple[int, str]]:
+        """The (expert, part) pieces a complete checkpoint sets in this parameter."""
+        parts = [p for p, (name, _) in _PARTS.items() if name == param_name]
+        return [(e, p) for e in range(self.num_experts) for p in parts]
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any,
+                      shard_id: tuple[int, str]) -> None:
+        """One expert's gate, up ([I, d]) or down ([d, I]) projection from the checkpoint."""
+        expert, part = shard_id
+        _, index = _PARTS[part]
+        size = self.intermediate_size
+        if part == "down":  # this rank's input columns
+            copy_weight(param.data[expert], narrow(loaded, 1, self.start, size))
+        else:  # this rank's output rows, at the part's offset in w13
+            rows = slice(index * size, (index + 1) * size)
+            copy_weight(param.data[expert, rows], narrow(loaded, 0, self.start, size))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            out = self.kernel.fused_moe(x, self.w13, self.w2, weights, ids)
+        else:
+            out = grouped_moe(x, self.w13, self.w2, weights, ids)
+        return out if self.tp is None else all_reduce(out)

@@ -1,0 +1,43 @@
+"""Phi-3: the Llama decoder, loaded from a checkpoint that stores fused projections.
+
+Phi-3 checkpoints hold `qkv_proj` ([q heads | k heads | v heads] rows) and `gate_up_proj`
+([gate | up] rows) as single tensors. They are cut into their parts here and loaded part by
+part like any Llama checkpoint, so tensor parallelism and quantized linears (which place each
+part themselves) work unchanged. LongRoPE ("su" / "longrope" rope_scaling) lives in
+layers/rotary.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator
+
+from radixlm.runtime.models.layers.weights import narrow, tensor_shape
+from radixlm.runtime.models.llama import LlamaForCausalLM
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        return super().load_weights(self._split_fused(weights))
+
+    def _split_fused(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        cfg = self.config
+        q_rows = cfg.num_heads * cfg.head_dim
+        kv_rows = cfg.num_kv_heads * cfg.head_dim
+        for name, tensor in weights:
+            if ".qkv_proj." in name:
+                parts = {"q_proj": (0, q_rows), "k_proj": (q_rows, kv_rows),
+                         "v_proj": (q_rows + kv_rows, kv_rows)}
+                fused = ".qkv_proj."
+            elif ".gate_up_proj." in name:
+                half = tensor_shape(tensor)[0] // 2
+                parts = {"gate_proj": (0, half), "up_proj": (half, half)}
+                fused = ".gate_up_proj."
+            else:
+                yield name, tensor
+                continue
+            if not name.endswith((".weight", ".bias")):  # packed along other axes
+                raise ValueError(f"{name}: fused projections of quantized Phi-3 checkpoints "
+                                 f"are not supported")
+            for part, (start, rows) in parts.items():
+                # narrow reads only these rows of a lazy (per-rank) checkpoint slice
+                yield name.replace(fused, f".{part}."), narrow(tensor, 0, start, rows)
