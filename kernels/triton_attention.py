@@ -74,6 +74,18 @@ def _pow2(n: int, floor: int = 16) -> int:
     return max(triton.next_power_of_2(n), floor)
 
 
+# The window passed when a layer has none: far longer than any context.
+NO_WINDOW = 1 << 30
+
+
+def _score_factors(scale: float, softcap: float | None) -> tuple[float, float]:
+    """(score_mul, cap_mul) for the kernels: scores are q.k * score_mul, then, with a cap,
+    tanh(.) * cap_mul; either way in base-2 log units (see triton_decode)."""
+    if softcap is None:
+        return scale * LOG2E, 1.0
+    return scale / softcap, softcap * LOG2E
+
+
 def _check_last_dim(*tensors: torch.Tensor) -> None:
     for t in tensors:
         if t.stride(-1) != 1:
@@ -117,9 +129,11 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: tor
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      out: torch.Tensor, slot_table: torch.Tensor, kv_lens: torch.Tensor,
                      seq_rows: torch.Tensor, q_rows: torch.Tensor, scale: float,
-                     num_splits: int, config: DecodeConfig | None = None) -> None:
+                     num_splits: int, config: DecodeConfig | None = None,
+                     window: int | None = None, softcap: float | None = None) -> None:
     """One query per sequence. Decode sequence i is batch row seq_rows[i] (its slot table row
-    and kv_lens entry) and its query is token row q_rows[i] of q and out."""
+    and kv_lens entry) and its query is token row q_rows[i] of q and out. It sees the last
+    `window` keys only, if set, with scores soft-capped at `softcap`, if set."""
     num_decode = seq_rows.shape[0]
     if num_decode == 0:
         return
@@ -137,13 +151,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                              device=q.device)
         part_lse = torch.empty(num_decode, num_heads, num_splits, dtype=torch.float32,
                                device=q.device)
+    score_mul, cap_mul = _score_factors(scale, softcap)
     decode_split_kernel[(num_decode, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_o, part_lse, slot_table, kv_lens, seq_rows, q_rows,
-        scale * LOG2E, num_splits, num_heads,
+        score_mul, cap_mul, window or NO_WINDOW, num_splits, num_heads,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), slot_table.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_H=_pow2(group), BLOCK_D=block_d,
-        BLOCK_N=cfg.block_n, DIRECT=direct, DOT_PRECISION=_dot_precision(q.dtype),
+        BLOCK_N=cfg.block_n, DIRECT=direct, SOFTCAP=softcap is not None,
+        DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if not direct:
         block_s = triton.next_power_of_2(num_splits)
@@ -169,21 +185,25 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      out: torch.Tensor, slot_table: torch.Tensor, q_starts: torch.Tensor,
                      q_lens: torch.Tensor, kv_lens: torch.Tensor, block_rows: torch.Tensor,
                      block_m0: torch.Tensor, scale: float,
-                     config: ExtendConfig | None = None) -> None:
-    """Chunks of new queries attending to their cached prefix and, causally, to themselves.
-    q_starts/q_lens/kv_lens are per batch row; block_rows/block_m0 come from extend_blocks
-    with the same config's block_m."""
+                     config: ExtendConfig | None = None, window: int | None = None,
+                     softcap: float | None = None) -> None:
+    """Chunks of new queries attending to their cached prefix and, causally, to themselves
+    (within `window` keys and with scores capped at `softcap`, if set). q_starts/q_lens/kv_lens
+    are per batch row; block_rows/block_m0 come from extend_blocks with the same config's
+    block_m."""
     num_blocks = block_rows.shape[0]
     if num_blocks == 0:
         return
     _check_last_dim(q, k_cache, v_cache, out)
     num_heads, head_dim = q.shape[1], q.shape[2]
     cfg = config or extend_config(q.dtype, head_dim)
+    score_mul, cap_mul = _score_factors(scale, softcap)
     extend_kernel[(num_blocks, num_heads)](
         q, k_cache, v_cache, out, slot_table, block_rows, block_m0, q_starts, q_lens, kv_lens,
-        scale * LOG2E,
+        score_mul, cap_mul, window or NO_WINDOW,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), slot_table.stride(0),
         out.stride(0), out.stride(1),
         GROUP=num_heads // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_D=_pow2(head_dim), DOT_PRECISION=_dot_precision(q.dtype),
+        BLOCK_N=cfg.block_n, BLOCK_D=_pow2(head_dim), WINDOWED=window is not None,
+        SOFTCAP=softcap is not None, DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)

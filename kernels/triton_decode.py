@@ -12,6 +12,11 @@ a second kernel merges the splits:
 
 Keys are gathered token by token through the slot table, so any page size works.
 Log-sum-exps are kept in base 2 (scores are pre-multiplied by log2(e)) so exp2 can be used.
+
+A sliding window moves the start of the context: keys [max(kv_len - window, 0), kv_len) are
+split as above, so out-of-window keys are never even loaded. Soft-capped scores (SOFTCAP) are
+cap * tanh(q.k * scale / cap), computed as tanh(q.k * score_mul) * cap_mul with
+score_mul = scale / cap and cap_mul = cap * log2(e); without a cap, score_mul = scale * log2(e).
 """
 
 from __future__ import annotations
@@ -21,14 +26,29 @@ import triton.language as tl
 
 
 @triton.jit
+def tanh(x):
+    # tanh through the sigmoid: exact enough in fp32 (|error| ~1e-7) and on every backend.
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def scores(q, k, score_mul, cap_mul, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """q.k^T in base-2 log units: [M, D] x [N, D] -> [M, N], capped when SOFTCAP."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * score_mul
+    if SOFTCAP:
+        s = tanh(s) * cap_mul
+    return s
+
+
+@triton.jit
 def decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     slot_table_ptr, kv_lens_ptr, seq_rows_ptr, q_rows_ptr,
-    scale_log2, num_splits, num_heads,
+    score_mul, cap_mul, window, num_splits, num_heads,
     stride_qt, stride_qh, stride_cs, stride_ch, stride_tb, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)  # index among the step's decode sequences
     kv_head = tl.program_id(1)
@@ -37,8 +57,9 @@ def decode_split_kernel(
     q_row = tl.load(q_rows_ptr + pid)  # its token's row in q and out
     kv_len = tl.load(kv_lens_ptr + row)
 
-    tiles_per_split = tl.cdiv(tl.cdiv(kv_len, BLOCK_N), num_splits)
-    start = split * tiles_per_split * BLOCK_N
+    first = tl.maximum(kv_len - window, 0)  # the oldest key in the window
+    tiles_per_split = tl.cdiv(tl.cdiv(kv_len - first, BLOCK_N), num_splits)
+    start = first + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, kv_len)
 
     offs_g = tl.arange(0, BLOCK_H)  # query heads of this KV head's group (padded to >= 16)
@@ -60,7 +81,7 @@ def decode_split_kernel(
         kv_off = slots[:, None] * stride_cs + kv_head * stride_ch + offs_d[None, :]
         mask_nd = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=mask_nd, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = scores(q, k, score_mul, cap_mul, SOFTCAP, DOT_PRECISION)
         s = tl.where(mask_n[None, :], s, float("-inf"))  # [BLOCK_H, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)

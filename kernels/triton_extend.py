@@ -9,7 +9,10 @@ position prefix + m and sees keys 0 .. prefix + m:
             |  visible to every query  |  causal tile(s): per-row mask n <= prefix + m   |
     full_end = (prefix + m0) rounded down to BLOCK_N
 
-so only the last one or two key tiles of a block pay for the mask. Programs are laid out by a
+so only the last one or two key tiles of a block pay for the mask. With a sliding window
+(WINDOWED), query m sees keys prefix + m - window + 1 .. prefix + m only: the block starts at
+the tile holding its first query's oldest key, and every tile pays for the mask (rows of a
+block see different ranges). Programs are laid out by a
 per-step block table (block -> sequence, first query) built on the host from q_lens, which the
 scheduler already knows: no device sync is needed to size the grid.
 """
@@ -19,12 +22,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from radixlm.kernels.triton_decode import scores
+
 
 @triton.jit
 def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, n0, kv_head, pos_m, kv_len, m_i, l_i, acc,
-                 scale_log2, stride_cs, stride_ch,
+                 score_mul, cap_mul, window, stride_cs, stride_ch,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                 CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     if CAUSAL:
@@ -36,13 +42,18 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, n0, kv_head, pos_m, kv_len,
     kv_off = slots[:, None] * stride_cs + kv_head * stride_ch + offs_d[None, :]  # [N, D]
     mask_nd = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
     k = tl.load(k_cache_ptr + kv_off, mask=mask_nd, other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [M, N]
+    s = scores(q, k, score_mul, cap_mul, SOFTCAP, DOT_PRECISION)  # [M, N]
     if CAUSAL:
         visible = (offs_n[None, :] <= pos_m[:, None]) & mask_n[None, :]
+        if WINDOWED:
+            visible &= offs_n[None, :] > pos_m[:, None] - window
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    # A row that has seen no key yet (all -inf so far, possible with a window) keeps
+    # m = -inf; subtracting 0 instead keeps its alpha and p at 0 rather than NaN.
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_cache_ptr + kv_off, mask=mask_nd, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -53,10 +64,11 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, n0, kv_head, pos_m, kv_len,
 def extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, slot_table_ptr,
     block_rows_ptr, block_m0_ptr, q_starts_ptr, q_lens_ptr, kv_lens_ptr,
-    scale_log2,
+    score_mul, cap_mul, window,
     stride_qt, stride_qh, stride_cs, stride_ch, stride_tb, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     block = tl.program_id(0)
     head = tl.program_id(1)
@@ -81,15 +93,26 @@ def extend_kernel(
     table = slot_table_ptr + row * stride_tb
     full_end = (prefix + m0) // BLOCK_N * BLOCK_N
     causal_end = tl.minimum(prefix + m0 + BLOCK_M, kv_len)
-    for n0 in range(0, full_end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, table, n0, kv_head, pos_m,
-                                     kv_len, m_i, l_i, acc, scale_log2, stride_cs, stride_ch,
-                                     HEAD_DIM, BLOCK_D, BLOCK_N, False, DOT_PRECISION)
-    # Every row sees key full_end (<= its own position), so no row is left all -inf.
-    for n0 in range(full_end, causal_end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, table, n0, kv_head, pos_m,
-                                     kv_len, m_i, l_i, acc, scale_log2, stride_cs, stride_ch,
-                                     HEAD_DIM, BLOCK_D, BLOCK_N, True, DOT_PRECISION)
+    if WINDOWED:
+        # From the tile of the first query's oldest visible key, all masked.
+        first = tl.maximum(prefix + m0 - window + 1, 0) // BLOCK_N * BLOCK_N
+        for n0 in range(first, causal_end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, table, n0, kv_head,
+                                         pos_m, kv_len, m_i, l_i, acc, score_mul, cap_mul,
+                                         window, stride_cs, stride_ch, HEAD_DIM, BLOCK_D,
+                                         BLOCK_N, True, True, SOFTCAP, DOT_PRECISION)
+    else:
+        for n0 in range(0, full_end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, table, n0, kv_head,
+                                         pos_m, kv_len, m_i, l_i, acc, score_mul, cap_mul,
+                                         window, stride_cs, stride_ch, HEAD_DIM, BLOCK_D,
+                                         BLOCK_N, False, False, SOFTCAP, DOT_PRECISION)
+        # Every row sees key full_end (<= its own position), so no row ends all -inf.
+        for n0 in range(full_end, causal_end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, table, n0, kv_head,
+                                         pos_m, kv_len, m_i, l_i, acc, score_mul, cap_mul,
+                                         window, stride_cs, stride_ch, HEAD_DIM, BLOCK_D,
+                                         BLOCK_N, True, False, SOFTCAP, DOT_PRECISION)
     out = acc / l_i[:, None]
     tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh
              + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask_md)

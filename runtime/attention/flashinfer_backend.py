@@ -22,6 +22,12 @@ CUDA graphs (decode only): FlashInfer's decode wrapper fixes its batch size and 
 when built with use_cuda_graph=True, so there is one wrapper per padded batch size, all
 viewing one set of buffers. `plan_cuda_graph` plans the step into them before capture and
 before each replay (the plan stays on the host, outside the graph).
+
+Layers that attend differently (`LayerAttention`: scale, sliding window, soft-cap) each get
+their own wrappers, since FlashInfer fixes those at plan time (window_left = window - 1: the
+keys before the query's own). A step plans a kind of layer when its first layer of that kind
+runs. Graph wrappers are per (batch size, kind): the warm-up run before each capture meets
+every kind the model has, and each replay's plan re-plans all of them.
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ from typing import Any
 import torch
 
 from radixlm.kernels.host_copy import to_device
-from radixlm.runtime.attention.base import AttentionBackend, ForwardBatch
+from radixlm.runtime.attention.base import (FULL_ATTENTION, AttentionBackend, ForwardBatch,
+                                            LayerAttention)
 from radixlm.runtime.attention.kv_cache import KVCache
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -59,10 +66,12 @@ class FlashInferAttention(AttentionBackend):
         self.scale = scale
         self.decode_tensor_cores = decode_tensor_cores
         self._workspace: torch.Tensor | None = None
-        self._prefill = None
-        self._decode: dict[bool, Any] = {}
-        self._graph_wrappers: dict[int, Any] = {}
-        self._graph_wrapper: Any = None  # the planned graph wrapper, during a graph step
+        self._prefill: dict[LayerAttention, Any] = {}
+        self._decode: dict[tuple[bool, LayerAttention], Any] = {}
+        self._graph_wrappers: dict[tuple[int, LayerAttention], Any] = {}
+        self._graph_kinds: set[LayerAttention] = set()  # layer kinds met in graph steps
+        self._graph_bs: int | None = None  # the padded batch size, during a graph step
+        self._stepped: dict[LayerAttention, Any] = {}  # this step's planned wrappers
         # FlashInfer plans into a pinned host buffer and copies it to the device without
         # blocking. With overlap scheduling the next plan can come before that copy ran, so
         # each plan first waits for the previous one's copy (normally long done).
@@ -101,14 +110,20 @@ class FlashInferAttention(AttentionBackend):
         self.decode_only = all(n == 1 for n in batch.q_lens)
         self.dtype = cache.k.dtype
         self.page_size = page_size
-        self._planned_heads: int | None = None
-        self._graph_wrapper = None
+        self._stepped = {}
+        self._graph_bs = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                batch: ForwardBatch) -> torch.Tensor:
+                batch: ForwardBatch, layer: LayerAttention = FULL_ATTENTION) -> torch.Tensor:
         batch.kv_cache.store(layer_id, batch.out_slots, k, v)
-        wrapper = (self._graph_wrapper if self._graph_wrapper is not None
-                   else self._plan_wrapper(q.shape[1], k.shape[1], q.shape[2], q.device))
+        wrapper = self._stepped.get(layer)
+        if wrapper is None:
+            if self._graph_bs is not None:  # a warm-up run before capture meets this kind
+                self._graph_kinds.add(layer)
+                wrapper = self._plan_graph_wrapper(self._graph_bs, layer)
+            else:
+                wrapper = self._plan_wrapper(q.shape[1], k.shape[1], q.shape[2], q.device,
+                                             layer)
         return wrapper.run(q.contiguous(), batch.kv_cache.layer_pages(layer_id))
 
     def init_cuda_graph(self, batch_sizes: list[int], max_len: int, num_heads: int,
@@ -122,24 +137,41 @@ class FlashInferAttention(AttentionBackend):
         indices = torch.zeros(max_pages, **int32)
         last_page_len = torch.ones(max_bs, **int32)
         self._graph_heads = (num_heads, kv_cache.k.shape[2], kv_cache.k.shape[3])
-        workspace = self._workspace_on(device)
-        for bs in batch_sizes:
-            self._graph_wrappers[bs] = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                workspace, "NHD", use_cuda_graph=True,
-                use_tensor_cores=self.decode_tensor_cores,
-                paged_kv_indptr_buffer=indptr[: bs + 1], paged_kv_indices_buffer=indices,
-                paged_kv_last_page_len_buffer=last_page_len[:bs])
+        self._graph_buffers = (indptr, indices, last_page_len)
+        self._workspace_on(device)
+        self._graph_kinds = {FULL_ATTENTION}
 
     def plan_cuda_graph(self, batch: ForwardBatch, kv_lens: torch.Tensor) -> None:
         self.plan(batch)  # host indptr / last_page_len, device page ids
-        wrapper = self._graph_wrappers[len(batch.q_lens)]
+        bs = len(batch.q_lens)
+        for layer in self._graph_kinds:
+            self._plan_graph_wrapper(bs, layer)
+        self._graph_bs = bs
+
+    def _plan_graph_wrapper(self, bs: int, layer: LayerAttention) -> Any:
+        wrapper = self._graph_wrappers.get((bs, layer))
+        if wrapper is None:
+            indptr, indices, last_page_len = self._graph_buffers
+            wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, "NHD", use_cuda_graph=True,
+                use_tensor_cores=self.decode_tensor_cores,
+                paged_kv_indptr_buffer=indptr[: bs + 1], paged_kv_indices_buffer=indices,
+                paged_kv_last_page_len_buffer=last_page_len[:bs])
+            self._graph_wrappers[(bs, layer)] = wrapper
         num_heads, num_kv_heads, head_dim = self._graph_heads
         self._wait_previous_plan()
         wrapper.plan(self.indptr, self.indices, self.last_page_len, num_heads, num_kv_heads,
                      head_dim, self.page_size, q_data_type=self.dtype, kv_data_type=self.dtype,
-                     sm_scale=self.scale)
+                     **self._layer_args(layer))
         self._mark_planned()
-        self._graph_wrapper = wrapper
+        self._stepped[layer] = wrapper
+        return wrapper
+
+    def _layer_args(self, layer: LayerAttention) -> dict[str, Any]:
+        window = layer.sliding_window
+        return dict(sm_scale=self.scale if layer.scale is None else layer.scale,
+                    window_left=-1 if window is None else window - 1,
+                    logits_soft_cap=layer.logit_softcap)
 
     def _workspace_on(self, device: torch.device) -> torch.Tensor:
         if self._workspace is None:
@@ -147,31 +179,32 @@ class FlashInferAttention(AttentionBackend):
         return self._workspace
 
     def _plan_wrapper(self, num_heads: int, num_kv_heads: int, head_dim: int,
-                      device: torch.device) -> Any:
+                      device: torch.device, layer: LayerAttention) -> Any:
+        """Plan this step for one kind of layer, at its first layer of the step."""
         self._workspace_on(device)
         self._wait_previous_plan()
-        common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
+        common = dict(q_data_type=self.dtype, kv_data_type=self.dtype,
+                      **self._layer_args(layer))
         if self.decode_only:
-            tensor_cores = self.decode_tensor_cores
-            wrapper = self._decode.get(tensor_cores)
+            key = (self.decode_tensor_cores, layer)
+            wrapper = self._decode.get(key)
             if wrapper is None:
                 wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                    self._workspace, "NHD", use_tensor_cores=tensor_cores)
-                self._decode[tensor_cores] = wrapper
-            if self._planned_heads != num_heads:
-                wrapper.plan(self.indptr, self.indices, self.last_page_len, num_heads,
-                             num_kv_heads, head_dim, self.page_size, **common)
+                    self._workspace, "NHD", use_tensor_cores=self.decode_tensor_cores)
+                self._decode[key] = wrapper
+            wrapper.plan(self.indptr, self.indices, self.last_page_len, num_heads,
+                         num_kv_heads, head_dim, self.page_size, **common)
         else:
-            if self._prefill is None:
-                self._prefill = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            wrapper = self._prefill.get(layer)
+            if wrapper is None:
+                wrapper = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
                     self._workspace, "NHD")
-            wrapper = self._prefill
-            if self._planned_heads != num_heads:
-                wrapper.plan(self.qo_indptr, self.indptr, self.indices, self.last_page_len,
-                             num_heads, num_kv_heads, head_dim, self.page_size, causal=True,
-                             **common)
-        self._planned_heads = num_heads
+                self._prefill[layer] = wrapper
+            wrapper.plan(self.qo_indptr, self.indptr, self.indices, self.last_page_len,
+                         num_heads, num_kv_heads, head_dim, self.page_size, causal=True,
+                         **common)
         self._mark_planned()
+        self._stepped[layer] = wrapper
         return wrapper
 
     def _wait_previous_plan(self) -> None:

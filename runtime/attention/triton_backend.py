@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 
 from radixlm.kernels.host_copy import to_device
-from radixlm.runtime.attention.base import AttentionBackend, ForwardBatch
+from radixlm.runtime.attention.base import (FULL_ATTENTION, AttentionBackend, ForwardBatch,
+                                            LayerAttention)
 from radixlm.runtime.attention.kv_cache import KVCache
 
 try:
@@ -81,16 +82,18 @@ class TritonAttention(AttentionBackend):
          self.block_rows, self.block_m0) = views
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                batch: ForwardBatch) -> torch.Tensor:
+                batch: ForwardBatch, layer: LayerAttention = FULL_ATTENTION) -> torch.Tensor:
         k_cache, v_cache = batch.kv_cache.layer(layer_id)
         ta.store_kv(k, v, batch.out_slots, k_cache, v_cache)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        scale = self.scale if layer.scale is None else layer.scale
+        window, softcap = layer.sliding_window, layer.logit_softcap
         ta.decode_attention(q, k_cache, v_cache, out, batch.slot_table, self.kv_lens,
-                            self.decode_rows, self.decode_q_rows, self.scale, self.num_splits,
-                            self.decode_cfg)
+                            self.decode_rows, self.decode_q_rows, scale, self.num_splits,
+                            self.decode_cfg, window, softcap)
         ta.extend_attention(q, k_cache, v_cache, out, batch.slot_table, self.q_starts,
                             self.q_lens, self.kv_lens, self.block_rows, self.block_m0,
-                            self.scale, self.extend_cfg)
+                            scale, self.extend_cfg, window, softcap)
         return out
 
     def init_cuda_graph(self, batch_sizes: list[int], max_len: int, num_heads: int,
