@@ -119,15 +119,25 @@ def test_triton_under_interpreter(interpreter_results, case):
 
 # -- GPU: Triton and FlashInfer against the torch backend, bf16 ---------------------------
 
+# FlashInfer compiles a kernel per variant on first use (over a minute for prefill): it runs
+# the combined kind only, beside plain layers in the same step.
+GPU_CASES = [("triton", name) for name in sorted(LAYERS)] + [
+    ("flashinfer", "window+softcap+scale")]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("backend_name", ["triton", "flashinfer"])
-@pytest.mark.parametrize("name", sorted(LAYERS))
-def test_gpu_backends_layer_attention(backend_name, name):
+@pytest.mark.parametrize("decode_only", [False, True])
+@pytest.mark.parametrize("backend_name,name", GPU_CASES)
+def test_gpu_backends_layer_attention(backend_name, name, decode_only):
+    """Triton and FlashInfer in bf16 against the reference: a plain layer and this kind of
+    layer in one step, on a mixed step and on a decode-only one."""
     if backend_name == "flashinfer" and importlib.util.find_spec("flashinfer") is None:
         pytest.skip("flashinfer is not installed")
     layer = LAYERS[name]
     q_lens, kv_lens = Q_LENS + [1, 70], KV_LENS + [300, 260]
+    if decode_only:
+        q_lens, kv_lens = [1] * 4, [37, 300, 1, 9]
     batch, q, k, v = make_batch("cuda", torch.bfloat16, 16, q_lens, kv_lens, dim=64)
     backend = create_backend(backend_name, scale=64 ** -0.5)
     backend.plan(batch)
