@@ -1,16 +1,25 @@
-"""The laptop case: batch-1 decode speed and time to first token on the CPU, ours in each CPU
-format against llama.cpp (llama-cpp-python, when installed) and `transformers` on the same
-GGUF (the embedded SmolLM2-135M-Instruct Q4_1), same chat prompt, interleaved repeats,
-medians.
+"""The laptop case: decode speed and time to first token on the CPU, ours in each CPU format
+against llama.cpp (llama-cpp-python, when installed) and `transformers`, on the same GGUF (the
+embedded SmolLM2-135M-Instruct Q4_1), the same chat prompt, interleaved repeats, medians.
 
-The floor beside them: the bytes each system reads per token (its weights) over this
-machine's measured memory bandwidth; decode at batch 1 is bound by it.
+Batch 1: TTFT (chat messages in, first token out: template, tokenization and prefill) and
+decode tokens/s over `--tokens` greedy tokens. Batched: `--batch` different prompts of
+`--batch-tokens` tokens each, output tokens/s (ours and transformers; llama-cpp-python has no
+parallel decoding API).
+
+Each system runs in a worker process of its own, so that one system's OpenMP threads never
+share a process with another's (a second thread pool in a process stops every pool's workers
+from spinning, which slows small ops several-fold). The floor beside each row: the bytes that
+system reads per decode step (its weights; the embedding table counts one row) over this
+machine's measured memory bandwidth.
 
     python benchmarks/cpu_decode.py [--threads 2] [--tokens 128] [--repeats 3]
-        [--formats float32,bfloat16,int8,fp8]
+        [--formats gguf,float32,bfloat16,int8] [--batch 64] [--batch-tokens 64]
 
-llama-cpp-python is not a dependency (building it takes ~20 min on 2 cores); without it the
-llama.cpp rows are left out and the JSON says so.
+Formats: gguf is the default CPU path for a GGUF model (its blocks packed, bfloat16
+activations); float32 and bfloat16 dequantize the blocks (quantization="none"); int8 and fp8
+quantize those float weights on load. llama-cpp-python is not a dependency (building it takes
+a few minutes on 2 cores); without it the llama.cpp rows are left out and the JSON says so.
 """
 
 from __future__ import annotations
@@ -19,25 +28,30 @@ import argparse
 import datetime
 import importlib.util
 import json
+import multiprocessing as mp
 import platform
 import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-
-from radixlm.runtime import Engine
-from radixlm.runtime.models.loader import embedded_model_file, resolve_model
-
 from results_dir import results_dir
 
 PROMPT = ("Explain in a few sentences why the sky is blue, and what makes sunsets red, for "
           "a curious ten-year-old who likes science.")
+TOPICS = ["volcanoes", "the moon", "bees", "rainbows", "trains", "chess", "glaciers", "coral",
+          "owls", "bread", "magnets", "comets", "tides", "deserts", "violins", "bridges"]
+
+
+def batch_prompts(n: int) -> list[str]:
+    return [f"Write a short paragraph about {TOPICS[i % len(TOPICS)]} (variant {i})."
+            for i in range(n)]
 
 
 def bandwidth_gb_s(mib: int = 256) -> float:
     """Memory read bandwidth: a large tensor summed, best of five."""
+    import torch
+
     data = torch.ones(mib * 2**20 // 4)
     best = float("inf")
     for _ in range(5):
@@ -47,67 +61,105 @@ def bandwidth_gb_s(mib: int = 256) -> float:
     return data.numel() * 4 / best / 1e9
 
 
-def ours(fmt: str, threads: int) -> tuple[Callable[[int], tuple[float, float]], int]:
-    options: dict[str, Any] = {"max_total_tokens": 4096}
-    if fmt in ("float32", "bfloat16"):
-        options["dtype"] = fmt
-    else:
-        options["quantization"] = fmt
-    engine = Engine(**options)
-    prompt = engine.encode_chat([{"role": "user", "content": PROMPT}])
-    model = engine.core.runner.model
-    # Bytes a decode step reads: every parameter and buffer (packed quantized weights are
-    # buffers), the tied embedding counted once.
-    weights = sum(t.numel() * t.element_size() for t in {
-        id(t): t for t in [*model.parameters(), *model.buffers()]}.values())
+def step_bytes(model: Any) -> int:
+    """Bytes a decode step reads: every parameter and buffer once (packed quantized weights
+    are buffers), but of the embedding table one row, unless it is also the float head."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    table = model.model.embed_tokens
+    if model.lm_head is not None or table.packed_logits is not None:
+        total -= table.weight[1:].numel() * table.weight.element_size()
+    return total
 
-    def run(tokens: int) -> tuple[float, float]:
+
+def ours(fmt: str) -> tuple[dict[str, Callable], int]:
+    from radixlm.runtime import Engine
+
+    options: dict[str, Any] = {"max_total_tokens": 16384, "max_running_requests": 128}
+    if fmt in ("float32", "bfloat16"):
+        options |= {"dtype": fmt, "quantization": "none"}
+    elif fmt in ("int8", "fp8"):
+        options |= {"dtype": "bfloat16", "quantization": fmt}
+    elif fmt != "gguf":
+        raise ValueError(f"unknown format {fmt!r}")
+    engine = Engine(**options)
+    messages = [{"role": "user", "content": PROMPT}]
+
+    def batch1(tokens: int) -> tuple[float, float]:
+        engine.flush_cache()  # the same work as the others: no prefix reuse across runs
         start = time.perf_counter()
-        engine.generate(input_ids=[prompt], sampling_params={"max_new_tokens": 1,
-                                                             "temperature": 0})
+        engine.chat(messages, {"max_new_tokens": 1, "temperature": 0})
         ttft = time.perf_counter() - start
+        engine.flush_cache()
         start = time.perf_counter()
-        out = engine.generate(input_ids=[prompt], sampling_params={
-            "max_new_tokens": tokens, "min_new_tokens": tokens, "temperature": 0})[0]
+        out = engine.chat(messages, {"max_new_tokens": tokens, "min_new_tokens": tokens,
+                                     "temperature": 0})
         total = time.perf_counter() - start
         return ttft, (out.completion_tokens - 1) / max(total - ttft, 1e-9)
-    return run, weights
+
+    def batched(n: int, tokens: int) -> float:
+        engine.flush_cache()
+        chats = [[{"role": "user", "content": p}] for p in batch_prompts(n)]
+        start = time.perf_counter()
+        outs = engine.chat(chats, {"max_new_tokens": tokens, "min_new_tokens": tokens,
+                                   "temperature": 0})
+        return sum(o.completion_tokens for o in outs) / (time.perf_counter() - start)
+    return {"batch1": batch1, "batched": batched}, step_bytes(engine.core.runner.model)
 
 
-def hf(threads: int) -> tuple[Callable[[int], tuple[float, float]], int]:
+def hf() -> tuple[dict[str, Callable], int]:
+    import torch
     import transformers
 
-    folder = resolve_model(None)
-    tok = transformers.AutoTokenizer.from_pretrained(folder)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder,
-                                                              dtype=torch.float32).eval()
-    ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}],
-                                  add_generation_prompt=True, return_tensors="pt")
-    if not isinstance(ids, torch.Tensor):
-        ids = ids["input_ids"]
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    from radixlm.runtime.models.loader import embedded_model_file
 
-    def run(tokens: int) -> tuple[float, float]:
+    path = embedded_model_file()
+    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    messages = [{"role": "user", "content": PROMPT}]
+
+    def encode(chats: list) -> dict:
+        texts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
+                 for c in chats]
+        return tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+
+    def batch1(tokens: int) -> tuple[float, float]:
         with torch.no_grad():
             start = time.perf_counter()
-            model.generate(ids, max_new_tokens=1, do_sample=False)
+            model.generate(**encode([messages]), max_new_tokens=1, do_sample=False)
             ttft = time.perf_counter() - start
             start = time.perf_counter()
-            model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+            model.generate(**encode([messages]), max_new_tokens=tokens, min_new_tokens=tokens,
+                           do_sample=False)
             total = time.perf_counter() - start
         return ttft, (tokens - 1) / max(total - ttft, 1e-9)
-    return run, weights
+
+    def batched(n: int, tokens: int) -> float:
+        tok.padding_side = "left"
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        inputs = encode([[{"role": "user", "content": p}] for p in batch_prompts(n)])
+        with torch.no_grad():
+            start = time.perf_counter()
+            model.generate(**inputs, max_new_tokens=tokens, min_new_tokens=tokens,
+                           do_sample=False, pad_token_id=tok.pad_token_id)
+        return n * tokens / (time.perf_counter() - start)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"batch1": batch1, "batched": batched}, weights
 
 
-def llama_cpp(threads: int) -> tuple[Callable[[int], tuple[float, float]], int]:
+def llama_cpp(threads: int) -> tuple[dict[str, Callable], int]:
     import llama_cpp
+
+    from radixlm.runtime.models.loader import embedded_model_file
 
     path = embedded_model_file()
     llm = llama_cpp.Llama(model_path=str(path), n_threads=threads, n_ctx=2048, verbose=False)
     messages = [{"role": "user", "content": PROMPT}]
     eos = llm.token_eos()
 
-    def run(tokens: int) -> tuple[float, float]:
+    def batch1(tokens: int) -> tuple[float, float]:
         llm.reset()  # no prompt cache between runs: the same work as ours
         start = time.perf_counter()
         llm.create_chat_completion(messages, max_tokens=1, temperature=0)
@@ -119,7 +171,27 @@ def llama_cpp(threads: int) -> tuple[Callable[[int], tuple[float, float]], int]:
         total = time.perf_counter() - start
         generated = out["usage"]["completion_tokens"]
         return ttft, (generated - 1) / max(total - ttft, 1e-9)
-    return run, path.stat().st_size
+    return {"batch1": batch1}, path.stat().st_size
+
+
+def worker(system: str, threads: int, conn: Any) -> None:
+    """One system in this process: build it, then run what the parent asks, one at a time."""
+    import torch
+
+    torch.set_num_threads(threads)
+    if system.startswith("radixlm "):
+        runs, weights = ours(system.split()[1])
+    elif system == "transformers float32":
+        runs, weights = hf()
+    else:
+        runs, weights = llama_cpp(threads)
+    conn.send(("ready", weights, sorted(runs)))
+    while True:
+        message = conn.recv()
+        if message is None:
+            return
+        kind, args = message
+        conn.send(runs[kind](*args))
 
 
 def main() -> None:
@@ -127,46 +199,74 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--formats", default="float32,bfloat16,int8,fp8")
+    parser.add_argument("--formats", default="gguf,float32,bfloat16,int8")
+    parser.add_argument("--batch", type=int, default=64, help="0: skip the batched runs")
+    parser.add_argument("--batch-tokens", type=int, default=64)
     parser.add_argument("--out", default=None, help="JSON file (default: a dated file in "
                         "$RADIXLM_RESULTS_DIR or ~/.cache/radixlm/benchmarks)")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    systems: dict[str, tuple[Callable[[int], tuple[float, float]], int]] = {}
-    for fmt in args.formats.split(","):
-        systems[f"radixlm {fmt}"] = ours(fmt, args.threads)
-    systems["transformers float32"] = hf(args.threads)
+    systems = [f"radixlm {fmt}" for fmt in args.formats.split(",")] + ["transformers float32"]
     has_llama = importlib.util.find_spec("llama_cpp") is not None
     if has_llama:
-        systems["llama.cpp Q4_1"] = llama_cpp(args.threads)
-    for run, _ in systems.values():
-        run(8)  # warm-up
+        systems.append("llama.cpp Q4_1")
+    ctx = mp.get_context("spawn")
+    pipes, procs, weights, kinds = {}, [], {}, {}
+    for name in systems:  # one at a time: loading is not what is measured
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=worker, args=(name, args.threads, child), daemon=True)
+        proc.start()
+        _, weights[name], kinds[name] = parent.recv()
+        pipes[name] = parent
+        procs.append(proc)
+
+    def call(name: str, kind: str, *call_args: Any) -> Any:
+        pipes[name].send((kind, call_args))
+        return pipes[name].recv()
+
+    for name in systems:
+        call(name, "batch1", 8)  # warm-up
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in systems}
+    batched: dict[str, list[float]] = {name: [] for name in systems if "batched" in kinds[name]}
     for _ in range(args.repeats):  # interleaved: drift on a shared machine hits all alike
-        for name, (run, _) in systems.items():
-            samples[name].append(run(args.tokens))
+        for name in systems:
+            samples[name].append(call(name, "batch1", args.tokens))
+        for name in batched if args.batch else ():
+            batched[name].append(call(name, "batched", args.batch, args.batch_tokens))
+    for name in systems:
+        pipes[name].send(None)
+    for proc in procs:
+        proc.join(timeout=30)
     gbs = bandwidth_gb_s()
     rows = []
-    for name, (_, weights) in systems.items():
-        ttft = statistics.median(s[0] for s in samples[name])
-        tps = statistics.median(s[1] for s in samples[name])
-        rows.append({"system": name, "ttft_ms": ttft * 1e3, "decode_tokens_per_s": tps,
-                     "weight_mb": weights / 1e6, "floor_tokens_per_s": gbs * 1e9 / weights})
+    for name in systems:
+        row = {"system": name, "ttft_ms": statistics.median(s[0] for s in samples[name]) * 1e3,
+               "decode_tokens_per_s": statistics.median(s[1] for s in samples[name]),
+               "step_mb": weights[name] / 1e6, "floor_tokens_per_s": gbs * 1e9 / weights[name]}
+        if batched.get(name):
+            row["batched_tokens_per_s"] = statistics.median(batched[name])
+        rows.append(row)
     peer = next((r for r in rows if r["system"].startswith("llama.cpp")), None)
-    print(f"{'system':<24}{'TTFT ms':>9}{'decode tok/s':>14}{'weights MB':>12}"
-          f"{'floor tok/s':>13}{'vs llama.cpp':>14}")
+    hf_row = next(r for r in rows if r["system"].startswith("transformers"))
+    print(f"{'system':<24}{'TTFT ms':>9}{'decode tok/s':>14}{'step MB':>9}{'floor tok/s':>13}"
+          f"{'vs llama.cpp':>14}{'batched tok/s':>15}{'vs HF batched':>15}")
     for r in rows:
         ratio = f"{r['decode_tokens_per_s'] / peer['decode_tokens_per_s']:.2f}x" if peer else "-"
+        b = r.get("batched_tokens_per_s")
+        b_ratio = f"{b / hf_row['batched_tokens_per_s']:.2f}x" if b and args.batch else "-"
         print(f"{r['system']:<24}{r['ttft_ms']:>9.0f}{r['decode_tokens_per_s']:>14.1f}"
-              f"{r['weight_mb']:>12.0f}{r['floor_tokens_per_s']:>13.0f}{ratio:>14}")
-    print(f"memory bandwidth {gbs:.1f} GB/s; {args.threads} threads; {args.tokens} tokens")
+              f"{r['step_mb']:>9.0f}{r['floor_tokens_per_s']:>13.0f}{ratio:>14}"
+              f"{(f'{b:.0f}' if b else '-'):>15}{b_ratio:>15}")
+    print(f"memory bandwidth {gbs:.1f} GB/s; {args.threads} threads; batch 1: {args.tokens} "
+          f"tokens; batched: {args.batch} prompts x {args.batch_tokens} tokens")
+    import torch
+
     today = datetime.date.today().isoformat()
     out = Path(args.out or results_dir() / f"cpu_decode_{today}.json")
     out.write_text(json.dumps({
         "date": today, "machine": platform.processor() or platform.machine(),
         "threads": args.threads, "tokens": args.tokens, "repeats": args.repeats,
-        "bandwidth_gb_s": gbs, "llama_cpp": has_llama, "torch": torch.__version__,
-        "rows": rows}, indent=2) + "\n")
+        "batch": args.batch, "batch_tokens": args.batch_tokens, "bandwidth_gb_s": gbs,
+        "llama_cpp": has_llama, "torch": torch.__version__, "rows": rows}, indent=2) + "\n")
     print(f"wrote {out}")
 
 

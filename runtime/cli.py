@@ -21,6 +21,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         DTYPE_ALIASES,
         DTYPES,
         LOAD_FORMATS,
+        QUANTIZATIONS,
         SPECULATIVE_METHODS,
     )
 
@@ -40,7 +41,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-total-tokens", type=int, default=None,
                         help="KV pool size in tokens (default: sized from free memory)")
     parser.add_argument("--quantization", default=None,
-                        choices=["fp8", "int8", "awq", "gptq"],
+                        choices=QUANTIZATIONS,
                         help="quantized linears (default: what the checkpoint declares)")
     parser.add_argument("--speculative", default=None, choices=SPECULATIVE_METHODS,
                         help="speculative decoding (see docs/speculative.md)")

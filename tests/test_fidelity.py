@@ -77,7 +77,7 @@ def test_gguf_logits_match_transformers(hf, prompts):
     ids = prompts[0]
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0]
-    with Engine(max_total_tokens=4096) as engine:
+    with Engine(max_total_tokens=4096, dtype="float32") as engine:
         out = engine.generate(input_ids=ids, sampling_params={
             "max_new_tokens": 1, "logprob_start_len": 0, "top_logprobs_num": 5})
     ref_logprobs = torch.log_softmax(ref, dim=-1)
@@ -99,7 +99,7 @@ def test_gguf_logits_match_transformers(hf, prompts):
 def test_greedy_matches_transformers(prompts, hf_greedy, chunk):
     params = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS}
     results: dict[int, list[int]] = {}
-    with Engine(chunked_prefill_size=chunk, max_num_batched_tokens=max(chunk, 256),
+    with Engine(chunked_prefill_size=chunk, max_num_batched_tokens=max(chunk, 256), dtype="float32",
                 max_total_tokens=16384) as engine:
         def submit(i: int) -> None:
             time.sleep(0.05 * (i % 4))  # staggered arrival: later requests join running ones

@@ -78,14 +78,28 @@ def _transformers_gguf_model(gguf_path: pathlib.Path) -> torch.nn.Module:
 
 
 def test_converted_model_matches_transformers_gguf_load(converted, gguf_path, reference_tokenizer):
-    from transformers import AutoModelForCausalLM
+    from safetensors import safe_open
+
+    from radixlm.runtime.attention.torch_native import TorchNativeAttention
+    from radixlm.runtime.models.loader import load_model
 
     _, folder = converted
     for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json"):
         assert (folder / name).is_file(), name
-    ours = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    assert ours.config.tie_word_embeddings
-    assert ours.config.num_key_value_heads == 3 and ours.config.head_dim == 64
+    config = json.loads((folder / "config.json").read_text())
+    assert config["tie_word_embeddings"] and config["quantization_config"]["quant_method"] == "gguf"
+    assert config["num_key_value_heads"] == 3 and config["head_dim"] == 64
+    # The Q4_1 / Q8_0 tensors keep their blocks; the norms are float32.
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        types = json.loads(f.metadata()[gguf_loader.TYPES_METADATA])
+        assert types["model.layers.0.mlp.down_proj.weight"] == "Q4_1"
+        assert types["model.embed_tokens.weight"] == "Q8_0"
+        assert f.get_tensor("model.layers.0.mlp.down_proj.weight").dtype == torch.uint8
+        assert f.get_tensor("model.norm.weight").dtype == torch.float32
+    # Loaded in float32 (the blocks dequantized by the gguf package), our model is the one
+    # transformers loads from the same file.
+    model = load_model(str(folder), "auto", torch.float32, torch.device("cpu")).model
+    ours = _ForwardAll(model, TorchNativeAttention(config["head_dim"] ** -0.5))
     reference = _transformers_gguf_model(gguf_path)
 
     # Several positions matter: at position 0 rotary is the identity, so a wrong q/k row order
@@ -94,9 +108,31 @@ def test_converted_model_matches_transformers_gguf_load(converted, gguf_path, re
     ids = reference_tokenizer(prompt, return_tensors="pt").input_ids
     assert ids.shape[1] > 8
     with torch.no_grad():
-        got, want = ours(ids).logits, reference(ids).logits
+        got, want = ours(ids[0])[None], reference(ids).logits
     assert got.shape == want.shape == (1, ids.shape[1], 49152)
     assert (got - want).abs().max().item() < 1e-4
+
+
+class _ForwardAll:
+    """Our model's logits at every position of one sequence (a one-step prefill)."""
+
+    def __init__(self, model: torch.nn.Module, attn) -> None:
+        from radixlm.runtime.attention.kv_cache import KVCache
+
+        self.model, self.attn = model, attn
+        cfg = model.config
+        self.kv = KVCache(cfg.num_layers, 256, cfg.num_kv_heads, cfg.head_dim, torch.float32,
+                          torch.device("cpu"), page_size=16)
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        from radixlm.runtime.attention.base import ForwardBatch
+
+        n = ids.shape[0]
+        batch = ForwardBatch(input_ids=ids, positions=torch.arange(n), q_lens=[n], kv_lens=[n],
+                             out_slots=torch.arange(n), slot_table=torch.arange(n)[None],
+                             kv_cache=self.kv)
+        self.attn.plan(batch)
+        return self.model.compute_logits(self.model(batch, self.attn))
 
 
 def test_tokenizer_and_chat_template(converted, reference_tokenizer):

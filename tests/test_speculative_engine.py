@@ -28,6 +28,9 @@ def mixed_params() -> list[SamplingParams]:
 
 
 def generate(model, prompts=PROMPTS, params=None, **options):
+    # float32: speculation must not change greedy output, and only float32 is exact on CPU
+    # (in bfloat16 a verify step's attention rounds differently from a decode step's).
+    options.setdefault("dtype", "float32")
     with Engine(str(model), max_total_tokens=8192, page_size=4, **options) as engine:
         outputs = engine.generate(list(prompts), params or mixed_params())
         stats = engine.stats()

@@ -22,6 +22,8 @@ SCHEDULE_POLICIES = ("lpm", "fcfs")
 OVERLAP_MODES = ("auto", "on", "off")
 SPECULATIVE_METHODS = ("ngram", "draft")
 GRAMMAR_BACKENDS = ("llguidance", "outlines")
+# A quantization method, or "none": float weights (a GGUF model's blocks dequantized).
+QUANTIZATIONS = ("fp8", "int8", "awq", "gptq", "gguf", "none")
 
 
 @dataclass(frozen=True)
@@ -37,12 +39,14 @@ class EngineConfig:
     chat_template: str | None = None
     load_format: str = "auto"
     # float32, bfloat16 or float16 (or bf16, half, fp16, fp32); "auto": float32 on CPU,
-    # bfloat16 on CUDA.
+    # bfloat16 on CUDA; on CPU bfloat16 for a GGUF model run on its blocks, else float32.
     dtype: str = "auto"
     device: str = "auto"  # cuda when available, else cpu
     seed: int = 0  # seeds requests that have no seed of their own, and dummy weights
     # Quantized decoder linears: fp8 (W8A8) or int8 (weight-only) quantize any checkpoint on
-    # load; awq and gptq need such a checkpoint. None: what config.json declares, if anything.
+    # load; awq and gptq need such a checkpoint; gguf runs a GGUF model's blocks as they are
+    # (CPU, bfloat16, tp_size 1); none: float weights, a GGUF model's blocks dequantized.
+    # None: what the checkpoint declares (a GGUF model: gguf where it can run, else none).
     quantization: str | None = None
     # Paged KV memory. The pool holds `max_total_tokens` token slots in pages of `page_size`;
     # when it is None the pool is sized from `kv_cache_memory_fraction` of the free memory.
@@ -118,7 +122,7 @@ class EngineConfig:
             raise ValueError(f"model must be a string or None, got {type(self.model).__name__}")
         _one_of(self.load_format, LOAD_FORMATS, "load_format")
         if self.quantization is not None:
-            _one_of(self.quantization, ("fp8", "int8", "awq", "gptq"), "quantization")
+            _one_of(self.quantization, QUANTIZATIONS, "quantization")
         if isinstance(self.dtype, str) and self.dtype.lower() in DTYPE_ALIASES:
             object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype.lower()])
         _one_of(self.dtype, ("auto", *DTYPES), "dtype")
@@ -204,9 +208,13 @@ class EngineConfig:
             raise ValueError(f"device {self.device!r}: {reason}; use device 'cpu' (or 'auto')")
         return torch.device(self.device)
 
-    def torch_dtype(self, device: torch.device) -> torch.dtype:
+    def torch_dtype(self, device: torch.device, gguf_model: bool = False) -> torch.dtype:
+        """The activation dtype. `gguf_model`: the model is a GGUF file, whose blocks the
+        CPU kernel runs with bfloat16 activations when nothing asks for float weights."""
         if self.dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
+            packed = (gguf_model and self.tp_size == 1
+                      and self.quantization in (None, "gguf"))
+            return torch.bfloat16 if device.type == "cuda" or packed else torch.float32
         return DTYPES[self.dtype]
 
 

@@ -21,7 +21,12 @@ from radixlm.runtime.config.engine_config import EngineConfig
 from radixlm.runtime.config.sampling_params import SamplingParams
 from radixlm.runtime.engine.engine_core import EngineCore
 from radixlm.runtime.engine.request_factory import RequestFactory
-from radixlm.runtime.models.loader import ARCHITECTURE_PRESETS, LoadedModel, load_model
+from radixlm.runtime.models.loader import (
+    ARCHITECTURE_PRESETS,
+    LoadedModel,
+    is_gguf_model,
+    load_model,
+)
 from radixlm.runtime.parallel.sharded import ShardedModel, TensorParallelGroup
 from radixlm.runtime.scheduling.request import Output, Request
 
@@ -42,7 +47,8 @@ class Engine:
     def __init__(self, model: str | None = None, **options: Any) -> None:
         self.config = EngineConfig.from_kwargs(model, **options)
         self.device = self.config.torch_device()
-        self.dtype = self.config.torch_dtype(self.device)
+        self.dtype = self.config.torch_dtype(self.device, is_gguf_model(
+            self.config.model, self.config.load_format, self.config.revision))
         # tp_size > 1: this process is rank 0; the other ranks start now and load their
         # shards while this one loads its own.
         self._tp = (TensorParallelGroup(self.config, self.device, self.dtype)

@@ -1,8 +1,12 @@
 """Convert a GGUF model file into a Hugging Face-format model folder, cached on disk.
 
-The engine only knows how to load HF folders (config.json + safetensors + tokenizer files), so a
-GGUF file is dequantized to float32 once and written as such a folder. Later loads find the
-folder in the cache and skip the conversion entirely.
+The engine loads HF folders (config.json + safetensors + tokenizer files), so a GGUF file is
+written once as such a folder; later loads find it in the cache and skip the conversion.
+Tensors of the block types our kernels run as they are (`gguf_blocks.NATIVE_TYPES`: Q4_0, Q4_1,
+Q5_0, Q5_1, Q8_0, Q4_K, Q5_K) keep their blocks: uint8 [rows, bytes per row], their types in
+the safetensors metadata (`gguf_types`) and `quantization_config.quant_method = "gguf"` in
+config.json. Every other type is dequantized to float32 here. The loader decides per run
+whether the blocks are used packed (quantization "gguf") or dequantized to float.
 """
 
 from __future__ import annotations
@@ -20,13 +24,16 @@ from typing import Any
 
 import numpy as np
 
+from radixlm.runtime.models.quantization.gguf_blocks import BLOCK_TYPES, NATIVE_TYPES, type_id
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["SUPPORTED_GGUF_ARCHITECTURES", "cache_entries", "clear_cache", "convert_gguf"]
 
 # Bump when the output of the conversion changes, so that stale cache folders are not reused.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 SOURCE_FILE = "radixlm_source.json"  # in each cache folder: what it was converted from
+TYPES_METADATA = "gguf_types"  # safetensors metadata: {tensor name: block type} as JSON
 
 # GGUF architecture -> (HF architectures entry, HF model_type).
 _HF_CLASSES = {
@@ -152,19 +159,32 @@ def _convert(path: pathlib.Path, out_dir: pathlib.Path) -> None:
     from tqdm.auto import tqdm
 
     tensors: dict[str, torch.Tensor] = {}
+    block_types: dict[str, str] = {}
     for tensor in tqdm(reader.tensors, desc=f"converting {path.name}", unit="tensor",
                        leave=False, disable=None):
         hf_name, base = _hf_name(tensor.name)
-        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
         # GGUF lists dimensions innermost-first; the numpy data is already row-major [out, in].
         expected = _expected_shape(base, hf_name.endswith(".bias"), config)
-        if data.shape != expected:
-            raise ValueError(f"{tensor.name}: shape {data.shape}, expected {expected} from config")
+        type_name = tensor.tensor_type.name
+        if type_name in NATIVE_TYPES and len(expected) == 2:
+            data = np.array(tensor.data)  # [rows, bytes per row]: the blocks, copied off the map
+            _, per_block, block_bytes = BLOCK_TYPES[type_id(type_name)]
+            shape = (data.shape[0], data.shape[1] // block_bytes * per_block)
+            block_types[hf_name] = type_name
+        else:
+            data = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+            shape = data.shape
+        if shape != expected:
+            raise ValueError(f"{tensor.name}: shape {shape}, expected {expected} from config")
         if arch in _PERMUTED_ARCHITECTURES and base in ("attn_q", "attn_k"):
+            # Whole rows move, so this works on rows of blocks too.
             data = _unpermute_rotary_rows(data, heads if base == "attn_q" else kv_heads)
         tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(data))
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, str(out_dir / "model.safetensors"),
+              metadata={"format": "pt", TYPES_METADATA: json.dumps(block_types)})
     del tensors
+    if block_types:
+        config["quantization_config"] = {"quant_method": "gguf"}
 
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config[k] is not None}

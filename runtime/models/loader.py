@@ -15,14 +15,19 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-
 from torch import nn
 
 from radixlm.runtime.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from radixlm.runtime.models.gguf_loader import TYPES_METADATA
 from radixlm.runtime.models.layers.linear import Linear
 from radixlm.runtime.models.layers.norm import RMSNorm
 from radixlm.runtime.models.presets import ARCHITECTURE_PRESETS
-from radixlm.runtime.models.quantization.config import resolve_quant_config
+from radixlm.runtime.models.quantization.config import (
+    QUANTIZED_LINEARS,
+    QuantConfig,
+    resolve_quant_config,
+)
+from radixlm.runtime.models.quantization.gguf_blocks import GGUFBlocks
 from radixlm.runtime.models.registry import model_class
 from radixlm.runtime.parallel.groups import TPInfo
 
@@ -125,6 +130,16 @@ def _download(repo_id: str, revision: str | None = None) -> Path:
                                 f"{exc}") from exc
 
 
+def is_gguf_model(model: str | None, load_format: str = "auto",
+                  revision: str | None = None) -> bool:
+    """Whether the model is a GGUF file (its converted folder declares quant_method gguf)."""
+    if load_format == "dummy" and model in ARCHITECTURE_PRESETS:
+        return False
+    declared = ModelConfig.from_folder(resolve_model(model, revision)).raw.get(
+        "quantization_config")
+    return isinstance(declared, dict) and declared.get("quant_method") == "gguf"
+
+
 def load_model(model: str | None, load_format: str, dtype: torch.dtype,
                device: torch.device, max_positions: int | None = None,
                seed: int = 0, quantization: str | None = None,
@@ -140,14 +155,16 @@ def load_model(model: str | None, load_format: str, dtype: torch.dtype,
         folder = resolve_model(model, revision)
         config = ModelConfig.from_folder(folder)
     tok = load_tokenizer(folder, tokenizer, chat_template)
-    quant = resolve_quant_config(quantization, config.raw, dummy=load_format == "dummy")
+    packable = device.type == "cpu" and dtype == torch.bfloat16 and (tp is None or tp.size == 1)
+    quant = resolve_quant_config(quantization, config.raw, dummy=load_format == "dummy",
+                                 gguf_packable=packable)
     positions = max_positions or config.max_position_embeddings
     with torch.device(device):
         net = model_class(config.architecture)(config, dtype, positions, quant, tp)
     if load_format == "dummy":
         _init_dummy(net, seed)
     else:
-        _load_checkpoint(net, folder, lazy=net.tp is not None)
+        _load_checkpoint(net, folder, quant, lazy=net.tp is not None)
     _process_quantized_weights(net)
     net.eval()
     # Fused Triton norms, activation and rotary on CUDA; CPU keeps the plain torch ops.
@@ -198,8 +215,13 @@ def _checkpoint_tensors(folder: Path, lazy: bool = False) -> Iterator[tuple[str,
         path = folder / filename
         try:
             with safe_open(str(path), framework="pt") as f:
+                block_types = json.loads((f.metadata() or {}).get(TYPES_METADATA, "{}"))
                 for key in f.keys():
-                    yield key, f.get_slice(key) if lazy else f.get_tensor(key)
+                    if key in block_types:  # GGUF blocks: [rows, bytes per row] uint8
+                        data = f.get_tensor(key)
+                        yield key, GGUFBlocks.from_rows(block_types[key], data)
+                    else:
+                        yield key, f.get_slice(key) if lazy else f.get_tensor(key)
         except FileNotFoundError:
             raise FileNotFoundError(f"the checkpoint names {filename}, which is not in "
                                     f"{folder}") from None
@@ -211,12 +233,50 @@ def _checkpoint_tensors(folder: Path, lazy: bool = False) -> Iterator[tuple[str,
             raise
 
 
-def _load_checkpoint(net: nn.Module, folder: Path, lazy: bool = False) -> None:
-    loaded = net.load_weights(_checkpoint_tensors(folder, lazy))
+def _load_checkpoint(net: nn.Module, folder: Path, quant: QuantConfig | None,
+                     lazy: bool = False) -> None:
+    heads: dict[str, GGUFBlocks] = {}
+    loaded = net.load_weights(_packed_or_float(_checkpoint_tensors(folder, lazy), quant, heads))
+    _pack_output_head(net, heads)
     missing = net.expected_weight_keys() - loaded
     if missing:
         raise ValueError(f"checkpoint in {folder} lacks {len(missing)} tensors, e.g. "
                          f"{', '.join(sorted(missing)[:5])}")
+
+
+def _packed_or_float(tensors: Iterator[tuple[str, Any]], quant: QuantConfig | None,
+                     heads: dict[str, GGUFBlocks]) -> Iterator[tuple[str, Any]]:
+    """GGUF blocks go as they are to the decoder linears of a model run with quantization
+    "gguf"; everywhere else (embeddings, norms, a float run) they are dequantized first.
+    With "gguf", the blocks of vocabulary-sized weights are also kept in `heads`, by name:
+    the output head multiplies by them packed."""
+    packed = quant is not None and quant.method == "gguf"
+    for name, tensor in tensors:
+        if isinstance(tensor, GGUFBlocks) and not (packed and _is_decoder_linear(name)):
+            if packed and name in _HEAD_WEIGHTS:
+                heads[name] = tensor
+            tensor = tensor.dequantize()
+        yield name, tensor
+
+
+_HEAD_WEIGHTS = ("lm_head.weight", "model.embed_tokens.weight")
+
+
+def _pack_output_head(net: nn.Module, heads: dict[str, GGUFBlocks]) -> None:
+    """Give the output head its packed GGUF weights: lm_head's, or the embedding's when the
+    two are tied (the model then has no lm_head)."""
+    from radixlm.runtime.models.quantization.gguf import Int4Planes
+
+    modules = dict(net.named_modules())
+    untied = modules.get("lm_head") is not None
+    name = "lm_head" if untied else "model.embed_tokens"
+    blocks = heads.get(f"{name}.weight")
+    if blocks is not None and name in modules:
+        modules[name].packed_logits = Int4Planes(blocks.planes())
+
+
+def _is_decoder_linear(name: str) -> bool:
+    return name.endswith(".weight") and name.rsplit(".", 2)[-2] in QUANTIZED_LINEARS
 
 
 def _init_dummy(net: nn.Module, seed: int) -> None:

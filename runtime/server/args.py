@@ -20,6 +20,7 @@ from radixlm.runtime.config.engine_config import (
     GRAMMAR_BACKENDS,
     LOAD_FORMATS,
     OVERLAP_MODES,
+    QUANTIZATIONS,
     SCHEDULE_POLICIES,
     SPECULATIVE_METHODS,
     EngineConfig,
@@ -140,7 +141,7 @@ _CHOICES = {"attention_backend": ATTENTION_BACKENDS, "schedule_policy": SCHEDULE
             "grammar_backend": GRAMMAR_BACKENDS, "overlap_schedule": OVERLAP_MODES,
             "speculative": SPECULATIVE_METHODS, "load_format": LOAD_FORMATS,
             "tp_all_reduce": ("auto", "symmetric", "nccl"),
-            "quantization": ("fp8", "int8", "awq", "gptq")}
+            "quantization": QUANTIZATIONS}
 
 
 def add_engine_args(group: Any) -> None:

@@ -29,6 +29,9 @@ class VocabEmbedding(nn.Module):
         self.num_real = max(0, min(rows, vocab_size - self.start))
         self.weight = nn.Parameter(torch.empty(rows, hidden_size, dtype=dtype),
                                    requires_grad=False)
+        # The same weights packed for the logits matmul (a GGUF model's quantized output
+        # head, radixlm.runtime.models.quantization.gguf.Int4Planes): [N, d] bf16 -> [N, V].
+        self.packed_logits: nn.Module | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
@@ -40,7 +43,10 @@ class VocabEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, d] -> [N, vocab] float32: this weight used as the output head."""
-        out = F.linear(hidden, self.weight)
+        if self.packed_logits is not None:
+            out = self.packed_logits(hidden.to(torch.bfloat16))
+        else:
+            out = F.linear(hidden, self.weight)
         if self.tp is not None:  # [N, shard] on each rank -> [N, size * shard], minus padding
             out = all_gather_last(out, self.tp)[:, : self.vocab_size]
         return out.float()

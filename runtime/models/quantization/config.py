@@ -9,6 +9,10 @@ method with `quantization=...`. Two rules:
 - anything we cannot run exactly as its writer meant (a kernel-specific layout, block-wise
   FP8 scales, per-module overrides) fails here, naming the field, instead of loading into a
   model that silently computes something else.
+
+A GGUF file (converted by `gguf_loader`) declares "gguf": its blocks run packed through torch's
+CPU int4 kernel where that kernel runs (`gguf_packable`: CPU, bfloat16 activations, one
+process), and are dequantized into float weights everywhere else, or with quantization="none".
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-QUANTIZATION_METHODS = ("fp8", "int8", "awq", "gptq")
+QUANTIZATION_METHODS = ("fp8", "int8", "awq", "gptq", "gguf")
+# What the user may ask for (EngineConfig's list): a method, or "none" for float weights.
+QUANTIZATIONS = (*QUANTIZATION_METHODS, "none")
 # Methods that can quantize a float checkpoint on load, and those that need packed tensors.
 ONLINE_METHODS = ("fp8", "int8")
 # The linears we quantize, by their checkpoint names (lm_head and embeddings stay float).
@@ -50,23 +56,37 @@ class QuantConfig:
         """A fresh linear method (one per layer) that makes and runs this layer's weights."""
         from radixlm.runtime.models.quantization.awq import AWQLinearMethod
         from radixlm.runtime.models.quantization.fp8 import Fp8LinearMethod
+        from radixlm.runtime.models.quantization.gguf import GGUFLinearMethod
         from radixlm.runtime.models.quantization.gptq import GPTQLinearMethod
         from radixlm.runtime.models.quantization.int8 import Int8LinearMethod
 
         cls = {"fp8": Fp8LinearMethod, "int8": Int8LinearMethod, "awq": AWQLinearMethod,
-               "gptq": GPTQLinearMethod}[self.method]
+               "gptq": GPTQLinearMethod, "gguf": GGUFLinearMethod}[self.method]
         return cls(self, in_features, output_sizes, params_dtype)
 
 
 def resolve_quant_config(forced: str | None, hf_config: dict[str, Any],
-                         dummy: bool = False) -> QuantConfig | None:
+                         dummy: bool = False, gguf_packable: bool = False
+                         ) -> QuantConfig | None:
     """The quantization to load a model with, from the user's `quantization` option and the
     model's config.json. `dummy`: random weights (load_format="dummy"), so awq/gptq may be
-    asked for without a checkpoint: their packed tensors are random RTN-quantized weights."""
-    if forced is not None and forced not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; "
+    asked for without a checkpoint: their packed tensors are random RTN-quantized weights.
+    `gguf_packable`: this run can use GGUF blocks packed (CPU, bfloat16, tp_size 1)."""
+    if forced is not None and forced not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; "
                          f"got {forced!r}")
     declared = hf_config.get("quantization_config")
+    method = (str(declared.get("quant_method", "")).lower() if isinstance(declared, dict)
+              else None)
+    if method == "gguf":
+        return _resolve_gguf(forced, gguf_packable)
+    if forced == "none":
+        if declared is not None:
+            raise ValueError(f"quantization='none': this checkpoint holds {method} tensors, "
+                             "which are not dequantized on load; use a float checkpoint")
+        return None
+    if forced == "gguf":
+        raise ValueError("quantization='gguf' needs a GGUF model (a .gguf file)")
     if declared is None:
         if forced is None:
             return None
@@ -81,7 +101,6 @@ def resolve_quant_config(forced: str | None, hf_config: dict[str, Any],
             f"quantization_config. Quantize it first: radixlm quantize --method {forced} ...")
     if not isinstance(declared, dict):
         raise ValueError("config.json quantization_config must be an object")
-    method = str(declared.get("quant_method", "")).lower()
     if forced is not None and forced != method:
         raise ValueError(f"quantization={forced!r} conflicts with the checkpoint: config.json "
                          f"quantization_config.quant_method is {method!r}")
@@ -90,6 +109,23 @@ def resolve_quant_config(forced: str | None, hf_config: dict[str, Any],
         raise ValueError(f"unsupported config.json quantization_config.quant_method {method!r}; "
                          f"supported: awq, gptq, fp8")
     return parse(declared)
+
+
+def _resolve_gguf(forced: str | None, packable: bool) -> QuantConfig | None:
+    """A GGUF model: packed blocks where the kernel runs, float weights elsewhere; int8/fp8
+    quantize the dequantized weights on load like any float checkpoint."""
+    if forced in (None, "gguf") and packable:
+        return QuantConfig("gguf", bits=4, group_size=32, prequantized=True)
+    if forced == "gguf":
+        raise ValueError("quantization='gguf' runs GGUF blocks with torch's CPU int4 kernel: "
+                         "it needs device cpu, dtype bfloat16 and tp_size 1 (elsewhere the "
+                         "blocks are dequantized: leave quantization unset)")
+    if forced in ONLINE_METHODS:
+        return QuantConfig(forced, bits=8)
+    if forced in (None, "none"):
+        return None
+    raise ValueError(f"quantization={forced!r} conflicts with the checkpoint: a GGUF model "
+                     f"holds GGUF blocks")
 
 
 def _parse_awq(qc: dict[str, Any]) -> QuantConfig:

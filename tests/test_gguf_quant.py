@@ -1,0 +1,183 @@
+"""GGUF blocks run as they are (quantization "gguf"): block decoding against the gguf
+package's reference, the int4-plane matmul against float, a tiny quantized GGUF model packed
+and dequantized, the option rules, and the embedded model's default CPU path."""
+
+from __future__ import annotations
+
+import statistics
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from radixlm.runtime.models import gguf_loader
+from radixlm.runtime.models.quantization.config import resolve_quant_config
+from radixlm.runtime.models.quantization.gguf import Int4Planes
+from radixlm.runtime.models.quantization.gguf_blocks import (
+    BLOCK_TYPES,
+    NATIVE_TYPES,
+    GGUFBlocks,
+    dequantize_planes,
+)
+
+
+def _random_blocks(name: str, rows: int, columns: int, seed: int = 0) -> GGUFBlocks:
+    """Random codes, with float16 scales (and mins) of a realistic size in their slots."""
+    rng = np.random.default_rng(seed)
+    _, per_block, size = next(v for v in BLOCK_TYPES.values() if v[0] == name)
+    raw = rng.integers(0, 256, (rows, columns // per_block, size), dtype=np.uint8)
+    halves = 1 if name in ("Q4_0", "Q5_0", "Q8_0") else 2  # d, or d and m / dmin
+    for i in range(halves):
+        values = rng.normal(0, 0.01, raw.shape[:2]).astype(np.float16)
+        raw[..., 2 * i: 2 * i + 2] = values[..., None].view(np.uint8)
+    return GGUFBlocks.from_rows(name, torch.from_numpy(raw.reshape(rows, -1)))
+
+
+@pytest.mark.parametrize("name", sorted(NATIVE_TYPES))
+def test_planes_are_exactly_the_reference_dequantization(name):
+    blocks = _random_blocks(name, 5, 512)
+    planes = blocks.planes()
+    assert len(planes) == (1 if name in ("Q4_0", "Q4_1", "Q4_K") else 2)
+    assert all(int(p.codes.max()) <= 15 for p in planes)
+    want = blocks.dequantize()  # equal up to float32 rounding of the folded zeros
+    torch.testing.assert_close(dequantize_planes(planes), want, rtol=0,
+                               atol=1e-6 * want.abs().max().item())
+
+
+def test_int4_planes_matmul_matches_float_over_mixed_parts():
+    # A merged layer whose parts have one and two planes: the one-plane part gets an empty
+    # second plane that must add exactly nothing.
+    parts = [_random_blocks("Q4_K", 64, 256, 1), _random_blocks("Q8_0", 32, 256, 2),
+             _random_blocks("Q5_1", 48, 256, 3)]
+    planes = Int4Planes.stack([p.planes() for p in parts], [64, 32, 48], 256)
+    weight = torch.cat([p.dequantize() for p in parts])  # [144, 256]
+    x = torch.randn(3, 256).bfloat16()
+    got = planes(x).float()
+    want = x.float() @ weight.t()
+    # bfloat16 scales and output: a few parts in a thousand of the output's scale.
+    assert (got - want).abs().max() <= 4e-3 * want.abs().max()
+
+
+def test_option_rules():
+    gguf_cfg = {"quantization_config": {"quant_method": "gguf"}}
+    assert resolve_quant_config(None, gguf_cfg, gguf_packable=True).method == "gguf"
+    assert resolve_quant_config(None, gguf_cfg, gguf_packable=False) is None
+    assert resolve_quant_config("none", gguf_cfg, gguf_packable=True) is None
+    assert resolve_quant_config("int8", gguf_cfg, gguf_packable=True).method == "int8"
+    with pytest.raises(ValueError, match="device cpu, dtype bfloat16 and tp_size 1"):
+        resolve_quant_config("gguf", gguf_cfg, gguf_packable=False)
+    with pytest.raises(ValueError, match="needs a GGUF model"):
+        resolve_quant_config("gguf", {})
+    with pytest.raises(ValueError, match="conflicts"):
+        resolve_quant_config("awq", gguf_cfg, gguf_packable=True)
+    with pytest.raises(ValueError, match="not dequantized"):
+        resolve_quant_config("none", {"quantization_config": {"quant_method": "awq"}})
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> str:
+    """A two-layer Llama GGUF whose linears are Q4_0, Q4_1, Q5_0 and Q8_0 (the head Q8_0)."""
+    rng = np.random.default_rng(0)
+    hidden, heads, kv_heads, ffn, vocab = 64, 4, 2, 96, 128
+    head_dim = hidden // heads
+    kinds = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q5_0",
+             "ffn_gate": "Q4_1", "ffn_up": "Q8_0", "ffn_down": "Q4_0"}
+    shapes = {"attn_q": (hidden, hidden), "attn_k": (kv_heads * head_dim, hidden),
+              "attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, hidden),
+              "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden), "ffn_down": (hidden, ffn)}
+    path = tmp_path_factory.mktemp("tiny-gguf") / "tiny-llama.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in {"block_count": 2, "embedding_length": hidden, "feed_forward_length": ffn,
+                       "attention.head_count": heads, "attention.head_count_kv": kv_heads,
+                       "context_length": 256}.items():
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+
+    def add(name: str, shape: tuple[int, ...], kind: str | None, scale: float = 0.05) -> None:
+        values = rng.normal(0, scale, shape).astype(np.float32)
+        if kind is None:
+            writer.add_tensor(name, values)
+        else:
+            qtype = gguf.GGMLQuantizationType[kind]
+            writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+
+    add("token_embd.weight", (vocab, hidden), "Q8_0", 1.0)
+    add("output_norm.weight", (hidden,), None, 0.1)
+    for i in range(2):
+        add(f"blk.{i}.attn_norm.weight", (hidden,), None, 0.1)
+        add(f"blk.{i}.ffn_norm.weight", (hidden,), None, 0.1)
+        for base, kind in kinds.items():
+            add(f"blk.{i}.{base}.weight", shapes[base], kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def _logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    from radixlm.runtime.attention.base import ForwardBatch
+    from radixlm.runtime.attention.kv_cache import KVCache
+    from radixlm.runtime.attention.torch_native import TorchNativeAttention
+
+    cfg = model.config
+    dtype = next(model.model.norm.parameters()).dtype
+    kv = KVCache(cfg.num_layers, 64, cfg.num_kv_heads, cfg.head_dim, dtype,
+                 torch.device("cpu"), page_size=16)
+    n = len(ids)
+    batch = ForwardBatch(input_ids=torch.tensor(ids), positions=torch.arange(n), q_lens=[n],
+                         kv_lens=[n], out_slots=torch.arange(n), slot_table=torch.arange(n)[None],
+                         kv_cache=kv)
+    attn = TorchNativeAttention(cfg.head_dim ** -0.5)
+    attn.plan(batch)
+    with torch.inference_mode():
+        return model.compute_logits(model(batch, attn))
+
+
+def test_tiny_gguf_model_packed_matches_dequantized(tiny_gguf, monkeypatch, tmp_path):
+    from radixlm.runtime.models.loader import load_model
+
+    monkeypatch.setattr(gguf_loader, "_save_tokenizer", lambda *args: None)
+    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path))
+    cpu = torch.device("cpu")
+    packed = load_model(tiny_gguf, "auto", torch.bfloat16, cpu).model
+    dense = load_model(tiny_gguf, "auto", torch.bfloat16, cpu, quantization="none").model
+    exact = load_model(tiny_gguf, "auto", torch.float32, cpu).model
+    assert packed.quant.method == "gguf" and dense.quant is None and exact.quant is None
+    mlp = packed.model.layers[0].mlp
+    assert mlp.gate_up_proj.planes.num_planes == 2  # Q4_1 gate + Q8_0 up: two planes
+    assert mlp.down_proj.planes.num_planes == 1
+    assert packed.model.embed_tokens.packed_logits is not None  # the tied Q8_0 head
+    ids = [1, 5, 9, 33, 64, 100, 127, 2]
+    want = _logits(exact, ids)
+    for model in (packed, dense):
+        got = _logits(model, ids)
+        assert (got - want).abs().max() <= 0.03 * want.abs().max()
+    # Packed and dense bfloat16 differ only by the scales' rounding to bfloat16.
+    assert torch.equal(_logits(packed, ids).argmax(-1), _logits(dense, ids).argmax(-1))
+
+
+def test_embedded_model_runs_its_blocks_by_default():
+    from radixlm.runtime import Engine
+
+    prompts = ["Explain why the sky is blue.", "List three uses of Python."]
+    with Engine(max_total_tokens=2048, dtype="float32") as exact:
+        ids = [exact.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+        outs = [o.token_ids for o in exact.generate(
+            input_ids=ids, sampling_params={"max_new_tokens": 24, "temperature": 0})]
+        want = [exact.score(i, [o])[0] for i, o in zip(ids, outs)]
+    with Engine(max_total_tokens=2048) as fast:
+        assert fast.dtype == torch.bfloat16
+        assert fast.core.runner.model.quant.method == "gguf"
+        got = [fast.score(i, [o])[0] for i, o in zip(ids, outs)]
+    deltas = [abs(a - b) for w, g in zip(want, got) for a, b in zip(w, g)]
+    # Measured 0.02 (bfloat16 activations account for most of it; docs/quantization.md).
+    assert statistics.mean(deltas) < 0.06, statistics.mean(deltas)
+
+
+def test_engine_options_list_every_quantization():
+    from radixlm.runtime.config.engine_config import QUANTIZATIONS as ENGINE_CHOICES
+    from radixlm.runtime.models.quantization.config import QUANTIZATIONS
+
+    assert ENGINE_CHOICES == QUANTIZATIONS
