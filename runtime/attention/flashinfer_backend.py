@@ -37,8 +37,12 @@ from typing import Any
 import torch
 
 from radixlm.kernels.host_copy import to_device
-from radixlm.runtime.attention.base import (FULL_ATTENTION, AttentionBackend, ForwardBatch,
-                                            LayerAttention)
+from radixlm.runtime.attention.base import (
+    FULL_ATTENTION,
+    AttentionBackend,
+    ForwardBatch,
+    LayerAttention,
+)
 from radixlm.runtime.attention.kv_cache import KVCache
 
 WORKSPACE_BYTES = 128 * 1024 * 1024

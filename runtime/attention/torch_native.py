@@ -15,8 +15,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from radixlm.runtime.attention.base import (FULL_ATTENTION, AttentionBackend, ForwardBatch,
-                                            LayerAttention)
+from radixlm.runtime.attention.base import (
+    FULL_ATTENTION,
+    AttentionBackend,
+    ForwardBatch,
+    LayerAttention,
+)
 
 
 class TorchNativeAttention(AttentionBackend):

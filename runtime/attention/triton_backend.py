@@ -18,8 +18,12 @@ from __future__ import annotations
 import torch
 
 from radixlm.kernels.host_copy import to_device
-from radixlm.runtime.attention.base import (FULL_ATTENTION, AttentionBackend, ForwardBatch,
-                                            LayerAttention)
+from radixlm.runtime.attention.base import (
+    FULL_ATTENTION,
+    AttentionBackend,
+    ForwardBatch,
+    LayerAttention,
+)
 from radixlm.runtime.attention.kv_cache import KVCache
 
 try:
