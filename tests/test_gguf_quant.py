@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import statistics
 
-import gguf
 import numpy as np
 import pytest
 import torch
@@ -73,47 +72,6 @@ def test_option_rules():
         resolve_quant_config("awq", gguf_cfg, gguf_packable=True)
     with pytest.raises(ValueError, match="not dequantized"):
         resolve_quant_config("none", {"quantization_config": {"quant_method": "awq"}})
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory) -> str:
-    """A two-layer Llama GGUF whose linears are Q4_0, Q4_1, Q5_0 and Q8_0 (the head Q8_0)."""
-    rng = np.random.default_rng(0)
-    hidden, heads, kv_heads, ffn, vocab = 64, 4, 2, 96, 128
-    head_dim = hidden // heads
-    kinds = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q5_0",
-             "ffn_gate": "Q4_1", "ffn_up": "Q8_0", "ffn_down": "Q4_0"}
-    shapes = {"attn_q": (hidden, hidden), "attn_k": (kv_heads * head_dim, hidden),
-              "attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, hidden),
-              "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden), "ffn_down": (hidden, ffn)}
-    path = tmp_path_factory.mktemp("tiny-gguf") / "tiny-llama.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for key, value in {"block_count": 2, "embedding_length": hidden, "feed_forward_length": ffn,
-                       "attention.head_count": heads, "attention.head_count_kv": kv_heads,
-                       "context_length": 256}.items():
-        writer.add_uint32(f"llama.{key}", value)
-    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-
-    def add(name: str, shape: tuple[int, ...], kind: str | None, scale: float = 0.05) -> None:
-        values = rng.normal(0, scale, shape).astype(np.float32)
-        if kind is None:
-            writer.add_tensor(name, values)
-        else:
-            qtype = gguf.GGMLQuantizationType[kind]
-            writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
-
-    add("token_embd.weight", (vocab, hidden), "Q8_0", 1.0)
-    add("output_norm.weight", (hidden,), None, 0.1)
-    for i in range(2):
-        add(f"blk.{i}.attn_norm.weight", (hidden,), None, 0.1)
-        add(f"blk.{i}.ffn_norm.weight", (hidden,), None, 0.1)
-        for base, kind in kinds.items():
-            add(f"blk.{i}.{base}.weight", shapes[base], kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return str(path)
 
 
 def _logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:

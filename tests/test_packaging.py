@@ -34,3 +34,13 @@ def test_every_subpackage_is_listed():
 def test_console_script_is_declared():
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert pyproject["project"]["scripts"]["radixlm"] == "radixlm.runtime.cli:main"
+
+
+def test_non_python_sources_ship_as_package_data():
+    """Files a package reads at run time (the C++ kernel compiled on first use) must be
+    package data, or an installed wheel lacks them."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    data = pyproject["tool"]["setuptools"]["package-data"]
+    for folder, package in FOLDERS.items():
+        for source in (ROOT / folder).rglob("*.cpp"):
+            assert source.suffix in {Path(p).suffix for p in data.get(package, [])}, source

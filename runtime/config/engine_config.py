@@ -65,6 +65,9 @@ class EngineConfig:
     # Decode-only steps replay CUDA graphs captured per padded batch size (CUDA, triton or
     # flashinfer attention); this turns that off and runs every step eagerly.
     disable_cuda_graph: bool = False
+    # On CPU, bfloat16 decode steps of Llama-family models run the layer stack in one C++ call
+    # (compiled on first use, cached; docs/performance.md); this keeps them on the eager path.
+    disable_cpu_kernel: bool = False
     # Overlap scheduling: while the device runs a decode step, the host prepares and launches
     # the next one (feeding it the tokens still on the device), then post-processes the
     # first. "auto" turns it on for CUDA, where the device runs ahead of the host; on CPU the
@@ -136,7 +139,7 @@ class EngineConfig:
                 or not self.tp_timeout > 0):
             raise ValueError(f"tp_timeout must be a positive number of seconds, "
                              f"got {self.tp_timeout!r}")
-        for name in ("disable_radix_cache", "disable_cuda_graph"):
+        for name in ("disable_radix_cache", "disable_cuda_graph", "disable_cpu_kernel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):

@@ -27,7 +27,9 @@ from radixlm.runtime.attention.base import create_backend
 from radixlm.runtime.attention.kv_cache import KVCache
 from radixlm.runtime.config.engine_config import EngineConfig
 from radixlm.runtime.engine.kv_sizing import max_model_len, pool_pages
+from radixlm.kernels import cpu_decode as cpu_decode_kernel
 from radixlm.runtime.engine.overlap import follow_up_batch
+from radixlm.runtime.execution.cpu_decode import CpuDecode, unsupported
 from radixlm.runtime.execution.cuda_graph import DecodeGraphs
 from radixlm.runtime.execution.model_runner import LaunchedStep, ModelRunner, StepResult
 from radixlm.runtime.execution.speculative.draft_model import DraftModel
@@ -52,6 +54,18 @@ def uses_decode_graphs(config: EngineConfig, device: torch.device, attn: Any) ->
     runner can still run uncaptured: tests switch it on here to check its bookkeeping."""
     return (device.type == "cuda" and not config.disable_cuda_graph
             and attn.supports_cuda_graph)
+
+
+def _cpu_decode(model: Any, attn: Any, kv_cache: KVCache) -> CpuDecode | None:
+    """The C++ decode kernel for this model, when it covers it and builds here."""
+    reason = unsupported(model, attn, kv_cache)
+    if reason is None:
+        kernel = cpu_decode_kernel.load()
+        if kernel is not None:
+            return CpuDecode(model, kv_cache, kernel)
+        reason = "it did not build"
+    log.debug("CPU decode kernel off: %s", reason)
+    return None
 
 
 class EngineCore:
@@ -85,6 +99,8 @@ class EngineCore:
                        LeaseTable(self.cache, int(num_pages * config.lease_memory_fraction)))
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(loaded.model, attn, self.kv_cache, self.table, device)
+        if device.type == "cpu" and not config.disable_cpu_kernel:
+            self.runner.cpu_decode = _cpu_decode(loaded.model, attn, self.kv_cache)
         # Verify steps replay as one decode row per token: up to 1 + k rows per request.
         rows = config.max_running_requests * (1 + (config.num_speculative_tokens
                                                     if config.speculative else 0))

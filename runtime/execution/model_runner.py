@@ -124,6 +124,7 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.grammar_masks: BatchBitmask | None = None  # allocated on first use
         self.cuda_graphs = None  # a cuda_graph.DecodeGraphs, set by the engine on CUDA
+        self.cpu_decode = None  # a cpu_decode.CpuDecode, set by the engine on CPU
         self.draft = None  # a speculative.DraftModel, set by the engine: it mirrors each step
 
     def execute(self, scheduled: ScheduledBatch) -> StepResult:
@@ -144,8 +145,12 @@ class ModelRunner:
             hidden = graphs.forward(*token_rows, pending)
         else:
             batch = self._device_batch(inputs, pending)
-            self.attn.plan(batch)
-            hidden = self.model(batch, self.attn)
+            if (self.cpu_decode is not None and not prompt_rows
+                    and all(n == 1 for n in inputs.q_lens)):
+                hidden = self.cpu_decode.forward(batch)
+            else:
+                self.attn.plan(batch)
+                hidden = self.model(batch, self.attn)
         if self.draft is not None:  # the draft's KV follows the target's, slot for slot
             self.draft.extend(token_rows, lambda: batch or self._device_batch(inputs, pending),
                               pending)

@@ -56,6 +56,10 @@ class Int4Planes(nn.Module):
                 for planes, n in zip(parts, rows)))))
             for index in range(count)])
 
+    def weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(packed, scales_zeros) of each plane."""
+        return list(self._weights)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] bfloat16 -> [M, N] bfloat16."""
         (first, first_sz), *rest = self._weights
