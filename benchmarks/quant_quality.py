@@ -13,7 +13,9 @@ each configuration:
 Configurations: fp32; bf16; fp8 (W8A8, per-channel weights, per-token activations); int8
 (weight-only, per-channel); int4 RTN, AWQ, GPTQ and GPTQ with act-order (group 128, asymmetric,
 written by `radixlm quantize` and loaded back from disk). Activations are float32 except for
-bf16 (and fp8's quantized products).
+bf16 (and fp8's quantized products) and the CPU paths: the GGUF file's own blocks (the
+default CPU path), int8 as int4 planes and fp8 as bfloat16 weights, all with bfloat16
+activations.
 
     python benchmarks/quant_quality.py [--windows 8] [--seq-len 512] [--num-samples 32]
 """
@@ -47,9 +49,14 @@ CPU = torch.device("cpu")
 # name -> (load dtype, online quantization, offline quantizer options)
 CONFIGS: dict[str, tuple[torch.dtype, str | None, QuantizeOptions | None]] = {
     "fp32": (torch.float32, None, None),
-    "bf16": (torch.bfloat16, None, None),
+    "bf16": (torch.bfloat16, "none", None),
     "fp8": (torch.float32, "fp8", None),
     "int8": (torch.float32, "int8", None),
+    # The CPU paths, with bfloat16 activations: the GGUF model's own Q4_1/Q8_0 blocks (the
+    # default), int8 as int4 planes, fp8 as bfloat16 weights.
+    "GGUF blocks (CPU default)": (torch.bfloat16, None, None),
+    "int8 CPU": (torch.bfloat16, "int8", None),
+    "fp8 CPU": (torch.bfloat16, "fp8", None),
     "int4 RTN": (torch.float32, None, QuantizeOptions(method="rtn")),
     "int4 AWQ": (torch.float32, None, QuantizeOptions(method="awq")),
     "int4 GPTQ": (torch.float32, None, QuantizeOptions(method="gptq")),
@@ -59,8 +66,9 @@ CONFIGS: dict[str, tuple[torch.dtype, str | None, QuantizeOptions | None]] = {
 
 
 def linear_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for m in model.modules() if isinstance(m, Linear)
-               for p in m.parameters())
+    """Bytes of the decoder linears' weights (a CPU form's packed planes are buffers)."""
+    return sum(t.numel() * t.element_size() for m in model.modules() if isinstance(m, Linear)
+               for t in [*m.parameters(), *m.buffers()])
 
 
 def build(name: str, folder: Path, calibration: torch.Tensor, work: Path) -> tuple:

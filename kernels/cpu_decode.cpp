@@ -14,8 +14,9 @@
 // Inputs (B decode tokens; d hidden; H / Hkv heads of D):
 //   hidden [B, d] bf16: the token embeddings; cos/sin [B, D/2] float32 at their positions;
 //   layers[i]: {input norm [d], post-attention norm [d], qkv bias ([0] when none), then the
-//     tensors of qkv, o, gate_up and down}; planes[4 i + j] says how linear j is stored:
-//     0: one dense [N, K] bf16 weight; p > 0: p int4 planes, (packed, scales_zeros) each;
+//     tensors of qkv, o, gate_up and down}; specs[8 i + 2 j] and [8 i + 2 j + 1] say how
+//     linear j is stored: (0, 0): one dense [N, K] bf16 weight; (p, g): p int4 planes of
+//     groups of g inputs, (packed, scales_zeros) each;
 //   k_cache / v_cache [layers, slots, Hkv, D] bf16, out_slots [B], pages [B, P] (page ids of
 //     each sequence's context), valid [B, 1, 1, P * page] (its real key positions).
 #include <ATen/ATen.h>
@@ -33,11 +34,12 @@ inline float to_f(BFloat16 x) { return static_cast<float>(x); }
 
 // y = x @ W.T for one stored linear starting at tensors[first].
 Tensor linear(const Tensor& x, const std::vector<Tensor>& tensors, size_t first,
-              int64_t planes) {
+              const int64_t* spec) {
+  const int64_t planes = spec[0], group = spec[1];
   if (planes == 0) return at::linear(x, tensors[first]);
-  Tensor out = at::_weight_int4pack_mm_for_cpu(x, tensors[first], 32, tensors[first + 1]);
+  Tensor out = at::_weight_int4pack_mm_for_cpu(x, tensors[first], group, tensors[first + 1]);
   for (int64_t p = 1; p < planes; ++p) {
-    out.add_(at::_weight_int4pack_mm_for_cpu(x, tensors[first + 2 * p], 32,
+    out.add_(at::_weight_int4pack_mm_for_cpu(x, tensors[first + 2 * p], group,
                                              tensors[first + 2 * p + 1]));
   }
   return out;
@@ -136,24 +138,24 @@ Tensor silu_and_mul(const Tensor& gate_up) {
 
 Tensor decode(Tensor hidden, const Tensor& cos, const Tensor& sin,
               const std::vector<std::vector<Tensor>>& layers,
-              const std::vector<int64_t>& planes, Tensor k_cache, Tensor v_cache,
+              const std::vector<int64_t>& specs, Tensor k_cache, Tensor v_cache,
               const Tensor& out_slots, const Tensor& pages, const Tensor& valid,
               const Tensor& final_norm, int64_t page_size, int64_t heads, int64_t kv_heads,
               int64_t head_dim, double eps, double scale) {
   TORCH_CHECK(hidden.scalar_type() == at::kBFloat16 && hidden.is_contiguous(),
               "hidden must be contiguous bfloat16");
-  TORCH_CHECK(static_cast<int64_t>(planes.size()) == 4 * static_cast<int64_t>(layers.size()),
-              "planes: four entries per layer");
+  TORCH_CHECK(static_cast<int64_t>(specs.size()) == 8 * static_cast<int64_t>(layers.size()),
+              "specs: eight entries per layer");
   const Tensor flat_pages = pages.flatten();
   Tensor h = hidden.clone();
   Tensor x = at::empty_like(h);
   Tensor residual_in;  // the previous layer's MLP output, added to h by the next norm
   for (size_t i = 0; i < layers.size(); ++i) {
     const auto& t = layers[i];
-    const int64_t* p = planes.data() + 4 * i;
+    const int64_t* p = specs.data() + 8 * i;  // (planes, group) of qkv, o, gate_up, down
     add_rms_norm(h, residual_in.defined() ? &residual_in : nullptr, t[0], x, eps);
     size_t at_ = 3;
-    Tensor qkv = linear(x, t, at_, p[0]);
+    Tensor qkv = linear(x, t, at_, p);
     at_ += stored_tensors(p[0]);
     if (t[2].numel() > 0) qkv.add_(t[2]);
     qkv = qkv.contiguous();
@@ -163,12 +165,12 @@ Tensor decode(Tensor hidden, const Tensor& cos, const Tensor& sin,
     Tensor attn = attention(qkv.narrow(1, 0, heads * head_dim), k_layer.view(page_shape),
                             v_layer.view(page_shape), flat_pages, valid, heads, kv_heads,
                             head_dim, scale);
-    Tensor o = linear(attn, t, at_, p[1]);
-    at_ += stored_tensors(p[1]);
-    add_rms_norm(h, &o, t[1], x, eps);
-    Tensor gate_up = linear(x, t, at_, p[2]).contiguous();
+    Tensor o = linear(attn, t, at_, p + 2);
     at_ += stored_tensors(p[2]);
-    residual_in = linear(silu_and_mul(gate_up), t, at_, p[3]).contiguous();
+    add_rms_norm(h, &o, t[1], x, eps);
+    Tensor gate_up = linear(x, t, at_, p + 4).contiguous();
+    at_ += stored_tensors(p[4]);
+    residual_in = linear(silu_and_mul(gate_up), t, at_, p + 6).contiguous();
   }
   Tensor out = at::empty_like(h);
   add_rms_norm(h, residual_in.defined() ? &residual_in : nullptr, final_norm, out, eps);

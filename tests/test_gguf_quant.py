@@ -12,12 +12,11 @@ import torch
 
 from radixlm.runtime.models import gguf_loader
 from radixlm.runtime.models.quantization.config import resolve_quant_config
-from radixlm.runtime.models.quantization.gguf import Int4Planes
+from radixlm.runtime.models.quantization.cpu_weights import CpuWeights, dequantize_planes
 from radixlm.runtime.models.quantization.gguf_blocks import (
     BLOCK_TYPES,
     NATIVE_TYPES,
     GGUFBlocks,
-    dequantize_planes,
 )
 
 
@@ -49,7 +48,7 @@ def test_int4_planes_matmul_matches_float_over_mixed_parts():
     # second plane that must add exactly nothing.
     parts = [_random_blocks("Q4_K", 64, 256, 1), _random_blocks("Q8_0", 32, 256, 2),
              _random_blocks("Q5_1", 48, 256, 3)]
-    planes = Int4Planes.stack([p.planes() for p in parts], [64, 32, 48], 256)
+    planes = CpuWeights.stack([p.planes() for p in parts], [64, 32, 48], 256)
     weight = torch.cat([p.dequantize() for p in parts])  # [144, 256]
     x = torch.randn(3, 256).bfloat16()
     got = planes(x).float()
@@ -104,8 +103,8 @@ def test_tiny_gguf_model_packed_matches_dequantized(tiny_gguf, monkeypatch, tmp_
     exact = load_model(tiny_gguf, "auto", torch.float32, cpu).model
     assert packed.quant.method == "gguf" and dense.quant is None and exact.quant is None
     mlp = packed.model.layers[0].mlp
-    assert mlp.gate_up_proj.planes.num_planes == 2  # Q4_1 gate + Q8_0 up: two planes
-    assert mlp.down_proj.planes.num_planes == 1
+    assert mlp.gate_up_proj.cpu_weights.num_planes == 2  # Q4_1 gate + Q8_0 up: two planes
+    assert mlp.down_proj.cpu_weights.num_planes == 1
     assert packed.model.embed_tokens.packed_logits is not None  # the tied Q8_0 head
     ids = [1, 5, 9, 33, 64, 100, 127, 2]
     want = _logits(exact, ids)

@@ -140,3 +140,52 @@ def test_fp8_fallback_agrees_with_scaled_mm_on_cpu():
     except (RuntimeError, NotImplementedError) as exc:
         pytest.skip(f"torch._scaled_mm does not run on this CPU build: {exc}")
     check_close(fused, fallback.double(), tol=1e-2)  # _scaled_mm rounds its output to bf16
+
+
+def bf16_close(out: torch.Tensor, want: torch.Tensor) -> None:
+    """bfloat16 activations and output: within a few parts in a thousand of the scale."""
+    assert out.dtype == torch.bfloat16
+    assert (out.double() - want).abs().max() <= 8e-3 * want.abs().max()
+
+
+@pytest.mark.parametrize("bits, group, act_order", [(4, 32, False), (4, 128, True),
+                                                   (8, 64, False)])
+def test_gptq_cpu_planes_with_bfloat16_activations(bits, group, act_order):
+    """A bfloat16 model on the CPU repacks GPTQ (and AWQ, int8) weights into int4 planes for
+    torch's CPU kernel: 4-bit codes one plane, 8-bit two; act-order through a permutation."""
+    gen = torch.Generator().manual_seed(bits + group)
+    k = 256
+    cfg = QuantConfig("gptq", bits=bits, group_size=group, desc_act=act_order,
+                      prequantized=True)
+    layer = MergedLinear(k, [32, 64], dtype=torch.bfloat16, quant=cfg)
+    g_idx = torch.arange(k) // group
+    if act_order:
+        g_idx = g_idx[torch.randperm(k, generator=gen)]
+    parts, ws = [], []
+    for n in layer.output_sizes:
+        q, zeros, scales = random_int_part(gen, k, n, group, bits, zero_min=1)
+        parts.append({"qweight": packing.pack_gptq_weight(q, bits),
+                      "qzeros": packing.pack_gptq_zeros(zeros, bits, True),
+                      "scales": scales.bfloat16(), "g_idx": g_idx.to(torch.int32)})
+        ws.append(reference_w(q, zeros, scales.bfloat16().float(), g_idx))
+    load(layer, parts)
+    assert layer.quant_method.on_cpu
+    assert layer.cpu_weights.num_planes == (1 if bits == 4 else 2)
+    x = torch.randn(3, k, generator=gen).bfloat16()
+    bf16_close(layer(x), x.double() @ torch.cat(ws, 1))
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_online_methods_on_cpu_with_bfloat16_activations(method):
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 64, generator=gen)
+    layer = Linear(64, 48, dtype=torch.bfloat16, quant=QuantConfig(method))
+    load(layer, [{"weight": w.bfloat16()}])
+    assert layer.quant_method.on_cpu
+    x = torch.randn(3, 64, generator=gen).bfloat16()
+    if method == "fp8":  # 3 mantissa bits: compare with the rounded weights themselves
+        from radixlm.runtime.models.quantization.fp8 import quantize_fp8_rows
+
+        w8, scale = quantize_fp8_rows(w.bfloat16())
+        w = w8.float() * scale
+    bf16_close(layer(x), x.double() @ w.bfloat16().double().t())

@@ -39,7 +39,8 @@ class EngineConfig:
     chat_template: str | None = None
     load_format: str = "auto"
     # float32, bfloat16 or float16 (or bf16, half, fp16, fp32); "auto": float32 on CPU,
-    # bfloat16 on CUDA; on CPU bfloat16 for a GGUF model run on its blocks, else float32.
+    # bfloat16 on CUDA; on CPU bfloat16 for quantized weights (a GGUF model, a quantized
+    # checkpoint, or `quantization` asked for; their CPU kernels take bfloat16), else float32.
     dtype: str = "auto"
     device: str = "auto"  # cuda when available, else cpu
     seed: int = 0  # seeds requests that have no seed of their own, and dummy weights
@@ -211,12 +212,13 @@ class EngineConfig:
             raise ValueError(f"device {self.device!r}: {reason}; use device 'cpu' (or 'auto')")
         return torch.device(self.device)
 
-    def torch_dtype(self, device: torch.device, gguf_model: bool = False) -> torch.dtype:
-        """The activation dtype. `gguf_model`: the model is a GGUF file, whose blocks the
-        CPU kernel runs with bfloat16 activations when nothing asks for float weights."""
+    def torch_dtype(self, device: torch.device, declared: str | None = None) -> torch.dtype:
+        """The activation dtype. `declared`: the quantization the checkpoint declares (a
+        GGUF model: gguf). Quantized weights run on the CPU with bfloat16 activations."""
         if self.dtype == "auto":
-            packed = (gguf_model and self.tp_size == 1
-                      and self.quantization in (None, "gguf"))
+            quantized = (self.quantization != "none"
+                         and (self.quantization is not None or declared is not None))
+            packed = quantized and self.tp_size == 1
             return torch.bfloat16 if device.type == "cuda" or packed else torch.float32
         return DTYPES[self.dtype]
 

@@ -24,7 +24,7 @@ from radixlm.runtime.engine.request_factory import RequestFactory
 from radixlm.runtime.models.loader import (
     ARCHITECTURE_PRESETS,
     LoadedModel,
-    is_gguf_model,
+    declared_quantization,
     load_model,
 )
 from radixlm.runtime.parallel.sharded import ShardedModel, TensorParallelGroup
@@ -47,7 +47,7 @@ class Engine:
     def __init__(self, model: str | None = None, **options: Any) -> None:
         self.config = EngineConfig.from_kwargs(model, **options)
         self.device = self.config.torch_device()
-        self.dtype = self.config.torch_dtype(self.device, is_gguf_model(
+        self.dtype = self.config.torch_dtype(self.device, declared_quantization(
             self.config.model, self.config.load_format, self.config.revision))
         # tp_size > 1: this process is rank 0; the other ranks start now and load their
         # shards while this one loads its own.

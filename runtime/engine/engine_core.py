@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
+from radixlm.kernels import cpu_decode as cpu_decode_kernel
 from radixlm.runtime.attention.base import create_backend
 from radixlm.runtime.attention.kv_cache import KVCache
 from radixlm.runtime.config.engine_config import EngineConfig
 from radixlm.runtime.engine.kv_sizing import max_model_len, pool_pages
-from radixlm.kernels import cpu_decode as cpu_decode_kernel
 from radixlm.runtime.engine.overlap import follow_up_batch
 from radixlm.runtime.execution.cpu_decode import CpuDecode, unsupported
 from radixlm.runtime.execution.cuda_graph import DecodeGraphs

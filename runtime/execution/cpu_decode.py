@@ -21,7 +21,7 @@ from radixlm.runtime.attention.kv_cache import KVCache
 from radixlm.runtime.attention.torch_native import TorchNativeAttention
 from radixlm.runtime.models.layers.linear import Linear
 from radixlm.runtime.models.llama import LlamaForCausalLM
-from radixlm.runtime.models.quantization.gguf import GGUFLinearMethod
+from radixlm.runtime.models.quantization.cpu_weights import CpuWeights
 
 
 def unsupported(model: torch.nn.Module, attn: AttentionBackend, kv_cache: KVCache) -> str | None:
@@ -37,7 +37,7 @@ def unsupported(model: torch.nn.Module, attn: AttentionBackend, kv_cache: KVCach
         return "tensor parallelism, q/k norms, MLP biases and sliding windows are not covered"
     if any(_stored(linear) is None for layer in model.model.layers
            for linear in _linears(layer)):
-        return "a linear layer is neither bfloat16 nor GGUF blocks"
+        return "a linear layer is neither bfloat16 nor repacked for the CPU (cpu_weights)"
     return None
 
 
@@ -50,15 +50,15 @@ class CpuDecode:
         self.shape = (kv_cache.page_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                       cfg.rms_norm_eps, cfg.head_dim ** -0.5)
         self.layers: list[list[torch.Tensor]] = []
-        self.planes: list[int] = []
+        self.specs: list[int] = []  # (planes, group) per linear
         no_bias = torch.empty(0, dtype=torch.bfloat16)
         for layer in model.model.layers:
             qkv = layer.self_attn.qkv_proj
             tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                        no_bias if qkv.bias is None else qkv.bias]
             for linear in _linears(layer):
-                count, stored = _stored(linear)
-                self.planes.append(count)
+                planes, group, stored = _stored(linear)
+                self.specs.extend((planes, group))
                 tensors.extend(stored)
             self.layers.append(tensors)
 
@@ -73,7 +73,7 @@ class CpuDecode:
         width = -(-int(max(batch.kv_lens)) // page) * page
         pages = batch.slot_table[:, :width:page] // page  # [B, P]
         valid = (torch.arange(width)[None, :] < kv_lens[:, None])[:, None, None, :]
-        return self.kernel.decode(hidden, cos, sin, self.layers, self.planes, kv.k, kv.v,
+        return self.kernel.decode(hidden, cos, sin, self.layers, self.specs, kv.k, kv.v,
                                   batch.out_slots, pages, valid, model.model.norm.weight,
                                   *self.shape)
 
@@ -83,15 +83,10 @@ def _linears(layer: torch.nn.Module) -> list[Linear]:
             layer.mlp.down_proj]
 
 
-def _stored(linear: Linear) -> tuple[int, list[torch.Tensor]] | None:
-    """(planes, tensors) as the kernel reads a linear: 0 and [weight] for a dense bfloat16
-    weight, p and p (packed, scales_zeros) pairs for GGUF int4 planes; None otherwise."""
-    method = linear.quant_method
-    if method is None:
-        return (0, [linear.weight]) if linear.weight.dtype == torch.bfloat16 else None
-    if not isinstance(method, GGUFLinearMethod):
-        return None
-    if method.dense:
-        return 0, [linear.dense_weight]
-    planes = linear.planes
-    return planes.num_planes, [t for pair in planes.weights() for t in pair]
+def _stored(linear: Linear) -> tuple[int, int, list[torch.Tensor]] | None:
+    """(planes, group, tensors) as the kernel reads a linear: a dense bfloat16 weight, or a
+    quantized linear's CPU form (quantization.cpu_weights); None for anything else."""
+    if linear.quant_method is None:
+        return (0, 0, [linear.weight]) if linear.weight.dtype == torch.bfloat16 else None
+    cpu = dict(linear.named_children()).get("cpu_weights")
+    return cpu.kernel_form() if isinstance(cpu, CpuWeights) else None

@@ -130,14 +130,14 @@ def _download(repo_id: str, revision: str | None = None) -> Path:
                                 f"{exc}") from exc
 
 
-def is_gguf_model(model: str | None, load_format: str = "auto",
-                  revision: str | None = None) -> bool:
-    """Whether the model is a GGUF file (its converted folder declares quant_method gguf)."""
+def declared_quantization(model: str | None, load_format: str = "auto",
+                          revision: str | None = None) -> str | None:
+    """The quant_method the model's config.json declares (gguf for a GGUF file), if any."""
     if load_format == "dummy" and model in ARCHITECTURE_PRESETS:
-        return False
+        return None
     declared = ModelConfig.from_folder(resolve_model(model, revision)).raw.get(
         "quantization_config")
-    return isinstance(declared, dict) and declared.get("quant_method") == "gguf"
+    return str(declared.get("quant_method")).lower() if isinstance(declared, dict) else None
 
 
 def load_model(model: str | None, load_format: str, dtype: torch.dtype,
@@ -265,14 +265,14 @@ _HEAD_WEIGHTS = ("lm_head.weight", "model.embed_tokens.weight")
 def _pack_output_head(net: nn.Module, heads: dict[str, GGUFBlocks]) -> None:
     """Give the output head its packed GGUF weights: lm_head's, or the embedding's when the
     two are tied (the model then has no lm_head)."""
-    from radixlm.runtime.models.quantization.gguf import Int4Planes
+    from radixlm.runtime.models.quantization.cpu_weights import CpuWeights
 
     modules = dict(net.named_modules())
     untied = modules.get("lm_head") is not None
     name = "lm_head" if untied else "model.embed_tokens"
     blocks = heads.get(f"{name}.weight")
     if blocks is not None and name in modules:
-        modules[name].packed_logits = Int4Planes(blocks.planes())
+        modules[name].packed_logits = CpuWeights(blocks.planes())
 
 
 def _is_decoder_linear(name: str) -> bool:

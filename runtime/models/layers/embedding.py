@@ -30,7 +30,7 @@ class VocabEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(rows, hidden_size, dtype=dtype),
                                    requires_grad=False)
         # The same weights packed for the logits matmul (a GGUF model's quantized output
-        # head, radixlm.runtime.models.quantization.gguf.Int4Planes): [N, d] bf16 -> [N, V].
+        # head, radixlm.runtime.models.quantization.cpu_weights.CpuWeights): [N, d] -> [N, V].
         self.packed_logits: nn.Module | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -22,12 +22,18 @@ from radixlm.runtime.models.quantization.base import (
     RandomWeights,
     replace_parameter,
 )
-from radixlm.runtime.models.quantization.int_weight import IntWeight, int_weight_matmul
+from radixlm.runtime.models.quantization.int_weight import (
+    IntWeight,
+    attach_cpu_weights,
+    int_weight_matmul,
+)
 from radixlm.runtime.models.quantization.packing import pack_awq, pack_gptq_weight, unpack_awq
 from radixlm.runtime.models.quantization.rtn import rtn_quantize
 
 
 class AWQLinearMethod(LinearMethod):
+    on_cpu = False  # True once repacked for torch's CPU kernel (int_weight.attach_cpu_weights)
+
     def checkpoint_params(self) -> dict[str, ParamSpec]:
         k, n = self.in_features, self.out_features
         groups = -(-k // self.group)
@@ -51,7 +57,12 @@ class AWQLinearMethod(LinearMethod):
         replace_parameter(layer, "qzeros", None)
         replace_parameter(layer, "qweight", pack_gptq_weight(q, 4))
         replace_parameter(layer, "zeros", zeros)
+        self.on_cpu = attach_cpu_weights(
+            layer, IntWeight(layer.qweight, layer.scales, layer.zeros, 4, self.group),
+            self.params_dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.on_cpu:
+            return layer.cpu_weights(x)
         weight = IntWeight(layer.qweight, layer.scales, layer.zeros, 4, self.group)
         return int_weight_matmul(x, weight)

@@ -32,6 +32,7 @@ from radixlm.runtime.models.quantization.base import (
     RandomWeights,
     replace_parameter,
 )
+from radixlm.runtime.models.quantization.cpu_weights import CpuWeights
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -98,6 +99,8 @@ def _use_gemv(x8: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 class Fp8LinearMethod(LinearMethod):
+    on_cpu = False  # True once its weights are bfloat16 on the CPU (cpu_weights)
+
     ignored_checkpoint_names = ("input_scale",)
 
     def checkpoint_params(self) -> dict[str, ParamSpec]:
@@ -127,12 +130,21 @@ class Fp8LinearMethod(LinearMethod):
             layer.weight.data.copy_(w)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if self.config.prequantized:
-            return
-        # Weights quantized per output channel: the same rule as activations, per row.
-        w8, scale = quantize_fp8_rows(layer.weight.data)
-        replace_parameter(layer, "weight", w8)
-        replace_parameter(layer, "weight_scale", scale.view(-1))
+        if not self.config.prequantized:
+            # Weights quantized per output channel: the same rule as activations, per row.
+            w8, scale = quantize_fp8_rows(layer.weight.data)
+            replace_parameter(layer, "weight", w8)
+            replace_parameter(layer, "weight_scale", scale.view(-1))
+        if layer.weight.device.type == "cpu" and self.params_dtype == torch.bfloat16:
+            # No fast fp8 matmul on the CPU (_scaled_mm takes milliseconds): the rounded
+            # weights run as bfloat16, half float32's bytes (cpu_weights).
+            dense = layer.weight.float() * layer.weight_scale.float().view(-1, 1)
+            layer.cpu_weights = CpuWeights(dense=dense)
+            replace_parameter(layer, "weight", None)
+            replace_parameter(layer, "weight_scale", None)
+            self.on_cpu = True
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.on_cpu:
+            return layer.cpu_weights(x)
         return fp8_linear(x, layer.weight, layer.weight_scale)

@@ -31,6 +31,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from radixlm.runtime.models.quantization.cpu_weights import Plane
+
 GROUP = 32  # inputs per scale in every plane
 # ggml type id -> (name, codes per block, bytes per block)
 BLOCK_TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
@@ -38,14 +40,6 @@ BLOCK_TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
                13: ("Q5_K", 256, 176)}
 NATIVE_TYPES = frozenset(name for name, _, _ in BLOCK_TYPES.values())
 _TYPE_IDS = {name: type_id for type_id, (name, _, _) in BLOCK_TYPES.items()}
-
-
-class Plane(NamedTuple):
-    """One 4-bit plane: codes [N, K] uint8 in [0, 15]; scale and zero [N, K / 32] float32."""
-
-    codes: torch.Tensor
-    scale: torch.Tensor
-    zero: torch.Tensor
 
 
 class GGUFBlocks(NamedTuple):
@@ -203,13 +197,3 @@ def _q5_k(data: torch.Tensor, columns: int) -> list[Plane]:
 
 _DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
              "Q4_K": _q4_k, "Q5_K": _q5_k}
-
-
-def dequantize_planes(planes: list[Plane]) -> torch.Tensor:
-    """The float32 [N, K] matrix the planes stand for (tests and the dense fallback)."""
-    total = None
-    for codes, scale, zero in planes:
-        w = ((codes.float() - 8).unflatten(1, (-1, GROUP)) * scale[..., None]
-             + zero[..., None]).flatten(1)
-        total = w if total is None else total + w
-    return total

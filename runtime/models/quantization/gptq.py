@@ -25,7 +25,11 @@ from radixlm.runtime.models.quantization.base import (
     RandomWeights,
     replace_parameter,
 )
-from radixlm.runtime.models.quantization.int_weight import IntWeight, int_weight_matmul
+from radixlm.runtime.models.quantization.int_weight import (
+    IntWeight,
+    attach_cpu_weights,
+    int_weight_matmul,
+)
 from radixlm.runtime.models.quantization.packing import (
     pack_gptq_weight,
     pack_gptq_zeros,
@@ -36,6 +40,8 @@ from radixlm.runtime.models.quantization.rtn import rtn_quantize
 
 
 class GPTQLinearMethod(LinearMethod):
+    on_cpu = False  # True once repacked for torch's CPU kernel (int_weight.attach_cpu_weights)
+
     has_perm = False  # set once loading finds an act-order g_idx
 
     def checkpoint_params(self) -> dict[str, ParamSpec]:
@@ -79,6 +85,9 @@ class GPTQLinearMethod(LinearMethod):
         replace_parameter(layer, "qzeros", None)
         replace_parameter(layer, "g_idx", None)
         replace_parameter(layer, "zeros", zeros)
+        self.on_cpu = attach_cpu_weights(
+            layer, IntWeight(layer.qweight, layer.scales, layer.zeros, bits, self.group),
+            self.params_dtype, perm)
 
     def _act_order_perm(self, layer: nn.Module) -> torch.Tensor | None:
         """The input order that makes each group contiguous, or None if it already is."""
@@ -95,6 +104,8 @@ class GPTQLinearMethod(LinearMethod):
         return perm
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.on_cpu:
+            return layer.cpu_weights(x)
         weight = IntWeight(layer.qweight, layer.scales, layer.zeros, self.config.bits,
                            self.group)
         return int_weight_matmul(x, weight, layer.perm if self.has_perm else None)

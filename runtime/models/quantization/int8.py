@@ -18,6 +18,7 @@ from radixlm.runtime.models.quantization.base import (
 )
 from radixlm.runtime.models.quantization.int_weight import (
     IntWeight,
+    attach_cpu_weights,
     from_group_quantized,
     int_weight_matmul,
 )
@@ -25,6 +26,8 @@ from radixlm.runtime.models.quantization.rtn import GroupQuantized
 
 
 class Int8LinearMethod(LinearMethod):
+    on_cpu = False  # True once repacked for torch's CPU kernel (int_weight.attach_cpu_weights)
+
     def checkpoint_params(self) -> dict[str, ParamSpec]:
         return {"weight": ParamSpec((self.out_features, self.in_features), self.params_dtype,
                                     out_axis=0)}
@@ -45,7 +48,10 @@ class Int8LinearMethod(LinearMethod):
         for name, value in (("qweight", packed.qweight), ("scales", packed.scales),
                             ("zeros", packed.zeros)):
             replace_parameter(layer, name, value)
+        self.on_cpu = attach_cpu_weights(layer, packed, self.params_dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.on_cpu:
+            return layer.cpu_weights(x)
         weight = IntWeight(layer.qweight, layer.scales, layer.zeros, 8, self.in_features)
         return int_weight_matmul(x, weight)

@@ -7,8 +7,10 @@
                                   x[..., perm[i]] (groups are contiguous after sorting)
 
 W[k, n] = (q[k, n] - zeros[k // group, n]) * scales[k // group, n] and y = x @ W. On CUDA the
-Triton kernel (radixlm.kernels.w4a16) dequantizes tile by tile and never materialises W; on
-CPU W is rebuilt per call and multiplied, which computes the same function.
+Triton kernel (radixlm.kernels.w4a16) dequantizes tile by tile and never materialises W. On
+CPU a bfloat16 model repacks the weight once into int4 planes for torch's CPU kernel
+(`attach_cpu_weights`); a float32 model rebuilds W per call and multiplies, which computes the
+same function exactly (the reference).
 """
 
 from __future__ import annotations
@@ -17,6 +19,12 @@ from typing import NamedTuple
 
 import torch
 
+from radixlm.runtime.models.quantization.base import replace_parameter
+from radixlm.runtime.models.quantization.cpu_weights import (
+    CpuWeights,
+    integer_planes,
+    kernel_group,
+)
 from radixlm.runtime.models.quantization.packing import pack_gptq_weight, unpack_gptq_weight
 from radixlm.runtime.models.quantization.rtn import GroupQuantized
 
@@ -46,6 +54,27 @@ def dequantize(weight: IntWeight) -> torch.Tensor:
     zeros = weight.zeros.repeat_interleave(weight.group_size, dim=0)[:k]
     scales = weight.scales.repeat_interleave(weight.group_size, dim=0)[:k]
     return (q - zeros.to(torch.int32)).to(scales.dtype) * scales
+
+
+def attach_cpu_weights(layer: torch.nn.Module, weight: IntWeight, params_dtype: torch.dtype,
+                       perm: torch.Tensor | None = None) -> bool:
+    """On the CPU with bfloat16 activations: repack the weight into `layer.cpu_weights` (int4
+    planes) and drop the GPTQ-layout tensors. False (nothing changed) elsewhere, or when the
+    kernel's group sizes (32-256) cannot tile the format's groups."""
+    k = weight.qweight.shape[0] * 32 // weight.bits
+    group = kernel_group(weight.group_size, k)
+    if weight.qweight.device.type != "cpu" or params_dtype != torch.bfloat16 or group is None:
+        return False
+    codes = unpack_gptq_weight(weight.qweight, weight.bits).t()  # [N, K]
+    repeat = weight.group_size // group
+    # [G, N] per format group -> [N, K / group] per kernel group (the last group may be short)
+    scale = weight.scales.float().t().repeat_interleave(repeat, dim=1)[:, : k // group]
+    zero = weight.zeros.float().t().repeat_interleave(repeat, dim=1)[:, : k // group]
+    layer.cpu_weights = CpuWeights(integer_planes(codes.to(torch.int32), scale, zero),
+                                   perm=perm)
+    for name in ("qweight", "scales", "zeros"):
+        replace_parameter(layer, name, None)
+    return True
 
 
 def int_weight_matmul(x: torch.Tensor, weight: IntWeight,
