@@ -21,7 +21,7 @@ from radixlm.runtime.attention.kv_cache import KVCache
 from radixlm.runtime.attention.torch_native import TorchNativeAttention
 from radixlm.runtime.models.layers.linear import Linear
 from radixlm.runtime.models.llama import LlamaForCausalLM
-from radixlm.runtime.models.quantization.cpu_weights import CpuWeights
+from radixlm.runtime.models.quantization.cpu_weights import DENSE_ROWS, CpuWeights
 
 
 def unsupported(model: torch.nn.Module, attn: AttentionBackend, kv_cache: KVCache) -> str | None:
@@ -49,18 +49,23 @@ class CpuDecode:
         cfg = model.config
         self.shape = (kv_cache.page_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                       cfg.rms_norm_eps, cfg.head_dim ** -0.5)
-        self.layers: list[list[torch.Tensor]] = []
-        self.specs: list[int] = []  # (planes, group) per linear
+        # (layer tensors, (planes, group) per linear) for steps of few rows, and for batched
+        # steps (the linears' bfloat16 batch copies where they have them).
+        self.weights = {batched: self._gather(batched) for batched in (False, True)}
+
+    def _gather(self, batched: bool) -> tuple[list[list[torch.Tensor]], list[int]]:
+        layers, specs = [], []
         no_bias = torch.empty(0, dtype=torch.bfloat16)
-        for layer in model.model.layers:
+        for layer in self.model.model.layers:
             qkv = layer.self_attn.qkv_proj
             tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                        no_bias if qkv.bias is None else qkv.bias]
             for linear in _linears(layer):
-                planes, group, stored = _stored(linear)
-                self.specs.extend((planes, group))
+                planes, group, stored = _stored(linear, batched)
+                specs.extend((planes, group))
                 tensors.extend(stored)
-            self.layers.append(tensors)
+            layers.append(tensors)
+        return layers, specs
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -73,7 +78,8 @@ class CpuDecode:
         width = -(-int(max(batch.kv_lens)) // page) * page
         pages = batch.slot_table[:, :width:page] // page  # [B, P]
         valid = (torch.arange(width)[None, :] < kv_lens[:, None])[:, None, None, :]
-        return self.kernel.decode(hidden, cos, sin, self.layers, self.specs, kv.k, kv.v,
+        layers, specs = self.weights[len(batch.kv_lens) >= DENSE_ROWS]
+        return self.kernel.decode(hidden, cos, sin, layers, specs, kv.k, kv.v,
                                   batch.out_slots, pages, valid, model.model.norm.weight,
                                   *self.shape)
 
@@ -83,10 +89,11 @@ def _linears(layer: torch.nn.Module) -> list[Linear]:
             layer.mlp.down_proj]
 
 
-def _stored(linear: Linear) -> tuple[int, int, list[torch.Tensor]] | None:
+def _stored(linear: Linear, batched: bool = False
+            ) -> tuple[int, int, list[torch.Tensor]] | None:
     """(planes, group, tensors) as the kernel reads a linear: a dense bfloat16 weight, or a
     quantized linear's CPU form (quantization.cpu_weights); None for anything else."""
     if linear.quant_method is None:
         return (0, 0, [linear.weight]) if linear.weight.dtype == torch.bfloat16 else None
     cpu = dict(linear.named_children()).get("cpu_weights")
-    return cpu.kernel_form() if isinstance(cpu, CpuWeights) else None
+    return cpu.kernel_form(batched) if isinstance(cpu, CpuWeights) else None

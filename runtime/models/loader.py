@@ -27,6 +27,7 @@ from radixlm.runtime.models.quantization.config import (
     QuantConfig,
     resolve_quant_config,
 )
+from radixlm.runtime.models.quantization.cpu_weights import CpuWeights, batch_copies_fit
 from radixlm.runtime.models.quantization.gguf_blocks import GGUFBlocks
 from radixlm.runtime.models.registry import model_class
 from radixlm.runtime.parallel.groups import TPInfo
@@ -166,6 +167,10 @@ def load_model(model: str | None, load_format: str, dtype: torch.dtype,
     else:
         _load_checkpoint(net, folder, quant, lazy=net.tp is not None)
     _process_quantized_weights(net)
+    if batch_copies_fit(net):
+        for module in net.modules():
+            if isinstance(module, CpuWeights):
+                module.add_batch_copy()
     net.eval()
     # Fused Triton norms, activation and rotary on CUDA; CPU keeps the plain torch ops.
     net.use_fused_kernels(device.type == "cuda" and importlib.util.find_spec("triton") is not None)
@@ -265,14 +270,15 @@ _HEAD_WEIGHTS = ("lm_head.weight", "model.embed_tokens.weight")
 def _pack_output_head(net: nn.Module, heads: dict[str, GGUFBlocks]) -> None:
     """Give the output head its packed GGUF weights: lm_head's, or the embedding's when the
     two are tied (the model then has no lm_head)."""
-    from radixlm.runtime.models.quantization.cpu_weights import CpuWeights
-
     modules = dict(net.named_modules())
     untied = modules.get("lm_head") is not None
     name = "lm_head" if untied else "model.embed_tokens"
     blocks = heads.get(f"{name}.weight")
     if blocks is not None and name in modules:
-        modules[name].packed_logits = CpuWeights(blocks.planes())
+        head = CpuWeights(blocks.planes())
+        # Batched steps multiply by the dequantized table the embedding holds anyway.
+        head.batch_dense = modules[name].weight.detach()  # the same memory
+        modules[name].packed_logits = head
 
 
 def _is_decoder_linear(name: str) -> bool:

@@ -19,6 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 KERNEL_GROUPS = (256, 128, 64, 32)  # the group sizes the int4 kernel takes
+# The int4 kernel's time grows with every row (it unpacks the weights for each), while a
+# bfloat16 GEMM reuses them: from this many rows on, a layer with a bfloat16 copy uses it.
+DENSE_ROWS = 8
 
 
 class Plane(NamedTuple):
@@ -76,6 +79,7 @@ class CpuWeights(nn.Module):
         self.group = 0
         self.register_buffer("perm", perm)
         self.register_buffer("dense", None if dense is None else dense.to(torch.bfloat16))
+        self.register_buffer("batch_dense", None)  # add_batch_copy
         for index, (codes, scale, zero) in enumerate(planes or []):
             self.group = codes.shape[1] // scale.shape[1]
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
@@ -98,13 +102,27 @@ class CpuWeights(nn.Module):
                 for planes, n in zip(parts, rows)))))
             for index in range(count)])
 
-    def kernel_form(self) -> tuple[int, int, list[torch.Tensor]] | None:
+    def add_batch_copy(self) -> None:
+        """Keep a bfloat16 copy of the planes' weights for steps of DENSE_ROWS rows or more
+        (2 bytes per weight more memory; see `batch_copies_fit`). Built by multiplying the
+        identity through the kernel, so it is the planes' weights rounded to bfloat16."""
+        if self.num_planes == 0 or self.batch_dense is not None:
+            return
+        k = self._pairs[0][0].shape[1] * 2
+        eye = torch.eye(k, dtype=torch.bfloat16)
+        w_t = torch.cat([self._planes_matmul(eye[i:i + 256]) for i in range(0, k, 256)])
+        self.batch_dense = w_t.t().contiguous()  # [N, K]
+
+    def kernel_form(self, batched: bool = False) -> tuple[int, int, list[torch.Tensor]] | None:
         """(planes, group, tensors) as the C++ decode kernel reads them: 0 planes and the
-        dense weight, or the (packed, scales_zeros) pairs; None with a permutation."""
+        dense weight (`batched`: the batch copy, if any), or the (packed, scales_zeros)
+        pairs; None with a permutation."""
         if self.perm is not None:
             return None
         if self.dense is not None:
             return 0, 0, [self.dense]
+        if batched and self.batch_dense is not None:
+            return 0, 0, [self.batch_dense]
         return self.num_planes, self.group, [t for pair in self._pairs for t in pair]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,10 +132,28 @@ class CpuWeights(nn.Module):
             x2 = x2.index_select(1, self.perm)
         if self.dense is not None:
             out = F.linear(x2, self.dense)
+        elif self.batch_dense is not None and x2.shape[0] >= DENSE_ROWS:
+            out = F.linear(x2, self.batch_dense)
         else:
-            (first, first_sz), *rest = self._pairs
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, first, self.group, first_sz)
-            for packed, scales_zeros in rest:
-                out += torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, self.group,
-                                                                  scales_zeros)
+            out = self._planes_matmul(x2)
         return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+
+    def _planes_matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        (first, first_sz), *rest = self._pairs
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, first, self.group, first_sz)
+        for packed, scales_zeros in rest:
+            out += torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, self.group,
+                                                              scales_zeros)
+        return out
+
+
+def batch_copies_fit(model: nn.Module) -> bool:
+    """Whether bfloat16 copies of every int4-plane linear (for batched steps) fit in an
+    eighth of this machine's memory: small models, whose batched steps are compute-bound,
+    get them; a large model keeps its packed weights only."""
+    import os
+
+    extra = sum(2 * m.qweight0.numel() * 2 for m in model.modules()
+                if isinstance(m, CpuWeights) and m.num_planes)
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return extra <= memory // 8
