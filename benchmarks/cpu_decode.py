@@ -270,6 +270,39 @@ def main() -> None:
         "batch": args.batch, "batch_tokens": args.batch_tokens, "bandwidth_gb_s": gbs,
         "llama_cpp": has_llama, "torch": torch.__version__, "rows": rows}, indent=2) + "\n")
     print(f"wrote {out}")
+    plot(rows, out.with_suffix(".png"), args)
+
+
+def plot(rows: list[dict], path: Path, args: argparse.Namespace) -> None:
+    """Batch-1 decode tokens/s per system beside its bandwidth floor, and batched tokens/s."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return
+    names = [r["system"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 0.5 * len(rows) + 1.8))
+    y = range(len(rows))
+    left.barh(y, [r["decode_tokens_per_s"] for r in rows], color="tab:blue", label="measured")
+    left.scatter([r["floor_tokens_per_s"] for r in rows], y, color="black", marker="|", s=300,
+                 label="bandwidth floor")
+    left.set_yticks(list(y), names)
+    left.invert_yaxis()
+    left.set_xscale("log")
+    left.set_xlabel(f"batch-1 decode tokens/s ({args.tokens} tokens, {args.threads} threads)")
+    left.legend(loc="lower right", fontsize=8)
+    batched = [r.get("batched_tokens_per_s", 0) for r in rows]
+    right.barh(y, batched, color="tab:green")
+    right.set_yticks(list(y), [""] * len(rows))
+    right.invert_yaxis()
+    right.set_xlabel(f"batched tokens/s ({args.batch} prompts x {args.batch_tokens} tokens)")
+    fig.suptitle("SmolLM2-135M-Instruct (Q4_1 GGUF) on the CPU")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

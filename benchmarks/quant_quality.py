@@ -66,9 +66,11 @@ CONFIGS: dict[str, tuple[torch.dtype, str | None, QuantizeOptions | None]] = {
 
 
 def linear_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the decoder linears' weights (a CPU form's packed planes are buffers)."""
+    """Bytes of the decoder linears' weights (a CPU form's packed planes are buffers; the
+    bfloat16 copies kept for batched steps are left out)."""
     return sum(t.numel() * t.element_size() for m in model.modules() if isinstance(m, Linear)
-               for t in [*m.parameters(), *m.buffers()])
+               for name, t in [*m.named_parameters(), *m.named_buffers()]
+               if not name.endswith("batch_dense"))
 
 
 def build(name: str, folder: Path, calibration: torch.Tensor, work: Path) -> tuple:

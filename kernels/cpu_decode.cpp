@@ -111,10 +111,13 @@ Tensor attention(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages,
   Tensor v = v_pages.index_select(0, flat_pages).view({b, -1, kv_heads, head_dim});
   Tensor q4 = q.view({b, heads, head_dim}).to(at::kFloat).view(
       {b, kv_heads, heads / kv_heads, head_dim});
-  Tensor scores = at::matmul(q4, k.to(at::kFloat).permute({0, 2, 3, 1})).mul_(scale);
+  // [B, Hkv, L, D] float32: one copy each, read by the products as they lie.
+  Tensor keys = k.transpose(1, 2).to(at::kFloat, false, false, at::MemoryFormat::Contiguous);
+  Tensor values = v.transpose(1, 2).to(at::kFloat, false, false, at::MemoryFormat::Contiguous);
+  Tensor scores = at::matmul(q4, keys.transpose(2, 3)).mul_(scale);
   scores.masked_fill_(valid.logical_not(), -INFINITY);
   Tensor probs = at::softmax(scores, -1);
-  return at::matmul(probs, v.to(at::kFloat).transpose(1, 2))
+  return at::matmul(probs, values)
       .view({b, heads * head_dim})
       .to(at::kBFloat16);
 }

@@ -150,9 +150,10 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: 
     b, heads, d = q.shape
     kv_heads = k.shape[2]
     q4 = q.float().view(b, kv_heads, heads // kv_heads, d)  # [B, Hkv, G, D]
-    keys = k.float().permute(0, 2, 3, 1)  # [B, Hkv, D, L]
-    values = v.float().transpose(1, 2)  # [B, Hkv, L, D]
-    scores = torch.matmul(q4, keys).mul_(scale)  # [B, Hkv, G, L]
+    # One copy each, converted and transposed together; the products read them as they lie.
+    keys = k.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+    values = v.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+    scores = torch.matmul(q4, keys.transpose(2, 3)).mul_(scale)  # [B, Hkv, G, L]
     scores.masked_fill_(~valid, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, values).view(b, heads, d).to(q.dtype)
