@@ -291,9 +291,8 @@ def plot(rows: list[dict], path: Path, args: argparse.Namespace) -> None:
                  label="bandwidth floor")
     left.set_yticks(list(y), names)
     left.invert_yaxis()
-    left.set_xscale("log")
     left.set_xlabel(f"batch-1 decode tokens/s ({args.tokens} tokens, {args.threads} threads)")
-    left.legend(loc="lower right", fontsize=8)
+    left.legend(loc="upper right", fontsize=8)
     batched = [r.get("batched_tokens_per_s", 0) for r in rows]
     right.barh(y, batched, color="tab:green")
     right.set_yticks(list(y), [""] * len(rows))
