@@ -9,7 +9,8 @@
 // Rounding follows the eager bfloat16 path: the residual stream, the norm's output, q/k/v and
 // the MLP activations are bfloat16; each norm, rotary and SiLU computes in float32 and rounds
 // once. Attention is the same three float32 products as radixlm.runtime.attention.torch_native.
-// Rows are independent, so a token's result does not depend on the batch around it.
+// A row's result can differ in the last bits with the batch around it: the attention's float32
+// sums run over the batch's padded context width.
 //
 // Inputs (B decode tokens; d hidden; H / Hkv heads of D):
 //   hidden [B, d] bf16: the token embeddings; cos/sin [B, D/2] float32 at their positions;

@@ -33,14 +33,15 @@ def _decode_both(model, kernel, lengths: list[int]) -> tuple[torch.Tensor, torch
     kernel and through the eager model on copies of the same cache; their hidden states."""
     cfg = model.config
     page = 4
-    kv = KVCache(cfg.num_layers, 256, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16,
-                 torch.device("cpu"), page_size=page)
+    counts = [-(-(n + 1) // page) for n in lengths]  # pages each sequence needs
+    kv = KVCache(cfg.num_layers, sum(counts) * page, cfg.num_kv_heads, cfg.head_dim,
+                 torch.bfloat16, torch.device("cpu"), page_size=page)
     attn = TorchNativeAttention(cfg.head_dim ** -0.5)
     gen = torch.Generator().manual_seed(0)
     # Sequence i owns pages in reverse order from a block of its own: the page table matters.
     tables = []
-    for i, n in enumerate(lengths):
-        pages = list(reversed(range(16 * i, 16 * i + -(-(n + 1) // page))))
+    for i, count in enumerate(counts):
+        pages = list(reversed(range(sum(counts[:i]), sum(counts[:i]) + count)))
         tables.append(torch.tensor([p * page + o for p in pages for o in range(page)]))
     with torch.inference_mode():
         for n, table in zip(lengths, tables):  # prefill, one sequence at a time
@@ -71,11 +72,12 @@ def _decode_both(model, kernel, lengths: list[int]) -> tuple[torch.Tensor, torch
     return fast, eager
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_kernel_matches_eager_on_dense_bfloat16(tmp_path, kernel, family):
+@pytest.mark.parametrize("family, lengths", [("llama", [5, 17, 9]), ("qwen2", [5, 17, 9]),
+                                             ("llama", [300, 700])])
+def test_kernel_matches_eager_on_dense_bfloat16(tmp_path, kernel, family, lengths):
     folder = save_tiny_hf_model(tmp_path / family, family)
     model = load_model(str(folder), "auto", torch.bfloat16, torch.device("cpu")).model
-    fast, eager = _decode_both(model, kernel, [5, 17, 9])
+    fast, eager = _decode_both(model, kernel, lengths)
     assert fast.dtype == torch.bfloat16 and fast.shape == eager.shape
     # bfloat16 rounding in different places: a few ulps of the hidden states' scale.
     assert (fast.float() - eager.float()).abs().max() <= 0.03 * eager.abs().max()
