@@ -43,10 +43,8 @@ class GGUFLinearMethod(LinearMethod):
     def load(self, layer: nn.Module, name: str, param: nn.Parameter, loaded: object,
              part: int) -> None:
         rows, cols = self.output_sizes[part], self.in_features
-        shape = (loaded.shape if isinstance(loaded, GGUFBlocks)
-                 else tuple(getattr(loaded, "shape", ())))
-        if tuple(shape) != (rows, cols):
-            raise ValueError(f"GGUF weight of shape {tuple(shape)} for a part of "
+        if tuple(loaded.shape) != (rows, cols):  # blocks or (dequantized) float weights
+            raise ValueError(f"GGUF weight of shape {tuple(loaded.shape)} for a part of "
                              f"{rows} x {cols}")
         self._parts[part] = loaded
 
