@@ -50,11 +50,12 @@ def test_int4_planes_matmul_matches_float_over_mixed_parts():
              _random_blocks("Q5_1", 48, 256, 3)]
     planes = CpuWeights.stack([p.planes() for p in parts], [64, 32, 48], 256)
     weight = torch.cat([p.dequantize() for p in parts])  # [144, 256]
-    x = torch.randn(3, 256).bfloat16()
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0)).bfloat16()
     got = planes(x).float()
     want = x.float() @ weight.t()
-    # bfloat16 scales and output: a few parts in a thousand of the output's scale.
-    assert (got - want).abs().max() <= 4e-3 * want.abs().max()
+    # bfloat16 scales and output (a bfloat16 step is 2^-8 of a value): a few steps of the
+    # output's scale.
+    assert (got - want).abs().max() <= 8e-3 * want.abs().max()
 
 
 def test_batch_copy_is_the_planes_weights_in_bfloat16():
@@ -67,7 +68,7 @@ def test_batch_copy_is_the_planes_weights_in_bfloat16():
     # row's scale.
     error = (weights.batch_dense.float() - want).abs().amax(1)
     assert (error <= 2 ** -6 * want.abs().amax(1)).all()
-    x = torch.randn(16, 256).bfloat16()
+    x = torch.randn(16, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
     few, many = weights(x[:4]), weights(x)  # 4 rows: the planes; 16: the copy
     assert (few.float() - many[:4].float()).abs().max() <= 1e-2 * few.abs().max()
 
