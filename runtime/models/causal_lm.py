@@ -1,5 +1,5 @@
-"""What every model family outside the Llama module shares: the output head, and loading
-checkpoint tensors through each owning layer's weight loader.
+"""What every model family shares: the output head, and loading checkpoint tensors through
+each owning layer's weight loader (the Llama module included).
 
 A family subclasses `CausalLM`, builds `self.model` (with `embed_tokens`, `layers` and `norm`)
 and `self.lm_head`, writes `forward`, and maps checkpoint names that differ from its parameter

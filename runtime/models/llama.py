@@ -20,13 +20,14 @@ and the output head vocab-parallel. Hidden states between layers are whole on ev
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from radixlm.runtime.attention.base import AttentionBackend, ForwardBatch
+from radixlm.runtime.models.causal_lm import CausalLM
 from radixlm.runtime.models.config import ModelConfig
 from radixlm.runtime.models.layers.embedding import VocabEmbedding
 from radixlm.runtime.models.layers.linear import Linear, LinearShard, MergedLinear, QKVLinear
@@ -141,30 +142,16 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
-# Checkpoint name fragment -> (our fused parameter fragment, shard id).
-_FUSED = {
-    ".q_proj.": (".qkv_proj.", "q"),
-    ".k_proj.": (".qkv_proj.", "k"),
-    ".v_proj.": (".qkv_proj.", "v"),
-    ".gate_proj.": (".gate_up_proj.", 0),
-    ".up_proj.": (".gate_up_proj.", 1),
-}
-
-
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int,
                  quant: QuantConfig | None = None, tp: TPInfo | None = None) -> None:
-        super().__init__()
-        tp = tp if tp is not None and tp.size > 1 else None
-        self.config = cfg
-        self.quant = quant
-        self.tp = tp
+        super().__init__(cfg, quant, tp)
+        tp = self.tp
         self.model = LlamaModel(cfg, dtype, quant, tp)
         self.lm_head = None if cfg.tie_word_embeddings else VocabEmbedding(
             cfg.vocab_size, cfg.hidden_size, dtype, tp)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta,
                                       cfg.rope_scaling)
-        self.fused: Any = None
 
     def use_fused_kernels(self, enabled: bool) -> None:
         """Switch the Triton fused kernels (CUDA, or CPU under the Triton interpreter) on or
@@ -192,53 +179,3 @@ class LlamaForCausalLM(nn.Module):
         if residual is None:  # no layers
             return fused.rms_norm(hidden, norm.weight, norm.eps)
         return fused.rms_norm(hidden, norm.weight, norm.eps, residual=residual)[0]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, d] -> [N, vocab] float32 logits (gathered from every rank's vocab shard)."""
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return head.logits(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load checkpoint tensors (Hugging Face names) through each owning layer's
-        weight_loader; return the keys that were set (see `expected_weight_keys`)."""
-        owned = self._parameters_with_owner()
-        modules = dict(self.named_modules())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: some checkpoints store the copy anyway
-            target, shard = name, None
-            for fragment, (fused, shard_id) in _FUSED.items():
-                if fragment in name:
-                    target, shard = name.replace(fragment, fused), shard_id
-                    break
-            if target not in owned:
-                module_name, _, param_name = target.rpartition(".")
-                module = modules.get(module_name)
-                if isinstance(module, Linear) and module.ignores_checkpoint_tensor(param_name):
-                    continue
-                raise ValueError(f"checkpoint tensor {name!r} matches no model parameter")
-            module, param = owned[target]
-            module.weight_loader(param, tensor, shard)
-            loaded.add(target if shard is None else f"{target}:{shard}")
-        return loaded
-
-    def expected_weight_keys(self) -> set[str]:
-        """Every key a complete checkpoint sets: fused parameters once per shard."""
-        keys = set()
-        for name, (module, _) in self._parameters_with_owner().items():
-            if isinstance(module, Linear) and not module.required_in_checkpoint(
-                    name.rpartition(".")[2]):
-                continue
-            if isinstance(module, MergedLinear):
-                keys.update(f"{name}:{shard}" for shard in module.shard_names)
-            else:
-                keys.add(name)
-        return keys
-
-    def _parameters_with_owner(self) -> dict[str, tuple[nn.Module, nn.Parameter]]:
-        return {f"{module_name}.{name}": (module, param)
-                for module_name, module in self.named_modules()
-                for name, param in module.named_parameters(recurse=False)}
