@@ -17,6 +17,12 @@ row back to the row of its pair. Then:
     y   = weight(p) * a @ w2[e]^T       [P, d]    float32
     out = sum over each token's k rows  [T, d]
 
+Quantized experts (e4m3 or int8 weights, a float32 scale per output channel of each expert):
+each weight tile is converted to the activations' dtype as it is loaded (exact: every e4m3 and
+int8 value is a bfloat16), multiplied on the same tensor cores, and the scale, which belongs to
+an output column, multiplies the accumulator once after the K loop. The weights are read at one
+byte each; the activations are not quantized.
+
 Everything is sized from T, k and E alone (the number of blocks from its upper bound
 cdiv(P, BLOCK_M) + min(P, E), unused ones exiting at once), and no value is read back to the
 host: a decode step can be captured in a CUDA graph.
@@ -57,10 +63,10 @@ def align_to_blocks(ids: torch.Tensor, num_experts: int,
 
 @triton.jit
 def _grouped_gemm_kernel(
-    a_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr,
+    a_ptr, w_ptr, scale_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr,
     N, K, num_pairs, top_k,
-    stride_am, stride_we, stride_wn, stride_om,
-    ROWS_ARE_TOKENS: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    stride_am, stride_we, stride_wn, stride_se, stride_om,
+    ROWS_ARE_TOKENS: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -83,27 +89,38 @@ def _grouped_gemm_kernel(
                     mask=valid[:, None] & (ks < K)[None, :], other=0.0)  # [M, K]
         w = tl.load(w_base + offs_n[None, :] * stride_wn + ks[:, None],
                     mask=(offs_n < N)[None, :] & (ks < K)[:, None], other=0.0)  # [K, N]
+        if HAS_SCALE:  # e4m3 / int8 values, exact in the activations' dtype
+            w = w.to(a_ptr.dtype.element_ty)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+    if HAS_SCALE:  # one scale per output column: applied once, to the sums
+        scale = tl.load(scale_ptr + expert.to(tl.int64) * stride_se + offs_n, mask=offs_n < N,
+                        other=0.0)
+        acc *= scale[None, :]
     if MUL_WEIGHT:
         acc *= tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
     tl.store(out_ptr + pairs[:, None] * stride_om + offs_n[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n < N)[None, :])
 
 
-def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, pairs: torch.Tensor,
-                  block_expert: torch.Tensor, weights: torch.Tensor | None, top_k: int,
-                  rows_are_tokens: bool, block_m: int) -> None:
-    """out[p] = (weights[p] *) a[row(p)] @ w[expert(p)]^T for every pair p."""
+def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
+                  out: torch.Tensor, pairs: torch.Tensor, block_expert: torch.Tensor,
+                  weights: torch.Tensor | None, top_k: int, rows_are_tokens: bool,
+                  block_m: int) -> None:
+    """out[p] = (weights[p] *) a[row(p)] @ (w[expert(p)] (* scale[expert(p)][:, None]))^T
+    for every pair p."""
     num_pairs, n = out.shape
     k = w.shape[2]
     block_n = 64 if num_pairs <= 64 else 128  # small steps: more programs over the weights
-    block_k = 32 if a.dtype == torch.float32 else 64
+    # One-byte weights: twice the K per tile, so each row's load stays 128 bytes.
+    block_k = 32 if a.dtype == torch.float32 else 128 if w.element_size() == 1 else 64
     grid = (block_expert.shape[0], triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
-        a, w, out, pairs, block_expert, weights if weights is not None else out,
-        n, k, num_pairs, top_k,
-        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        a, w, scale if scale is not None else out, out, pairs, block_expert,
+        weights if weights is not None else out, n, k, num_pairs, top_k,
+        a.stride(0), w.stride(0), w.stride(1), scale.stride(0) if scale is not None else 0,
+        out.stride(0),
         ROWS_ARE_TOKENS=rows_are_tokens, MUL_WEIGHT=weights is not None,
+        HAS_SCALE=scale is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         # tf32 would cost fp32 models their agreement with the torch path
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
@@ -111,21 +128,31 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, pairs: to
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor) -> torch.Tensor:
+              ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
+              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, d] through experts ids [T, k] (routing weights [T, k]) -> [T, d] in x's dtype.
-    w13 [E, 2I, d] is each expert's gate then up rows, w2 [E, d, I] its down projection."""
+    w13 [E, 2I, d] is each expert's gate then up rows, w2 [E, d, I] its down projection; with
+    scales ([E, 2I] and [E, d] float32), e4m3 or int8 weights scaled per output channel."""
     num_tokens, top_k = ids.shape
     if num_tokens == 0:
         return torch.empty_like(x)
     if x.stride(-1) != 1 or not (w13.is_contiguous() and w2.is_contiguous()):
         raise ValueError("fused_moe needs contiguous weights and a contiguous last axis of x")
+    if (w13_scale is None) != (w2_scale is None) or (w13_scale is None) != (
+            w13.element_size() > 1):
+        raise ValueError("fused_moe: float experts take no scales; e4m3/int8 experts take both")
     num_pairs = num_tokens * top_k
     block_m = 16 if num_pairs <= 256 else 64
     pairs, block_expert = align_to_blocks(ids, w13.shape[0], block_m)
     h = torch.empty(num_pairs, w13.shape[1], dtype=x.dtype, device=x.device)  # [P, 2I]
-    _grouped_gemm(x, w13, h, pairs, block_expert, None, top_k, True, block_m)
+    _grouped_gemm(x, w13, _scales(w13_scale), h, pairs, block_expert, None, top_k, True,
+                  block_m)
     act = silu_and_mul(h)  # [P, I]
     y = torch.empty(num_pairs, w2.shape[1], dtype=torch.float32, device=x.device)  # [P, d]
-    _grouped_gemm(act, w2, y, pairs, block_expert, weights.flatten().float().contiguous(),
-                  top_k, False, block_m)
+    _grouped_gemm(act, w2, _scales(w2_scale), y, pairs, block_expert,
+                  weights.flatten().float().contiguous(), top_k, False, block_m)
     return y.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+
+
+def _scales(scale: torch.Tensor | None) -> torch.Tensor | None:
+    return None if scale is None else scale.float().contiguous()

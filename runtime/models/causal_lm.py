@@ -34,8 +34,10 @@ _FUSED_PARTS = {
     ".gate_proj.": (".gate_up_proj.", 0),
     ".up_proj.": (".gate_up_proj.", 1),
 }
-# One expert's projection: experts.<e>.<part>.weight, under the names two conventions use.
-_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+# One expert's projection: experts.<e>.<part>.weight, under the names two conventions use, and
+# an FP8 checkpoint's weight_scale (and input_scale, read past: experts keep float inputs).
+_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\."
+                     r"(weight|weight_scale|input_scale)$")
 _EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
                 "down_proj": "down", "w2": "down"}
 
@@ -76,8 +78,11 @@ class CausalLM(nn.Module):
         """Where a checkpoint tensor goes; families extend this for their own names."""
         expert = _EXPERT.search(name)
         if expert is not None:
+            if expert[3] == "input_scale":
+                return
             target = name[: expert.start()] + ".experts." + (
-                "w2" if _EXPERT_PART[expert[2]] == "down" else "w13")
+                "w2" if _EXPERT_PART[expert[2]] == "down" else "w13") + (
+                "_scale" if expert[3] == "weight_scale" else "")
             yield target, (int(expert[1]), _EXPERT_PART[expert[2]]), tensor
             return
         for fragment, (fused, part) in _FUSED_PARTS.items():

@@ -20,6 +20,7 @@ from torch import nn
 from radixlm.runtime.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from radixlm.runtime.models.gguf_loader import TYPES_METADATA
 from radixlm.runtime.models.layers.linear import Linear
+from radixlm.runtime.models.layers.moe import FusedMoE
 from radixlm.runtime.models.layers.norm import RMSNorm
 from radixlm.runtime.models.presets import ARCHITECTURE_PRESETS
 from radixlm.runtime.models.quantization.config import (
@@ -167,6 +168,8 @@ def load_model(model: str | None, load_format: str, dtype: torch.dtype,
     else:
         _load_checkpoint(net, folder, quant, lazy=net.tp is not None)
     _process_quantized_weights(net)
+    if quant is not None and device.type == "cuda":
+        torch.cuda.empty_cache()  # the float weights quantized away: free for the KV pool
     if batch_copies_fit(net):
         for module in net.modules():
             if isinstance(module, CpuWeights):
@@ -299,6 +302,9 @@ def _init_dummy(net: nn.Module, seed: int) -> None:
         return values.mul_(0.02)
 
     for module_name, module in net.named_modules():
+        if isinstance(module, FusedMoE):  # stored as its format's checkpoint holds them
+            module.init_dummy(random)
+            continue
         method = module.quant_method if isinstance(module, Linear) else None
         for name, param in module.named_parameters(recurse=False):
             if method is not None and name != "bias":
@@ -313,8 +319,10 @@ def _init_dummy(net: nn.Module, seed: int) -> None:
 
 def _process_quantized_weights(net: nn.Module) -> None:
     """Quantize float weights (fp8, int8) or repack checkpoint formats (awq, gptq) into the
-    tensors the quantized linears run on, now that every tensor is in."""
+    tensors the quantized linears and experts run on, now that every tensor is in."""
     for module in net.modules():
         if isinstance(module, Linear) and module.quant_method is not None:
             module.quant_method.process_weights_after_loading(module)
+        elif isinstance(module, FusedMoE):
+            module.process_weights_after_loading()
 

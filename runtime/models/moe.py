@@ -12,6 +12,9 @@ weighted sum of those experts' gated MLPs (layers/moe.py). The families differ i
 
 Checkpoint names: Mixtral's `block_sparse_moe.experts.<e>.w1|w3|w2` and Qwen's
 `mlp.experts.<e>.gate_proj|up_proj|down_proj` both land in our stacked experts under `mlp`.
+
+Quantization (fp8, int8) covers the experts (quantization/experts.py: weight-only, per-channel
+scales) and every other decoder linear as in the dense families; the routers stay in float.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from radixlm.runtime.models.layers.norm import RMSNorm
 from radixlm.runtime.models.layers.rotary import RotaryEmbedding
 from radixlm.runtime.models.layers.self_attention import SelfAttention
 from radixlm.runtime.models.quantization.config import QuantConfig
+from radixlm.runtime.models.quantization.experts import check_expert_quant
 from radixlm.runtime.parallel.groups import TPInfo
 
 
@@ -66,16 +70,18 @@ class MoEConfig:
 
 class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, moe: MoEConfig, dtype: torch.dtype,
-                 tp: TPInfo | None) -> None:
+                 quant: QuantConfig | None, tp: TPInfo | None) -> None:
         super().__init__()
         self.top_k, self.renormalize = moe.top_k, moe.renormalize
         # The router is small and replicated: every rank routes every token the same way.
+        # It stays in float, as checkpoints keep it: a rounding there changes the routing.
         self.gate = Linear(cfg.hidden_size, moe.num_experts, dtype=dtype)
-        self.experts = FusedMoE(moe.num_experts, cfg.hidden_size, moe.expert_size, dtype, tp)
+        self.experts = FusedMoE(moe.num_experts, cfg.hidden_size, moe.expert_size, dtype, tp,
+                                quant)
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_size:
             self.shared_expert = GatedMLP(cfg.hidden_size, moe.shared_expert_size, "silu",
-                                          dtype, tp=tp)
+                                          dtype, quant=quant, tp=tp)
             self.shared_expert_gate = Linear(cfg.hidden_size, 1, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,7 +102,7 @@ class MoEDecoderLayer(nn.Module):
             sliding_window=window), quant=quant, tp=tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp: nn.Module = (
-            SparseMoeBlock(cfg, moe, dtype, tp) if moe.sparse_layers[layer_id] else
+            SparseMoeBlock(cfg, moe, dtype, quant, tp) if moe.sparse_layers[layer_id] else
             GatedMLP(cfg.hidden_size, cfg.intermediate_size, "silu", dtype, quant=quant, tp=tp))
 
     def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -119,9 +125,7 @@ class MoEForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int,
                  quant: QuantConfig | None = None, tp: TPInfo | None = None) -> None:
         super().__init__(cfg, quant, tp)
-        if quant is not None:
-            raise ValueError(f"{cfg.architecture}: quantized experts are not supported yet; "
-                             f"run it unquantized")
+        check_expert_quant(quant, cfg.architecture)
         self.moe = MoEConfig.from_model_config(cfg)
         self.model = MoEModel(cfg, self.moe, dtype, quant, self.tp)
         self.lm_head = None if cfg.tie_word_embeddings else VocabEmbedding(

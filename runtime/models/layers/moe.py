@@ -15,6 +15,9 @@ Two ways to compute it, with the same result:
 
 Tensor parallelism splits every expert's intermediate channels across ranks, like a dense MLP:
 w13 holds this rank's gate and up rows, w2 its columns, and the partial sums are all-reduced.
+
+Quantized experts (quantization/experts.py) keep the two tensors in e4m3 or int8, with a
+float32 scale per output channel of each expert in `w13_scale` [E, 2I] and `w2_scale` [E, d].
 """
 
 from __future__ import annotations
@@ -25,7 +28,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixlm.runtime.models.layers.weights import copy_weight, narrow
+from radixlm.runtime.models.layers.weights import copy_weight, materialize, narrow
+from radixlm.runtime.models.quantization.config import QuantConfig
+from radixlm.runtime.models.quantization.experts import (
+    dequantize_experts,
+    expert_linear,
+    quantize_experts,
+    stored_dtype,
+)
 from radixlm.runtime.parallel.groups import TPInfo, all_reduce
 
 # Checkpoint part -> (parameter, index of the part in it).
@@ -44,9 +54,11 @@ def route_top_k(router_logits: torch.Tensor, top_k: int,
 
 
 def grouped_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                ids: torch.Tensor) -> torch.Tensor:
+                ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
+                w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, d] through experts ids [T, k] with weights [T, k] -> [T, d] in x's dtype (SiLU
-    gate). Weighted in float32, summed per token in expert order."""
+    gate). Weighted in float32, summed per token in expert order. With scales, w13 and w2 are
+    quantized experts (e4m3 or int8, per-channel scales [E, 2I] and [E, d])."""
     num_tokens, top_k = ids.shape
     flat = ids.flatten()  # [T * k]: pair p is token p // k's choice p % k
     order = flat.argsort(stable=True)  # pairs sorted by expert
@@ -59,8 +71,10 @@ def grouped_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: t
         if count == 0:
             continue
         rows = slice(start, start + count)
-        gate, up = F.linear(xs[rows], w13[expert]).chunk(2, dim=-1)  # [n, I] each
-        out[rows] = F.linear(F.silu(gate) * up, w2[expert]).float()  # [n, d]
+        s13 = None if w13_scale is None else w13_scale[expert]
+        s2 = None if w2_scale is None else w2_scale[expert]
+        gate, up = expert_linear(xs[rows], w13[expert], s13).chunk(2, dim=-1)  # [n, I] each
+        out[rows] = expert_linear(F.silu(gate) * up, w2[expert], s2).float()  # [n, d]
         start += count
     out *= weights.flatten()[order].unsqueeze(1)
     summed = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
@@ -68,42 +82,104 @@ def grouped_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: t
 
 
 class FusedMoE(nn.Module):
-    """The experts of one MoE layer. `forward` takes the routing (see route_top_k)."""
+    """The experts of one MoE layer. `forward` takes the routing (see route_top_k). With a
+    QuantConfig (fp8 or int8) the experts are quantized: float weights after loading, or an
+    FP8 checkpoint's e4m3 weights and scales as they are."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 dtype: torch.dtype, tp: TPInfo | None = None) -> None:
+                 dtype: torch.dtype, tp: TPInfo | None = None,
+                 quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.tp = tp
+        self.dtype = dtype
+        self.quant = quant
         self.start, size = (0, intermediate_size) if tp is None else tp.split(
             intermediate_size, "moe_intermediate_size")
         self.intermediate_size = size  # this rank's
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * size, hidden_size, dtype=dtype),
+        prequantized = quant is not None and quant.prequantized
+        stored = stored_dtype(quant) if prequantized else dtype
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * size, hidden_size, dtype=stored),
                                 requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, size, dtype=dtype),
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, size, dtype=stored),
                                requires_grad=False)
+        # Per-channel scales: a checkpoint's, or made after loading (quantize-on-load).
+        for name, rows in (("w13_scale", 2 * size), ("w2_scale", hidden_size)):
+            self.register_parameter(name, nn.Parameter(
+                torch.empty(num_experts, rows, dtype=torch.float32), requires_grad=False)
+                if prequantized else None)
         self.kernel: Any = None  # radixlm.kernels.fused_moe when the fused kernels are on
 
     def checkpoint_shards(self, param_name: str) -> list[tuple[int, str]]:
         """The (expert, part) pieces a complete checkpoint sets in this parameter."""
-        parts = [p for p, (name, _) in _PARTS.items() if name == param_name]
+        base = param_name.removesuffix("_scale")
+        parts = [p for p, (name, _) in _PARTS.items() if name == base]
         return [(e, p) for e in range(self.num_experts) for p in parts]
 
     def weight_loader(self, param: nn.Parameter, loaded: Any,
                       shard_id: tuple[int, str]) -> None:
-        """One expert's gate, up ([I, d]) or down ([d, I]) projection from the checkpoint."""
+        """One expert's gate, up ([I, d]) or down ([d, I]) projection from the checkpoint, or
+        its weight_scale (one per tensor, or one per output channel)."""
         expert, part = shard_id
         _, index = _PARTS[part]
         size = self.intermediate_size
-        if part == "down":  # this rank's input columns
+        if param is self.w13_scale or param is self.w2_scale:
+            self._load_scale(param, materialize(loaded), expert, part)
+        elif part == "down":  # this rank's input columns
             copy_weight(param.data[expert], narrow(loaded, 1, self.start, size))
         else:  # this rank's output rows, at the part's offset in w13
             rows = slice(index * size, (index + 1) * size)
             copy_weight(param.data[expert, rows], narrow(loaded, 0, self.start, size))
 
+    def _load_scale(self, param: nn.Parameter, loaded: torch.Tensor, expert: int,
+                    part: str) -> None:
+        size = self.intermediate_size
+        index = _PARTS[part][1]
+        rows = (param.data[expert] if part == "down"
+                else param.data[expert, index * size:(index + 1) * size])
+        if loaded.numel() == 1:  # per-tensor: one scale for every channel of the part
+            rows.fill_(loaded.reshape(()).item())
+            return
+        loaded = loaded.reshape(-1)  # per-channel: [rows] or [rows, 1]
+        copy_weight(rows, loaded if part == "down" else loaded.narrow(0, self.start, size))
+
+    def init_dummy(self, random: Any) -> None:
+        """Random float weights (see loader._init_dummy), stored as a checkpoint of this
+        layer's format holds them."""
+        for name in ("w13", "w2"):
+            param = getattr(self, name)
+            w = random(tuple(param.shape), param.device)
+            scale = getattr(self, f"{name}_scale")
+            if scale is None:
+                param.data.copy_(w)
+            else:
+                q, s = quantize_experts(w, self.quant.method, self.dtype)
+                param.data.copy_(q)
+                scale.data.copy_(s)
+
+    def process_weights_after_loading(self) -> None:
+        """Quantize float experts (fp8, int8); on the CPU, a bfloat16 model's FP8 experts
+        become bfloat16 weights (no fast fp8 product there)."""
+        if self.quant is None:
+            return
+        for name in ("w13", "w2"):
+            param, scale = getattr(self, name), getattr(self, f"{name}_scale")
+            if scale is None:
+                q, s = quantize_experts(param.data, self.quant.method, self.dtype)
+                setattr(self, name, nn.Parameter(q, requires_grad=False))
+                self.register_parameter(f"{name}_scale", nn.Parameter(s, requires_grad=False))
+            param, scale = getattr(self, name), getattr(self, f"{name}_scale")
+            if (param.dtype != torch.int8 and param.device.type == "cpu"
+                    and self.dtype == torch.bfloat16):
+                setattr(self, name, nn.Parameter(
+                    dequantize_experts(param.data, scale.data, self.dtype), requires_grad=False))
+                self.register_parameter(f"{name}_scale", None)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
-            out = self.kernel.fused_moe(x, self.w13, self.w2, weights, ids)
+            out = self.kernel.fused_moe(x, self.w13, self.w2, weights, ids,
+                                        self.w13_scale, self.w2_scale)
         else:
-            out = grouped_moe(x, self.w13, self.w2, weights, ids)
+            out = grouped_moe(x, self.w13, self.w2, weights, ids, self.w13_scale,
+                              self.w2_scale)
         return out if self.tp is None else all_reduce(out)

@@ -17,6 +17,7 @@ process), and are dequantized into float weights everywhere else, or with quanti
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,11 +178,18 @@ def _parse_fp8(qc: dict[str, Any]) -> QuantConfig:
     return QuantConfig("fp8", bits=8, prequantized=True)
 
 
+# MoE routers (`mlp.gate`, `block_sparse_moe.gate`, `shared_expert_gate`): float in our models
+# whatever the checkpoint, so a list may name them.
+_FLOAT_ROUTER = re.compile(r"(^|\.)(gate|shared_expert_gate)$")
+
+
 def _check_not_converted(modules: Any, field: str) -> None:
     """Checkpoints may keep some modules in float. We run every decoder linear quantized, so
-    only lists that name none of them (e.g. ["lm_head"]) can be honoured."""
+    only lists that name none of them (e.g. ["lm_head"], MoE routers) can be honoured."""
     decoder_parts = ("layers", "self_attn", "mlp", *QUANTIZED_LINEARS)
     for name in modules or ():
+        if _FLOAT_ROUTER.search(str(name)):
+            continue
         if any(part in str(name) for part in decoder_parts):
             raise ValueError(f"quantization_config.{field} lists {name!r}: checkpoints that "
                              "keep some decoder linears in float are not supported")
