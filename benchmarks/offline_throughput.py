@@ -117,7 +117,8 @@ def run_cuda(args: argparse.Namespace) -> None:
                     kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                     max_running_requests=args.max_running_requests,
                     max_num_batched_tokens=args.max_num_batched_tokens,
-                    chunked_prefill_size=input_len, overlap_schedule=args.overlap_schedule)
+                    chunked_prefill_size=input_len, overlap_schedule=args.overlap_schedule,
+                    kv_cache_dtype=args.kv_cache_dtype)
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, vocab, (num, input_len), generator=gen).tolist()
@@ -151,7 +152,8 @@ def run_cuda(args: argparse.Namespace) -> None:
                    "input_len": input_len,
                    "output_len": output_len, "max_running_requests": args.max_running_requests,
                    "max_num_batched_tokens": args.max_num_batched_tokens,
-                   "kv_cache_memory_fraction": args.kv_cache_memory_fraction},
+                   "kv_cache_memory_fraction": args.kv_cache_memory_fraction,
+                   "kv_cache_dtype": args.kv_cache_dtype},
         "results": {"seconds": elapsed, "output_tokens": generated,
                     "output_tokens_per_s": output_tps, "total_tokens_per_s": total_tps,
                     "steps": stats["steps"], "overlapped_steps": stats["overlapped_steps"],
@@ -180,6 +182,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory-fraction", type=float, default=0.85,
                         help="CUDA mode")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        choices=["auto", "fp8_e4m3", "fp8_e5m2"], help="CUDA mode")
     parser.add_argument("--num-prompts", type=int, default=None,
                         help="default: 64 on CPU, 512 on CUDA")
     parser.add_argument("--new-tokens", type=int, default=64)

@@ -52,7 +52,8 @@ def model_costs(engine: Engine) -> dict[str, int]:
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     per_layer = h * d * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * h * i
     return {"weight_bytes": streamed_bytes,
-            "kv_bytes_per_token": 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * size,
+            "kv_bytes_per_token": (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+                                   * engine.core.kv_cache.k.element_size()),
             "layer_flops_per_token": 2 * cfg.num_layers * per_layer,
             "head_flops_per_row": 2 * head.numel()}
 
@@ -68,7 +69,7 @@ def time_graph(engine: Engine, batch: int, reps: int = 20) -> float | None:
 
 
 # Kernel name fragments -> what they do, for the per-step GPU time breakdown.
-KERNEL_KINDS = [("attention", ("decode_split", "decode_merge", "store_kv", "extend_kernel",
+KERNEL_KINDS = [("attention", ("decode_kernel", "store_kv", "extend_kernel",
                                "BatchDecode", "BatchPrefill", "index_copy")),
                 ("norm", ("rms_norm",)), ("rotary", ("rotary",)), ("silu_and_mul", ("silu",)),
                 ("matmul", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitK", "Kernel2"))]
@@ -202,6 +203,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--disable-cuda-graph", action="store_true")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        choices=["auto", "fp8_e4m3", "fp8_e5m2"])
     parser.add_argument("--overlap-schedule", default="auto", choices=["auto", "on", "off"])
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of the script")
     parser.add_argument("--profile", action="store_true",
@@ -216,7 +219,7 @@ def main() -> None:
     engine = Engine(args.model, load_format="dummy", device=args.device, dtype="bfloat16",
                     attention_backend=args.attention_backend,
                     disable_cuda_graph=args.disable_cuda_graph, max_running_requests=max_bs,
-                    overlap_schedule=args.overlap_schedule,
+                    overlap_schedule=args.overlap_schedule, kv_cache_dtype=args.kv_cache_dtype,
                     max_total_tokens=max_bs * ctx + 4096, max_num_batched_tokens=16384,
                     chunked_prefill_size=args.input_len, disable_radix_cache=True)
     costs = model_costs(engine)

@@ -7,15 +7,18 @@ each configuration:
 - perplexity over the scored tokens (every token of a window but the first);
 - mean |delta logprob|: the mean absolute difference, over the same tokens, between the log
   probability the configuration gives the actual next token and the one fp32 gives;
+- top-1 agreement: how often the configuration's most likely next token is fp32's (what
+  greedy decoding would pick, given the same text so far);
 - the bytes of the decoder's linear layers (embeddings and the output head are never
   quantized and are left out).
 
 Configurations: fp32; bf16; fp8 (W8A8, per-channel weights, per-token activations); int8
 (weight-only, per-channel); int4 RTN, AWQ, GPTQ and GPTQ with act-order (group 128, asymmetric,
-written by `radixlm quantize` and loaded back from disk). Activations are float32 except for
-bf16 (and fp8's quantized products) and the CPU paths: the GGUF file's own blocks (the
-default CPU path), int8 as int4 planes and fp8 as bfloat16 weights, all with bfloat16
-activations.
+written by `radixlm quantize` and loaded back from disk); and float weights with a float8 KV
+cache (`kv_cache_dtype`: every token attends through the rounded K and V). Activations are
+float32 except for bf16 (and fp8's quantized products) and the CPU paths: the GGUF file's own
+blocks (the default CPU path), int8 as int4 planes and fp8 as bfloat16 weights, all with
+bfloat16 activations.
 
     python benchmarks/quant_quality.py [--windows 8] [--seq-len 512] [--num-samples 32]
 """
@@ -37,7 +40,7 @@ from radixlm.runtime.models.loader import load_model, resolve_model
 from radixlm.runtime.models.quantization.calibration import (
     calibration_text,
     pydoc_texts,
-    sequence_logprobs,
+    sequence_scores,
     token_windows,
 )
 from radixlm.runtime.models.quantization.checkpoint import save_quantized
@@ -62,7 +65,13 @@ CONFIGS: dict[str, tuple[torch.dtype, str | None, QuantizeOptions | None]] = {
     "int4 GPTQ": (torch.float32, None, QuantizeOptions(method="gptq")),
     "int4 GPTQ act-order": (torch.float32, None, QuantizeOptions(method="gptq",
                                                                  desc_act=True)),
+    # Float weights, the KV cache in float8 (KV_CACHE below): what kv_cache_dtype costs.
+    "fp32, fp8_e4m3 KV": (torch.float32, None, None),
+    "fp32, fp8_e5m2 KV": (torch.float32, None, None),
+    "bf16, fp8_e4m3 KV": (torch.bfloat16, "none", None),
 }
+KV_CACHE = {"fp32, fp8_e4m3 KV": torch.float8_e4m3fn, "fp32, fp8_e5m2 KV": torch.float8_e5m2,
+            "bf16, fp8_e4m3 KV": torch.float8_e4m3fn}
 
 
 def linear_bytes(model: torch.nn.Module) -> int:
@@ -108,17 +117,21 @@ def main() -> None:
         for name in names:
             model, quantize_s = build(name, folder, calibration, Path(work))
             start = time.perf_counter()
-            logprobs = torch.cat([sequence_logprobs(model, window) for window in heldout])
+            scores = [sequence_scores(model, window, KV_CACHE.get(name)) for window in heldout]
+            logprobs = torch.cat([lp for lp, _ in scores])
+            top1 = torch.cat([choice for _, choice in scores])
             eval_s = time.perf_counter() - start
             if reference is None:
-                reference = logprobs
+                reference, reference_top1 = logprobs, top1
             row = {"config": name, "perplexity": torch.exp(-logprobs.mean()).item(),
                    "mean_abs_delta_logprob": (logprobs - reference).abs().mean().item(),
+                   "top1_agreement": (top1 == reference_top1).float().mean().item(),
                    "linear_weight_mb": linear_bytes(model) / 1e6,
                    "quantize_s": round(quantize_s, 1), "eval_s": round(eval_s, 1)}
             rows.append(row)
             print(f"{name:>20}  ppl {row['perplexity']:7.3f}  |dlogp| "
-                  f"{row['mean_abs_delta_logprob']:.4f}  linears {row['linear_weight_mb']:6.1f} "
+                  f"{row['mean_abs_delta_logprob']:.4f}  top-1 {row['top1_agreement']:.3f}  "
+                  f"linears {row['linear_weight_mb']:6.1f} "
                   f"MB  quantize {quantize_s:5.1f} s  eval {eval_s:5.1f} s", flush=True)
             del model
     record = {

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixlm.kernels.triton_decode import decode_merge_kernel, decode_split_kernel
+from radixlm.kernels.triton_decode import decode_kernel
 from radixlm.kernels.triton_extend import extend_kernel
 
 LOG2E = 1.4426950408889634
@@ -93,10 +93,10 @@ def _check_last_dim(*tensors: torch.Tensor) -> None:
 
 
 @triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, k_inv_scale, v_inv_scale,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch,
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8_MAX: tl.constexpr):
     token = tl.program_id(0)
     slot = tl.load(slots_ptr + token)
     offs_h = tl.arange(0, BLOCK_H)
@@ -105,35 +105,55 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
     dst = slot * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]  # [H, D]
     k = tl.load(k_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :],
                 mask=mask)
-    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(k_cache_ptr + dst, to_cache(k, k_inv_scale, k_cache_ptr, FP8_MAX), mask=mask)
     v = tl.load(v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :],
                 mask=mask)
-    tl.store(v_cache_ptr + dst, v, mask=mask)
+    tl.store(v_cache_ptr + dst, to_cache(v, v_inv_scale, v_cache_ptr, FP8_MAX), mask=mask)
+
+
+@triton.jit
+def to_cache(x, inv_scale, cache_ptr, FP8_MAX: tl.constexpr):
+    """x as the cache stores it: as is, or (FP8_MAX > 0) x / scale saturated to float8."""
+    if FP8_MAX > 0:
+        x = tl.clamp(x.to(tl.float32) * inv_scale, -FP8_MAX, FP8_MAX)
+    return x.to(cache_ptr.dtype.element_ty)
+
+
+def fp8_max(cache: torch.Tensor) -> float:
+    """The float8 cache's saturation bound (the kernels' FP8_MAX), 0.0 for a float cache."""
+    return float(torch.finfo(cache.dtype).max) if cache.element_size() == 1 else 0.0
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor) -> None:
-    """Write this step's K/V ([T, Hkv, D], may be strided views) to their slots ([T])."""
+             v_cache: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Write this step's K/V ([T, Hkv, D], may be strided views) to their slots ([T]); a float8
+    cache gets them divided by their scales, saturated."""
     if k.shape[0] == 0:
         return
     _check_last_dim(k, v, k_cache, v_cache)
     num_tokens, num_kv_heads, head_dim = k.shape
     _store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slots,
+        k, v, k_cache, v_cache, slots, 1.0 / k_scale, 1.0 / v_scale,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=1 if num_kv_heads * head_dim <= 1024 else 4)
+        FP8_MAX=fp8_max(k_cache), num_warps=1 if num_kv_heads * head_dim <= 1024 else 4)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      out: torch.Tensor, slot_table: torch.Tensor, kv_lens: torch.Tensor,
                      seq_rows: torch.Tensor, q_rows: torch.Tensor, scale: float,
                      num_splits: int, config: DecodeConfig | None = None,
-                     window: int | None = None, softcap: float | None = None) -> None:
+                     window: int | None = None, softcap: float | None = None,
+                     counters: torch.Tensor | None = None, k_scale: float = 1.0,
+                     v_scale: float = 1.0) -> None:
     """One query per sequence. Decode sequence i is batch row seq_rows[i] (its slot table row
     and kv_lens entry) and its query is token row q_rows[i] of q and out. It sees the last
-    `window` keys only, if set, with scores soft-capped at `softcap`, if set."""
+    `window` keys only, if set, with scores soft-capped at `softcap`, if set.
+
+    counters: int32 zeros, at least one per (decode sequence, KV head), left at zero (the
+    backend keeps one buffer for every call; None allocates one). k_scale / v_scale: a float8
+    cache's scales."""
     num_decode = seq_rows.shape[0]
     if num_decode == 0:
         return
@@ -142,32 +162,25 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     cfg = config or decode_config(q.dtype, head_dim)
-    block_d = _pow2(head_dim)
-    direct = num_splits == 1
-    if direct:  # the kernel writes out itself; the partial pointers are never read
-        part_o = part_lse = out
-    else:
-        part_o = torch.empty(num_decode, num_heads, num_splits, head_dim, dtype=torch.float32,
-                             device=q.device)
-        part_lse = torch.empty(num_decode, num_heads, num_splits, dtype=torch.float32,
-                               device=q.device)
-    score_mul, cap_mul = _score_factors(scale, softcap)
-    decode_split_kernel[(num_decode, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_o, part_lse, slot_table, kv_lens, seq_rows, q_rows,
-        score_mul, cap_mul, window or NO_WINDOW, num_splits, num_heads,
+    if counters is None:
+        counters = torch.zeros(num_decode * num_kv_heads, dtype=torch.int32, device=q.device)
+    elif counters.numel() < num_decode * num_kv_heads:
+        raise ValueError(f"{counters.numel()} decode counters for {num_decode} sequences x "
+                         f"{num_kv_heads} KV heads")
+    # One split writes out itself, but the pointers keep their types (one compiled kernel).
+    parts = num_decode * num_heads * num_splits if num_splits > 1 else 1
+    part_o = torch.empty(parts * head_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(parts, dtype=torch.float32, device=q.device)
+    score_mul, cap_mul = _score_factors(scale * k_scale, softcap)
+    decode_kernel[(num_decode, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, part_o, part_lse, counters, slot_table, kv_lens, seq_rows,
+        q_rows, score_mul, cap_mul, v_scale, window or NO_WINDOW, num_splits, num_heads,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), slot_table.stride(0),
         out.stride(0), out.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_H=_pow2(group), BLOCK_D=block_d,
-        BLOCK_N=cfg.block_n, DIRECT=direct, SOFTCAP=softcap is not None,
-        DOT_PRECISION=_dot_precision(q.dtype),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_H=_pow2(group), BLOCK_D=_pow2(head_dim),
+        BLOCK_N=cfg.block_n, BLOCK_S=triton.next_power_of_2(num_splits),
+        SOFTCAP=softcap is not None, DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if not direct:
-        block_s = triton.next_power_of_2(num_splits)
-        decode_merge_kernel[(num_decode, num_heads)](
-            part_o, part_lse, out, q_rows, num_splits, num_heads, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=block_s,
-            # ~32 fp32 partial values per thread: no register spills at 64+ splits
-            num_warps=min(max(block_s * block_d // 1024, 1), 8))
 
 
 def extend_blocks(q_lens: list[int], rows: list[int], block_m: int) -> tuple[list[int],
@@ -186,21 +199,22 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      q_lens: torch.Tensor, kv_lens: torch.Tensor, block_rows: torch.Tensor,
                      block_m0: torch.Tensor, scale: float,
                      config: ExtendConfig | None = None, window: int | None = None,
-                     softcap: float | None = None) -> None:
+                     softcap: float | None = None, k_scale: float = 1.0,
+                     v_scale: float = 1.0) -> None:
     """Chunks of new queries attending to their cached prefix and, causally, to themselves
     (within `window` keys and with scores capped at `softcap`, if set). q_starts/q_lens/kv_lens
     are per batch row; block_rows/block_m0 come from extend_blocks with the same config's
-    block_m."""
+    block_m. k_scale / v_scale: a float8 cache's scales."""
     num_blocks = block_rows.shape[0]
     if num_blocks == 0:
         return
     _check_last_dim(q, k_cache, v_cache, out)
     num_heads, head_dim = q.shape[1], q.shape[2]
     cfg = config or extend_config(q.dtype, head_dim)
-    score_mul, cap_mul = _score_factors(scale, softcap)
+    score_mul, cap_mul = _score_factors(scale * k_scale, softcap)
     extend_kernel[(num_blocks, num_heads)](
         q, k_cache, v_cache, out, slot_table, block_rows, block_m0, q_starts, q_lens, kv_lens,
-        score_mul, cap_mul, window or NO_WINDOW,
+        score_mul, cap_mul, v_scale, window or NO_WINDOW,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), slot_table.stride(0),
         out.stride(0), out.stride(1),
         GROUP=num_heads // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_M=cfg.block_m,

@@ -12,7 +12,8 @@ position prefix + m and sees keys 0 .. prefix + m:
 so only the last one or two key tiles of a block pay for the mask. With a sliding window
 (WINDOWED), query m sees keys prefix + m - window + 1 .. prefix + m only: the block starts at
 the tile holding its first query's oldest key, and every tile pays for the mask (rows of a
-block see different ranges). Programs are laid out by a
+block see different ranges). A float8 cache is widened to the query's dtype as it is loaded
+(its K scale is part of score_mul, its V scale is out_mul). Programs are laid out by a
 per-step block table (block -> sequence, first query) built on the host from q_lens, which the
 scheduler already knows: no device sync is needed to size the grid.
 """
@@ -41,7 +42,7 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, n0, kv_head, pos_m, kv_len,
         slots = tl.load(table + offs_n)
     kv_off = slots[:, None] * stride_cs + kv_head * stride_ch + offs_d[None, :]  # [N, D]
     mask_nd = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
-    k = tl.load(k_cache_ptr + kv_off, mask=mask_nd, other=0.0)
+    k = tl.load(k_cache_ptr + kv_off, mask=mask_nd, other=0.0).to(q.dtype)  # float8: widened
     s = scores(q, k, score_mul, cap_mul, SOFTCAP, DOT_PRECISION)  # [M, N]
     if CAUSAL:
         visible = (offs_n[None, :] <= pos_m[:, None]) & mask_n[None, :]
@@ -55,7 +56,7 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, n0, kv_head, pos_m, kv_len,
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_cache_ptr + kv_off, mask=mask_nd, other=0.0)
+    v = tl.load(v_cache_ptr + kv_off, mask=mask_nd, other=0.0).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -64,7 +65,7 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, n0, kv_head, pos_m, kv_len,
 def extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, slot_table_ptr,
     block_rows_ptr, block_m0_ptr, q_starts_ptr, q_lens_ptr, kv_lens_ptr,
-    score_mul, cap_mul, window,
+    score_mul, cap_mul, out_mul, window,
     stride_qt, stride_qh, stride_cs, stride_ch, stride_tb, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WINDOWED: tl.constexpr,
@@ -113,6 +114,6 @@ def extend_kernel(
                                          pos_m, kv_len, m_i, l_i, acc, score_mul, cap_mul,
                                          window, stride_cs, stride_ch, HEAD_DIM, BLOCK_D,
                                          BLOCK_N, True, False, SOFTCAP, DOT_PRECISION)
-    out = acc / l_i[:, None]
+    out = acc * (out_mul / l_i[:, None])  # out_mul: a float8 cache's V scale
     tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh
              + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask_md)

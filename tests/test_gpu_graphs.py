@@ -217,3 +217,15 @@ def test_speculative_verify_steps_replay_graphs_and_keep_tokens(tmp_path, method
     assert any(n > len(prompts) for n in replays)  # verify steps went through the graphs
     if method == "draft":
         assert stats["spec_acceptance_rate"] == 1.0
+
+
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_fp8_kv_graphs_match_eager_bf16(tmp_path, backend):
+    _needs(backend)
+    folder = save_llama(tmp_path)
+    prompts = [[7 + 3 * i] for i in range(8)] + PROMPTS[:4]
+    params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True, "logprobs": True}
+    options = dict(dtype="bfloat16", attention_backend=backend, kv_cache_dtype="fp8_e4m3")
+    graph_tokens, _ = _generate(folder, prompts, params, **options)
+    eager_tokens, _ = _generate(folder, prompts, params, disable_cuda_graph=True, **options)
+    assert graph_tokens == eager_tokens

@@ -21,7 +21,8 @@ SCALE_DIM = {32: 32 ** -0.5, 64: 64 ** -0.5, 128: 128 ** -0.5}
 
 def random_paged_batch(device: str, dtype: torch.dtype, page_size: int, q_lens: list[int],
                        kv_lens: list[int], heads: int = 8, kv_heads: int = 2, dim: int = 32,
-                       seed: int = 0, strided_qkv: bool = False):
+                       seed: int = 0, strided_qkv: bool = False,
+                       storage_dtype: torch.dtype | None = None):
     """A one-layer KV cache full of random "earlier" keys, each sequence on shuffled pages, and
     this step's q/k/v. With strided_qkv, q/k/v are views of one fused [T, H + 2 Hkv, D] tensor,
     as the model passes them."""
@@ -31,7 +32,7 @@ def random_paged_batch(device: str, dtype: torch.dtype, page_size: int, q_lens: 
     gen = torch.Generator().manual_seed(seed)
     num_pages = sum(-(-kv // page_size) for kv in kv_lens) + 4
     cache = KVCache(1, num_pages * page_size, kv_heads, dim, dtype, torch.device(device),
-                    page_size)
+                    page_size, storage_dtype)
     cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=gen))
     cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=gen))
     perm = torch.randperm(num_pages, generator=gen).tolist()
@@ -118,6 +119,50 @@ def case_split_kv_long_context():
     return "; ".join(details)
 
 
+def _fp8_case(storage_dtype, k_scale, v_scale, splits=None):
+    """A float8 cache with per-layer scales: the store saturates (no NaN) and lands within a
+    float8 step of torch's cast, and attention equals the reference over the dequantized
+    cache. (The interpreter's float8 conversion rounds a value that should round up to a power
+    of two down to the power below and flushes subnormals, so exact bytes are checked on the
+    GPU: tests/test_gpu_attention.py.)"""
+    from radixlm.runtime.attention.kv_cache import quantize_kv
+    from radixlm.runtime.attention.triton_backend import TritonAttention
+
+    batch, q, k, v = random_paged_batch("cpu", torch.float32, 16, MIXED_Q, MIXED_KV,
+                                        strided_qkv=True, storage_dtype=storage_dtype)
+    cache = batch.kv_cache
+    cache.set_scales([k_scale], [v_scale])
+    k = k * 1000.0  # some keys past float8's range: saturated, never NaN
+    backend = TritonAttention(SCALE_DIM[32], num_splits=splits)
+    backend.plan(batch)
+    out = backend.forward(q, k, v, 0, batch)
+    for name, stored, x, scale in (("K", cache.k, k, k_scale), ("V", cache.v, v, v_scale)):
+        got = stored[0][batch.out_slots].float()
+        want = quantize_kv(x, scale, storage_dtype).float()
+        assert not got.isnan().any(), f"{name}: NaN stored"
+        # within a factor of two (the interpreter's rounding; it also flushes subnormals to
+        # zero), same sign, zeros kept
+        normal = want.abs() >= torch.finfo(storage_dtype).smallest_normal
+        ratio = (got / want)[normal]
+        assert ((ratio >= 0.5) & (ratio <= 1.0 + 1e-6)).all(), f"{name}: not float8(x / scale)"
+        assert (got[~normal].abs() <= want[~normal].abs()).all(), f"{name}: subnormals"
+    from radixlm.kernels.reference import paged_attention_reference
+
+    ref = paged_attention_reference(q, cache.k[0].float() * k_scale, cache.v[0].float() * v_scale,
+                                    batch.slot_table, batch.q_lens, batch.kv_lens, SCALE_DIM[32])
+    err = rel_err(out, ref)
+    assert err < 1e-5, f"relative error {err:.2e}"
+    return f"rel err {err:.1e}, splits {backend.num_splits}"
+
+
+def case_fp8_e4m3_cache_scaled():
+    return _fp8_case(torch.float8_e4m3fn, 0.5, 2.0, splits=3)
+
+
+def case_fp8_e5m2_cache():
+    return _fp8_case(torch.float8_e5m2, 1.0, 1.0)
+
+
 def case_extend_long_chunk_after_prefix():
     return _backend_case(torch.float16, 16, [130, 2], [400, 2], dim=64)
 
@@ -171,6 +216,59 @@ def _fused_cases(dtype):
     fused.rotary_embedding(qk, cos.unsqueeze(1), sin.unsqueeze(1), out=qk)
     check("rotary in place", qk, want)
     return "bit-exact" if exact else "within 1e-6"
+
+
+def case_rotary_and_store():
+    """The fused rotary + K/V store writes what rotary in place, then store_kv, write."""
+    from radixlm.kernels import fused
+    from radixlm.kernels.triton_attention import store_kv
+    from radixlm.runtime.attention.kv_cache import KVCache
+
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, tokens = 6, 2, 32, 5
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim, generator=gen)
+    cos, sin = torch.randn(tokens, 1, dim // 2, generator=gen), torch.randn(
+        tokens, 1, dim // 2, generator=gen)
+    slots = torch.tensor([9, 2, 14, 0, 7])
+    results = []
+    for storage in (None, torch.float8_e5m2):
+        caches = [KVCache(1, 16, kv_heads, dim, torch.float32, torch.device("cpu"),
+                          storage_dtype=storage) for _ in range(2)]
+        for cache in caches:
+            cache.set_scales([0.5], [2.0])
+        a, b = qkv.clone(), qkv.clone()
+        fused.rotary_and_store(a[:, : heads + kv_heads], a[:, heads + kv_heads:], cos, sin,
+                               heads, *caches[0].layer(0), slots, 0.5, 2.0)
+        fused.rotary_embedding(b[:, : heads + kv_heads], cos, sin, out=b[:, : heads + kv_heads])
+        store_kv(b[:, heads: heads + kv_heads], b[:, heads + kv_heads:], slots, *caches[1].layer(0),
+                 0.5, 2.0)
+        assert torch.equal(a, b), "rotated q/k differ"
+        for got, want in zip(caches[0].layer(0), caches[1].layer(0)):
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), storage
+        results.append(str(storage))
+    return "same bytes: " + ", ".join(results)
+
+
+def case_gemv_kernels():
+    """The float-weight GEMVs against x @ W^T in float32: CUDA-core tiles for 1-4 rows with
+    and without a K split (ragged N and K), tensor-core tiles for up to 16 rows."""
+    from radixlm.kernels.gemv import GemvConfig, gemv
+
+    gen = torch.Generator().manual_seed(5)
+    n, k = 100, 700  # neither a multiple of the tiles
+    weight = torch.randn(n, k, generator=gen)
+    worst = 0.0
+    configs = [(rows, GemvConfig(block_n=8, block_k=128, split_k=split))
+               for rows in (1, 2, 3, 4) for split in (1, 3)]
+    configs += [(rows, GemvConfig(kernel="dot", block_n=32, block_k=64, num_stages=2))
+                for rows in (1, 5, 16)]
+    for rows, cfg in configs:
+        x = torch.randn(rows, k, generator=gen)
+        out = gemv(x, weight, cfg)
+        err = rel_err(out, x @ weight.T)
+        assert err < 1e-5, f"{rows} rows, {cfg}: {err:.1e}"
+        worst = max(worst, err)
+    return f"worst rel err {worst:.1e}"
 
 
 def case_fused_fp32():

@@ -82,8 +82,10 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                batch: ForwardBatch, layer: LayerAttention = FULL_ATTENTION) -> torch.Tensor:
-        """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H, D], attending as `layer` says."""
+                batch: ForwardBatch, layer: LayerAttention = FULL_ATTENTION,
+                kv_stored: bool = False) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H, D], attending as `layer` says.
+        kv_stored: the caller already wrote k/v to their slots (a fused rotary + store)."""
 
     def init_cuda_graph(self, batch_sizes: list[int], max_len: int, num_heads: int,
                         kv_cache: KVCache) -> None:

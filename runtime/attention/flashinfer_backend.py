@@ -1,4 +1,5 @@
-"""Attention on FlashInfer's paged kernels (CUDA only; fp16/bf16 KV caches).
+"""Attention on FlashInfer's paged kernels (CUDA only; fp16/bf16 models, with KV caches of
+the model's dtype or float8, which FlashInfer's kernels widen as they load).
 
 Our per-layer cache [num_slots, Hkv, D] with slot = page * page_size + offset *is* FlashInfer's
 "NHD" paged layout once viewed as [num_pages, page_size, Hkv, D] (KVCache.layer_pages). A
@@ -83,9 +84,9 @@ class FlashInferAttention(AttentionBackend):
 
     def plan(self, batch: ForwardBatch) -> None:
         cache = batch.kv_cache
-        if cache.k.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"attention_backend='flashinfer' supports float16 and bfloat16 KV "
-                             f"caches, not {cache.k.dtype}; use 'triton' or 'torch'")
+        if cache.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"attention_backend='flashinfer' supports float16 and bfloat16 "
+                             f"models, not {cache.dtype}; use 'triton' or 'torch'")
         device = batch.slot_table.device
         if device.type != "cuda":
             raise ValueError("attention_backend='flashinfer' runs on CUDA only")
@@ -112,14 +113,17 @@ class FlashInferAttention(AttentionBackend):
         cols = (torch.arange(total, device=device) - starts[rows]) * page_size
         self.indices = (batch.slot_table[rows, cols] // page_size).int()
         self.decode_only = all(n == 1 for n in batch.q_lens)
-        self.dtype = cache.k.dtype
+        self.dtype, self.kv_dtype = cache.dtype, cache.storage_dtype
         self.page_size = page_size
         self._stepped = {}
         self._graph_bs = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                batch: ForwardBatch, layer: LayerAttention = FULL_ATTENTION) -> torch.Tensor:
-        batch.kv_cache.store(layer_id, batch.out_slots, k, v)
+                batch: ForwardBatch, layer: LayerAttention = FULL_ATTENTION,
+                kv_stored: bool = False) -> torch.Tensor:
+        cache = batch.kv_cache
+        if not kv_stored:
+            cache.store(layer_id, batch.out_slots, k, v)
         wrapper = self._stepped.get(layer)
         if wrapper is None:
             if self._graph_bs is not None:  # a warm-up run before capture meets this kind
@@ -128,7 +132,11 @@ class FlashInferAttention(AttentionBackend):
             else:
                 wrapper = self._plan_wrapper(q.shape[1], k.shape[1], q.shape[2], q.device,
                                              layer)
-        return wrapper.run(q.contiguous(), batch.kv_cache.layer_pages(layer_id))
+        # A float8 cache's scales: FlashInfer folds K's into the softmax scale and multiplies
+        # the output by V's.
+        k_scale, v_scale = cache.scales(layer_id) if cache.quantized else (None, None)
+        return wrapper.run(q.contiguous(), cache.layer_pages(layer_id), k_scale=k_scale,
+                           v_scale=v_scale)
 
     def init_cuda_graph(self, batch_sizes: list[int], max_len: int, num_heads: int,
                         kv_cache: KVCache) -> None:
@@ -165,7 +173,7 @@ class FlashInferAttention(AttentionBackend):
         num_heads, num_kv_heads, head_dim = self._graph_heads
         self._wait_previous_plan()
         wrapper.plan(self.indptr, self.indices, self.last_page_len, num_heads, num_kv_heads,
-                     head_dim, self.page_size, q_data_type=self.dtype, kv_data_type=self.dtype,
+                     head_dim, self.page_size, q_data_type=self.dtype, kv_data_type=self.kv_dtype,
                      **self._layer_args(layer))
         self._mark_planned()
         self._stepped[layer] = wrapper
@@ -187,7 +195,7 @@ class FlashInferAttention(AttentionBackend):
         """Plan this step for one kind of layer, at its first layer of the step."""
         self._workspace_on(device)
         self._wait_previous_plan()
-        common = dict(q_data_type=self.dtype, kv_data_type=self.dtype,
+        common = dict(q_data_type=self.dtype, kv_data_type=self.kv_dtype,
                       **self._layer_args(layer))
         if self.decode_only:
             key = (self.decode_tensor_cores, layer)

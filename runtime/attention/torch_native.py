@@ -88,11 +88,15 @@ class TorchNativeAttention(AttentionBackend):
         return mask
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                batch: ForwardBatch, layer: LayerAttention = FULL_ATTENTION) -> torch.Tensor:
+                batch: ForwardBatch, layer: LayerAttention = FULL_ATTENTION,
+                kv_stored: bool = False) -> torch.Tensor:
         scale = self.scale if layer.scale is None else layer.scale
         window, softcap = layer.sliding_window, layer.logit_softcap
-        k_cache, v_cache = batch.kv_cache.layer(layer_id)
-        batch.kv_cache.store(layer_id, batch.out_slots, k, v)
+        cache = batch.kv_cache
+        k_cache, v_cache = cache.layer(layer_id)
+        k_scale, v_scale = cache.scales(layer_id)
+        if not kv_stored:
+            cache.store(layer_id, batch.out_slots, k, v)
         out = torch.empty_like(q)
         if self.decode_pages is not None:
             k_pages, v_pages = batch.kv_cache.layer_pages(layer_id)
@@ -101,8 +105,10 @@ class TorchNativeAttention(AttentionBackend):
             # index_select copies whole rows with memcpy: several times faster than
             # advanced indexing on CPU. [Bd * pages, page_size, Hkv, D] -> [Bd, Hkv, L, D]
             flat = self.decode_pages.flatten()
-            kd = k_pages.index_select(0, flat).view(bd, -1, *k.shape[1:])
-            vd = v_pages.index_select(0, flat).view(bd, -1, *v.shape[1:])
+            kd = cache.dequantize(k_pages.index_select(0, flat), k_scale).view(
+                bd, -1, *k.shape[1:])
+            vd = cache.dequantize(v_pages.index_select(0, flat), v_scale).view(
+                bd, -1, *v.shape[1:])
             mask = self._decode_mask(window)
             if softcap is None:
                 od = _decode_attention(qd, kd, vd, mask, scale)
@@ -117,10 +123,13 @@ class TorchNativeAttention(AttentionBackend):
             q_len, kv_len = end - start, batch.kv_lens[i]
             slots = batch.slot_table[i, :kv_len]
             qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-            if q_len == kv_len:  # whole sequence in this chunk: keys are the new tokens
+            # A whole sequence in this chunk attends to the new tokens as they are, unless
+            # the cache rounds them: then to what later steps will read back.
+            if q_len == kv_len and not cache.quantized:
                 ki, vi = k[start:end], v[start:end]
             else:
-                ki, vi = k_cache.index_select(0, slots), v_cache.index_select(0, slots)
+                ki = cache.dequantize(k_cache.index_select(0, slots), k_scale)
+                vi = cache.dequantize(v_cache.index_select(0, slots), v_scale)
             ki = ki.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
             vi = vi.transpose(0, 1).unsqueeze(0)
             # A whole unwindowed sequence is plain causal attention: no mask to build.

@@ -24,6 +24,8 @@ SPECULATIVE_METHODS = ("ngram", "draft")
 GRAMMAR_BACKENDS = ("llguidance", "outlines")
 # A quantization method, or "none": float weights (a GGUF model's blocks dequantized).
 QUANTIZATIONS = ("fp8", "int8", "awq", "gptq", "gguf", "none")
+# How the KV cache stores K and V (radixlm.runtime.attention.kv_cache.KV_CACHE_DTYPES).
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,11 @@ class EngineConfig:
     # when it is None the pool is sized from `kv_cache_memory_fraction` of the free memory.
     page_size: int = 16
     max_total_tokens: int | None = None
+    # How the cache stores K and V: "auto" (the model's dtype), or float8 ("fp8_e4m3",
+    # "fp8_e5m2"): half the bytes of bfloat16, so twice the tokens fit and decode reads half
+    # the KV, at a small cost in accuracy (docs/performance.md). Scales: the checkpoint's
+    # k_scale / v_scale per layer where it has them, else 1.0.
+    kv_cache_dtype: str = "auto"
     kv_cache_memory_fraction: float = 0.5
     # Longest prompt + completion; None takes the model's own limit, clipped to the pool.
     max_model_len: int | None = None
@@ -131,6 +138,7 @@ class EngineConfig:
             object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype.lower()])
         _one_of(self.dtype, ("auto", *DTYPES), "dtype")
         _one_of(self.attention_backend, ATTENTION_BACKENDS, "attention_backend")
+        _one_of(self.kv_cache_dtype, KV_CACHE_DTYPES, "kv_cache_dtype")
         _one_of(self.schedule_policy, SCHEDULE_POLICIES, "schedule_policy")
         _one_of(self.overlap_schedule, OVERLAP_MODES, "overlap_schedule")
         self._check_speculative_options()

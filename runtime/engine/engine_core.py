@@ -25,7 +25,7 @@ import torch
 
 from radixlm.kernels import cpu_decode as cpu_decode_kernel
 from radixlm.runtime.attention.base import create_backend
-from radixlm.runtime.attention.kv_cache import KVCache
+from radixlm.runtime.attention.kv_cache import KVCache, kv_storage_dtype
 from radixlm.runtime.config.engine_config import EngineConfig
 from radixlm.runtime.engine.kv_sizing import max_model_len, pool_pages
 from radixlm.runtime.engine.overlap import follow_up_batch
@@ -87,8 +87,12 @@ class EngineCore:
         tp_group = loaded.model.group if isinstance(loaded.model, ShardedModel) else None
         # With CUDA graphs, one page past the allocator's: padded rows write their K/V there.
         scratch_pages = 1 if graphs else 0
+        kv_dtype = kv_storage_dtype(config.kv_cache_dtype, dtype)
         self.kv_cache = KVCache(mc.num_layers, (num_pages + scratch_pages) * config.page_size,
-                                mc.num_kv_heads, mc.head_dim, dtype, device, config.page_size)
+                                mc.num_kv_heads, mc.head_dim, dtype, device, config.page_size,
+                                kv_dtype)
+        if loaded.kv_scales is not None and self.kv_cache.quantized:
+            self.kv_cache.set_scales(*loaded.kv_scales)
         self.allocator = PageAllocator(num_pages, config.page_size)
         self.table = ReqToTokenTable(config.max_running_requests,
                                      num_pages * config.page_size, config.page_size, device)
@@ -143,7 +147,10 @@ class EngineCore:
                                   device=device, dtype=dtype, head_dim=dc.head_dim)
             # Same slots as the target's pool (scratch page included): see draft_model.
             kv_cache = KVCache(dc.num_layers, self.kv_cache.k.shape[1], dc.num_kv_heads,
-                               dc.head_dim, dtype, device, config.page_size)
+                               dc.head_dim, dtype, device, config.page_size,
+                               self.kv_cache.storage_dtype)
+            if draft.kv_scales is not None and kv_cache.quantized:
+                kv_cache.set_scales(*draft.kv_scales)
             draft_model = DraftModel(draft.model, attn, kv_cache, self.table, vocab_size)
             if self._graph_args is not None:
                 draft_model.cuda_graphs = DecodeGraphs(draft.model, attn, kv_cache, self.table,

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from radixlm.runtime.attention.kv_cache import KVCache
+from radixlm.runtime.attention.kv_cache import KVCache, kv_storage_dtype
 from radixlm.runtime.config.engine_config import EngineConfig
 
 
@@ -17,7 +17,8 @@ def pool_pages(config: EngineConfig, models: list[Any], dtype: torch.dtype,
     draft model that shares its slots)."""
     if config.max_total_tokens is not None:
         return config.max_total_tokens // config.page_size
-    per_slot = sum(KVCache.bytes_per_slot(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
+    storage = kv_storage_dtype(config.kv_cache_dtype, dtype)
+    per_slot = sum(KVCache.bytes_per_slot(mc.num_layers, mc.num_kv_heads, mc.head_dim, storage)
                    for mc in models)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)

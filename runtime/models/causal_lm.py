@@ -40,6 +40,9 @@ _EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\
                      r"(weight|weight_scale|input_scale)$")
 _EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
                 "down_proj": "down", "w2": "down"}
+# A float8-KV checkpoint's per-layer cache scales (vLLM's layout: self_attn.k_scale and
+# v_scale, or one kv_scale for both in older exports); kept for the KV cache, not parameters.
+_KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:attn\.)?(k_scale|v_scale|kv_scale)$")
 
 
 class CausalLM(nn.Module):
@@ -52,6 +55,8 @@ class CausalLM(nn.Module):
         self.fused: Any = None
         self.model: nn.Module
         self.lm_head: VocabEmbedding | None = None
+        # {layer: {"k_scale": s, "v_scale": s}} from the checkpoint, if it has any
+        self.checkpoint_kv_scales: dict[int, dict[str, float]] = {}
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden_size]."""
@@ -100,6 +105,15 @@ class CausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
+            scale = _KV_SCALE.match(name)
+            if scale is not None:
+                layer, kind = int(scale.group(1)), scale.group(2)
+                value = float(torch.as_tensor(tensor[:] if hasattr(tensor, "get_shape")
+                                              else tensor).float().reshape(-1)[0])
+                kinds = ("k_scale", "v_scale") if kind == "kv_scale" else (kind,)
+                self.checkpoint_kv_scales.setdefault(layer, {}).update(
+                    dict.fromkeys(kinds, value))
+                continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints store the copy anyway
             for target, shard, part in self.route(name, tensor):
@@ -114,6 +128,15 @@ class CausalLM(nn.Module):
                 module.weight_loader(param, part, shard)
                 loaded.add(target if shard is None else f"{target}:{shard}")
         return loaded
+
+    def kv_cache_scales(self) -> tuple[list[float], list[float]] | None:
+        """Per-layer (K, V) scales for a float8 KV cache, from the checkpoint (1.0 for a
+        layer it leaves out); None when it has none."""
+        if not self.checkpoint_kv_scales:
+            return None
+        layers = range(self.config.num_layers)
+        return ([self.checkpoint_kv_scales.get(i, {}).get("k_scale", 1.0) for i in layers],
+                [self.checkpoint_kv_scales.get(i, {}).get("v_scale", 1.0) for i in layers])
 
     def expected_weight_keys(self) -> set[str]:
         """Every key a complete checkpoint sets: fused parameters once per part."""

@@ -5,9 +5,10 @@ The families differ only in switches on `ModelConfig`: QKV bias (Qwen2), per-hea
 of tokens ([T]) and returns hidden states ([T, d]); logits are computed only where needed.
 
 On CUDA the loader switches on our fused Triton kernels (`use_fused_kernels`): SiLU-and-mul,
-in-place rotary, and add + RMSNorm that carries the residual stream between layers, so each
-norm reads the sublayer output and the stream once instead of an add kernel and a norm. They
-round where the torch ops round, so the two paths agree to an ulp; CPU keeps the torch path.
+in-place rotary that also writes K and V to the cache (the attention backend then skips its
+store), and add + RMSNorm that carries the residual stream between layers, so each norm reads
+the sublayer output and the stream once instead of an add kernel and a norm. They round where
+the torch ops round, so the two paths agree to an ulp; CPU keeps the torch path.
 
 With a QuantConfig (radixlm.runtime.models.quantization) the decoder's linears (qkv, o, gate_up,
 down) are quantized; the embeddings and the output head always stay in float.
@@ -68,13 +69,17 @@ class LlamaAttention(nn.Module):
         qk, v = qkv.split([heads + kv_heads, kv_heads], dim=1)
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
-        # q and k sit side by side: rotate them in one go.
-        if self.fused is not None:
-            qk = self.fused.rotary_embedding(qk, *rope, out=qk)  # in place, inside qkv
+        # q and k sit side by side: rotate them in one go. The fused kernel rotates them in
+        # place (inside qkv) and writes k and v to the KV cache in the same launch.
+        stored = self.fused is not None
+        if stored:
+            cache = batch.kv_cache
+            self.fused.rotary_and_store(qk, v, *rope, heads, *cache.layer(self.layer_id),
+                                        batch.out_slots, *cache.scales(self.layer_id))
         else:
             qk = apply_rotary(qk, *rope)
         q, k = qk.split([heads, kv_heads], dim=1)
-        out = attn.forward(q, k, v, self.layer_id, batch)  # [T, H, D]
+        out = attn.forward(q, k, v, self.layer_id, batch, kv_stored=stored)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 

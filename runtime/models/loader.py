@@ -54,6 +54,8 @@ class LoadedModel:
     model: nn.Module
     config: ModelConfig
     tokenizer: Any | None  # a transformers tokenizer; None for weight-less presets
+    # Per-layer (K, V) scales for a float8 KV cache, where the checkpoint has them.
+    kv_scales: tuple[list[float], list[float]] | None = None
 
 
 def resolve_model(model: str | None, revision: str | None = None) -> Path:
@@ -177,7 +179,7 @@ def load_model(model: str | None, load_format: str, dtype: torch.dtype,
     net.eval()
     # Fused Triton norms, activation and rotary on CUDA; CPU keeps the plain torch ops.
     net.use_fused_kernels(device.type == "cuda" and importlib.util.find_spec("triton") is not None)
-    return LoadedModel(net, config, tok)
+    return LoadedModel(net, config, tok, net.kv_cache_scales())
 
 
 def load_tokenizer(folder: Path | None, tokenizer: str | None = None,

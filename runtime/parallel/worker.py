@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from radixlm.runtime.attention.base import create_backend
-from radixlm.runtime.attention.kv_cache import KVCache
+from radixlm.runtime.attention.kv_cache import KVCache, kv_storage_dtype
 from radixlm.runtime.config.engine_config import EngineConfig
 from radixlm.runtime.execution.cuda_graph import SENT_ROWS, DecodeGraphs
 from radixlm.runtime.models.loader import load_model
@@ -82,7 +82,9 @@ def serve(rank: int, world_size: int, local_rank: int) -> None:
     setup_all_reduce(start["all_reduce"], start["all_reduce_numel"], dtype, device)
     kv_heads = tp.kv_heads(mc.num_kv_heads)[1]
     kv_cache = KVCache(mc.num_layers, start["num_slots"], kv_heads, mc.head_dim, dtype, device,
-                       config.page_size)
+                       config.page_size, kv_storage_dtype(config.kv_cache_dtype, dtype))
+    if loaded.kv_scales is not None and kv_cache.quantized:
+        kv_cache.set_scales(*loaded.kv_scales)
     attn = create_backend(config.attention_backend, scale=mc.head_dim ** -0.5, device=device,
                           dtype=dtype, head_dim=mc.head_dim)
     # Captured at the same time as rank 0's graphs: their all-reduces pair up.

@@ -18,6 +18,7 @@ from typing import Any, Union
 from radixlm.runtime.config.engine_config import (
     ATTENTION_BACKENDS,
     GRAMMAR_BACKENDS,
+    KV_CACHE_DTYPES,
     LOAD_FORMATS,
     OVERLAP_MODES,
     QUANTIZATIONS,
@@ -141,7 +142,7 @@ _CHOICES = {"attention_backend": ATTENTION_BACKENDS, "schedule_policy": SCHEDULE
             "grammar_backend": GRAMMAR_BACKENDS, "overlap_schedule": OVERLAP_MODES,
             "speculative": SPECULATIVE_METHODS, "load_format": LOAD_FORMATS,
             "tp_all_reduce": ("auto", "symmetric", "nccl"),
-            "quantization": QUANTIZATIONS}
+            "quantization": QUANTIZATIONS, "kv_cache_dtype": KV_CACHE_DTYPES}
 
 
 def add_engine_args(group: Any) -> None:

@@ -64,23 +64,33 @@ def prefill_batch(ids: torch.Tensor, cache: KVCache) -> ForwardBatch:
         slot_table=slots.view(num_seqs, seq_len), kv_cache=cache)
 
 
-def make_cache(model: nn.Module, num_tokens: int, dtype: torch.dtype) -> KVCache:
+def make_cache(model: nn.Module, num_tokens: int, dtype: torch.dtype,
+               storage_dtype: torch.dtype | None = None) -> KVCache:
     cfg = model.config
     device = model.model.embed_tokens.weight.device
-    return KVCache(cfg.num_layers, num_tokens, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+    return KVCache(cfg.num_layers, num_tokens, cfg.num_kv_heads, cfg.head_dim, dtype, device,
+                   storage_dtype=storage_dtype)
 
 
 @torch.inference_mode()
-def sequence_logprobs(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """Log-probability of each next token of one sequence ids [L]: [L - 1] float32."""
+def sequence_scores(model: nn.Module, ids: torch.Tensor,
+                    kv_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each next token of one sequence ids [L]: its log-probability ([L - 1] float32) and
+    the model's own top choice ([L - 1]). kv_dtype: the KV cache's storage (float8), which
+    the whole sequence then attends through."""
     dtype = model.model.embed_tokens.weight.dtype
-    cache = make_cache(model, ids.numel(), dtype)
+    cache = make_cache(model, ids.numel(), dtype, kv_dtype)
     batch = prefill_batch(ids.view(1, -1), cache)
     attn = TorchNativeAttention(model.config.head_dim ** -0.5)
     attn.plan(batch)
-    logits = model.compute_logits(model(batch, attn)[:-1])
+    logprobs = torch.log_softmax(model.compute_logits(model(batch, attn)[:-1]), -1)
     targets = batch.input_ids[1:]
-    return torch.log_softmax(logits, -1).gather(1, targets[:, None]).squeeze(1)
+    return logprobs.gather(1, targets[:, None]).squeeze(1), logprobs.argmax(-1)
+
+
+def sequence_logprobs(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Log-probability of each next token of one sequence ids [L]: [L - 1] float32."""
+    return sequence_scores(model, ids)[0]
 
 
 class LayerwiseRunner:

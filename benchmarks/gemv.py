@@ -1,0 +1,148 @@
+"""The decoder's linear layers at decode batch sizes: cuBLAS against our float-weight GEMVs
+(radixlm.kernels.gemv), on one GPU, beside the bandwidth floor.
+
+For each linear of a model shape (Llama-3-8B by default: qkv, o, gate_up, down, and the output
+head) and each row count, the layer's weight is allocated once per decoder layer (32 distinct
+copies, so that nothing is served from L2) and a CUDA graph runs the linear on every copy;
+the median replay over the copies gives one call's time. Every tiling in the sweep runs, each
+is checked against cuBLAS (relative error), and the table shows cuBLAS, the best tiling and
+the floor: the weight's bytes over the device-to-device copy bandwidth measured in the same
+run (bytes read + written / time, as docs/performance.md counts it).
+
+    python benchmarks/gemv.py [--rows 1 2 4 8] [--shapes qkv o] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import platform
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from radixlm.kernels.gemv import DOT_MAX_ROWS, FMA_MAX_ROWS, GemvConfig, default_config, gemv
+from radixlm.kernels.split_k import num_sms
+from radixlm.runtime.models.presets import ARCHITECTURE_PRESETS
+
+from gpu_timing import capture, median_replay_ms
+from results_dir import results_dir
+
+
+def linear_shapes(preset: str) -> dict[str, tuple[int, int]]:
+    """name -> (N, K) of the model's linears (one layer's), the output head included."""
+    cfg = ARCHITECTURE_PRESETS[preset]
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim", hidden // heads)
+    return {"qkv": ((heads + 2 * kv_heads) * head_dim, hidden),
+            "o": (hidden, heads * head_dim), "gate_up": (2 * inter, hidden),
+            "down": (hidden, inter), "lm_head": (cfg["vocab_size"], hidden)}
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second of a 2 GiB device-to-device copy."""
+    src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    graph = capture(lambda: dst.copy_(src), count=4)
+    ms = median_replay_ms(graph, 10) / 4
+    return 2 * src.numel() * 2 / (ms / 1e3)
+
+
+def sweep_configs(rows: int, n: int, k: int, sms: int) -> list[GemvConfig]:
+    configs = [default_config(rows, n, k, sms)]
+    if rows <= FMA_MAX_ROWS:
+        for block_n, block_k, warps in itertools.product((4, 8, 16), (256, 512, 1024), (4, 8)):
+            if warps == 8 and block_k < 1024:
+                continue
+            tiles = -(-n // block_n)
+            for split in (1, 2, 4):
+                if split > 1 and tiles * split > 16 * sms:
+                    continue
+                configs.append(GemvConfig("fma", block_n, block_k, split, warps))
+    if rows <= DOT_MAX_ROWS:
+        for block_n, block_k, stages in itertools.product((32, 64, 128), (64, 128, 256),
+                                                          (3, 5)):
+            configs.append(GemvConfig("dot", block_n, block_k, 1, 4, stages))
+    return list(dict.fromkeys(configs))
+
+
+def time_calls(fn_for_layer, layers: int) -> float:
+    """Median ms of one call, from a graph of one call per layer copy."""
+    def all_layers():
+        for i in range(layers):
+            fn_for_layer(i)
+
+    graph = capture(all_layers)
+    return median_replay_ms(graph, 15) / layers
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="llama-3-8b", choices=sorted(ARCHITECTURE_PRESETS))
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--shapes", nargs="+", default=None, help="subset of the linears")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    sms = num_sms(torch.device("cuda"))
+    bandwidth = copy_bandwidth()
+    shapes = linear_shapes(args.model)
+    if args.shapes:
+        shapes = {name: shapes[name] for name in args.shapes}
+    results = []
+    for name, (n, k) in shapes.items():
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+                   for _ in range(args.layers if name != "lm_head" else 4)]
+        floor_ms = n * k * 2 / bandwidth * 1e3
+        for rows in args.rows:
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            ref = F.linear(x, weights[0]).float()
+            cublas = time_calls(lambda i: F.linear(x, weights[i]), len(weights))
+            entry = {"linear": name, "n": n, "k": k, "rows": rows, "floor_ms": floor_ms,
+                     "cublas_ms": cublas, "configs": []}
+            for cfg in sweep_configs(rows, n, k, sms):
+                try:
+                    out = gemv(x, weights[0], cfg).float()
+                    err = ((out - ref).norm() / ref.norm()).item()
+                    ms = time_calls(lambda i, c=cfg: gemv(x, weights[i], c), len(weights))
+                except Exception as exc:  # a tiling that does not compile or fit: recorded
+                    entry["configs"].append({"config": cfg.__dict__, "error": repr(exc)[:200]})
+                    continue
+                entry["configs"].append({"config": cfg.__dict__, "ms": ms, "rel_err": err})
+            timed = [c for c in entry["configs"] if "ms" in c and c["rel_err"] < 1e-2]
+            best = min(timed, key=lambda c: c["ms"]) if timed else None
+            entry["best"] = best
+            results.append(entry)
+            best_ms = best["ms"] if best else float("nan")
+            print(f"{name:8s} N={n:6d} K={k:5d} rows={rows:2d}  floor {floor_ms * 1e3:7.1f} us"
+                  f"  cuBLAS {cublas * 1e3:7.1f} us ({floor_ms / cublas:5.1%})"
+                  f"  ours {best_ms * 1e3:7.1f} us ({floor_ms / best_ms:5.1%})"
+                  f"  {best['config'] if best else '-'}", flush=True)
+        weights.clear()
+        torch.cuda.empty_cache()
+    print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    print(f"{'rows':>4s} {'cuBLAS ms/layer':>16s} {'ours ms/layer':>14s} {'floor':>8s}")
+    per_layer = [s for s in shapes if s != "lm_head"]
+    for rows in args.rows:
+        mine = [r for r in results if r["rows"] == rows and r["linear"] in per_layer]
+        cub = sum(r["cublas_ms"] for r in mine)
+        ours = sum(min(r["cublas_ms"], r["best"]["ms"]) if r["best"] else r["cublas_ms"]
+                   for r in mine)
+        floor = sum(r["floor_ms"] for r in mine)
+        print(f"{rows:4d} {cub * 1e3:13.1f} us {ours * 1e3:11.1f} us {floor * 1e3:6.1f} us")
+    record = {"benchmark": "gemv", "date": datetime.date.today().isoformat(),
+              "device": torch.cuda.get_device_name(), "host": platform.node(),
+              "torch": torch.__version__, "copy_bandwidth": bandwidth, "model": args.model,
+              "results": results}
+    out = args.out or results_dir() / f"gemv_{datetime.date.today().isoformat()}.json"
+    out.write_text(json.dumps(record, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
