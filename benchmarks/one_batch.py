@@ -69,7 +69,7 @@ def time_graph(engine: Engine, batch: int, reps: int = 20) -> float | None:
 
 
 # Kernel name fragments -> what they do, for the per-step GPU time breakdown.
-KERNEL_KINDS = [("attention", ("decode_kernel", "store_kv", "extend_kernel",
+KERNEL_KINDS = [("attention", ("decode_split", "decode_merge", "store_kv", "extend_kernel",
                                "BatchDecode", "BatchPrefill", "index_copy")),
                 ("norm", ("rms_norm",)), ("rotary", ("rotary",)), ("silu_and_mul", ("silu",)),
                 ("matmul", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitK", "Kernel2"))]

@@ -115,6 +115,20 @@ def _gemv_dot_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, strid
              acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
+# Where the model uses the GEMV (Linear.small_batch): layers of at most NARROW_MAX_N outputs,
+# at up to DOT_MAX_ROWS rows, with this tiling. On an H200 (benchmarks/gemv.py, 2026-12-03,
+# Llama-3-8B shapes, 1-8 rows) it took o (4096 x 4096) from cuBLAS's 13.1-13.3 us to 11.5-11.7
+# and down (4096 x 14336) from 32.1-32.7 to 30.6-31.2; on wider layers (qkv 6144, gate_up
+# 28672) cuBLAS was as fast or faster, so they stay with it.
+NARROW = GemvConfig(kernel="dot", block_n=32, block_k=256, num_stages=5)
+NARROW_MAX_N = 4096
+
+
+def narrow_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T for the layers and row counts above (the caller checks them)."""
+    return gemv(x, weight, NARROW)
+
+
 def default_config(rows: int, n: int, k: int, num_sms: int) -> GemvConfig:
     """A tiling for shapes nobody measured: CUDA cores for up to 4 rows, with K split until
     there are about four programs per SM; tensor cores above."""

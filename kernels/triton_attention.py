@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixlm.kernels.triton_decode import decode_kernel
+from radixlm.kernels.triton_decode import decode_merge_kernel, decode_split_kernel
 from radixlm.kernels.triton_extend import extend_kernel
 
 LOG2E = 1.4426950408889634
@@ -145,15 +145,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      seq_rows: torch.Tensor, q_rows: torch.Tensor, scale: float,
                      num_splits: int, config: DecodeConfig | None = None,
                      window: int | None = None, softcap: float | None = None,
-                     counters: torch.Tensor | None = None, k_scale: float = 1.0,
-                     v_scale: float = 1.0) -> None:
+                     k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """One query per sequence. Decode sequence i is batch row seq_rows[i] (its slot table row
     and kv_lens entry) and its query is token row q_rows[i] of q and out. It sees the last
     `window` keys only, if set, with scores soft-capped at `softcap`, if set.
-
-    counters: int32 zeros, at least one per (decode sequence, KV head), left at zero (the
-    backend keeps one buffer for every call; None allocates one). k_scale / v_scale: a float8
-    cache's scales."""
+    k_scale / v_scale: a float8 cache's scales."""
     num_decode = seq_rows.shape[0]
     if num_decode == 0:
         return
@@ -162,25 +158,32 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     cfg = config or decode_config(q.dtype, head_dim)
-    if counters is None:
-        counters = torch.zeros(num_decode * num_kv_heads, dtype=torch.int32, device=q.device)
-    elif counters.numel() < num_decode * num_kv_heads:
-        raise ValueError(f"{counters.numel()} decode counters for {num_decode} sequences x "
-                         f"{num_kv_heads} KV heads")
-    # One split writes out itself, but the pointers keep their types (one compiled kernel).
-    parts = num_decode * num_heads * num_splits if num_splits > 1 else 1
-    part_o = torch.empty(parts * head_dim, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(parts, dtype=torch.float32, device=q.device)
+    block_d = _pow2(head_dim)
+    direct = num_splits == 1
+    if direct:  # the kernel writes out itself; the partial pointers are never read
+        part_o = part_lse = out
+    else:
+        part_o = torch.empty(num_decode, num_heads, num_splits, head_dim, dtype=torch.float32,
+                             device=q.device)
+        part_lse = torch.empty(num_decode, num_heads, num_splits, dtype=torch.float32,
+                               device=q.device)
     score_mul, cap_mul = _score_factors(scale * k_scale, softcap)
-    decode_kernel[(num_decode, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_o, part_lse, counters, slot_table, kv_lens, seq_rows,
-        q_rows, score_mul, cap_mul, v_scale, window or NO_WINDOW, num_splits, num_heads,
+    decode_split_kernel[(num_decode, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, part_o, part_lse, slot_table, kv_lens, seq_rows, q_rows,
+        score_mul, cap_mul, v_scale, window or NO_WINDOW, num_splits, num_heads,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), slot_table.stride(0),
         out.stride(0), out.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_H=_pow2(group), BLOCK_D=_pow2(head_dim),
-        BLOCK_N=cfg.block_n, BLOCK_S=triton.next_power_of_2(num_splits),
-        SOFTCAP=softcap is not None, DOT_PRECISION=_dot_precision(q.dtype),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_H=_pow2(group), BLOCK_D=block_d,
+        BLOCK_N=cfg.block_n, DIRECT=direct, SOFTCAP=softcap is not None,
+        DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if not direct:
+        block_s = triton.next_power_of_2(num_splits)
+        decode_merge_kernel[(num_decode, num_heads)](
+            part_o, part_lse, out, q_rows, num_splits, num_heads, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=block_s,
+            # ~32 fp32 partial values per thread: no register spills at 64+ splits
+            num_warps=min(max(block_s * block_d // 1024, 1), 8))
 
 
 def extend_blocks(q_lens: list[int], rows: list[int], block_m: int) -> tuple[list[int],

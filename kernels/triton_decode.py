@@ -1,26 +1,23 @@
-"""Paged decode attention (one query token per sequence) in Triton, flash-decoding style, in
-one launch.
+"""Paged decode attention (one query token per sequence) in Triton, flash-decoding style.
 
 A program owns one (sequence, KV head, split): it loads the sequence's GROUP query heads that
 share that KV head as one [BLOCK_H, D] tile, so each K/V tile is read once for the whole group,
-and runs an online softmax over its share of the context. The splits of a sequence are as many
-as its context needs (at most the grid's): with one, the program writes the output directly;
-with several, each writes a normalised partial output and its log-sum-exp, and the last to
-finish (a ticket from a per-(sequence, KV head) counter, as in radixlm.kernels.split_k) merges
-them:
+and runs an online softmax over its share of the context. With one split it writes the output
+directly; with several, each split writes a normalised partial output and its log-sum-exp, and
+a second kernel merges the splits:
 
     context [0, kv_len) in tiles of BLOCK_N; split s takes tiles [s*tps, (s+1)*tps)
     tps = cdiv(cdiv(kv_len, BLOCK_N), num_splits)          (per sequence: long ones split wider)
-    active splits = cdiv(tiles, tps)                       (the others return at once)
     out = sum_s exp2(lse_s - max lse) * o_s / sum_s exp2(lse_s - max lse)
-
-At batch 1 a decode step is latency-bound (a few microseconds of KV per layer), so one launch
-instead of a split kernel and a merge kernel is the point.
 
 Keys are gathered token by token through the slot table, so any page size works.
 Log-sum-exps are kept in base 2 (scores are pre-multiplied by log2(e)) so exp2 can be used.
 A float8 cache (radixlm.runtime.attention.kv_cache) is widened to the query's dtype as it is
 loaded; its K scale is part of score_mul and its V scale is out_mul.
+
+(Merging in the split kernel itself, the last split of each sequence and KV head taking a
+ticket and merging, made batch-1 decode attention slower on an H200: 14 us a layer against 10
+for split + merge kernels, Llama-3-8B shape at a 1088-token context.)
 
 A sliding window moves the start of the context: keys [max(kv_len - window, 0), kv_len) are
 split as above, so out-of-window keys are never even loaded. Soft-capped scores (SOFTCAP) are
@@ -50,13 +47,13 @@ def scores(q, k, score_mul, cap_mul, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.co
 
 
 @triton.jit
-def decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
+def decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     slot_table_ptr, kv_lens_ptr, seq_rows_ptr, q_rows_ptr,
     score_mul, cap_mul, out_mul, window, num_splits, num_heads,
     stride_qt, stride_qh, stride_cs, stride_ch, stride_tb, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
     SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)  # index among the step's decode sequences
@@ -67,80 +64,75 @@ def decode_kernel(
     kv_len = tl.load(kv_lens_ptr + row)
 
     first = tl.maximum(kv_len - window, 0)  # the oldest key in the window
-    tiles = tl.cdiv(kv_len - first, BLOCK_N)
-    tiles_per_split = tl.cdiv(tiles, num_splits)
-    # A short context needs fewer splits than the grid has: the rest leave at once.
-    active = tl.cdiv(tiles, tiles_per_split)
-    if split < active:
-        start = first + split * tiles_per_split * BLOCK_N
-        end = tl.minimum(start + tiles_per_split * BLOCK_N, kv_len)
+    tiles_per_split = tl.cdiv(tl.cdiv(kv_len - first, BLOCK_N), num_splits)
+    start = first + split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, kv_len)
 
-        offs_g = tl.arange(0, BLOCK_H)  # query heads of this KV head's group (padded to 16)
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_n = tl.arange(0, BLOCK_N)
-        heads = kv_head * GROUP + offs_g
-        mask_hd = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
-        q = tl.load(q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=mask_hd, other=0.0)  # [BLOCK_H, BLOCK_D]
+    offs_g = tl.arange(0, BLOCK_H)  # query heads of this KV head's group (padded to >= 16)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + offs_g
+    mask_hd = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_hd, other=0.0)  # [BLOCK_H, BLOCK_D]
 
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        table = slot_table_ptr + row * stride_tb
-        for n0 in range(start, end, BLOCK_N):
-            mask_n = (n0 + offs_n) < end
-            slots = tl.load(table + n0 + offs_n, mask=mask_n, other=0)  # [BLOCK_N] int64
-            # [BLOCK_N, BLOCK_D] offsets of this KV head's rows for the tile's tokens
-            kv_off = slots[:, None] * stride_cs + kv_head * stride_ch + offs_d[None, :]
-            mask_nd = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
-            # V is loaded with K, before the scores need K: both in flight at once (a split
-            # of one tile would otherwise wait out two memory latencies in a row). A float8
-            # cache is widened to q's dtype here; its scales are in score_mul and out_mul.
-            k = tl.load(k_cache_ptr + kv_off, mask=mask_nd, other=0.0).to(q.dtype)
-            v = tl.load(v_cache_ptr + kv_off, mask=mask_nd, other=0.0).to(q.dtype)
-            s = scores(q, k, score_mul, cap_mul, SOFTCAP, DOT_PRECISION)
-            s = tl.where(mask_n[None, :], s, float("-inf"))  # [BLOCK_H, BLOCK_N]
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
-                                                input_precision=DOT_PRECISION)
-            m_i = m_new
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    table = slot_table_ptr + row * stride_tb
+    for n0 in range(start, end, BLOCK_N):
+        mask_n = (n0 + offs_n) < end
+        slots = tl.load(table + n0 + offs_n, mask=mask_n, other=0)  # [BLOCK_N] int64
+        # [BLOCK_N, BLOCK_D] offsets of this KV head's rows for the tile's tokens
+        kv_off = slots[:, None] * stride_cs + kv_head * stride_ch + offs_d[None, :]
+        mask_nd = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
+        # A float8 cache is widened to q's dtype; its scales are in score_mul and out_mul.
+        k = tl.load(k_cache_ptr + kv_off, mask=mask_nd, other=0.0).to(q.dtype)
+        s = scores(q, k, score_mul, cap_mul, SOFTCAP, DOT_PRECISION)
+        s = tl.where(mask_n[None, :], s, float("-inf"))  # [BLOCK_H, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_off, mask=mask_nd, other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
 
-        out_rows = out_ptr + q_row * stride_ot
-        if active == 1:  # one split: its result is the answer
-            out = acc * (out_mul / l_i[:, None])
-            tl.store(out_rows + heads[:, None] * stride_oh + offs_d[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=mask_hd)
-        else:
-            # Each split writes its normalised partial and log-sum-exp ([num_decode,
-            # num_heads, num_splits, HEAD_DIM] and [.., .., num_splits]), then takes a ticket;
-            # the last split of this (sequence, KV head) merges them all.
-            lse = m_i + tl.log2(l_i)  # every active split holds keys: l_i > 0
-            part = (pid * num_heads + heads) * num_splits + split  # [BLOCK_H]
-            tl.store(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
-                     acc * (out_mul / l_i[:, None]), mask=mask_hd)
-            tl.store(part_lse_ptr + part, lse, mask=offs_g < GROUP)
-            # Every thread's stores before the ticket; the ticket releases them and, for the
-            # last split, acquires the others' (whose partials it then reads past L1).
-            tl.debug_barrier()
-            counter = counters_ptr + pid * tl.num_programs(1) + kv_head
-            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if ticket == active - 1:
-                offs_s = tl.arange(0, BLOCK_S)
-                mask_s = offs_s < active
-                mask_sd = mask_s[:, None] & (offs_d < HEAD_DIM)[None, :]
-                for g in tl.static_range(GROUP):
-                    base = (pid * num_heads + kv_head * GROUP + g) * num_splits
-                    lse_s = tl.load(part_lse_ptr + base + offs_s, mask=mask_s,
-                                    other=float("-inf"), cache_modifier=".cg")
-                    weights = tl.exp2(lse_s - tl.max(lse_s, 0))  # [BLOCK_S]
-                    parts = tl.load(part_o_ptr + (base + offs_s)[:, None] * HEAD_DIM
-                                    + offs_d[None, :], mask=mask_sd, other=0.0,
-                                    cache_modifier=".cg")  # [BLOCK_S, BLOCK_D]
-                    merged = tl.sum(parts * weights[:, None], 0) / tl.sum(weights, 0)
-                    tl.store(out_rows + (kv_head * GROUP + g) * stride_oh + offs_d,
-                             merged.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
-                # Every active split has drawn its ticket: back to 0 for the next launch.
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+    if DIRECT:  # one split: the split's result is the answer
+        out = acc * (out_mul / l_i[:, None])
+        tl.store(out_ptr + q_row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=mask_hd)
+    else:
+        # A short sequence can leave trailing splits empty: they report lse = -inf, weight 0.
+        has_keys = l_i > 0
+        l_safe = tl.where(has_keys, l_i, 1.0)
+        lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
+        # partials are [num_decode, num_heads, num_splits, HEAD_DIM] and [.., .., num_splits]
+        part = (pid * num_heads + heads) * num_splits + split  # [BLOCK_H]
+        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+                 acc * (out_mul / l_safe[:, None]), mask=mask_hd)
+        tl.store(part_lse_ptr + part, lse, mask=offs_g < GROUP)
+
+
+@triton.jit
+def decode_merge_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr, q_rows_ptr, num_splits, num_heads,
+    stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
+    q_row = tl.load(q_rows_ptr + pid)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < num_splits
+    base = (pid * num_heads + head) * num_splits
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=mask_s, other=float("-inf"))
+    # Split 0 always holds keys (kv_len >= 1), so the max is finite.
+    weights = tl.exp2(lse - tl.max(lse, 0))  # [BLOCK_S]
+    mask_sd = mask_s[:, None] & (offs_d < HEAD_DIM)[None, :]
+    parts = tl.load(part_o_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=mask_sd, other=0.0)  # [BLOCK_S, BLOCK_D]
+    out = tl.sum(parts * weights[:, None], 0) / tl.sum(weights, 0)
+    tl.store(out_ptr + q_row * stride_ot + head * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)

@@ -115,8 +115,10 @@ def test_engine_bf16_close_to_torch(tmp_path, name):
     assert sum(a == b for a, b in zip(ours, ref)) >= len(ref) // 2
 
 
-@pytest.mark.parametrize("storage", [torch.float8_e4m3fn, torch.float8_e5m2])
-@pytest.mark.parametrize("name", ["triton", "flashinfer"])
+# FlashInfer compiles each KV dtype's kernels on first use (minutes): e4m3 only there.
+@pytest.mark.parametrize("name,storage", [("triton", torch.float8_e4m3fn),
+                                          ("triton", torch.float8_e5m2),
+                                          ("flashinfer", torch.float8_e4m3fn)])
 def test_fp8_cache_matches_dequantized_reference(name, storage):
     """A float8 cache with per-layer scales: the stored bytes are torch's saturating cast of
     x / scale (the GPU's conversion, not an emulation of it), and attention equals float32
@@ -141,7 +143,9 @@ def test_fp8_cache_matches_dequantized_reference(name, storage):
     cache.storage_dtype = cache.dtype = torch.float32
     ref_backend = TorchNativeAttention(128 ** -0.5)
     ref_backend.plan(batch)
-    ref = ref_backend.forward(q.float(), k.float(), v.float(), 0, batch, kv_stored=True)
+    # A whole prompt's own keys are the rounded ones too (the reference would take k as given)
+    stored_k, stored_v = cache.k[0][batch.out_slots], cache.v[0][batch.out_slots]
+    ref = ref_backend.forward(q.float(), stored_k, stored_v, 0, batch, kv_stored=True)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < 1e-2
 

@@ -268,6 +268,21 @@ def case_gemv_kernels():
         err = rel_err(out, x @ weight.T)
         assert err < 1e-5, f"{rows} rows, {cfg}: {err:.1e}"
         worst = max(worst, err)
+    # Through a Linear: narrow float layers take it for a few rows, F.linear otherwise.
+    from radixlm.runtime.models.layers.linear import Linear, use_small_batch_gemv
+
+    layer = Linear(k, n, bias=True, dtype=torch.float16)
+    layer.weight.data.copy_(weight)
+    layer.bias.data.copy_(torch.randn(n, generator=gen))
+    use_small_batch_gemv(layer, True)
+    assert layer.small_batch is not None
+    for rows in (3, 20):
+        x = torch.randn(rows, k, generator=gen).half()
+        want = (x.float() @ weight.half().float().T + layer.bias.float())
+        err = rel_err(layer(x), want)
+        assert err < 2e-3, f"Linear, {rows} rows: {err:.1e}"
+    use_small_batch_gemv(layer, False)
+    assert layer.small_batch is None
     return f"worst rel err {worst:.1e}"
 
 

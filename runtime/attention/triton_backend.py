@@ -4,8 +4,8 @@ the Triton interpreter (TRITON_INTERPRET=1, for tests).
 `plan` sorts the step's sequences into decode (q_len == 1) and extend (q_len > 1), chooses the
 decode split count and the extend block table from host-side lengths, and sends all per-step
 index tensors to the device in one copy. `forward` then launches, per layer, the K/V store
-(unless the model's fused rotary already stored them), the split-KV decode kernel (which merges
-its splits itself) and the extend kernel, writing each token's output row in place: no
+(unless the model's fused rotary already stored them), the split-KV decode kernel (+ merge)
+and the extend kernel, writing each token's output row in place: no
 gathers, no scatters and no host sync. A float8 cache is written and read by the same kernels,
 with its per-layer scales passed as scalars.
 
@@ -52,10 +52,6 @@ class TritonAttention(AttentionBackend):
         self.fixed_decode_cfg = decode_config
         self.fixed_extend_cfg = extend_config
         self._num_sms: dict[torch.device, int] = {}
-        # The decode kernel's ticket counters (zero between launches), shared by every layer
-        # and step. A larger step allocates more; graphs keep the buffer they captured, so
-        # none is ever freed.
-        self._counters: list[torch.Tensor] = []
 
     def plan(self, batch: ForwardBatch) -> None:
         device = batch.slot_table.device
@@ -71,12 +67,10 @@ class TritonAttention(AttentionBackend):
         self.extend_cfg = self.fixed_extend_cfg or ta.extend_config(dtype, head_dim)
         block_rows, block_m0 = ta.extend_blocks(q_lens, extend, self.extend_cfg.block_m)
         self.num_splits = 1
-        self.counters = None
         if decode:
             max_kv = max(kv_lens[i] for i in decode)
             self.num_splits = self.fixed_splits or ta.choose_num_splits(
                 len(decode), num_kv_heads, max_kv, self._sm_count(device))
-            self.counters = self._counters_for(len(decode) * num_kv_heads, device)
 
         # One host->device copy: [q_starts | q_lens | kv_lens | decode rows | decode token
         # rows | extend block rows | extend block first queries], then views into it. Each part
@@ -105,7 +99,7 @@ class TritonAttention(AttentionBackend):
         window, softcap = layer.sliding_window, layer.logit_softcap
         ta.decode_attention(q, k_cache, v_cache, out, batch.slot_table, self.kv_lens,
                             self.decode_rows, self.decode_q_rows, scale, self.num_splits,
-                            self.decode_cfg, window, softcap, self.counters, k_scale, v_scale)
+                            self.decode_cfg, window, softcap, k_scale, v_scale)
         ta.extend_attention(q, k_cache, v_cache, out, batch.slot_table, self.q_starts,
                             self.q_lens, self.kv_lens, self.block_rows, self.block_m0,
                             scale, self.extend_cfg, window, softcap, k_scale, v_scale)
@@ -122,7 +116,6 @@ class TritonAttention(AttentionBackend):
         # Decode sequence i is batch row i and token row i: one arange serves both maps.
         self._graph_rows = torch.arange(max(batch_sizes), dtype=torch.int64, device=device)
         self._graph_none = torch.zeros(0, dtype=torch.int64, device=device)
-        self._graph_counters = self._counters_for(max(batch_sizes) * num_kv_heads, device)
 
     def plan_cuda_graph(self, batch: ForwardBatch, kv_lens: torch.Tensor) -> None:
         num = len(batch.q_lens)
@@ -132,17 +125,8 @@ class TritonAttention(AttentionBackend):
         self.num_splits = self._graph_splits[num]
         self.kv_lens = kv_lens
         self.decode_rows = self.decode_q_rows = self._graph_rows[:num]
-        self.counters = self._graph_counters
         # No extend blocks: extend_attention returns before launching anything.
         self.q_starts = self.q_lens = self.block_rows = self.block_m0 = self._graph_none
-
-    def _counters_for(self, size: int, device: torch.device) -> torch.Tensor:
-        for counters in self._counters:
-            if counters.device == device and counters.numel() >= size:
-                return counters
-        counters = torch.zeros(size, dtype=torch.int32, device=device)
-        self._counters.append(counters)
-        return counters
 
     def _sm_count(self, device: torch.device) -> int:
         if device not in self._num_sms:

@@ -19,7 +19,7 @@ from torch import nn
 
 from radixlm.runtime.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from radixlm.runtime.models.gguf_loader import TYPES_METADATA
-from radixlm.runtime.models.layers.linear import Linear
+from radixlm.runtime.models.layers.linear import Linear, use_small_batch_gemv
 from radixlm.runtime.models.layers.moe import FusedMoE
 from radixlm.runtime.models.layers.norm import RMSNorm
 from radixlm.runtime.models.presets import ARCHITECTURE_PRESETS
@@ -177,8 +177,11 @@ def load_model(model: str | None, load_format: str, dtype: torch.dtype,
             if isinstance(module, CpuWeights):
                 module.add_batch_copy()
     net.eval()
-    # Fused Triton norms, activation and rotary on CUDA; CPU keeps the plain torch ops.
-    net.use_fused_kernels(device.type == "cuda" and importlib.util.find_spec("triton") is not None)
+    # Fused Triton norms, activation and rotary, and the small-batch GEMV, on CUDA; CPU keeps
+    # the plain torch ops.
+    ours = device.type == "cuda" and importlib.util.find_spec("triton") is not None
+    net.use_fused_kernels(ours)
+    use_small_batch_gemv(net, ours)
     return LoadedModel(net, config, tok, net.kv_cache_scales())
 
 

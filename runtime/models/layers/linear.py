@@ -12,7 +12,7 @@ products with an all-reduce. Sizes given to the constructors are always this ran
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,10 @@ class LinearShard:
     # Row-parallel: the first checkpoint input column held here; outputs are all-reduced.
     in_start: int | None = None
 
+
+# The most rows a small-batch GEMV takes (radixlm.kernels.gemv.DOT_MAX_ROWS); more go to
+# F.linear.
+GEMV_MAX_ROWS = 16
 
 # Quantized formats whose parameters shard like a float weight ([out, in], and per-output
 # scales): the others pack or group along the input and are refused with tp_size > 1.
@@ -80,16 +84,25 @@ class Linear(nn.Module):
                     "tp_size > 1 yet; use fp8 or int8, or tp_size=1")
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
                      if bias else None)
+        # A GEMV kernel (x, weight) -> x @ weight^T for a few rows, where it beats the
+        # library's (set by use_small_batch_gemv on CUDA); None: F.linear always.
+        self.small_batch: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         reduce = self.shard is not None and self.shard.in_start is not None
-        if self.quant_method is None and not reduce:
+        if self.quant_method is None and not reduce and self.small_batch is None:
             return F.linear(x, self.weight, self.bias)
-        out = (F.linear(x, self.weight) if self.quant_method is None
+        out = (self._float_product(x) if self.quant_method is None
                else self.quant_method.apply(self, x))
         if reduce:  # partial sums over this rank's input columns; the bias is added once
             out = all_reduce(out)
         return out if self.bias is None else out + self.bias
+
+    def _float_product(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.small_batch is not None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS
+                and x.stride(-1) == 1):
+            return self.small_batch(x, self.weight)
+        return F.linear(x, self.weight)
 
     def weight_loader(self, param: nn.Parameter, loaded: Any,
                       shard_id: int | str | None = None) -> None:
@@ -159,3 +172,19 @@ class QKVLinear(MergedLinear):
         sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
         super().__init__(hidden_size, sizes, bias, dtype, shard_names=["q", "k", "v"],
                          quant=quant, shard=shard)
+
+
+def use_small_batch_gemv(model: nn.Module, enabled: bool) -> None:
+    """Send the few-row products (decode steps) of the float layers our GEMV runs faster than
+    cuBLAS (radixlm.kernels.gemv: bf16/fp16 weights, at most NARROW_MAX_N outputs) to it, or
+    (enabled False) every product back to F.linear. CUDA graphs captured before a switch keep
+    the path they were captured with."""
+    kernel = None
+    if enabled:
+        from radixlm.kernels import gemv as kernel
+    for module in model.modules():
+        if isinstance(module, Linear):
+            eligible = (kernel is not None and module.quant_method is None
+                        and module.weight.dtype in (torch.bfloat16, torch.float16)
+                        and module.weight.shape[0] <= kernel.NARROW_MAX_N)
+            module.small_batch = kernel.narrow_gemv if eligible else None
