@@ -441,13 +441,16 @@ def test_gpu_quantized_model_fused_matches_grouped(tmp_path, method):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_quantized_graph_decode_equals_eager_bf16(tmp_path, method):
+    """Decode replayed from CUDA graphs gives the tokens of eager decode, in bf16. Two
+    requests: every decode step has 1 or 2 rows, sizes that are captured as they are (no
+    padding rows that would send the other linears down another product)."""
     from radixlm.runtime import Engine
 
     from test_model_families import save_family
 
     folder = save_family(tmp_path, "mixtral")
     gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (90, 7, 40)]
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (90, 40)]
     params = {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}
     tokens = {}
     for graphs in (True, False):

@@ -31,7 +31,7 @@ from radixlm.runtime.models.quantization.fp8 import FP8, quantize_fp8_rows
 
 EXPERT_METHODS = ("fp8", "int8")
 # Up to this many rows an int8 expert on the CPU runs torch's int8 weight-only kernel; beyond,
-# a bfloat16 GEMM of the cast weights is faster (2 cores, 2026-12-04: the kernel is 2.5x faster
+# a bfloat16 GEMM of the cast weights is faster (2 cores, 2026-12-03: the kernel is 2.5x faster
 # than bfloat16 at 1 row, even at 8-16, slower from ~20: its time grows with every row).
 INT8_KERNEL_ROWS = 16
 
