@@ -234,7 +234,20 @@ def test_quantized_model_bf16_on_cpu(tmp_path, method):
     assert out[0].error is None and len(out[0].token_ids) == 6
 
 
-def save_fp8_checkpoint(src, dst) -> None:
+# llm-compressor's FP8_DYNAMIC scheme as compressed-tensors writes it in config.json.
+COMPRESSED_TENSORS_FP8 = {
+    "quant_method": "compressed-tensors", "format": "float-quantized",
+    "quantization_status": "compressed", "kv_cache_scheme": None,
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "output_activations": None,
+        "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel",
+                    "dynamic": False, "group_size": None, "block_structure": None},
+        "input_activations": {"num_bits": 8, "type": "float", "symmetric": True,
+                              "strategy": "token", "dynamic": True}}},
+    "ignore": ["lm_head", "re:.*mlp.gate$"]}
+
+
+def save_fp8_checkpoint(src, dst, quantization_config: dict | None = None) -> None:
     """The float checkpoint in `src` as an FP8 checkpoint in `dst`: every decoder linear (the
     experts too) e4m3 with a per-channel weight_scale [rows, 1], experts with an input_scale
     (read past); routers, norms, embeddings and the head in float."""
@@ -257,8 +270,9 @@ def save_fp8_checkpoint(src, dst) -> None:
             out[name] = tensor
     save_file(out, str(dst / "model.safetensors"))
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                     "ignored_layers": ["lm_head", "model.layers.0.mlp.gate"]}
+    config["quantization_config"] = quantization_config or {
+        "quant_method": "fp8", "activation_scheme": "dynamic",
+        "ignored_layers": ["lm_head", "model.layers.0.mlp.gate"]}
     (dst / "config.json").write_text(json.dumps(config))
 
 
@@ -287,6 +301,52 @@ def test_fp8_checkpoint_matches_quantize_on_load(tmp_path, family):
     online = load_model(str(folder), "auto", torch.float32, CPU, quantization="fp8")
     ids = list(range(3, 60))
     assert rel_err(run_chunks(fp8, ids, [57]), run_chunks(online, ids, [57])) < 1e-5
+
+
+def test_compressed_tensors_fp8_checkpoint_loads_like_fp8(tmp_path):
+    """The same tensors under compressed-tensors' config (per-channel FP8 weights, dynamic
+    per-token FP8 activations; routers ignored by a pattern): the same model."""
+    from radixlm.runtime.models.loader import load_model
+
+    from test_model_families import save_family
+    from test_models import run_chunks
+
+    folder = save_family(tmp_path / "float", "qwen3-moe")
+    save_fp8_checkpoint(folder, tmp_path / "fp8")
+    save_fp8_checkpoint(folder, tmp_path / "ct", COMPRESSED_TENSORS_FP8)
+    ids = list(range(3, 40))
+    logits = [run_chunks(load_model(str(tmp_path / name), "auto", torch.float32, CPU), ids,
+                         [37]) for name in ("fp8", "ct")]
+    assert torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"format": "pack-quantized"}, "float-quantized"),
+    ({"weights": {"strategy": "block", "block_structure": [128, 128]}}, "blocks"),
+    ({"weights": {"type": "int", "num_bits": 4}}, "8-bit float"),
+    ({"input_activations": None}, "weight-only"),
+    ({"ignore": ["lm_head", "re:.*experts.*"]}, "matches decoder linears"),
+])
+def test_compressed_tensors_variants_we_cannot_run_are_refused(change, message):
+    import copy
+
+    from radixlm.runtime.models.quantization.config import resolve_quant_config
+
+    qc = copy.deepcopy(COMPRESSED_TENSORS_FP8)
+    group = qc["config_groups"]["group_0"]
+    for key, value in change.items():
+        if key in ("weights",):
+            group[key].update(value)
+        elif key == "input_activations":
+            group[key] = value
+        else:
+            qc[key] = value
+    with pytest.raises(ValueError, match=message):
+        resolve_quant_config(None, {"quantization_config": qc})
+    assert resolve_quant_config("fp8", {"quantization_config": COMPRESSED_TENSORS_FP8}
+                                ).prequantized
+    with pytest.raises(ValueError, match="conflicts"):
+        resolve_quant_config("int8", {"quantization_config": COMPRESSED_TENSORS_FP8})
 
 
 def test_awq_and_gptq_moe_checkpoints_are_refused():

@@ -102,14 +102,16 @@ def resolve_quant_config(forced: str | None, hf_config: dict[str, Any],
             f"quantization_config. Quantize it first: radixlm quantize --method {forced} ...")
     if not isinstance(declared, dict):
         raise ValueError("config.json quantization_config must be an object")
-    if forced is not None and forced != method:
-        raise ValueError(f"quantization={forced!r} conflicts with the checkpoint: config.json "
-                         f"quantization_config.quant_method is {method!r}")
-    parse = {"awq": _parse_awq, "gptq": _parse_gptq, "fp8": _parse_fp8}.get(method)
+    parse = {"awq": _parse_awq, "gptq": _parse_gptq, "fp8": _parse_fp8,
+             "compressed-tensors": _parse_compressed_tensors}.get(method)
     if parse is None:
         raise ValueError(f"unsupported config.json quantization_config.quant_method {method!r}; "
-                         f"supported: awq, gptq, fp8")
-    return parse(declared)
+                         f"supported: awq, gptq, fp8, compressed-tensors (FP8)")
+    config = parse(declared)
+    if forced is not None and forced != config.method:
+        raise ValueError(f"quantization={forced!r} conflicts with the checkpoint: config.json "
+                         f"quantization_config.quant_method is {method!r}")
+    return config
 
 
 def _resolve_gguf(forced: str | None, packable: bool) -> QuantConfig | None:
@@ -183,11 +185,58 @@ def _parse_fp8(qc: dict[str, Any]) -> QuantConfig:
 _FLOAT_ROUTER = re.compile(r"(^|\.)(gate|shared_expert_gate)$")
 
 
+def _parse_compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
+    """llm-compressor's FP8 exports ("float-quantized"): e4m3 weights with a per-channel or
+    per-tensor `weight_scale` and FP8 activations, the layout of quant_method fp8. Anything
+    else that format describes (integer packing, groups, blocks, weight-only FP8) is refused."""
+    fmt = qc.get("format")
+    if fmt != "float-quantized":
+        raise ValueError(f"quantization_config.format = {fmt!r}: of compressed-tensors, only "
+                         "'float-quantized' (FP8) checkpoints are supported")
+    groups = list((qc.get("config_groups") or {}).values())
+    if not groups:
+        raise ValueError("quantization_config.config_groups is empty")
+    for group in groups:
+        weights, inputs = group.get("weights") or {}, group.get("input_activations")
+        want = {"type": "float", "num_bits": 8, "symmetric": True}
+        if any(weights.get(k) != v for k, v in want.items()) or weights.get(
+                "strategy") not in ("channel", "tensor") or weights.get("block_structure"):
+            raise ValueError(f"quantization_config.config_groups weights = {weights}: only "
+                             "8-bit float weights scaled per channel or per tensor are "
+                             "supported (not groups or blocks)")
+        if not inputs or inputs.get("type") != "float" or inputs.get("num_bits") != 8:
+            raise ValueError(f"quantization_config.config_groups input_activations = {inputs}:"
+                             " only FP8 activations (W8A8) are supported; weight-only FP8 "
+                             "would run with quantized activations here")
+        if group.get("output_activations"):
+            raise ValueError("quantization_config.config_groups output_activations: not "
+                             "supported")
+    _check_not_converted(qc.get("ignore"), "ignore")
+    return QuantConfig("fp8", bits=8, prequantized=True)
+
+
+# One name of each decoder linear we quantize: a "re:" pattern of an ignore list must match
+# none of them.
+_LINEAR_PROBES = tuple(f"model.layers.0.{name}" for name in (
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "mlp.experts.0.gate_proj",
+    "mlp.experts.0.up_proj", "mlp.experts.0.down_proj", "mlp.shared_expert.gate_proj",
+    "block_sparse_moe.experts.0.w1", "block_sparse_moe.experts.0.w2",
+    "block_sparse_moe.experts.0.w3"))
+
+
 def _check_not_converted(modules: Any, field: str) -> None:
     """Checkpoints may keep some modules in float. We run every decoder linear quantized, so
     only lists that name none of them (e.g. ["lm_head"], MoE routers) can be honoured."""
     decoder_parts = ("layers", "self_attn", "mlp", *QUANTIZED_LINEARS)
     for name in modules or ():
+        if str(name).startswith("re:"):
+            pattern = re.compile(str(name)[3:])
+            if any(pattern.match(probe) for probe in _LINEAR_PROBES):
+                raise ValueError(f"quantization_config.{field} lists {name!r}, which matches "
+                                 "decoder linears: checkpoints that keep some of them in float "
+                                 "are not supported")
+            continue
         if _FLOAT_ROUTER.search(str(name)):
             continue
         if any(part in str(name) for part in decoder_parts):
