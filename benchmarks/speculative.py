@@ -5,11 +5,11 @@ the mean accepted length (tokens gained per target forward of a speculating requ
 target forwards per output token, the wall-clock speedup, and whether the outputs are
 identical (they must be).
 
-CPU (default model, real text):
+`text` (CPU, the default model on real text):
   extract   n-gram drafts on extractive prompts: repeat / quote / fix a passage of the
             Python documentation (prompt lookup's home ground);
   json      n-gram drafts under a JSON schema: copy a record given in the prompt.
-CUDA (`--device cuda`, Llama-3-8B-shaped target with random fp32 weights):
+`forced` (`--device cuda`, Llama-3-8B-shaped target with random fp32 weights):
   forced    the mechanism's cost against its gain: drafts taken from the target's own
             greedy output (from a plain run), each draft token replaced by a wrong one with
             probability 1 - alpha, for alpha in 0 .. 1, at a fixed k (random weights give
@@ -23,9 +23,20 @@ CUDA (`--device cuda`, Llama-3-8B-shaped target with random fp32 weights):
             mechanism costs at the dtype that is served;
   draft     a Llama-3.2-1B-shaped draft model (random weights, so it is rejected): what
             drafting with a model costs per step.
+`copy` (either device; the target is `--model`, a preset shape or a folder with config.json,
+default llama-3-8b, with random weights):
+  copy      n-gram drafts verified for real, on text a random model does repeat: greedy
+            decoding of random weights falls into short cycles (a handful of distinct tokens
+            over and over), so prompt lookup finds its drafts in the output so far. Prompts:
+            a random 32-token segment repeated 8 times, and 256 random tokens; fp32 (the
+            outputs with and without speculation must be identical) and bf16 (the served
+            dtype; the flat random distributions round differently in a verify step, so the
+            two outputs part after a while: the tokens they agree on are reported).
 
     python benchmarks/speculative.py [--k 4]
-    python benchmarks/speculative.py --device cuda
+    python benchmarks/speculative.py --device cuda                    # forced, draft, copy
+    python benchmarks/speculative.py --device cuda --workloads copy   # ~2 min on an H200
+    python benchmarks/speculative.py --workloads copy --model DIR     # a small config, CPU
 """
 
 from __future__ import annotations
@@ -93,6 +104,14 @@ def run(engine: Engine, prompts: list, params: SamplingParams) -> dict:
             **spec, "outputs": [o.token_ids for o in outs]}
 
 
+def agreement(plain: dict, spec: dict) -> float:
+    """The share of output tokens before the two runs' outputs first differ."""
+    same = 0
+    for a, b in zip(plain["outputs"], spec["outputs"]):
+        same += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return same / max(1, sum(len(a) for a in plain["outputs"]))
+
+
 def compare(name: str, plain: dict, spec: dict, k: int) -> dict:
     drafted, accepted = spec["spec_drafted_tokens"], spec["spec_accepted_tokens"]
     row = {"workload": name, "k": k,
@@ -102,11 +121,13 @@ def compare(name: str, plain: dict, spec: dict, k: int) -> dict:
            # Tokens per target forward while speculating: accepted drafts + the one token.
            "mean_accept_length": spec["output_tokens"] / spec["target_forwards"],
            "acceptance_rate": accepted / drafted if drafted else 0.0,
-           "identical": plain["outputs"] == spec["outputs"]}
+           "identical": plain["outputs"] == spec["outputs"],
+           "agreeing_prefix": agreement(plain, spec)}
     print(f"{name:<22}{row['plain_tokens_per_s']:>10.1f}{row['spec_tokens_per_s']:>10.1f}"
           f"{row['speedup']:>9.2f}x{row['mean_accept_length']:>10.2f}"
           f"{row['forwards_per_token']:>11.3f}{row['acceptance_rate']:>9.1%}"
-          f"{'':>3}{row['identical']}")
+          f"{'':>3}{row['identical']}"
+          + ("" if row["identical"] else f" ({row['agreeing_prefix']:.0%} before they part)"))
     return row
 
 
@@ -155,6 +176,40 @@ def forced_verifier(alpha: float, rng: random.Random):
     return verify
 
 
+def copy_prompts(count: int, vocab: int) -> dict[str, list[list[int]]]:
+    """Half the prompts a random 32-token segment said 8 times, half 256 random tokens."""
+    gen = torch.Generator().manual_seed(1)
+    segments = torch.randint(0, vocab, (count, 32), generator=gen).tolist()
+    return {"repeated": [s * 8 for s in segments],
+            "random": torch.randint(0, vocab, (count, 256), generator=gen).tolist()}
+
+
+def run_copy(args) -> list[dict]:
+    """n-gram speculation on a random model's own repetitive greedy output, verified for real:
+    each dtype's plain and speculative engines decode the same prompts at batch 1."""
+    rows = []
+    params = SamplingParams(temperature=0, max_new_tokens=args.new_tokens, ignore_eos=True)
+    header()
+    for dtype in args.copy_dtypes.split(","):
+        options = dict(load_format="dummy", device=args.device, dtype=dtype,
+                       max_total_tokens=32768, max_running_requests=8)
+        runs: dict[str, dict[str, dict]] = {}
+        for mode, extra in (("plain", {}), ("ngram", dict(speculative="ngram",
+                                                          num_speculative_tokens=args.k))):
+            with Engine(args.model, **options, **extra) as engine:
+                prompts = copy_prompts(args.copy_prompts, engine.model_config.vocab_size)
+                run(engine, prompts["random"][:1], SamplingParams(
+                    temperature=0, max_new_tokens=64, ignore_eos=True))  # warm-up
+                runs[mode] = {kind: run(engine, ids, params) for kind, ids in prompts.items()}
+        for kind in runs["plain"]:
+            plain, spec = runs["plain"][kind], runs["ngram"][kind]
+            row = compare(f"copy {dtype} {kind}", plain, spec, args.k)
+            row.update(dtype=dtype, prompts=kind, distinct_output_tokens=[
+                len(set(o)) for o in plain["outputs"]])
+            rows.append(row)
+    return rows
+
+
 def run_cuda(args) -> list[dict]:
     rows = []
     gen = torch.Generator().manual_seed(0)
@@ -198,12 +253,33 @@ def run_cuda(args) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--workloads", default=None,
+                        help="comma-separated: text (the CPU default: extract and json), "
+                             "forced (CUDA: the forced sweeps and the draft model), copy "
+                             "(default on CUDA: forced,copy)")
+    parser.add_argument("--model", default="llama-3-8b",
+                        help="the copy workload's target (preset shape or config folder)")
+    parser.add_argument("--copy-prompts", type=int, default=4,
+                        help="copy workload: prompts of each kind")
+    parser.add_argument("--copy-dtypes", default="float32,bfloat16")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--prompts", type=int, default=6)
-    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--new-tokens", type=int, default=None,
+                        help="tokens per request (default: 96; 256 for the copy workload)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    rows = run_cuda(args) if args.device == "cuda" else run_cpu(args)
+    workloads = (args.workloads or ("forced,copy" if args.device == "cuda" else "text")
+                 ).split(",")
+    unknown = set(workloads) - {"text", "forced", "copy"}
+    if unknown or (args.device == "cpu" and "forced" in workloads):
+        parser.error(f"--workloads: unknown or CUDA-only: {', '.join(workloads)}")
+    given, rows = args.new_tokens, []
+    for name, run_workload, new_tokens in (("text", run_cpu, 96), ("forced", run_cuda, 96),
+                                           ("copy", run_copy, 256)):
+        if name in workloads:
+            args.new_tokens = given or new_tokens
+            rows += run_workload(args)
+    args.new_tokens = given
     machine = (torch.cuda.get_device_name() if args.device == "cuda"
                else platform.processor() or platform.machine())
     record = {"benchmark": "speculative", "date": datetime.date.today().isoformat(),
