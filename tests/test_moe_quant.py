@@ -477,7 +477,10 @@ def test_gpu_fused_quantized_in_a_cuda_graph(method):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_quantized_model_fused_matches_grouped(tmp_path, method):
     """A tiny Qwen3-MoE quantized on load on CUDA: experts stay e4m3 / int8 on the GPU, and
-    fp32 logits through the fused kernel equal those through the grouped path."""
+    fp32 logits through the fused kernel equal those through the grouped path: to float32
+    rounding for int8; for fp8 within 1e-2, since the other linears round their inputs to
+    e4m3 per token, and an input that sits on a rounding boundary turns a float32-sized
+    difference into one e4m3 step."""
     from test_gpu_models import _logits
 
     from radixlm.runtime.models.loader import load_model
@@ -494,7 +497,7 @@ def test_gpu_quantized_model_fused_matches_grouped(tmp_path, method):
     fused = _logits(loaded, ids, [40, 1, 19], "triton")
     loaded.model.use_fused_kernels(False)
     grouped = _logits(loaded, ids, [40, 1, 19], "triton")
-    assert rel_err(fused, grouped) < 1e-4
+    assert rel_err(fused, grouped) < (1e-4 if method == "int8" else 1e-2)
 
 
 @pytest.mark.parametrize("method", METHODS)
