@@ -118,7 +118,7 @@ def run_cuda(args: argparse.Namespace) -> None:
                     max_running_requests=args.max_running_requests,
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     chunked_prefill_size=input_len, overlap_schedule=args.overlap_schedule,
-                    kv_cache_dtype=args.kv_cache_dtype)
+                    kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, vocab, (num, input_len), generator=gen).tolist()
@@ -138,7 +138,8 @@ def run_cuda(args: argparse.Namespace) -> None:
     assert generated == num * output_len, generated
     output_tps = generated / elapsed
     total_tps = (generated + num * input_len) / elapsed
-    print(f"\n{model} (dummy, bf16), {attn}, {num} prompts x {input_len} in / {output_len} "
+    print(f"\n{model} (dummy, bf16, weights {args.quantization or 'bf16'}, KV "
+          f"{args.kv_cache_dtype}), {attn}, {num} prompts x {input_len} in / {output_len} "
           f"out, overlap {overlap}, {torch.cuda.get_device_name()}")
     print(f"{elapsed:.1f} s, output {output_tps:,.0f} tokens/s, total {total_tps:,.0f} "
           f"tokens/s, {stats['steps']} steps ({stats['overlapped_steps']} overlapped), "
@@ -153,7 +154,7 @@ def run_cuda(args: argparse.Namespace) -> None:
                    "output_len": output_len, "max_running_requests": args.max_running_requests,
                    "max_num_batched_tokens": args.max_num_batched_tokens,
                    "kv_cache_memory_fraction": args.kv_cache_memory_fraction,
-                   "kv_cache_dtype": args.kv_cache_dtype},
+                   "kv_cache_dtype": args.kv_cache_dtype, "quantization": args.quantization},
         "results": {"seconds": elapsed, "output_tokens": generated,
                     "output_tokens_per_s": output_tps, "total_tokens_per_s": total_tps,
                     "steps": stats["steps"], "overlapped_steps": stats["overlapped_steps"],
@@ -184,6 +185,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--kv-cache-dtype", default="auto",
                         choices=["auto", "fp8_e4m3", "fp8_e5m2"], help="CUDA mode")
+    parser.add_argument("--quantization", default=None, choices=["fp8", "int8"],
+                        help="CUDA mode: quantized decoder linears (fp8: W8A8)")
     parser.add_argument("--num-prompts", type=int, default=None,
                         help="default: 64 on CPU, 512 on CUDA")
     parser.add_argument("--new-tokens", type=int, default=64)
