@@ -20,6 +20,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     from radixlm.runtime.config.engine_config import (
         DTYPE_ALIASES,
         DTYPES,
+        KV_CACHE_DTYPES,
         LOAD_FORMATS,
         QUANTIZATIONS,
         SPECULATIVE_METHODS,
@@ -40,6 +41,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--max-total-tokens", type=int, default=None,
                         help="KV pool size in tokens (default: sized from free memory)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="how the KV cache stores K and V (fp8: half the memory)")
     parser.add_argument("--quantization", default=None,
                         choices=QUANTIZATIONS,
                         help="quantized linears (default: what the checkpoint declares)")
@@ -60,7 +63,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                             stop=tuple(args.stop or ()))
     options = {name: getattr(args, name) for name in (
         "revision", "tokenizer", "chat_template", "load_format", "dtype", "device",
-        "max_total_tokens", "quantization", "speculative", "draft_model", "tp_size")}
+        "max_total_tokens", "kv_cache_dtype", "quantization", "speculative", "draft_model",
+        "tp_size")}
     with Engine(args.model, **options) as engine:
         texts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
         # Chat prompts are token ids: the template already holds the special tokens.
