@@ -38,7 +38,7 @@ import torch
 from gpu_timing import capture, median_replay_ms
 from results_dir import results_dir
 
-COPY_BANDWIDTH = 4.1e12  # bytes/s, read + write, measured on the H200 (docs: GPU.md)
+COPY_BANDWIDTH = 4.1e12  # bytes/s, read + write, measured on the H200 (docs/performance.md)
 # (experts, top-k, hidden, expert channels) of one layer of each model.
 LAYER_SHAPES = {"mixtral-8x7b": (8, 2, 4096, 14336), "qwen3-30b-a3b": (128, 8, 2048, 768)}
 FORMATS = ("bf16", "fp8", "int8")
