@@ -285,6 +285,7 @@ def main() -> None:
         "machine": {"gpu": card, "torch": torch.__version__},
         "config": {"model": args.model, "dtype": "bfloat16", "attention": attn,
                    "cuda_graphs": not args.disable_cuda_graph, "overlap": overlap,
+                   "kv_cache_dtype": args.kv_cache_dtype,
                    "input_len": args.input_len,
                    "output_len": args.output_len},
         "floor": {**costs, "copy_bandwidth": COPY_BANDWIDTH, "gemm_rate": GEMM_RATE},
