@@ -177,6 +177,36 @@ def test_streaming_deltas_add_up(engine):
     assert chunks[-1].token_ids == engine.generate(PROMPTS[5], GREEDY).token_ids
 
 
+def test_submit_stream_calls_back_on_the_engine_thread(engine):
+    """submit_stream: every Output goes to the callback, on the engine's own thread, n samples
+    under their own ids; bad input raises at once, before anything is queued."""
+    got: list = []
+    threads: set[str] = set()
+    done = threading.Event()
+
+    def on_output(out):
+        threads.add(threading.current_thread().name)
+        got.append(out)
+        if sum(o.finished for o in got) == 2:
+            done.set()
+
+    params = {**GREEDY, "n": 2, "temperature": 0.8, "seed": 3}
+    ids = engine.submit_stream(on_output, PROMPTS[0], params, request_id="cb")
+    assert ids == ["cb#0", "cb#1"]
+    assert done.wait(60)
+    assert threads == {"radixlm-engine"}
+    for index in (0, 1):
+        mine = [o for o in got if o.index == index]
+        assert mine[-1].finished and not any(o.finished for o in mine[:-1])
+        assert "".join(o.delta for o in mine) == mine[-1].text
+        assert len(mine[-1].token_ids) == GREEDY["max_new_tokens"]
+    with pytest.raises(ValueError, match="prompt"):
+        engine.submit_stream(on_output, ["two", "prompts"], GREEDY)
+    with pytest.raises(ValueError):
+        engine.submit_stream(on_output, input_ids=[10**9], sampling_params=GREEDY)
+    assert_no_leak(engine)
+
+
 def test_abort_and_early_stream_exit(engine):
     long = {"temperature": 0, "max_new_tokens": 500, "ignore_eos": True}
 

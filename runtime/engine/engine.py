@@ -106,17 +106,12 @@ class Engine:
         """Yield an Output per new token (with `delta`), the last one with `finish_reason`.
         `queue_rank`: where this prompt's samples stand in a batch that a caller (a server)
         submits one prompt at a time, for fair admission (see Request.queue_rank)."""
-        single, prompts = self._normalize_prompts(prompt, input_ids)
-        if not single:
-            raise ValueError("prompt: generate_stream takes one prompt")
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[Output] = asyncio.Queue()
-        requests = self._make_requests(prompts, sampling_params, request_id, cache_salt,
-                                       stream=True, first_rank=queue_rank)
-        for request in requests:
-            request.on_output = _threadsafe_put(loop, chunks)
-        self._submit(requests)
-        remaining = len(requests)
+        ids = self.submit_stream(_threadsafe_put(loop, chunks), prompt, sampling_params,
+                                 input_ids=input_ids, request_id=request_id,
+                                 cache_salt=cache_salt, queue_rank=queue_rank)
+        remaining = len(ids)
         try:
             while remaining:
                 out = await chunks.get()
@@ -124,8 +119,29 @@ class Engine:
                 yield out
         finally:
             if remaining:  # the consumer stopped early
-                for request in requests:
-                    self.abort(request.request_id)
+                for rid in ids:
+                    self.abort(rid)
+
+    def submit_stream(self, on_output: Callable[[Output], None], prompt: str | None = None,
+                      sampling_params: ParamsArg = None, *,
+                      input_ids: Sequence[int] | None = None,
+                      request_id: str | None = None,
+                      cache_salt: str | None = None,
+                      queue_rank: int | None = None) -> list[str]:
+        """Start one prompt's samples and return their request ids; `on_output` gets an
+        Output per new token, the last one with `finish_reason`. It is called on the engine
+        thread, so it must be quick and never block (e.g. put the Output on a queue): it is
+        what a server uses to collect a whole step's outputs without one event-loop wake-up
+        per token. Bad input raises ValueError here, before anything is queued."""
+        single, prompts = self._normalize_prompts(prompt, input_ids)
+        if not single:
+            raise ValueError("prompt: a stream takes one prompt")
+        requests = self._make_requests(prompts, sampling_params, request_id, cache_salt,
+                                       stream=True, first_rank=queue_rank)
+        for request in requests:
+            request.on_output = on_output
+        self._submit(requests)
+        return [r.request_id for r in requests]
 
     def pin_prefix(self, prompt: str | None = None, *,
                    input_ids: Sequence[int] | None = None, cache_salt: str | None = None,

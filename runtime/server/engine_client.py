@@ -221,7 +221,12 @@ class EngineClient:
     def _dispatch(self, batch: list[tuple]) -> None:
         for message in batch:
             kind = message[0]
-            if kind == "chunk":
+            if kind == "tokens":
+                _, key, index, delta, token_ids, made, prompt_tokens, cached = message
+                self._deliver_chunk(key, Chunk(index, delta, token_ids, None, made,
+                                               prompt_tokens=prompt_tokens,
+                                               cached_tokens=cached))
+            elif kind == "chunk":
                 self._deliver_chunk(message[1], message[2])
             elif kind == "error":
                 tracked = self._tracked.pop(message[1], None)

@@ -1,10 +1,12 @@
 """The engine process: an `Engine` driven over a pipe by the HTTP process.
 
-Started with the spawn method by `EngineClient`. Three threads besides the engine's own loop:
-the main thread runs an asyncio loop that consumes `Engine.generate_stream` for every request;
-a reader thread turns pipe messages into loop callbacks; a writer thread sends what the loop
-produced, batching everything that piled up into one write. None of them ever waits on the
-engine loop, so the engine steps while the pipe is busy, and vice versa.
+Started with the spawn method by `EngineClient`. Besides the engine's own thread: a reader
+thread turns pipe messages into callbacks on the main thread's asyncio loop, which starts
+requests (`Engine.submit_stream`) and runs method calls; a writer thread sends the outputs.
+The engine thread hands each output to the writer as it is made (one queue put: no event-loop
+wake-up, which costs a system call, per token), and the writer turns everything that piled up
+meanwhile, typically a whole step's tokens, into one pipe write. None of them ever waits on
+the engine loop, so the engine steps while the pipe is busy, and vice versa.
 
 The process exits when the HTTP process goes away: the pipe reaches EOF, or (if the pipe is
 somehow kept open) the parent pid changes.
@@ -84,8 +86,13 @@ class _EngineServer:
     def __init__(self, engine: Any, conn: Connection) -> None:
         self.engine = engine
         self.conn = conn
+        # Messages to send, and ("out", key, Output, time) from the engine thread, which the
+        # writer turns into messages.
         self.outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.tasks: dict[str, asyncio.Task] = {}
+        # Request key -> samples whose last output has not been sent. The loop adds keys, the
+        # writer removes them.
+        self.active: dict[str, int] = {}
+        self._active_lock = threading.Lock()
         self.calls = ThreadPoolExecutor(max_workers=8, thread_name_prefix="engine-call")
         self.stopped: asyncio.Event | None = None
 
@@ -97,10 +104,11 @@ class _EngineServer:
         threading.Thread(target=self._write, name="pipe-writer", daemon=True).start()
         threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
         await self.stopped.wait()
-        for key in list(self.tasks):
+        for key in list(self.active):
             self.engine.abort(key)
-        if self.tasks:  # let the aborts reach the HTTP process
-            await asyncio.wait(list(self.tasks.values()), timeout=5)
+        deadline = time.monotonic() + 5  # let the aborts reach the HTTP process
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         self.outbox.put(None)
         self.calls.shutdown(wait=False, cancel_futures=True)
 
@@ -117,15 +125,17 @@ class _EngineServer:
                 return
 
     def _write(self) -> None:
+        sent: dict[tuple[str, int], int] = {}  # (key, sample) -> its tokens sent so far
         while True:
-            batch = [self.outbox.get()]
+            items = [self.outbox.get()]
             while True:
                 try:
-                    batch.append(self.outbox.get_nowait())
+                    items.append(self.outbox.get_nowait())
                 except queue.Empty:
                     break
-            done = batch[-1] is None
-            batch = [m for m in batch if m is not None]
+            done = items[-1] is None
+            batch = [self._message(m, sent) if m[0] == "out" else m
+                     for m in items if m is not None]
             try:
                 if batch:
                     self.conn.send(batch)
@@ -133,6 +143,25 @@ class _EngineServer:
                 os._exit(0)  # the HTTP process is gone
             if done:
                 return
+
+    def _message(self, item: tuple[str, str, Any, float],
+                 sent: dict[tuple[str, int], int]) -> tuple:
+        """An engine output as the message that carries its new tokens."""
+        _, key, out, made = item
+        start = sent.pop((key, out.index), 0)
+        if out.finish_reason is None:
+            sent[(key, out.index)] = len(out.token_ids)
+            if out.logprobs is None:  # most of a stream: a plain tuple (cheap to pickle)
+                return ("tokens", key, out.index, out.delta, out.token_ids[start:], made,
+                        out.prompt_tokens, out.cached_tokens)
+        else:
+            with self._active_lock:
+                left = self.active.get(key, 1) - 1
+                if left > 0:
+                    self.active[key] = left
+                else:
+                    self.active.pop(key, None)
+        return ("chunk", key, _chunk(out, start, made))
 
     def _beat(self) -> None:
         """Every BEAT_SECONDS, how far the engine loop got and whether it has work: the HTTP
@@ -147,16 +176,10 @@ class _EngineServer:
     def _handle(self, message: tuple) -> None:
         kind = message[0]
         if kind == "generate":
-            _, key, input_ids, params, cache_salt, rank = message
-            task = asyncio.ensure_future(self._generate(key, input_ids, params, cache_salt,
-                                                        rank))
-            self.tasks[key] = task
-            task.add_done_callback(lambda _t, k=key: self.tasks.pop(k, None))
+            self._generate(*message[1:])
         elif kind == "abort":
-            # A task created by a "generate" handled just before has not run its first step
-            # yet, so its request is not in the engine's inbox. That step is already queued
-            # on the loop; queue the abort behind it so the engine sees add, then abort.
-            asyncio.get_running_loop().call_soon(self.engine.abort, message[1])
+            # Its "generate" was handled before it, so the engine sees add, then abort.
+            self.engine.abort(message[1])
         elif kind == "call":
             _, call_id, method, kwargs = message
             asyncio.ensure_future(self._call(call_id, method, kwargs))
@@ -166,22 +189,27 @@ class _EngineServer:
         else:
             log.error("unknown message %r", kind)
 
-    async def _generate(self, key: str, input_ids: list[int], params: Any,
-                        cache_salt: str | None, rank: int) -> None:
-        sent_tokens: dict[int, int] = {}
+    def _generate(self, key: str, input_ids: list[int], params: Any, cache_salt: str | None,
+                  rank: int) -> None:
+        put = self.outbox.put
+
+        def on_output(out: Any) -> None:  # on the engine thread: one put, nothing more
+            put(("out", key, out, time.monotonic()))
+
+        with self._active_lock:
+            self.active[key] = params.n
         try:
-            stream = self.engine.generate_stream(input_ids=input_ids, sampling_params=params,
-                                                 request_id=key, cache_salt=cache_salt,
-                                                 queue_rank=rank)
-            async for out in stream:
-                start = sent_tokens.get(out.index, 0)
-                sent_tokens[out.index] = len(out.token_ids)
-                self.outbox.put(("chunk", key, _chunk(out, start)))
-        except ValueError as exc:  # input the engine refused
-            self.outbox.put(("error", key, EngineError(400, str(exc))))
+            self.engine.submit_stream(on_output, input_ids=input_ids, sampling_params=params,
+                                      request_id=key, cache_salt=cache_salt, queue_rank=rank)
         except Exception as exc:
-            log.exception("request %s failed", key)
-            self.outbox.put(("error", key, EngineError(500, f"{type(exc).__name__}: {exc}")))
+            with self._active_lock:
+                self.active.pop(key, None)
+            if isinstance(exc, ValueError):  # input the engine refused
+                self.outbox.put(("error", key, EngineError(400, str(exc))))
+            else:
+                log.exception("request %s failed", key)
+                self.outbox.put(("error", key, EngineError(500, f"{type(exc).__name__}: "
+                                                                f"{exc}")))
 
     async def _call(self, call_id: int, method: str, kwargs: dict[str, Any]) -> None:
         loop = asyncio.get_running_loop()
@@ -201,12 +229,12 @@ class _EngineServer:
         self.outbox.put(("reply", call_id, result, error))
 
 
-def _chunk(out: Any, start: int) -> Chunk:
-    """The part of an engine Output after its first `start` tokens."""
+def _chunk(out: Any, start: int, made: float) -> Chunk:
+    """The part of an engine Output after its first `start` tokens, made at time `made`."""
     chunk = Chunk(index=out.index, delta=out.delta, token_ids=out.token_ids[start:],
                   logprobs=None if out.logprobs is None else
                   [_entry(e) for e in out.logprobs[start:]],
-                  time=time.monotonic(), finish_reason=out.finish_reason,
+                  time=made, finish_reason=out.finish_reason,
                   prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens)
     if out.finish_reason is not None:
         chunk.text = out.text

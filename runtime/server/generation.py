@@ -3,7 +3,7 @@ their samples gathered as they come, metrics recorded, and everything aborted in
 if the request ends early (the client went away, a handler failed, the server is draining).
 
     async with Generation(state, prompts, params, keys) as gen:
-        async for sample, chunk in gen.chunks():   # every chunk, as the engine makes it
+        async for sample, chunk in gen.chunks():   # new tokens, as the engine makes them
             ...
         # gen.samples: every sample, finished, in (prompt, index) order
 """
@@ -11,6 +11,7 @@ if the request ends early (the client went away, a handler failed, the server is
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -123,18 +124,24 @@ class Generation:
         state.check_room(len(self.samples))
 
     async def chunks(self) -> AsyncIterator[tuple[Sample, Chunk]]:
+        """Each sample's chunks in order. Chunks that piled up while the consumer was busy
+        come merged, one per sample (see coalesce)."""
         while any(self._pending.values()):
-            key, item = await self._sink.get()
-            if isinstance(item, EngineError):
-                self._pending[key] = 0  # the engine never started it
-                raise ApiError(item.status, item.message,
-                               code="engine_error" if item.status >= 500 else "invalid_value")
-            sample = self._by_id[(key, item.index)]
-            sample.apply(item)
-            self._observe(sample, item)
-            if item.finished:
-                self._pending[key] -= 1
-            yield sample, item
+            items = [await self._sink.get()]
+            while not self._sink.empty():
+                items.append(self._sink.get_nowait())
+            for key, item in coalesce(items):
+                if isinstance(item, EngineError):
+                    self._pending[key] = 0  # the engine never started it
+                    raise ApiError(item.status, item.message,
+                                   code="engine_error" if item.status >= 500
+                                   else "invalid_value")
+                sample = self._by_id[(key, item.index)]
+                sample.apply(item)
+                self._observe(sample, item)
+                if item.finished:
+                    self._pending[key] -= 1
+                yield sample, item
 
     async def run(self) -> list[Sample]:
         """Wait until every sample has finished."""
@@ -184,6 +191,39 @@ class Generation:
             if sample.finish_reason == "abort" and sample.error:
                 return abort_error(sample.error, sample.error_invalid)
         return None
+
+
+def coalesce(items: list[tuple[str, Chunk | EngineError]]
+             ) -> list[tuple[str, Chunk | EngineError]]:
+    """Merge the chunks of each sample among `items` into one, at the place of its first:
+    deltas, tokens and logprobs joined, the rest from the latest. A stream that fell behind
+    (its consumer, or the client's socket, was slower than the engine) then catches up with
+    one event for several tokens instead of one each, so a loaded server spends less per
+    token just when it has least to spare; a stream that keeps up is not changed."""
+    if len(items) == 1:
+        return items
+    merged: list[tuple[str, Chunk | EngineError]] = []
+    at: dict[tuple[str, int], int] = {}  # (key, sample) -> its unfinished chunk in merged
+    for key, item in items:
+        if isinstance(item, EngineError):
+            merged.append((key, item))
+            continue
+        place = at.get((key, item.index))
+        if place is None:
+            merged.append((key, item))
+            if not item.finished:
+                at[(key, item.index)] = len(merged) - 1
+            continue
+        earlier = merged[place][1]
+        assert isinstance(earlier, Chunk)
+        logprobs = (None if earlier.logprobs is None and item.logprobs is None
+                    else (earlier.logprobs or []) + (item.logprobs or []))
+        merged[place] = (key, dataclasses.replace(item, delta=earlier.delta + item.delta,
+                                                  token_ids=earlier.token_ids + item.token_ids,
+                                                  logprobs=logprobs))
+        if item.finished:
+            del at[(key, item.index)]
+    return merged
 
 
 def check_samples(state: ServerState, wanted: int, what: str, param: str = "n") -> None:

@@ -9,10 +9,15 @@ HTTP -> engine:
     ("abort", key)
     ("call", call_id, method, kwargs)      pin_prefix, release_prefix, score, flush_cache, stats
     ("shutdown",)
-engine -> HTTP (each send is a list of):
+engine -> HTTP (each send is a list of, typically all of one step's tokens):
+    ("tokens", key, index, delta, token_ids, time, prompt_tokens, cached_tokens)
+                                           a Chunk that is not the last and has no logprobs
+                                           (most of a stream), as a plain tuple: it unpickles
+                                           ten times faster than the dataclass
     ("chunk", key, Chunk)
     ("error", key, EngineError)            the request was refused before it started
     ("reply", call_id, result, EngineError | None)
+    ("beat", loop_rounds, has_work)        every second (engine_process.BEAT_SECONDS)
 """
 
 from __future__ import annotations
