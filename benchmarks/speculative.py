@@ -124,7 +124,7 @@ def compare(name: str, plain: dict, spec: dict, k: int) -> dict:
            "identical": plain["outputs"] == spec["outputs"],
            "agreeing_prefix": agreement(plain, spec)}
     print(f"{name:<22}{row['plain_tokens_per_s']:>10.1f}{row['spec_tokens_per_s']:>10.1f}"
-          f"{row['speedup']:>9.2f}x{row['mean_accept_length']:>10.2f}"
+          f"{row['speedup']:>9.2f}x{row['mean_accept_length']:>11.2f}"
           f"{row['forwards_per_token']:>11.3f}{row['acceptance_rate']:>9.1%}"
           f"{'':>3}{row['identical']}"
           + ("" if row["identical"] else f" ({row['agreeing_prefix']:.0%} before they part)"))
@@ -132,7 +132,7 @@ def compare(name: str, plain: dict, spec: dict, k: int) -> dict:
 
 
 def header() -> None:
-    print(f"{'workload':<22}{'plain t/s':>10}{'spec t/s':>10}{'speedup':>10}{'accept len':>10}"
+    print(f"{'workload':<22}{'plain t/s':>10}{'spec t/s':>10}{'speedup':>10}{'accept len':>11}"
           f"{'fwd/token':>11}{'accept':>9}   identical")
 
 
