@@ -104,7 +104,9 @@ class _EngineServer:
         threading.Thread(target=self._write, name="pipe-writer", daemon=True).start()
         threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
         await self.stopped.wait()
-        for key in list(self.active):
+        with self._active_lock:
+            keys = list(self.active)
+        for key in keys:
             self.engine.abort(key)
         deadline = time.monotonic() + 5  # let the aborts reach the HTTP process
         while self.active and time.monotonic() < deadline:
