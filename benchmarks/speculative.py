@@ -48,6 +48,7 @@ import platform
 import random
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -184,10 +185,9 @@ def copy_prompts(count: int, vocab: int) -> dict[str, list[list[int]]]:
             "random": torch.randint(0, vocab, (count, 256), generator=gen).tolist()}
 
 
-def run_copy(args) -> list[dict]:
+def run_copy(args) -> Iterator[dict]:
     """n-gram speculation on a random model's own repetitive greedy output, verified for real:
     each dtype's plain and speculative engines decode the same prompts at batch 1."""
-    rows = []
     params = SamplingParams(temperature=0, max_new_tokens=args.new_tokens, ignore_eos=True)
     header()
     for dtype in args.copy_dtypes.split(","):
@@ -206,8 +206,7 @@ def run_copy(args) -> list[dict]:
             row = compare(f"copy {dtype} {kind}", plain, spec, args.k)
             row.update(dtype=dtype, prompts=kind, distinct_output_tokens=[
                 len(set(o)) for o in plain["outputs"]])
-            rows.append(row)
-    return rows
+            yield row
 
 
 def run_cuda(args) -> list[dict]:
@@ -274,25 +273,27 @@ def main() -> None:
     if unknown or (args.device == "cpu" and "forced" in workloads):
         parser.error(f"--workloads: unknown or CUDA-only: {', '.join(workloads)}")
     given, rows = args.new_tokens, []
-    for name, run_workload, new_tokens in (("text", run_cpu, 96), ("forced", run_cuda, 96),
-                                           ("copy", run_copy, 256)):
-        if name in workloads:
-            args.new_tokens = given or new_tokens
-            rows += run_workload(args)
-    args.new_tokens = given
-    machine = (torch.cuda.get_device_name() if args.device == "cuda"
-               else platform.processor() or platform.machine())
-    record = {"benchmark": "speculative", "date": datetime.date.today().isoformat(),
-              "machine": {"device": machine, "threads": torch.get_num_threads(),
-                          "torch": torch.__version__},
-              "config": vars(args), "rows": rows}
-    tag = "h200" if args.device == "cuda" else "cpu"
-    out = Path(args.out or results_dir() /
-               f"speculative_{tag}_{record['date']}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {out}")
-
+    try:
+        for name, run_workload, new_tokens in (("text", run_cpu, 96), ("forced", run_cuda, 96),
+                                               ("copy", run_copy, 256)):
+            if name in workloads:
+                args.new_tokens = given or new_tokens
+                for row in run_workload(args):  # the copy workload yields row by row
+                    rows.append(row)
+    finally:  # an interrupted run still records what it measured
+        args.new_tokens = given
+        machine = (torch.cuda.get_device_name() if args.device == "cuda"
+                   else platform.processor() or platform.machine())
+        record = {"benchmark": "speculative", "date": datetime.date.today().isoformat(),
+                  "machine": {"device": machine, "threads": torch.get_num_threads(),
+                              "torch": torch.__version__},
+                  "config": vars(args), "rows": rows}
+        tag = "h200" if args.device == "cuda" else "cpu"
+        out = Path(args.out or results_dir() /
+                   f"speculative_{tag}_{record['date']}.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record, indent=2) + "\n")
+        print(f"wrote {out}")
 
 if __name__ == "__main__":
     main()
