@@ -502,8 +502,9 @@ def main() -> None:
                         help="processes that send the requests (each ~35 us of CPU per "
                              "streamed token: use several above ~10k tokens/s)")
     parser.add_argument("--warmup-prompts", type=int, default=1,
-                        help="prompts sent all at once before each server and offline run "
-                             "is measured (other prompts of the first dataset)")
+                        help="prompts sent all at once, not measured, before each dataset's "
+                             "first server run and before the offline runs (other prompts of "
+                             "the first dataset)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                         help="do not send ignore_eos (for servers that reject it)")
@@ -574,7 +575,7 @@ def main() -> None:
                 runs.append({"request_rate": str(rate), "num_prompts": count, **summary})
                 save()
         record["server"] = asyncio.run(server_info(args.url, args.api_key))
-        if record["server"] and options.get("tokenizer"):
+        if record["server"] and "synthetic-tokenizer" in str(options.get("tokenizer")):
             record["server"]["engine_config"]["tokenizer"] = "synthetic byte-level BPE"
     finally:
         if server is not None:
