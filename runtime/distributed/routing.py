@@ -20,7 +20,10 @@ Routers are not thread-safe: call them from one thread (the front end's event lo
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from abc import ABC, abstractmethod
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -134,13 +137,270 @@ def least_loaded(candidates: Sequence[int], loads: Sequence[int], start: int) ->
     return next((i for i in tied if i >= start), tied[0])
 
 
+class CacheAwareRouter(Router):
+    """Send a request where its prefix most likely is cached, unless that replica is overloaded.
+
+    The router keeps a `RoutedPrefixes` tree of the prompts it sent to each replica (an
+    estimate of each replica's radix cache: it never hears of evictions there, only of
+    restarts). For each request, in order:
+
+    1. **Session**: a request with a `session` seen before goes to the replica that session
+       last used, if that replica is healthy and not overloaded. The map holds the
+       `max_sessions` most recently used sessions.
+    2. **Prefix**: among healthy replicas that are not overloaded, the one with the longest
+       routed prefix of this prompt, when that prefix has at least `min_match` units (tokens,
+       or characters when routing on text). Ties go to the least loaded.
+    3. **Load**: otherwise the least loaded healthy replica (ties rotate).
+
+    A replica is **overloaded** when its load (running + waiting) exceeds the least loaded
+    healthy replica's by more than `overload_abs` requests *and* by a factor of more than
+    `overload_rel`. Both must hold, so a few requests of difference among lightly loaded
+    replicas never move a prefix, and a proportionally small difference among heavily loaded
+    ones neither. The least loaded replica is never overloaded, so step 2 always has a
+    candidate. A prefix that is hot enough to overload its replica thus spills to the least
+    loaded one, which from then on holds it too; ties between the two then follow load.
+
+    Requests that share a prefix (a program's forks, a `run_batch`) arrive close together:
+    the first one's prompt is recorded at once, so the others follow it to the same replica.
+
+    Options (defaults chosen with `benchmarks/router_sim.py`; see docs/distributed.md):
+      overload_abs    32      requests above the least loaded replica
+      overload_rel    1.5     times the least loaded replica's load
+      min_match       64      units of matched prefix worth routing for
+      tree_capacity   1 << 20 units remembered per replica (LRU); near its KV pool's tokens
+      max_sessions    1 << 16 sticky sessions remembered (LRU)
+    """
+
+    def __init__(self, num_replicas: int, *, overload_abs: int = 32, overload_rel: float = 1.5,
+                 min_match: int = 64, tree_capacity: int = 1 << 20,
+                 max_sessions: int = 1 << 16) -> None:
+        super().__init__(num_replicas)
+        if overload_abs < 0 or overload_rel < 1.0:
+            raise ValueError("overload_abs must be >= 0 and overload_rel >= 1")
+        if min_match < 1 or tree_capacity < 1 or max_sessions < 0:
+            raise ValueError("min_match and tree_capacity must be >= 1, max_sessions >= 0")
+        self.overload_abs = overload_abs
+        self.overload_rel = overload_rel
+        self.min_match = min_match
+        self.max_sessions = max_sessions
+        self.tree = RoutedPrefixes(num_replicas, tree_capacity)
+        self._sessions: OrderedDict[str, int] = OrderedDict()
+        self._next = 0
+        self.decisions: Counter[str] = Counter()  # "session" / "prefix" / "spill" / "load"
+
+    def _pick(self, request: RouteRequest, healthy: list[int], loads: list[int]) -> int:
+        low = min(loads[i] for i in healthy)
+        bound = max(low + self.overload_abs, low * self.overload_rel)
+        eligible = [i for i in healthy if loads[i] <= bound]
+        key = prefix_key(request)
+        replica, reason = self._sticky(request.session, eligible), "session"
+        if replica is None:
+            matched = self.tree.match(key) if key else {}
+            best = max((matched.get(i, 0) for i in eligible), default=0)
+            if best >= self.min_match:
+                tied = [i for i in eligible if matched.get(i, 0) == best]
+                replica, reason = least_loaded(tied, loads, self._next), "prefix"
+            else:
+                replica = least_loaded(healthy, loads, self._next)
+                longest = max(matched.values(), default=0)
+                reason = "spill" if longest >= self.min_match else "load"
+            self._next = (replica + 1) % self.num_replicas
+        self.decisions[reason] += 1
+        if key:
+            self.tree.insert(key, replica)
+        if request.session is not None and self.max_sessions:
+            self._sessions[request.session] = replica
+            self._sessions.move_to_end(request.session)
+            if len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
+        return replica
+
+    def _sticky(self, session: str | None, eligible: list[int]) -> int | None:
+        replica = self._sessions.get(session) if session is not None else None
+        return replica if replica is not None and replica in eligible else None
+
+    def replica_reset(self, replica: int) -> None:
+        super().replica_reset(replica)
+        self.tree.drop(replica)
+        for session in [s for s, r in self._sessions.items() if r == replica]:
+            del self._sessions[session]
+
+
+TOKENS, TEXT = "T", "S"  # a key's first unit: token keys and text keys never share a prefix
+
+
+def prefix_key(request: RouteRequest) -> str:
+    """The request's prompt as a string of units: one character per token id when the ids are
+    known (compact, and compared at C speed), else the text itself. Empty: nothing to match."""
+    if request.token_ids is not None:
+        if not request.token_ids:
+            return ""
+        try:
+            return TOKENS + "".join(map(chr, request.token_ids))
+        except (ValueError, OverflowError):  # an id outside chr's range: fold it in
+            return TOKENS + "".join(chr(t % 0x110000) for t in request.token_ids)
+    return TEXT + request.text if request.text else ""
+
+
+class _Node:
+    __slots__ = ("key", "end", "parent", "children", "holders")
+
+    def __init__(self, key: str, end: int, parent: _Node | None) -> None:
+        self.key = key  # this edge's units
+        self.end = end  # units from the root to the end of this edge
+        self.parent = parent
+        self.children: dict[str, _Node] = {}  # by their first unit
+        self.holders: dict[int, int] = {}  # replica -> tick of its last use of this node
+
+
+class RoutedPrefixes:
+    """One radix tree of the prompts routed to every replica; each node records which replicas
+    were sent a prompt through it, and when last.
+
+    Invariant: a replica holding a node holds all its ancestors (it was sent the whole prefix).
+    Each replica holds at most `capacity` units (the sum of its nodes' edge lengths); past
+    that, its least recently used nodes are dropped, deepest first. A node no replica holds
+    is removed, so the tree has at most `num_replicas * capacity` units and as many nodes.
+
+    LRU without a list per replica: every use stamps the path from the root with one new tick,
+    so a node's tick is never older than any descendant's of the same replica. A heap per
+    replica, ordered by (tick, deeper first), therefore pops a node with no descendant the
+    replica still holds. Entries go stale when a node is re-stamped; the heap is compacted
+    when stale entries outnumber live ones.
+    """
+
+    def __init__(self, num_replicas: int, capacity: int) -> None:
+        self.capacity = capacity
+        self.root = _Node("", 0, None)
+        self._tick = 0
+        self._seq = itertools.count()  # heap tie-breaker: nodes are not comparable
+        self._units = [0] * num_replicas
+        self._held = [0] * num_replicas  # nodes per replica
+        self._heaps: list[list[tuple[int, int, int, _Node]]] = [[] for _ in range(num_replicas)]
+
+    def units(self, replica: int) -> int:
+        """Units of prefixes `replica` holds."""
+        return self._units[replica]
+
+    def num_nodes(self) -> int:
+        count, stack = 0, [self.root]
+        while stack:
+            node = stack.pop()
+            count += len(node.children)
+            stack.extend(node.children.values())
+        return count
+
+    def match(self, key: str) -> dict[int, int]:
+        """For each replica holding any prefix of `key`, the length of the longest. Read-only."""
+        matched: dict[int, int] = {}
+        node, pos = self.root, 0
+        while pos < len(key):
+            child = node.children.get(key[pos])
+            if child is None:
+                break
+            n = _common_length(child.key, key, pos)
+            for replica in child.holders:  # a subset of the parent's holders
+                matched[replica] = pos + n
+            if n < len(child.key):
+                break
+            node, pos = child, pos + n
+        return matched
+
+    def insert(self, key: str, replica: int) -> None:
+        """Record that `key` was sent to `replica`: stamp its path, then evict to capacity."""
+        self._tick += 1
+        tick, heap = self._tick, self._heaps[replica]
+        node, pos = self.root, 0
+        while pos < len(key):
+            child = node.children.get(key[pos])
+            if child is None:
+                child = _Node(key[pos:], len(key), node)
+                node.children[key[pos]] = child
+            else:
+                n = _common_length(child.key, key, pos)
+                if n < len(child.key):
+                    child = self._split(child, n)
+            if replica not in child.holders:
+                self._units[replica] += len(child.key)
+                self._held[replica] += 1
+            child.holders[replica] = tick
+            heapq.heappush(heap, (tick, -child.end, next(self._seq), child))
+            node, pos = child, pos + len(child.key)
+        self._evict(replica)
+        if len(heap) > 2 * self._held[replica] + 64:
+            heap[:] = [e for e in heap if e[3].holders.get(replica) == e[0]]
+            heapq.heapify(heap)
+
+    def drop(self, replica: int) -> None:
+        """Forget everything routed to `replica`."""
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            for first, child in list(node.children.items()):
+                child.holders.pop(replica, None)
+                if child.holders:
+                    stack.append(child)
+                else:  # nobody holds it, so nobody holds its descendants either
+                    del node.children[first]
+        self._units[replica] = self._held[replica] = 0
+        self._heaps[replica] = []
+
+    def _split(self, node: _Node, n: int) -> _Node:
+        """Cut `node`'s edge after `n` units; the new upper node has the same holders."""
+        parent = node.parent
+        assert parent is not None
+        upper = _Node(node.key[:n], node.end - len(node.key) + n, parent)
+        parent.children[node.key[0]] = upper
+        node.key = node.key[n:]
+        node.parent = upper
+        upper.children[node.key[0]] = node
+        upper.holders = dict(node.holders)
+        for replica, tick in upper.holders.items():
+            self._held[replica] += 1
+            heapq.heappush(self._heaps[replica], (tick, -upper.end, next(self._seq), upper))
+        return upper
+
+    def _evict(self, replica: int) -> None:
+        heap = self._heaps[replica]
+        while self._units[replica] > self.capacity and heap:
+            tick, _, _, node = heapq.heappop(heap)
+            if node.holders.get(replica) == tick:
+                self._release(node, replica)
+
+    def _release(self, node: _Node, replica: int) -> None:
+        # By the tick order `node` has no descendant `replica` holds; the loop is a safeguard
+        # that keeps the invariant even if it had.
+        for child in [c for c in node.children.values() if replica in c.holders]:
+            self._release(child, replica)
+        del node.holders[replica]
+        self._units[replica] -= len(node.key)
+        self._held[replica] -= 1
+        if not node.holders and node.parent is not None:
+            del node.parent.children[node.key[0]]
+
+
+def _common_length(edge: str, key: str, pos: int) -> int:
+    """How many leading units of `edge` equal `key[pos:]`'s (at least 1: the caller found the
+    edge by its first unit). Binary search over slice comparisons, which run in C."""
+    if key.startswith(edge, pos):
+        return len(edge)
+    lo, hi = 1, min(len(edge), len(key) - pos)  # edge[:lo] matches; edge[:hi + 1] does not
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if key.startswith(edge[:mid], pos):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def make_router(policy: str, num_replicas: int, **options: object) -> Router:
-    """A router for `policy` (one of `POLICIES`). `options` go to the policy's constructor;
-    round_robin and least_load take none."""
+    """A router for `policy` (one of `POLICIES`). `options` go to the policy's constructor:
+    round_robin and least_load take none, cache_aware those of `CacheAwareRouter`."""
     if policy == "round_robin":
         return RoundRobinRouter(num_replicas, **options)  # type: ignore[arg-type]
     if policy == "least_load":
         return LeastLoadRouter(num_replicas, **options)  # type: ignore[arg-type]
     if policy == "cache_aware":
-        raise NotImplementedError("cache_aware routing is not built yet")
+        return CacheAwareRouter(num_replicas, **options)  # type: ignore[arg-type]
     raise ValueError(f"unknown routing policy {policy!r}; choose one of {', '.join(POLICIES)}")
