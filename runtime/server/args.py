@@ -26,6 +26,7 @@ from radixlm.runtime.config.engine_config import (
     SPECULATIVE_METHODS,
     EngineConfig,
 )
+from radixlm.runtime.distributed.routing import POLICIES as ROUTING_POLICIES
 from radixlm.runtime.server.reasoning import PARSERS as REASONING_PARSERS
 from radixlm.runtime.server.tool_parsers import FORMATS as TOOL_CALL_FORMATS
 
@@ -63,6 +64,13 @@ class ServerConfig:
     # Split the thinking of reasoning models from their answer (qwen3, deepseek_r1); None:
     # replies are returned whole.
     reasoning_parser: str | None = None
+    # Engine replicas behind this server (data parallelism on Ray; see docs/distributed.md).
+    # 1: one engine process, no Ray.
+    dp_size: int = 1
+    # How requests are spread over the replicas (with dp_size > 1).
+    router: str = "cache_aware"
+    # The Ray cluster the replicas join (default: RAY_ADDRESS, else a local cluster).
+    ray_address: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -79,6 +87,11 @@ class ServerConfig:
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
                              f"got {self.reasoning_parser!r}")
+        if self.dp_size < 1:
+            raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
+        if self.router not in ROUTING_POLICIES:
+            raise ValueError(f"router must be one of {', '.join(ROUTING_POLICIES)}, got "
+                             f"{self.router!r}")
         if self.tool_call_parser not in (None, *TOOL_CALL_FORMATS):
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_FORMATS)}, "
                              f"got {self.tool_call_parser!r}")
@@ -129,6 +142,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                         help="return the thinking of reasoning models as reasoning_content, "
                              "apart from the answer (default: replies whole)")
+    dp = parser.add_argument_group("data parallelism (see docs/distributed.md)")
+    dp.add_argument("--dp", "--dp-size", "--data-parallel-size", type=int,
+                    default=ServerConfig.dp_size, dest="dp_size",
+                    help="engine replicas, each with its own KV pool and prefix cache, started "
+                         "as Ray actors (needs radixlm[ray]); 1: one engine, no Ray")
+    dp.add_argument("--router", default=ServerConfig.router, choices=ROUTING_POLICIES,
+                    help="which replica serves each request (with --dp > 1)")
+    dp.add_argument("--ray-address", default=None,
+                    help="join this Ray cluster (e.g. 10.0.0.1:6379; default: RAY_ADDRESS, "
+                         "else start a local one)")
     add_engine_args(parser.add_argument_group("engine (see docs/engine.md)"))
 
 

@@ -6,12 +6,14 @@ The port is bound first, so a taken port fails at once instead of after the mode
 /health answers 503 "starting" until the engine is ready. SIGTERM (or Ctrl-C) stops accepting
 connections, gives in-flight requests --shutdown-timeout seconds, aborts what is left, stops
 the engine process and exits 0. A second signal aborts in-flight requests at once.
+With --dp N the engine is N replicas on Ray (replica_set.py) behind the same front end.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import logging
 import os
 import signal
@@ -53,6 +55,9 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"radixlm serve: error: {exc}", file=sys.stderr)
         return 2
+    if config.dp_size > 1 and importlib.util.find_spec("ray") is None:
+        print("radixlm serve: error: --dp needs Ray: pip install 'radixlm[ray]'", file=sys.stderr)
+        return 2
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return asyncio.run(_serve(config, options))
@@ -62,7 +67,7 @@ async def _serve(config: ServerConfig, options: dict[str, Any]) -> int:
     from radixlm.runtime.models.loader import DEFAULT_MODEL
 
     model = options.get("model")
-    state = ServerState(config=config, engine=EngineClient(options, config.log_level),
+    state = ServerState(config=config, engine=_engine_handle(config, options),
                         codec=TextCodec(None),
                         model_name=config.served_model_name or model or DEFAULT_MODEL,
                         model_path=model)
@@ -113,6 +118,16 @@ async def _serve(config: ServerConfig, options: dict[str, Any]) -> int:
     await _shutdown(state, runner)
     log.info("radixlm server stopped")
     return code
+
+
+def _engine_handle(config: ServerConfig, options: dict[str, Any]) -> Any:
+    """One engine process, or (--dp N) N replicas on Ray behind the same interface."""
+    if config.dp_size == 1:
+        return EngineClient(options, config.log_level)
+    from radixlm.runtime.server.replica_set import ReplicaSet
+
+    return ReplicaSet(options, config.log_level, dp_size=config.dp_size, policy=config.router,
+                      ray_address=config.ray_address)
 
 
 async def _start_engine(state: ServerState, options: dict[str, Any]) -> None:

@@ -1,0 +1,437 @@
+"""`radixlm serve --dp N`: N engine replicas (Ray actors, see distributed/replicas.py) behind
+the one HTTP front end, each with its own KV pool and radix cache.
+
+`ReplicaSet` has the methods of `EngineClient`, so the routes, the watchdog and the shutdown
+path use it unchanged. Each request goes where the router (distributed/routing.py) sends it,
+given each replica's load (its requests in flight, known exactly here). A replica speaks the
+engine process's pipe protocol (the same `_EngineServer` runs inside the actor), so its client
+is an `EngineClient` whose pipe is a Ray handle.
+
+When a replica dies, Ray restarts it (it loads its engine again). Its requests that had sent
+nothing to their client yet are submitted again on another replica; the others end with an
+error naming the replica (503). Nothing waits for the dead replica: new requests go to the
+others until the new one is ready, and the router is told its cache is empty. The server
+exits (status 1) only when every replica is gone for good.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any
+
+from radixlm.runtime.distributed.routing import ReplicaLoad, RouteRequest, make_router
+from radixlm.runtime.server.engine_client import EngineCallError, EngineClient, Sink
+from radixlm.runtime.server.ipc import Chunk, EngineError, EngineInfo
+
+log = logging.getLogger("radixlm.server")
+
+START_TIMEOUT = 1800.0  # seconds a replica may take to load (a first download included)
+MAX_RESTARTS = 8  # per replica, by Ray
+# Stats that describe a replica rather than count its work: taken from one, not summed.
+_SHARED_STATS = ("page_size", "max_model_len")
+
+
+# -- inside the actor --------------------------------------------------------------------------
+
+def load_engine(options: dict[str, Any], threads: int | None) -> tuple[Any, EngineInfo]:
+    """The replica's engine and what the front end needs to know of it."""
+    import torch
+
+    from radixlm.runtime.engine.engine import Engine
+
+    if threads:
+        torch.set_num_threads(threads)
+    engine = Engine(**options)
+    eos = set(engine.model_config.eos_token_ids)
+    tokenizer = engine.tokenizer
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    info = EngineInfo(max_model_len=engine.max_model_len,
+                      vocab_size=engine.model_config.vocab_size,
+                      architecture=engine.model_config.architecture,
+                      eos_token_ids=sorted(eos), config=dataclasses.asdict(engine.config))
+    return engine, info
+
+
+def serve_engine(engine: Any, end: Any) -> None:
+    """Serve the pipe protocol over the actor's channel until the stop message."""
+    from radixlm.runtime.server.engine_process import _EngineServer
+
+    try:
+        asyncio.run(_EngineServer(engine, end).serve())
+    finally:
+        engine.close()
+
+
+# -- the front end -----------------------------------------------------------------------------
+
+class ReplicaLost(EngineError):
+    """The replica serving a request died (a request with nothing sent yet is retried)."""
+
+
+class ReplicaClient(EngineClient):
+    """An EngineClient whose engine is one replica actor."""
+
+    def __init__(self, handle: Any, on_ready: Any, log_level: str) -> None:
+        super().__init__({}, log_level)
+        self.handle = handle
+        self.index = handle.index
+        self.on_ready = on_ready  # called (index, seconds down or None) when (re)started
+        self.gone = False  # dead for good
+        self.restarts = 0
+        self.place: Any = None
+        self._recovering = False
+        # Waiting for the replica blocks a thread for as long as it loads: one of its own.
+        self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-wait")
+
+    async def start(self) -> EngineInfo:
+        self._loop = asyncio.get_running_loop()
+        self._conn = self.handle
+        info, self.place = await self._loop.run_in_executor(self._waiter,
+                                                            self.handle.wait_ready,
+                                                            START_TIMEOUT)
+        self._resume(info)
+        threading.Thread(target=self._write, name=f"replica-{self.index}-writer",
+                         daemon=True).start()
+        return info
+
+    def _resume(self, info: EngineInfo) -> None:
+        self.info = info
+        self.died.clear()
+        self.stalled = False
+        self._rounds = -1
+        self._last_progress = time.monotonic()
+        threading.Thread(target=self._read, name=f"replica-{self.index}-reader",
+                         daemon=True).start()
+
+    def _on_engine_exit(self) -> None:
+        if self._closing or self._recovering:
+            return
+        if not self.died.is_set():
+            log.error("engine replica %d was lost (pid %s on %s); Ray is restarting it",
+                      self.index, self.place.pid if self.place else "?",
+                      self.place.node if self.place else "?")
+            self._fail_everything(ReplicaLost(
+                503, f"engine replica {self.index} failed while serving this request "
+                     f"(it is being restarted); retry"))
+        self._recovering = True
+        asyncio.ensure_future(self._recover())
+
+    async def _recover(self) -> None:
+        lost = time.monotonic()
+        loop = asyncio.get_running_loop()
+        try:
+            info, self.place = await loop.run_in_executor(self._waiter, self.handle.wait_ready,
+                                                          START_TIMEOUT)
+        except Exception as exc:
+            log.error("engine replica %d will not come back: %s", self.index, exc)
+            self.gone = True
+            self._recovering = False
+            self.on_ready(self.index, None)
+            return
+        self._recovering = False
+        if self._closing:
+            return
+        self.restarts += 1
+        self._resume(info)
+        self.on_ready(self.index, time.monotonic() - lost)
+
+    def stuck_for(self) -> float:
+        """Seconds since the replica's loop last showed progress while it had work."""
+        return time.monotonic() - self._last_progress
+
+    def fail_stalled(self, seconds: float) -> None:
+        """The watchdog's verdict: fail its requests and kill it (Ray restarts it)."""
+        self.stalled = True
+        self._fail_everything(ReplicaLost(
+            503, f"engine replica {self.index} made no progress for {seconds:.0f} s; it is "
+                 f"being restarted"))
+        self.handle.kill(restart=True)
+
+    async def close(self, timeout: float = 10.0) -> None:
+        self._closing = True
+        if self.info is not None and self.alive:
+            self._outbox.put(("shutdown",))
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.handle.stop, timeout)
+        self._outbox.put(None)
+        self._waiter.shutdown(wait=False, cancel_futures=True)
+
+
+class _Relay:
+    """Stands between a replica and a request's sink: notes whether anything reached the
+    consumer, resubmits on another replica when the replica died before that, and tells the
+    router when the request has ended."""
+
+    def __init__(self, replicas: "ReplicaSet", key: str, route: RouteRequest,
+                 submit_args: tuple, sink: Sink, samples: int) -> None:
+        self.replicas = replicas
+        self.key = key
+        self.route = route
+        self.submit_args = submit_args  # (input_ids, params, cache_salt, group, rank)
+        self.sink = sink
+        self.samples = samples  # samples whose last chunk has not come
+        self.replica = -1
+        self.delivered = False
+        self.retried = False
+
+    def put_nowait(self, item: tuple[str, Chunk | EngineError]) -> None:
+        _, payload = item
+        if isinstance(payload, ReplicaLost) and not self.delivered and not self.retried:
+            self.retried = True
+            self.replicas._retry(self)
+            return
+        self.delivered = True
+        if isinstance(payload, EngineError):
+            self.samples = 0
+        elif payload.finished:
+            self.samples -= 1
+        self.sink.put_nowait(item)
+        if self.samples == 0:
+            self.replicas._ended(self)
+
+
+class ReplicaSet:
+    """N replicas behind one front end, with EngineClient's interface (see its docstrings)."""
+
+    def __init__(self, options: dict[str, Any], log_level: str = "info", *, dp_size: int,
+                 policy: str = "cache_aware", ray_address: str | None = None) -> None:
+        self.options = options
+        self.log_level = log_level
+        self.dp_size = dp_size
+        self.policy = policy
+        self.ray_address = ray_address
+        self.router = make_router(policy, dp_size)
+        self.replicas: list[ReplicaClient] = []
+        self.info: EngineInfo | None = None
+        self.died = asyncio.Event()  # every replica is gone for good
+        self.stalled = False
+        self._owner: dict[str, _Relay] = {}  # request key -> its relay (and so its replica)
+        self._closing = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> EngineInfo:
+        from radixlm.runtime.distributed import replicas as ray_replicas
+
+        loop = asyncio.get_running_loop()
+        local = not (self.ray_address or os.environ.get("RAY_ADDRESS"))
+        cpus = os.cpu_count() or 1
+        where = await loop.run_in_executor(None, partial(
+            ray_replicas.connect, self.ray_address, max(cpus, self.dp_size) if local else None))
+        device = str(self.options.get("device") or "auto")
+        gpus = (self.options.get("tp_size", 1) if device.startswith("cuda") or (
+            device == "auto" and _cluster_gpus() > 0) else 0)
+        threads = max(1, cpus // self.dp_size) if local and not gpus else None
+        log.info("starting %d engine replicas on the Ray cluster at %s (%s per replica, "
+                 "router %s)", self.dp_size, where, f"{gpus} GPU(s)" if gpus else "1 CPU",
+                 self.policy)
+        load = partial(load_engine, self.options, threads)
+        handles = [ray_replicas.ReplicaHandle(i, load, serve_engine, num_cpus=0 if gpus else 1,
+                                              num_gpus=gpus, max_restarts=MAX_RESTARTS)
+                   for i in range(self.dp_size)]
+        self.replicas = [ReplicaClient(h, self._on_ready, self.log_level) for h in handles]
+        infos = await asyncio.gather(*(r.start() for r in self.replicas),
+                                     return_exceptions=True)
+        failed = [(i, e) for i, e in enumerate(infos) if isinstance(e, BaseException)]
+        if failed:
+            await self.close()
+            i, exc = failed[0]
+            raise RuntimeError(f"engine replica {i} failed to start: {exc}")
+        for r in self.replicas:
+            log.info("engine replica %d ready: pid %d on %s", r.index, r.place.pid, r.place.node)
+        first = infos[0]
+        config = dict(first.config)
+        # The server's queue limit counts what all replicas run at once.
+        config["max_running_requests"] = config.get("max_running_requests", 0) * self.dp_size
+        config["dp_size"] = self.dp_size
+        config["router"] = self.policy
+        self.info = dataclasses.replace(first, config=config)
+        return self.info
+
+    def _on_ready(self, index: int, down_seconds: float | None) -> None:
+        replica = self.replicas[index]
+        if down_seconds is None:  # gone for good
+            if all(r.gone for r in self.replicas) and not self._closing:
+                log.error("every engine replica is gone")
+                self.died.set()
+            return
+        self.router.replica_reset(index)
+        log.info("engine replica %d replaced in %.1f s: pid %d on %s (restart %d)", index,
+                 down_seconds, replica.place.pid, replica.place.node, replica.restarts)
+
+    async def close(self, timeout: float = 10.0) -> None:
+        self._closing = True
+        await asyncio.gather(*(r.close(timeout) for r in self.replicas), return_exceptions=True)
+
+    @property
+    def alive(self) -> bool:
+        return self.info is not None and any(r.alive for r in self.replicas)
+
+    def replica_stats(self) -> list[dict[str, Any]]:
+        return [{"replica": r.index, "alive": r.alive, "restarts": r.restarts,
+                 "in_flight": r.in_flight} for r in self.replicas]
+
+    # -- requests ----------------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        return sum(r.in_flight for r in self.replicas)
+
+    def is_tracked(self, key: str) -> bool:
+        return key in self._owner or any(r.is_tracked(key) for r in self.replicas)
+
+    def submit(self, key: str, input_ids: list[int], params: Any, cache_salt: str | None,
+               sink: Sink, group: str | None = None, rank: int = 0) -> None:
+        if key in self._owner:
+            raise ValueError(f"request id {key!r} is already in use")
+        relay = _Relay(self, key, RouteRequest(token_ids=input_ids, session=cache_salt),
+                       (input_ids, params, cache_salt, group, rank), sink, params.n)
+        self._send(relay)
+
+    def _send(self, relay: _Relay) -> None:
+        replica = self._choose(relay.route)
+        if replica is None:
+            relay.sink.put_nowait((relay.key, EngineError(503, "no engine replica is "
+                                                               "running")))
+            return
+        relay.replica = replica
+        self._owner[relay.key] = relay
+        input_ids, params, cache_salt, group, rank = relay.submit_args
+        self.replicas[replica].submit(relay.key, input_ids, params, cache_salt, relay, group,
+                                      rank)
+
+    def _retry(self, relay: _Relay) -> None:
+        """Its replica died before the request sent anything: run it elsewhere."""
+        self._ended(relay)
+        log.info("request %s resubmitted after replica %d was lost", relay.key, relay.replica)
+        self._send(relay)
+
+    def _ended(self, relay: _Relay) -> None:
+        if self._owner.get(relay.key) is relay:
+            del self._owner[relay.key]
+            self.router.finished(relay.replica, relay.route)
+
+    def _choose(self, route: RouteRequest) -> int | None:
+        loads = []
+        for r in self.replicas:
+            running_cap = max(1, (r.info.config.get("max_running_requests") or 1)
+                              if r.info else 1)
+            flight = r.in_flight
+            loads.append(ReplicaLoad(running=min(flight, running_cap),
+                                     waiting=max(0, flight - running_cap), healthy=r.alive))
+        if not any(load.healthy for load in loads):
+            return None
+        return self.router.choose(route, loads)
+
+    def abort(self, key: str) -> None:
+        relay = self._owner.get(key)
+        if relay is not None:
+            self.replicas[relay.replica].abort(key)
+
+    def detach(self, key: str) -> None:
+        relay = self._owner.get(key)
+        if relay is not None:
+            self.replicas[relay.replica].detach(key)
+            self._ended(relay)  # nothing more reaches the relay once detached
+
+    def abort_matching(self, rid: str) -> int:
+        return sum(r.abort_matching(rid) for r in self.replicas)
+
+    def abort_all(self) -> None:
+        for r in self.replicas:
+            r.abort_all()
+
+    # -- calls -------------------------------------------------------------------------------
+
+    async def call(self, method: str, **kwargs: Any) -> Any:
+        if method == "stats":
+            return await self._stats()
+        if method == "flush_cache":
+            for r in self._live():
+                await r.call("flush_cache")
+            return None
+        if method == "release_prefix":
+            index, _, lease = str(kwargs.get("lease_id", "")).partition(":")
+            if not (index.isdigit() and int(index) < self.dp_size):
+                return False
+            replica = self.replicas[int(index)]
+            if not replica.alive:
+                return False  # its leases went with it
+            return await replica.call(method, **{**kwargs, "lease_id": lease})
+        route = RouteRequest(token_ids=kwargs.get("input_ids") or kwargs.get("prefix_ids"),
+                             session=kwargs.get("cache_salt"))
+        index = self._choose(route)
+        if index is None:
+            raise EngineCallError(EngineError(503, "no engine replica is running"))
+        try:
+            result = await self.replicas[index].call(method, **kwargs)
+        finally:
+            self.router.finished(index, route)
+        if method == "pin_prefix" and result is not None:
+            return f"{index}:{result}"  # release_prefix finds the replica from it
+        return result
+
+    async def call_counted(self, key: str, count: int, method: str, **kwargs: Any) -> Any:
+        route = RouteRequest(token_ids=kwargs.get("prefix_ids"), session=kwargs.get("cache_salt"))
+        index = self._choose(route)
+        if index is None:
+            raise EngineCallError(EngineError(503, "no engine replica is running"))
+        try:
+            return await self.replicas[index].call_counted(key, count, method, **kwargs)
+        finally:
+            self.router.finished(index, route)
+
+    def _live(self) -> list[ReplicaClient]:
+        return [r for r in self.replicas if r.alive]
+
+    async def _stats(self) -> dict[str, Any]:
+        """Every live replica's statistics, summed (sizes taken from one), and each one's
+        under "replicas"."""
+        live = self._live()
+        if not live:
+            raise EngineCallError(EngineError(503, "no engine replica is running"))
+        results = await asyncio.gather(*(r.call("stats") for r in live), return_exceptions=True)
+        total: dict[str, Any] = {}
+        per_replica = []
+        for r, stats in zip(live, results):
+            if isinstance(stats, BaseException):
+                continue
+            per_replica.append({"replica": r.index, "restarts": r.restarts, **stats})
+            for name, value in stats.items():
+                if name in _SHARED_STATS or not isinstance(value, (int, float)) \
+                        or isinstance(value, bool):
+                    total.setdefault(name, value)
+                else:
+                    total[name] = total.get(name, 0) + value
+        total["replicas"] = per_replica
+        total["replicas_alive"] = len(live)
+        return total
+
+    # -- watchdog ----------------------------------------------------------------------------
+
+    async def watch(self, timeout: float) -> None:
+        """A replica with work whose loop has not moved for `timeout` seconds (or that stopped
+        answering) has its requests failed and is killed; Ray restarts it."""
+        while not (self.died.is_set() or self._closing):
+            await asyncio.sleep(min(1.0, timeout / 4))
+            for r in self.replicas:
+                stuck = r.stuck_for()
+                if r.alive and stuck > timeout and not self._closing:
+                    log.error("engine replica %d made no progress for %.0f s while it had "
+                              "work (or stopped answering): failing its requests and "
+                              "restarting it (--watchdog-timeout %g)", r.index, stuck, timeout)
+                    r.fail_stalled(stuck)
+
+
+def _cluster_gpus() -> float:
+    import ray
+
+    return ray.cluster_resources().get("GPU", 0)
