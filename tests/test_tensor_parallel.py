@@ -7,6 +7,7 @@ the tests share engines across assertions and keep the launches few.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -235,3 +236,53 @@ def test_tp2_on_two_gpus_matches_tp1(tmp_path):
         assert engine.stats()["overlapped_steps"] > 0
     with Engine(str(folder), tp_size=2, disable_cuda_graph=True, **options) as engine:
         assert _greedy(engine, PROMPTS) == expected
+
+
+def test_two_nodes_on_the_loopback_match_tp1(tmp_path):
+    """The multi-machine recipe of docs/distributed.md, with two "nodes" launched apart on the
+    loopback interface: node 0 runs `radixlm serve` (rank 0, RADIXLM_TP_EXTERNAL_WORKERS=1) and
+    its local worker (rank 1); node 1 runs ranks 2 and 3 as their own launch, with their own
+    LOCAL_RANK. Greedy output over HTTP equals TP=1's."""
+    import json
+    import urllib.request
+
+    from radixlm.runtime.parallel.groups import free_port
+    from radixlm.runtime.server.process import ServerProcess
+
+    folder = save_tiny_hf_model(tmp_path, "llama", vocab_size=510, tie=True)
+    with Engine(str(folder), **_options()) as engine:
+        expected = _greedy(engine, PROMPTS)
+    every_node = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                  "GLOO_SOCKET_IFNAME": "lo", "RADIXLM_TP_TIMEOUT": "60"}
+    worker = [sys.executable, "-m", "radixlm.runtime.parallel.worker"]
+
+    def launch(rank: int, local_rank: int) -> subprocess.Popen:
+        env = {**os.environ, **every_node, "WORLD_SIZE": "4", "RANK": str(rank),
+               "LOCAL_RANK": str(local_rank)}
+        return subprocess.Popen(worker, env=env, stdin=subprocess.DEVNULL)
+
+    node0_worker = launch(1, 1)
+    node1 = [launch(2, 0), launch(3, 1)]
+    workers = [node0_worker, *node1]
+    server = ServerProcess(["--model", str(folder), "--tp", "4", "--dtype", "float32",
+                            "--device", "cpu", "--max-total-tokens", "4096"],
+                           env={**every_node, "RADIXLM_TP_EXTERNAL_WORKERS": "1"})
+    try:
+        with server:
+            got = []
+            for prompt in PROMPTS:
+                body = {"input_ids": prompt, "sampling_params": GREEDY}
+                request = urllib.request.Request(server.url + "/generate",
+                                                 json.dumps(body).encode(),
+                                                 {"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, timeout=60) as response:
+                    got.append(json.loads(response.read())["output_ids"])
+            assert got == expected
+        # The server's shutdown stops every rank, those of the other "node" too.
+        for proc in workers:
+            assert proc.wait(timeout=30) == 0
+    finally:
+        for proc in workers:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
