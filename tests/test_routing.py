@@ -84,14 +84,18 @@ def test_outstanding_requests_are_a_floor_on_load():
 
 
 def test_cache_aware_keeps_a_shared_prefix_on_one_replica():
-    router = make_router("cache_aware", 8)
-    # Forks of one program arrive together, none finished yet: they follow the first.
-    forks = [router.choose(prompt(7, i), [IDLE] * 8) for i in range(16)]
+    router = make_router("cache_aware", 8, overload_abs=16)
+    # Forks of one program arrive together, none finished yet: they follow the first, up to
+    # overload_abs + 1 of them while the other replicas are idle.
+    forks = [router.choose(prompt(7, i), [IDLE] * 8) for i in range(17)]
     assert len(set(forks)) == 1
     # Other prefixes spread over the other replicas (least loaded first).
     others = {router.choose(prompt(100 + p, 0), [IDLE] * 8) for p in range(7)}
     assert forks[0] not in others and len(others) == 7
-    assert router.decisions["prefix"] == 15
+    assert router.decisions["prefix"] == 16
+    # The others hold one request each now: forks go home until 1 + 16 are there.
+    assert router.choose(prompt(7, 17), [IDLE] * 8) == forks[0]
+    assert router.choose(prompt(7, 18), [IDLE] * 8) != forks[0]
 
 
 def test_cache_aware_leaves_an_overloaded_replica():
@@ -138,14 +142,23 @@ def test_cache_aware_session_map_is_bounded():
 
 
 def test_cache_aware_routes_text_on_its_prefix():
-    router = make_router("cache_aware", 4)
+    router = make_router("cache_aware", 4)  # overload_abs 8: 9 requests may share one
     system = "You are a careful assistant. " * 10
     picks = {router.choose(RouteRequest(text=system + f"Question {i}?"), [IDLE] * 4)
-             for i in range(10)}
+             for i in range(9)}
     assert len(picks) == 1
     # The same words as token ids are another key: text and tokens never match each other.
     assert prefix_key(RouteRequest(token_ids=[ord(c) for c in system]))[1:] == system
     assert RoutedPrefixes(1, 100).match(prefix_key(RouteRequest(text=system))) == {}
+
+
+def test_odd_token_ids_never_fail_a_request():
+    folded = "T" + chr(0x10FFFF) + chr(2**40 % 0x110000)
+    assert prefix_key(RouteRequest(token_ids=[-1, 2**40])) == folded
+    assert prefix_key(RouteRequest(token_ids=[[1, 2], [3]])) == ""  # type: ignore[list-item]
+    assert prefix_key(RouteRequest(token_ids=[])) == prefix_key(RouteRequest()) == ""
+    router = make_router("cache_aware", 2)
+    assert router.choose(RouteRequest(token_ids=[[1, 2]]), [IDLE] * 2) in (0, 1)  # type: ignore
 
 
 def test_replica_reset_forgets_its_prefixes_and_sessions():
