@@ -16,8 +16,8 @@ A float8 cache (radixlm.runtime.attention.kv_cache) is widened to the query's dt
 loaded; its K scale is part of score_mul and its V scale is out_mul.
 
 (Merging in the split kernel itself, the last split of each sequence and KV head taking a
-ticket and merging, made batch-1 decode attention slower on an H200: 14 us a layer against 10
-for split + merge kernels, Llama-3-8B shape at a 1088-token context.)
+ticket and merging, made batch-1 decode attention slower on an H200: 14 us a layer against 12
+for split + merge + store kernels, Llama-3-8B shape at a ~1088-token context.)
 
 A sliding window moves the start of the context: keys [max(kv_len - window, 0), kv_len) are
 split as above, so out-of-window keys are never even loaded. Soft-capped scores (SOFTCAP) are
