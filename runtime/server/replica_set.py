@@ -247,6 +247,11 @@ class ReplicaSet:
             raise RuntimeError(f"engine replica {i} failed to start: {exc}")
         for r in self.replicas:
             log.info("engine replica %d ready: pid %d on %s", r.index, r.place.pid, r.place.node)
+        if self.policy == "cache_aware":
+            # The router's picture of each replica's cache holds about what its pool does.
+            stats = await self.replicas[0].call("stats")
+            self.router = make_router(self.policy, self.dp_size, tree_capacity=max(
+                1, stats["kv_pages_total"] * stats["page_size"]))
         first = infos[0]
         config = dict(first.config)
         # The server's queue limit counts what all replicas run at once.
@@ -303,6 +308,8 @@ class ReplicaSet:
                                                                "running")))
             return
         relay.replica = replica
+        log.debug("request %s (%d tokens) -> replica %d", relay.key,
+                  len(relay.submit_args[0]), replica)
         self._owner[relay.key] = relay
         input_ids, params, cache_salt, group, rank = relay.submit_args
         self.replicas[replica].submit(relay.key, input_ids, params, cache_salt, relay, group,
