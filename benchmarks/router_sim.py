@@ -48,6 +48,7 @@ import bisect
 import datetime
 import heapq
 import json
+import os
 import platform
 import random
 import time
@@ -355,6 +356,7 @@ def simulate(args: argparse.Namespace, replicas: int, policy: str) -> dict:
            "hit_rate_bound": reachable / prompt,  # one infinite cache shared by all
            "busy_max_over_mean": max(busy) / (sum(busy) / replicas),
            "utilization": sum(busy) / replicas / t,
+           "prefill_share": (prompt - hit) * PREFILL_S_PER_TOKEN / replicas / t,
            "prefill_max_over_mean": max(prefill) / (sum(prefill) / replicas),
            "ttft_p50_ms": 1e3 * ttfts[len(ttfts) // 2],
            "ttft_p99_ms": 1e3 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
@@ -362,7 +364,21 @@ def simulate(args: argparse.Namespace, replicas: int, policy: str) -> dict:
            "simulated_s": t, "wall_s": time.perf_counter() - wall}
     if policy == "cache_aware":
         row["decisions"] = dict(router.decisions)
+        row["options"] = {name: getattr(router, name) for name in
+                          ("overload_abs", "overload_rel", "min_match", "max_sessions")}
+        row["options"]["tree_capacity"] = router.tree.capacity
     return row
+
+
+def machine() -> dict:
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f
+                         if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"processor": model, "cpus": os.cpu_count(), "python": platform.python_version()}
 
 
 def option(text: str) -> tuple[str, float | int]:
@@ -405,8 +421,7 @@ def main() -> None:
                   f"{r['ttft_p50_ms']:>8.0f}ms{r['ttft_p99_ms']:>8.0f}ms{r['wall_s']:>6.1f}s",
                   flush=True)
     record = {"benchmark": "router_sim", "date": datetime.date.today().isoformat(),
-              "machine": {"processor": platform.processor() or platform.machine(),
-                          "python": platform.python_version()},
+              "machine": machine(),
               "cost_model": {"prefill_s_per_token": PREFILL_S_PER_TOKEN,
                              "prefill_s_per_sequence": PREFILL_S_PER_SEQUENCE,
                              "decode_batch": DECODE_BATCH, "decode_step_s": DECODE_STEP_S,

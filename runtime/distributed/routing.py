@@ -167,10 +167,10 @@ class CacheAwareRouter(Router):
     Options (the thresholds from `benchmarks/router_sim.py`, see docs/distributed.md):
       overload_abs    8       requests above the least loaded replica. Smaller spreads a hot
                               prefix sooner (lower p99 TTFT, a lower hit rate); larger keeps
-                              bigger fork groups together. 4 to 8 was best in the simulation,
-                              32 doubled its p99 TTFT at 64 replicas.
+                              bigger fork groups together (up to overload_abs + 1 requests
+                              on one replica while the others are idle).
       overload_rel    1.5     times the least loaded replica's load: what bounds the
-                              imbalance once replicas are busy (above 16 running here).
+                              imbalance once replicas are busy (above 16 requests each).
       min_match       64      units of matched prefix worth routing for
       tree_capacity   1 << 20 units remembered per replica (LRU); set it near the replica's
                               KV pool in tokens. Memory: ~4 bytes per unit plus ~200 per node.
