@@ -38,7 +38,7 @@ the first token, queueing included).
 
     python benchmarks/router_sim.py                       # 8, 64, 256 replicas; every policy
     python benchmarks/router_sim.py --replicas 64 --policies cache_aware \\
-        --option overload_abs=8 --out /tmp/sim.json
+        --option overload_abs=8 --out sim.json
 """
 
 from __future__ import annotations
