@@ -139,3 +139,19 @@ def test_killed_replica_fails_or_reruns_its_requests_and_is_replaced(server):
     for prompt in PROMPTS:  # both replicas serve again
         _generate(server, prompt)
     assert all(r["requests_finished"] > 0 for r in _replica_stats(server))
+
+
+def test_tensor_parallel_replicas_match_a_single_engine(tmp_path):
+    """--tp 2 --dp 2: each replica is a TP=2 engine (its worker a process of its own)."""
+    from conftest import save_tiny_hf_model
+
+    folder = save_tiny_hf_model(tmp_path, "llama", vocab_size=512)
+    with Engine(str(folder), max_total_tokens=4096) as engine:
+        expected = [o.token_ids for o in engine.generate(input_ids=PROMPTS[:4],
+                                                         sampling_params=GREEDY)]
+    args = ["--model", str(folder), "--max-total-tokens", "4096", "--dp", "2", "--tp", "2",
+            "--router", "round_robin"]
+    with ServerProcess(args, startup_timeout=180) as server:
+        got = [_generate(server, ids)["output_ids"] for ids in PROMPTS[:4]]
+        assert [r["requests_finished"] for r in _replica_stats(server)] == [2, 2]
+    assert got == expected

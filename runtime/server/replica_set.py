@@ -275,6 +275,10 @@ class ReplicaSet:
     async def close(self, timeout: float = 10.0) -> None:
         self._closing = True
         await asyncio.gather(*(r.close(timeout) for r in self.replicas), return_exceptions=True)
+        from radixlm.runtime.distributed import replicas as ray_replicas
+
+        # Leaves a cluster we joined; stops the local one we started.
+        await asyncio.get_running_loop().run_in_executor(None, ray_replicas.disconnect)
 
     @property
     def alive(self) -> bool:
