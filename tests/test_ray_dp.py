@@ -155,3 +155,13 @@ def test_tensor_parallel_replicas_match_a_single_engine(tmp_path):
         got = [_generate(server, ids)["output_ids"] for ids in PROMPTS[:4]]
         assert [r["requests_finished"] for r in _replica_stats(server)] == [2, 2]
     assert got == expected
+
+
+def test_dp_flags_are_checked_before_anything_starts(capsys):
+    from radixlm.runtime.cli import main
+
+    assert main(["serve", "--dp", "0"]) == 2
+    assert "dp_size" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--dp", "2", "--router", "random"])
+    assert "--router" in capsys.readouterr().err
