@@ -38,6 +38,7 @@ def server(tiny_chat_model):
             "--router", "cache_aware", "--max-running-requests", "1"]
     with ServerProcess(args, startup_timeout=180) as proc:
         yield proc
+        assert proc.stop() == 0  # SIGTERM: replicas stopped, Ray left, a clean exit
 
 
 def _post(server: ServerProcess, path: str, body: dict, timeout: float = 60) -> tuple[int, str]:
