@@ -121,15 +121,11 @@ def test_killed_replica_fails_or_reruns_its_requests_and_is_replaced(server):
             assert status == 200
             assert body.rstrip().endswith("data: [DONE]")
             failed += "engine replica" in body
-        elif status == 503:
-            assert "engine replica 0 failed" in json.loads(body)["error"]["message"]
-            failed += 1
-        else:
+        else:  # not streamed: nothing had left the server, so it ran again if it had to
             assert status == 200, body
+            # Exactly its own tokens: a rerun drops what the lost replica had made.
             assert len(json.loads(body)["output_ids"]) == long["max_new_tokens"]
-    # Only what was running on the killed replica can fail (one request at a time there);
-    # what waited there ran again on the other.
-    assert failed <= 1
+    assert failed <= 1  # only a stream under way on the killed replica
     assert "resubmitted after replica 0 was lost" in server.log_text()
     deadline = killed + 60
     while "engine replica 0 replaced" not in server.log_text():

@@ -69,6 +69,19 @@ class Sample:
             self.prompt_logprobs = chunk.prompt_logprobs
 
 
+class Rerun:
+    """Put in a generation's sink in place of a key's chunks: the request is running again
+    from the start (the engine replica serving it was lost before anything of it had left
+    the server), so what it produced so far is dropped."""
+
+
+class _Sink(asyncio.Queue):
+    """A generation's sink. `rerunnable`: its consumer sends nothing before the end (no
+    stream), so a request may still be run again from the start after it produced tokens."""
+
+    rerunnable = False
+
+
 class Generation:
     def __init__(self, state: ServerState, prompts: list[list[int]],
                  params: list[SamplingParams], keys: list[str],
@@ -93,7 +106,7 @@ class Generation:
                 self._by_id[(key, index)] = sample
         # Samples per key whose last chunk has not come: the keys to abort on an early exit.
         self._pending = {key: p.n for key, p in zip(keys, params)}
-        self._sink: asyncio.Queue = asyncio.Queue()
+        self._sink: _Sink = _Sink()
 
     async def __aenter__(self) -> "Generation":
         self._admit()
@@ -131,6 +144,9 @@ class Generation:
             while not self._sink.empty():
                 items.append(self._sink.get_nowait())
             for key, item in coalesce(items):
+                if isinstance(item, Rerun):
+                    self._forget(key)
+                    continue
                 if isinstance(item, EngineError):
                     self._pending[key] = 0  # the engine never started it
                     raise ApiError(item.status, item.message,
@@ -143,8 +159,19 @@ class Generation:
                     self._pending[key] -= 1
                 yield sample, item
 
+    def _forget(self, key: str) -> None:
+        """The key's request starts over: its samples are empty again."""
+        i = self.keys.index(key)
+        self._pending[key] = self.params[i].n
+        for place, sample in enumerate(self.samples):
+            if sample.prompt_index == i:
+                fresh = Sample(i, sample.index, sample.request_id)
+                self.samples[place] = fresh
+                self._by_id[(key, sample.index)] = fresh
+
     async def run(self) -> list[Sample]:
         """Wait until every sample has finished."""
+        self._sink.rerunnable = True  # nothing reaches the client before the end
         async for _ in self.chunks():
             pass
         return self.samples
@@ -193,8 +220,8 @@ class Generation:
         return None
 
 
-def coalesce(items: list[tuple[str, Chunk | EngineError]]
-             ) -> list[tuple[str, Chunk | EngineError]]:
+def coalesce(items: list[tuple[str, Chunk | EngineError | Rerun]]
+             ) -> list[tuple[str, Chunk | EngineError | Rerun]]:
     """Merge the chunks of each sample among `items` into one, at the place of its first:
     deltas, tokens and logprobs joined, the rest from the latest. A stream that fell behind
     (its consumer, or the client's socket, was slower than the engine) then catches up with
@@ -202,11 +229,13 @@ def coalesce(items: list[tuple[str, Chunk | EngineError]]
     token just when it has least to spare; a stream that keeps up is not changed."""
     if len(items) == 1:
         return items
-    merged: list[tuple[str, Chunk | EngineError]] = []
+    merged: list[tuple[str, Chunk | EngineError | Rerun]] = []
     at: dict[tuple[str, int], int] = {}  # (key, sample) -> its unfinished chunk in merged
     for key, item in items:
-        if isinstance(item, EngineError):
+        if isinstance(item, (EngineError, Rerun)):
             merged.append((key, item))
+            if isinstance(item, Rerun):  # what comes after it starts over
+                at = {k: v for k, v in at.items() if k[0] != key}
             continue
         place = at.get((key, item.index))
         if place is None:

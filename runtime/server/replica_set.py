@@ -28,6 +28,7 @@ from typing import Any
 
 from radixlm.runtime.distributed.routing import ReplicaLoad, RouteRequest, make_router
 from radixlm.runtime.server.engine_client import EngineCallError, EngineClient, Sink
+from radixlm.runtime.server.generation import Rerun
 from radixlm.runtime.server.ipc import Chunk, EngineError, EngineInfo
 
 log = logging.getLogger("radixlm.server")
@@ -167,8 +168,9 @@ class ReplicaClient(EngineClient):
 
 class _Relay:
     """Stands between a replica and a request's sink: notes whether anything reached the
-    consumer, resubmits on another replica when the replica died before that, and tells the
-    router when the request has ended."""
+    consumer, resubmits on another replica when the replica died before anything could have
+    left the server (nothing delivered yet, or a consumer that sends only at the end: it is
+    told to drop what it has), and tells the router when the request has ended."""
 
     def __init__(self, replicas: "ReplicaSet", key: str, route: RouteRequest,
                  submit_args: tuple, sink: Sink, samples: int) -> None:
@@ -177,6 +179,7 @@ class _Relay:
         self.route = route
         self.submit_args = submit_args  # (input_ids, params, cache_salt, group, rank)
         self.sink = sink
+        self.n = samples
         self.samples = samples  # samples whose last chunk has not come
         self.replica = -1
         self.delivered = False
@@ -184,8 +187,13 @@ class _Relay:
 
     def put_nowait(self, item: tuple[str, Chunk | EngineError]) -> None:
         _, payload = item
-        if isinstance(payload, ReplicaLost) and not self.delivered and not self.retried:
+        if isinstance(payload, ReplicaLost) and not self.retried and (
+                not self.delivered or getattr(self.sink, "rerunnable", False)):
             self.retried = True
+            if self.delivered:
+                self.sink.put_nowait((self.key, Rerun()))
+            self.delivered = False
+            self.samples = self.n
             self.replicas._retry(self)
             return
         self.delivered = True
