@@ -113,3 +113,17 @@ def test_engine_fp8_kv_close_to_float_on_the_real_model(default_model_folder):
     gaps = [abs(x.logprob - y.logprob) for a, b in zip(runs["auto"], runs["fp8_e4m3"])
             for x, y in zip(a.logprobs[:1], b.logprobs[:1])]
     assert max(gaps) < 0.5, gaps
+
+
+def test_fp8_kv_with_tensor_parallelism_matches_one_rank(tmp_path):
+    """Each rank stores its own KV heads in float8: TP=2 gives TP=1's greedy tokens."""
+    folder = save_tiny_hf_model(tmp_path / "m", "llama")
+    params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    tokens = {}
+    for tp in (1, 2):
+        with Engine(str(folder), device="cpu", dtype="float32", max_total_tokens=512,
+                    tp_size=tp, kv_cache_dtype="fp8_e4m3") as engine:
+            outs = engine.generate(input_ids=prompts, sampling_params=params)
+            tokens[tp] = [o.token_ids for o in outs]
+    assert tokens[2] == tokens[1]
