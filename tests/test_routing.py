@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from radixlm.runtime.distributed.routed_prefixes import RoutedPrefixes
 from radixlm.runtime.distributed.routing import (
     POLICIES,
     CacheAwareRouter,
     NoHealthyReplica,
     ReplicaLoad,
-    RoutedPrefixes,
     RouteRequest,
     make_router,
     prefix_key,
