@@ -355,8 +355,10 @@ def test_score_is_aborted_when_its_client_leaves(server, http):
     assert seen["queued"]["queue"]["in_flight"] == 4 + 32  # the score counts for the queue
     assert seen["after"]["stats"]["num_waiting"] == 0
     assert seen["after"]["stats"]["num_running"] > 0  # gone before the streams ended
+    # The streams' aborts reach the engine after the HTTP side has let them go: wait for both.
     deadline = time.monotonic() + 30
-    while (info := http_get_info())["queue"]["in_flight"] and time.monotonic() < deadline:
+    while ((info := http_get_info())["queue"]["in_flight"] or info["stats"]["num_running"]) \
+            and time.monotonic() < deadline:
         time.sleep(0.05)
     stats = info["stats"]
     assert info["queue"]["in_flight"] == 0 and stats["num_running"] == 0
