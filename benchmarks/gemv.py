@@ -1,5 +1,5 @@
-"""The decoder's linear layers at decode batch sizes: cuBLAS against our float-weight GEMVs
-(radixlm.kernels.gemv), on one GPU, beside the bandwidth floor.
+"""The decoder's linear layers at decode batch sizes: cuBLAS against our float-weight GEMV
+(radixlm.kernels.gemv) at several tilings, on one GPU, beside the bandwidth floor.
 
 For each linear of a model shape (Llama-3-8B by default: qkv, o, gate_up, down, and the output
 head) and each row count, the layer's weight is allocated once per decoder layer (32 distinct
@@ -24,8 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from radixlm.kernels.gemv import DOT_MAX_ROWS, FMA_MAX_ROWS, GemvConfig, default_config, gemv
-from radixlm.kernels.split_k import num_sms
+from radixlm.kernels.gemv import MAX_ROWS, NARROW, GemvConfig, gemv
 from radixlm.runtime.models.presets import ARCHITECTURE_PRESETS
 
 from gpu_timing import capture, median_replay_ms
@@ -54,21 +53,10 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 2 / (ms / 1e3)
 
 
-def sweep_configs(rows: int, n: int, k: int, sms: int) -> list[GemvConfig]:
-    configs = [default_config(rows, n, k, sms)]
-    if rows <= FMA_MAX_ROWS:
-        for block_n, block_k, warps in itertools.product((4, 8, 16), (256, 512, 1024), (4, 8)):
-            if warps == 8 and block_k < 1024:
-                continue
-            tiles = -(-n // block_n)
-            for split in (1, 2, 4):
-                if split > 1 and tiles * split > 16 * sms:
-                    continue
-                configs.append(GemvConfig("fma", block_n, block_k, split, warps))
-    if rows <= DOT_MAX_ROWS:
-        for block_n, block_k, stages in itertools.product((32, 64, 128), (64, 128, 256),
-                                                          (3, 5)):
-            configs.append(GemvConfig("dot", block_n, block_k, 1, 4, stages))
+def sweep_configs() -> list[GemvConfig]:
+    """The tilings tried: the one the model uses first, then a grid around it."""
+    configs = [NARROW] + [GemvConfig(block_n, block_k, 4, stages) for block_n, block_k, stages
+                          in itertools.product((32, 64, 128), (64, 128, 256), (3, 5))]
     return list(dict.fromkeys(configs))
 
 
@@ -90,8 +78,9 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=None, help="subset of the linears")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if max(args.rows) > MAX_ROWS:
+        parser.error(f"--rows: the GEMV takes at most {MAX_ROWS} rows")
     torch.manual_seed(0)
-    sms = num_sms(torch.device("cuda"))
     measured_copy = copy_bandwidth()
     bandwidth = COPY_BANDWIDTH
     shapes = linear_shapes(args.model)
@@ -108,7 +97,7 @@ def main() -> None:
             cublas = time_calls(lambda i: F.linear(x, weights[i]), len(weights))
             entry = {"linear": name, "n": n, "k": k, "rows": rows, "floor_ms": floor_ms,
                      "cublas_ms": cublas, "configs": []}
-            for cfg in sweep_configs(rows, n, k, sms):
+            for cfg in sweep_configs():
                 try:
                     out = gemv(x, weights[0], cfg).float()
                     err = ((out - ref).norm() / ref.norm()).item()

@@ -250,23 +250,18 @@ def case_rotary_and_store():
 
 
 def case_gemv_kernels():
-    """The float-weight GEMVs against x @ W^T in float32: CUDA-core tiles for 1-4 rows with
-    and without a K split (ragged N and K), tensor-core tiles for up to 16 rows."""
+    """The float-weight GEMV against x @ W^T in float32, 1 to 16 rows, ragged N and K."""
     from radixlm.kernels.gemv import GemvConfig, gemv
 
     gen = torch.Generator().manual_seed(5)
     n, k = 100, 700  # neither a multiple of the tiles
     weight = torch.randn(n, k, generator=gen)
     worst = 0.0
-    configs = [(rows, GemvConfig(block_n=8, block_k=128, split_k=split))
-               for rows in (1, 2, 3, 4) for split in (1, 3)]
-    configs += [(rows, GemvConfig(kernel="dot", block_n=32, block_k=64, num_stages=2))
-                for rows in (1, 5, 16)]
-    for rows, cfg in configs:
+    for rows in (1, 3, 5, 16):
         x = torch.randn(rows, k, generator=gen)
-        out = gemv(x, weight, cfg)
+        out = gemv(x, weight, GemvConfig(block_n=32, block_k=64, num_stages=2))
         err = rel_err(out, x @ weight.T)
-        assert err < 1e-5, f"{rows} rows, {cfg}: {err:.1e}"
+        assert err < 1e-5, f"{rows} rows: {err:.1e}"
         worst = max(worst, err)
     # Through a Linear: narrow float layers take it for a few rows, F.linear otherwise.
     from radixlm.runtime.models.layers.linear import Linear, use_small_batch_gemv

@@ -35,7 +35,7 @@ class LinearShard:
     in_start: int | None = None
 
 
-# The most rows a small-batch GEMV takes (radixlm.kernels.gemv.DOT_MAX_ROWS); more go to
+# The most rows a small-batch GEMV takes (radixlm.kernels.gemv.MAX_ROWS); more go to
 # F.linear.
 GEMV_MAX_ROWS = 16
 
@@ -187,4 +187,4 @@ def use_small_batch_gemv(model: nn.Module, enabled: bool) -> None:
             eligible = (kernel is not None and module.quant_method is None
                         and module.weight.dtype in (torch.bfloat16, torch.float16)
                         and module.weight.shape[0] <= kernel.NARROW_MAX_N)
-            module.small_batch = kernel.narrow_gemv if eligible else None
+            module.small_batch = kernel.gemv if eligible else None
