@@ -67,6 +67,10 @@ def test_torch_backend_over_fp8_cache_matches_reference(page_size):
 
 
 def test_option_validated_and_pool_holds_twice_the_tokens():
+    from radixlm.runtime.attention.kv_cache import KV_CACHE_DTYPES
+    from radixlm.runtime.config.engine_config import KV_CACHE_DTYPES as NAMES
+
+    assert NAMES == ("auto", *KV_CACHE_DTYPES)  # the config's names are the cache's types
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="int4")
     mc = ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], hidden_size=64,
