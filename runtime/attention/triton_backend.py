@@ -5,9 +5,9 @@ the Triton interpreter (TRITON_INTERPRET=1, for tests).
 decode split count and the extend block table from host-side lengths, and sends all per-step
 index tensors to the device in one copy. `forward` then launches, per layer, the K/V store
 (unless the model's fused rotary already stored them), the split-KV decode kernel (+ merge)
-and the extend kernel, writing each token's output row in place: no
-gathers, no scatters and no host sync. A float8 cache is written and read by the same kernels,
-with its per-layer scales passed as scalars.
+and the extend kernel, writing each token's output row in place: no gathers, no scatters and
+no host sync. A float8 cache is written and read by the same kernels, with its per-layer
+scales passed as scalars.
 
 In a CUDA graph (decode steps padded to fixed batch sizes) the grid must not change between
 capture and replay: the split count is fixed per batch size from the longest context the
