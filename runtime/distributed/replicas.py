@@ -138,8 +138,12 @@ class ReplicaHandle:
         self.actor = actor.remote(load, serve)
         self._pushes: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._epoch = 0  # bumped when the replica is lost: queued pushes of before are dropped
-        threading.Thread(target=self._push_loop, name=f"replica-{index}-push",
-                         daemon=True).start()
+        # Set by `stop`: no thread calls into Ray after it, so Ray can be shut down safely (a
+        # thread still inside a Ray call when the interpreter exits aborts the process).
+        self._stopped = threading.Event()
+        self._push_thread = threading.Thread(target=self._push_loop, name=f"replica-{index}-push",
+                                             daemon=True)
+        self._push_thread.start()
 
     # -- the pipe ----------------------------------------------------------------------------
 
@@ -148,8 +152,10 @@ class ReplicaHandle:
         self._pushes.put((self._epoch, message))
 
     def recv(self) -> list[Any]:
-        """The next batch of messages from the replica; EOFError once it is lost."""
+        """The next batch of messages from the replica; EOFError once it is lost or stopped."""
         while True:
+            if self._stopped.is_set():
+                raise EOFError(f"replica {self.index} stopped")
             try:
                 batch = ray.get(self.actor.pull.remote(PULL_SECONDS))
             except RayActorError as exc:
@@ -186,8 +192,11 @@ class ReplicaHandle:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"replica {self.index} was not ready in {timeout:.0f} s")
+            if self._stopped.is_set():
+                raise ReplicaGone(f"replica {self.index} stopped")
             try:
-                return ray.get(self.actor.ready.remote(), timeout=left)
+                # Short waits, so that a stop is noticed while the replica loads.
+                return ray.get(self.actor.ready.remote(), timeout=min(left, PULL_SECONDS))
             except GetTimeoutError:
                 continue
             except ActorUnavailableError:  # restarting: ask again shortly
@@ -204,12 +213,15 @@ class ReplicaHandle:
         ray.kill(self.actor, no_restart=not restart)
 
     def stop(self, timeout: float) -> None:
-        """After a stop message was sent: wait for the replica to finish, then end it."""
+        """After a stop message was sent: wait for the replica to finish, then end it. Its
+        threads here end too (a reader in `recv` within PULL_SECONDS of the call)."""
+        self._pushes.put(None)
+        self._push_thread.join(timeout)  # the stop message, and what came before it, pushed
         try:
             ray.get(self.actor.join.remote(timeout), timeout=timeout + 5)
         except Exception:  # gone already, or stuck: it is killed below either way
             pass
-        self._pushes.put(None)
+        self._stopped.set()
         try:
             ray.kill(self.actor, no_restart=True)
         except Exception:

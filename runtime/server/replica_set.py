@@ -91,6 +91,8 @@ class ReplicaClient(EngineClient):
         self._recovering = False
         # Waiting for the replica blocks a thread for as long as it loads: one of its own.
         self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-wait")
+        self._reader: threading.Thread | None = None
+        self._writer: threading.Thread | None = None
 
     async def start(self) -> EngineInfo:
         self._loop = asyncio.get_running_loop()
@@ -99,8 +101,9 @@ class ReplicaClient(EngineClient):
                                                             self.handle.wait_ready,
                                                             START_TIMEOUT)
         self._resume(info)
-        threading.Thread(target=self._write, name=f"replica-{self.index}-writer",
-                         daemon=True).start()
+        self._writer = threading.Thread(target=self._write, name=f"replica-{self.index}-writer",
+                                        daemon=True)
+        self._writer.start()
         return info
 
     def _resume(self, info: EngineInfo) -> None:
@@ -109,8 +112,9 @@ class ReplicaClient(EngineClient):
         self.stalled = False
         self._rounds = -1
         self._last_progress = time.monotonic()
-        threading.Thread(target=self._read, name=f"replica-{self.index}-reader",
-                         daemon=True).start()
+        self._reader = threading.Thread(target=self._read, name=f"replica-{self.index}-reader",
+                                        daemon=True)
+        self._reader.start()
 
     def _on_engine_exit(self) -> None:
         if self._closing or self._recovering:
@@ -160,10 +164,18 @@ class ReplicaClient(EngineClient):
         self._closing = True
         if self.info is not None and self.alive:
             self._outbox.put(("shutdown",))
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self.handle.stop, timeout)
         self._outbox.put(None)
-        self._waiter.shutdown(wait=False, cancel_futures=True)
+        await asyncio.get_running_loop().run_in_executor(None, self._stop, timeout)
+
+    def _stop(self, timeout: float) -> None:
+        """Stop the replica and end every thread of ours that calls into Ray: Ray is shut down
+        next, and a thread still inside a Ray call when the interpreter exits aborts it."""
+        if self._writer is not None:
+            self._writer.join(timeout)  # the stop message has reached the handle
+        self.handle.stop(timeout)
+        self._waiter.shutdown(wait=True, cancel_futures=True)
+        if self._reader is not None:
+            self._reader.join(timeout)
 
 
 class _Relay:
