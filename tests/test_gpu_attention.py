@@ -115,17 +115,19 @@ def test_engine_bf16_close_to_torch(tmp_path, name):
     assert sum(a == b for a, b in zip(ours, ref)) >= len(ref) // 2
 
 
-# FlashInfer compiles each KV dtype's kernels on first use (minutes): e4m3 only there.
-@pytest.mark.parametrize("name,storage", [("triton", torch.float8_e4m3fn),
-                                          ("triton", torch.float8_e5m2),
-                                          ("flashinfer", torch.float8_e4m3fn)])
-def test_fp8_cache_matches_dequantized_reference(name, storage):
+# FlashInfer compiles each KV dtype's kernels on first use (minutes): e4m3 only there, on its
+# prefill (mixed) and decode (long_decode) kernels.
+@pytest.mark.parametrize("name,storage,layout", [
+    ("triton", torch.float8_e4m3fn, "mixed"), ("triton", torch.float8_e5m2, "mixed"),
+    ("flashinfer", torch.float8_e4m3fn, "mixed"),
+    ("flashinfer", torch.float8_e4m3fn, "long_decode")])
+def test_fp8_cache_matches_dequantized_reference(name, storage, layout):
     """A float8 cache with per-layer scales: the stored bytes are torch's saturating cast of
     x / scale (the GPU's conversion, not an emulation of it), and attention equals float32
     attention over the dequantized cache."""
     from radixlm.runtime.attention.kv_cache import quantize_kv
 
-    q_lens, kv_lens = LAYOUTS["mixed"]
+    q_lens, kv_lens = LAYOUTS[layout]
     batch, q, k, v = random_paged_batch("cuda", torch.bfloat16, 16, q_lens, kv_lens, 32, 8,
                                         128, strided_qkv=True, storage_dtype=storage)
     cache = batch.kv_cache

@@ -24,6 +24,10 @@ when built with use_cuda_graph=True, so there is one wrapper per padded batch si
 viewing one set of buffers. `plan_cuda_graph` plans the step into them before capture and
 before each replay (the plan stays on the host, outside the graph).
 
+A float8 cache with a 16-bit query runs on FlashInfer's FA2 kernels, named explicitly: its
+"auto" choice on Hopper (this FlashInfer version) is FA3, whose kernels need a float8 query
+too and return wrong outputs for this pair.
+
 Layers that attend differently (`LayerAttention`: scale, sliding window, soft-cap) each get
 their own wrappers, since FlashInfer fixes those at plan time (window_left = window - 1: the
 keys before the query's own). A step plans a kind of layer when its first layer of that kind
@@ -71,8 +75,8 @@ class FlashInferAttention(AttentionBackend):
         self.scale = scale
         self.decode_tensor_cores = decode_tensor_cores
         self._workspace: torch.Tensor | None = None
-        self._prefill: dict[LayerAttention, Any] = {}
-        self._decode: dict[tuple[bool, LayerAttention], Any] = {}
+        self._prefill: dict[tuple[torch.dtype, LayerAttention], Any] = {}
+        self._decode: dict[tuple[torch.dtype, bool, LayerAttention], Any] = {}
         self._graph_wrappers: dict[tuple[int, LayerAttention], Any] = {}
         self._graph_kinds: set[LayerAttention] = set()  # layer kinds met in graph steps
         self._graph_bs: int | None = None  # the padded batch size, during a graph step
@@ -168,7 +172,7 @@ class FlashInferAttention(AttentionBackend):
                 self._workspace, "NHD", use_cuda_graph=True,
                 use_tensor_cores=self.decode_tensor_cores,
                 paged_kv_indptr_buffer=indptr[: bs + 1], paged_kv_indices_buffer=indices,
-                paged_kv_last_page_len_buffer=last_page_len[:bs])
+                paged_kv_last_page_len_buffer=last_page_len[:bs], backend=self._kernels())
             self._graph_wrappers[(bs, layer)] = wrapper
         num_heads, num_kv_heads, head_dim = self._graph_heads
         self._wait_previous_plan()
@@ -185,6 +189,10 @@ class FlashInferAttention(AttentionBackend):
                     window_left=-1 if window is None else window - 1,
                     logits_soft_cap=layer.logit_softcap)
 
+    def _kernels(self) -> str:
+        """FlashInfer's backend for this cache (see the module docstring)."""
+        return "fa2" if self.kv_dtype != self.dtype else "auto"
+
     def _workspace_on(self, device: torch.device) -> torch.Tensor:
         if self._workspace is None:
             self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
@@ -198,20 +206,21 @@ class FlashInferAttention(AttentionBackend):
         common = dict(q_data_type=self.dtype, kv_data_type=self.kv_dtype,
                       **self._layer_args(layer))
         if self.decode_only:
-            key = (self.decode_tensor_cores, layer)
+            key = (self.kv_dtype, self.decode_tensor_cores, layer)
             wrapper = self._decode.get(key)
             if wrapper is None:
                 wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                    self._workspace, "NHD", use_tensor_cores=self.decode_tensor_cores)
+                    self._workspace, "NHD", use_tensor_cores=self.decode_tensor_cores,
+                    backend=self._kernels())
                 self._decode[key] = wrapper
             wrapper.plan(self.indptr, self.indices, self.last_page_len, num_heads,
                          num_kv_heads, head_dim, self.page_size, **common)
         else:
-            wrapper = self._prefill.get(layer)
+            wrapper = self._prefill.get((self.kv_dtype, layer))
             if wrapper is None:
                 wrapper = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                    self._workspace, "NHD")
-                self._prefill[layer] = wrapper
+                    self._workspace, "NHD", backend=self._kernels())
+                self._prefill[(self.kv_dtype, layer)] = wrapper
             wrapper.plan(self.qo_indptr, self.indptr, self.indices, self.last_page_len,
                          num_heads, num_kv_heads, head_dim, self.page_size, causal=True,
                          **common)
