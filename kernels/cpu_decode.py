@@ -42,8 +42,15 @@ def _build() -> ModuleType | None:
     if shutil.which(compiler) is None:
         log.warning("no C++ compiler (%s): CPU decode steps run the eager path", compiler)
         return None
+    # The kernel's loops run on torch's own OpenMP threads (ATen's parallel_for compiles to
+    # OpenMP directives): linked against the very runtime torch loaded, so that the process
+    # keeps one thread pool. Where that runtime is not found, the loops run on one thread.
+    runtime = _openmp_runtime()
+    cflags = ["-O3", "-march=native"] + (["-fopenmp"] if runtime else [])
+    ldflags = [runtime] if runtime else []
     key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()
-                         + _cpu_features().encode()).hexdigest()[:12]
+                         + _cpu_features().encode() + " ".join(cflags + ldflags).encode()
+                         ).hexdigest()[:12]
     root = Path(os.environ.get("RADIXLM_CACHE_DIR") or Path.home() / ".cache/radixlm")
     folder = root.expanduser() / "kernels" / f"cpu_decode-{key}"
     folder.mkdir(parents=True, exist_ok=True)
@@ -54,11 +61,23 @@ def _build() -> ModuleType | None:
         log.info("compiling the CPU decode kernel (once, ~20 s) in %s", folder)
     try:
         return load_extension(name, [str(SOURCE)], build_directory=str(folder),
-                              extra_cflags=["-O3", "-march=native"], verbose=False)
+                              extra_cflags=cflags, extra_ldflags=ldflags, verbose=False)
     except Exception as exc:  # a compiler that fails, a missing ninja...
         log.warning("the CPU decode kernel did not build (%s): CPU decode steps run the eager "
                     "path", str(exc).splitlines()[-1] if str(exc) else type(exc).__name__)
         return None
+
+
+def _openmp_runtime() -> str | None:
+    """The GNU OpenMP library torch runs on, as loaded in this process (Linux), else None."""
+    if not torch._C.has_openmp:
+        return None
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return None
+    paths = {line.split()[-1] for line in maps if "/libgomp" in line}
+    return paths.pop() if len(paths) == 1 else None
 
 
 def _cpu_features() -> str:

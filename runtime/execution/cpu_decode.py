@@ -74,13 +74,12 @@ class CpuDecode:
         page = kv.page_size
         hidden = model.model.embed_tokens(batch.input_ids)
         cos, sin = model.rotary.cos[batch.positions], model.rotary.sin[batch.positions]
-        kv_lens = torch.tensor(batch.kv_lens)
+        kv_lens = torch.tensor(batch.kv_lens, dtype=torch.int64)
         width = -(-int(max(batch.kv_lens)) // page) * page
-        pages = batch.slot_table[:, :width:page] // page  # [B, P]
-        valid = (torch.arange(width)[None, :] < kv_lens[:, None])[:, None, None, :]
+        pages = (batch.slot_table[:, :width:page] // page).contiguous()  # [B, P]
         layers, specs = self.weights[len(batch.kv_lens) >= DENSE_ROWS]
         return self.kernel.decode(hidden, cos, sin, layers, specs, kv.k, kv.v,
-                                  batch.out_slots, pages, valid, model.model.norm.weight,
+                                  batch.out_slots, pages, kv_lens, model.model.norm.weight,
                                   *self.shape)
 
 
