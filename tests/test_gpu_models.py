@@ -1,6 +1,6 @@
-"""The families beyond Llama on CUDA (marked gpu): fp32 logits against transformers through
-the Triton backend and fused kernels, and decode replayed from CUDA graphs giving the tokens
-of eager decode in bf16."""
+"""The families beyond Llama, and the Llama module's sliding windows, on CUDA (marked gpu):
+fp32 logits against transformers through the Triton backend and fused kernels, and decode
+replayed from CUDA graphs giving the tokens of eager decode in bf16."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from test_model_families import reference_logits, save_family
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-FAMILIES = ["mixtral", "qwen2-moe", "qwen3-moe", "gemma2", "gemma3", "phi3"]
+FAMILIES = ["mixtral", "qwen2-moe", "qwen3-moe", "gemma2", "gemma3", "phi3", "mistral-window",
+            "qwen2-window"]
 
 
 def _logits(loaded, ids: list[int], chunks: list[int], backend: str) -> torch.Tensor:
@@ -49,7 +50,7 @@ def test_gpu_logits_match_transformers_fp32(tmp_path, family):
     assert (ours - ref).abs().max().item() < 1e-3
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe", "gemma2", "gemma3", "qwen2-window"])
 def test_gpu_graph_decode_equals_eager_bf16(tmp_path, family):
     folder = save_family(tmp_path, family, tie=family.startswith("gemma"))
     gen = torch.Generator().manual_seed(3)

@@ -1,6 +1,7 @@
-"""The families beyond Llama (MoE, Gemma, Phi-3), as tiny random configs in fp32: logits
-match transformers within 1e-4 whole and chunked, and greedy tokens match transformers'
-generate through the engine (chunked prefill, decode, prefix-cache hits)."""
+"""The families beyond Llama (MoE, Gemma, Phi-3) and the Llama module's sliding windows
+(Mistral, Phi-3, Qwen2/3), as tiny random configs in fp32: logits match transformers within
+1e-4 whole and chunked, and greedy tokens match transformers' generate through the engine
+(chunked prefill, decode, prefix-cache hits)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,18 @@ NEW_FAMILIES = {
                    num_hidden_layers=3),
     "phi3": dict(architectures=["Phi3ForCausalLM"], model_type="phi3", pad_token_id=0,
                  original_max_position_embeddings=64, rope_scaling=_LONGROPE),
+    # The Llama module's windows, shorter than the prompts and the 12 generated tokens: every
+    # layer for Mistral and Phi-3, layers from max_window_layers up for Qwen.
+    "mistral-window": dict(architectures=["MistralForCausalLM"], model_type="mistral",
+                           sliding_window=8),
+    "phi3-window": dict(architectures=["Phi3ForCausalLM"], model_type="phi3", pad_token_id=0,
+                        sliding_window=11),
+    "qwen2-window": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                         use_sliding_window=True, sliding_window=9, max_window_layers=1,
+                         num_hidden_layers=3),
+    "qwen3-window": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=32,
+                         use_sliding_window=True, sliding_window=16, max_window_layers=2,
+                         num_hidden_layers=3),
 }
 
 
@@ -84,7 +97,8 @@ def test_phi3_short_rope_within_the_pretraining_length(tmp_path):
     assert (run_chunks(longer, ids[0].tolist(), [40]) - ours).abs().max().item() > 1e-3
 
 
-@pytest.mark.parametrize("family", ["mixtral", "gemma2", "gemma3", "qwen2-moe"])
+@pytest.mark.parametrize("family", ["mixtral", "gemma2", "gemma3", "qwen2-moe",
+                                    "mistral-window", "phi3-window", "qwen2-window"])
 def test_greedy_matches_transformers_through_the_engine(tmp_path, family):
     """Prompts sharing a prefix (prefix-cache hits), prefilled in 16-token chunks mixed with
     decode steps, 12 tokens each: the tokens transformers' greedy generate gives."""
@@ -142,6 +156,48 @@ def test_dummy_moe_model_runs(tmp_path):
     loaded = load_model(str(folder), "dummy", torch.float32, CPU)
     out = run_chunks(loaded, list(range(3, 40)), [20, 17])
     assert out.shape == (37, 512) and torch.isfinite(out).all()
+
+
+def test_window_counts_the_query_itself(tmp_path):
+    """transformers' window of w: a query sees itself and the w - 1 keys before it (our
+    LayerAttention, FlashInfer's window_left = w - 1). A window one shorter or longer than the
+    config's gives other logits, so the matches above pin the count."""
+    import dataclasses
+
+    folder = save_family(tmp_path, "mistral-window")
+    ids = torch.randint(3, 512, (1, 40), generator=torch.Generator().manual_seed(4))
+    ref = reference_logits(folder, ids)
+    loaded = load_model(str(folder), "auto", torch.float32, CPU)
+    assert loaded.config.layer_windows == (8, 8)
+    assert (run_chunks(loaded, ids[0].tolist(), [40]) - ref).abs().max().item() < 1e-4
+    for window in (7, 9):
+        cfg = dataclasses.replace(loaded.config, layer_windows=(window, window))
+        model = type(loaded.model)(cfg, torch.float32, max_positions=64)
+        model.load_state_dict(loaded.model.state_dict())
+        other = dataclasses.replace(loaded, model=model, config=cfg)
+        assert (run_chunks(other, ids[0].tolist(), [40]) - ref).abs().max().item() > 1e-2
+
+
+def test_applied_windows_no_longer_cap_the_context():
+    """Mistral, Phi-3 and Qwen apply their windows, so a window shorter than the context
+    leaves max_model_len at max_position_embeddings; a family that applies none (Llama) still
+    stops at a configured window."""
+    from radixlm.runtime.config.engine_config import EngineConfig
+    from radixlm.runtime.engine.kv_sizing import max_model_len
+    from radixlm.runtime.models.config import ModelConfig
+
+    base = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, max_position_embeddings=1024, sliding_window=8)
+    for arch, extra in [("MistralForCausalLM", {}), ("Phi3ForCausalLM", {}),
+                        ("Qwen2ForCausalLM", {"use_sliding_window": True}),
+                        ("Qwen3ForCausalLM", {"use_sliding_window": True})]:
+        mc = ModelConfig.from_dict({**base, **extra, "architectures": [arch]})
+        assert mc.sliding_window == 8 and mc.layer_windows is not None
+        assert max_model_len(EngineConfig(), mc, 1 << 20) == 1024
+        assert max_model_len(EngineConfig(max_model_len=512), mc, 1 << 20) == 512
+    llama = ModelConfig.from_dict({**base, "architectures": ["LlamaForCausalLM"]})
+    assert llama.layer_windows is None
+    assert max_model_len(EngineConfig(), llama, 1 << 20) == 8
 
 
 def test_unknown_activation_is_refused():

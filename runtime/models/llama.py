@@ -1,8 +1,11 @@
-"""One Llama-style decoder covering Llama 2/3/3.1, Mistral, Qwen2/2.5 and Qwen3.
+"""One Llama-style decoder covering Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3 (and Phi-3).
 
 The families differ only in switches on `ModelConfig`: QKV bias (Qwen2), per-head q/k RMSNorm
-(Qwen3), rope scaling (Llama 3.1) and tied embeddings. The forward takes one flat ragged batch
-of tokens ([T]) and returns hidden states ([T, d]); logits are computed only where needed.
+(Qwen3), rope scaling (Llama 3.1), tied embeddings and sliding windows (`layer_windows`: every
+layer of Mistral and Phi-3 when the config has a window, Qwen's layers from max_window_layers
+up when use_sliding_window is set), which each layer hands to the backend as its
+`LayerAttention`. The forward takes one flat ragged batch of tokens ([T]) and returns hidden
+states ([T, d]); logits are computed only where needed.
 
 On CUDA the loader switches on our fused Triton kernels (`use_fused_kernels`): SiLU-and-mul,
 in-place rotary that also writes K and V to the cache (the attention backend then skips its
@@ -27,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixlm.runtime.attention.base import AttentionBackend, ForwardBatch
+from radixlm.runtime.attention.base import AttentionBackend, ForwardBatch, LayerAttention
 from radixlm.runtime.models.causal_lm import CausalLM
 from radixlm.runtime.models.config import ModelConfig
 from radixlm.runtime.models.layers.embedding import VocabEmbedding
@@ -43,6 +46,8 @@ class LlamaAttention(nn.Module):
                  quant: QuantConfig | None = None, tp: TPInfo | None = None) -> None:
         super().__init__()
         self.layer_id = layer_id
+        window = cfg.layer_windows[layer_id] if cfg.layer_windows else None
+        self.attends = LayerAttention(sliding_window=window)
         d = self.head_dim = cfg.head_dim
         qkv_shard = o_shard = None
         if tp is None:
@@ -79,7 +84,8 @@ class LlamaAttention(nn.Module):
         else:
             qk = apply_rotary(qk, *rope)
         q, k = qk.split([heads, kv_heads], dim=1)
-        out = attn.forward(q, k, v, self.layer_id, batch, kv_stored=stored)  # [T, H, D]
+        out = attn.forward(q, k, v, self.layer_id, batch, self.attends,
+                           kv_stored=stored)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 

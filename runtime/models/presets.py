@@ -69,8 +69,7 @@ ARCHITECTURE_PRESETS: dict[str, dict[str, Any]] = {
         "attn_logit_softcapping": None, "tie_word_embeddings": True, "bos_token_id": 2,
         "eos_token_id": [1, 106],
     },
-    # Phi-3-mini-4k (models/phi3.py). Its 2047-token window is not applied, so it caps the
-    # sequence length (engine/kv_sizing.py).
+    # Phi-3-mini-4k (models/phi3.py); every layer attends within a 2047-token window.
     "phi-3-mini": {
         "architectures": ["Phi3ForCausalLM"], "vocab_size": 32064, "hidden_size": 3072,
         "intermediate_size": 8192, "num_hidden_layers": 32, "num_attention_heads": 32,

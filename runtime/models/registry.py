@@ -52,16 +52,17 @@ _GELU_TANH = ("gelu_pytorch_tanh",)
 
 FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family(_LLAMA),
-    "MistralForCausalLM": Family(_LLAMA),
-    "Qwen2ForCausalLM": Family(_LLAMA, attention_bias=True),
-    "Qwen3ForCausalLM": Family(_LLAMA, qk_norm=True),
+    "MistralForCausalLM": Family(_LLAMA, sliding_layers=_every_layer),
+    "Qwen2ForCausalLM": Family(_LLAMA, attention_bias=True, sliding_layers=_qwen_layers),
+    "Qwen3ForCausalLM": Family(_LLAMA, qk_norm=True, sliding_layers=_qwen_layers),
     "MixtralForCausalLM": Family(_MOE, sliding_layers=_every_layer),
     "Qwen2MoeForCausalLM": Family(_MOE, attention_bias=True, sliding_layers=_qwen_layers),
     "Qwen3MoeForCausalLM": Family(_MOE, qk_norm=True, sliding_layers=_qwen_layers),
     "Gemma2ForCausalLM": Family(_GEMMA, activations=_GELU_TANH, sliding_layers=_gemma2_layers),
     "Gemma3ForCausalLM": Family(_GEMMA, qk_norm=True, activations=_GELU_TANH,
                                 sliding_layers=_gemma3_layers),
-    "Phi3ForCausalLM": Family("phi3:Phi3ForCausalLM"),
+    # transformers' Phi-3 applies config.sliding_window (when set) on every layer.
+    "Phi3ForCausalLM": Family("phi3:Phi3ForCausalLM", sliding_layers=_every_layer),
 }
 
 
