@@ -7,6 +7,8 @@ Q5_0, Q5_1, Q8_0, Q4_K, Q5_K) keep their blocks: uint8 [rows, bytes per row], th
 the safetensors metadata (`gguf_types`) and `quantization_config.quant_method = "gguf"` in
 config.json. Every other type is dequantized to float32 here. The loader decides per run
 whether the blocks are used packed (quantization "gguf") or dequantized to float.
+Mixture-of-experts files (Mixtral, Qwen2-MoE, Qwen3-MoE) add their config fields and expert
+tensors through `gguf_moe`; their experts and routers are always dequantized here.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ import re
 import shutil
 import tempfile
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
+from radixlm.runtime.models import gguf_moe
 from radixlm.runtime.models.quantization.gguf_blocks import BLOCK_TYPES, NATIVE_TYPES, type_id
 
 logger = logging.getLogger(__name__)
@@ -35,12 +38,15 @@ CONVERTER_VERSION = 2
 SOURCE_FILE = "radixlm_source.json"  # in each cache folder: what it was converted from
 TYPES_METADATA = "gguf_types"  # safetensors metadata: {tensor name: block type} as JSON
 
-# GGUF architecture -> (HF architectures entry, HF model_type).
+# GGUF architecture -> (HF architectures entry, HF model_type); "llama" with experts is
+# Mixtral (gguf_moe.MIXTRAL).
 _HF_CLASSES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "mistral": ("MistralForCausalLM", "mistral"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
 SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = tuple(_HF_CLASSES)
 
@@ -155,6 +161,7 @@ def _convert(path: pathlib.Path, out_dir: pathlib.Path) -> None:
         )
     config = _build_config(reader, arch)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    layer_table = _LAYER_TENSORS | gguf_moe.layer_tensors(config["model_type"])
 
     from tqdm.auto import tqdm
 
@@ -162,24 +169,29 @@ def _convert(path: pathlib.Path, out_dir: pathlib.Path) -> None:
     block_types: dict[str, str] = {}
     for tensor in tqdm(reader.tensors, desc=f"converting {path.name}", unit="tensor",
                        leave=False, disable=None):
-        hf_name, base = _hf_name(tensor.name)
+        layer, base, kind = _parse_name(tensor.name, layer_table)
         # GGUF lists dimensions innermost-first; the numpy data is already row-major [out, in].
-        expected = _expected_shape(base, hf_name.endswith(".bias"), config)
+        expected = _expected_shape(base, kind == "bias", config)
         type_name = tensor.tensor_type.name
-        if type_name in NATIVE_TYPES and len(expected) == 2:
+        blocks = (type_name in NATIVE_TYPES and len(expected) == 2
+                  and base not in gguf_moe.FLOAT_TENSORS)
+        if blocks:
             data = np.array(tensor.data)  # [rows, bytes per row]: the blocks, copied off the map
             _, per_block, block_bytes = BLOCK_TYPES[type_id(type_name)]
             shape = (data.shape[0], data.shape[1] // block_bytes * per_block)
-            block_types[hf_name] = type_name
         else:
             data = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+            data = gguf_moe.hf_layout(base, data)
             shape = data.shape
         if shape != expected:
             raise ValueError(f"{tensor.name}: shape {shape}, expected {expected} from config")
         if arch in _PERMUTED_ARCHITECTURES and base in ("attn_q", "attn_k"):
             # Whole rows move, so this works on rows of blocks too.
             data = _unpermute_rotary_rows(data, heads if base == "attn_q" else kv_heads)
-        tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(data))
+        for hf_name, part in _hf_tensors(layer, base, kind, data, layer_table):
+            tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(part))
+            if blocks:
+                block_types[hf_name] = type_name
     save_file(tensors, str(out_dir / "model.safetensors"),
               metadata={"format": "pt", TYPES_METADATA: json.dumps(block_types)})
     del tensors
@@ -244,6 +256,8 @@ def _build_config(reader: Any, arch: str) -> dict[str, Any]:
     # the token list can be shorter when the embedding was padded.
     vocab_size = meta("vocab_size") or shapes["token_embd.weight"][-1]
     architecture, model_type = _HF_CLASSES[arch]
+    if arch == "llama" and meta("expert_count"):
+        architecture, model_type = gguf_moe.MIXTRAL
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     config: dict[str, Any] = {
@@ -267,6 +281,10 @@ def _build_config(reader: Any, arch: str) -> dict[str, Any]:
     }
     if arch != "qwen2":  # Qwen2 always has q/k/v biases; the others make them optional.
         config["attention_bias"] = "blk.0.attn_q.bias" in shapes
+    if model_type == "qwen2_moe":  # transformers' name for the same switch
+        config["qkv_bias"] = config["attention_bias"]
+    if model_type in gguf_moe.MOE_TYPES:
+        config.update(gguf_moe.moe_config(model_type, meta, shapes, config["num_hidden_layers"]))
     if arch == "mistral":
         config["sliding_window"] = meta("attention.sliding_window")
     if "rope_freqs.weight" in shapes:
@@ -292,16 +310,32 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def _hf_name(gguf_name: str) -> tuple[str, str]:
-    """Return the HF parameter name and the GGUF base name (e.g. "attn_q") of a tensor."""
+def _parse_name(gguf_name: str, layer_table: dict[str, str]) -> tuple[str | None, str, str]:
+    """The layer (None for a global tensor), GGUF base name (e.g. "attn_q") and kind ("weight"
+    or "bias") of a tensor, which must be one this model's tables know."""
     match = _TENSOR_NAME.fullmatch(gguf_name)
     layer, base = (match["layer"], match["base"]) if match else (None, "")
-    table = _GLOBAL_TENSORS if layer is None else _LAYER_TENSORS
+    table = _GLOBAL_TENSORS if layer is None else layer_table
     if base not in table:
         # Dropping an unknown tensor could silently change the model, so refuse instead.
         raise ValueError(f"Unexpected GGUF tensor {gguf_name!r}")
-    prefix = "" if layer is None else f"model.layers.{layer}."
-    return f"{prefix}{table[base]}.{match['kind']}", base
+    return layer, base, match["kind"]
+
+
+def _hf_tensors(layer: str | None, base: str, kind: str, data: np.ndarray,
+                layer_table: dict[str, str]) -> Iterator[tuple[str, np.ndarray]]:
+    """The HF checkpoint tensors of one GGUF tensor: itself under its HF name, or for stacked
+    experts [E, ...] one slice per expert (copies: safetensors refuses tensors that share
+    memory)."""
+    if layer is None:
+        yield f"{_GLOBAL_TENSORS[base]}.{kind}", data
+        return
+    module = f"model.layers.{layer}.{layer_table[base]}"
+    if "{expert}" not in module:
+        yield f"{module}.{kind}", data
+        return
+    for expert in range(data.shape[0]):
+        yield f"{module.format(expert=expert)}.{kind}", data[expert].copy()
 
 
 def _expected_shape(base: str, is_bias: bool, config: dict[str, Any]) -> tuple[int, ...]:
@@ -323,6 +357,7 @@ def _expected_shape(base: str, is_bias: bool, config: dict[str, Any]) -> tuple[i
         "ffn_gate": (ffn, hidden),
         "ffn_up": (ffn, hidden),
         "ffn_down": (hidden, ffn),
+        **gguf_moe.expected_shapes(config),
     }
     return shapes[base][:1] if is_bias else shapes[base]
 

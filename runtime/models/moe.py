@@ -15,6 +15,8 @@ Checkpoint names: Mixtral's `block_sparse_moe.experts.<e>.w1|w3|w2` and Qwen's
 
 Quantization (fp8, int8) covers the experts (quantization/experts.py: weight-only, per-channel
 scales) and every other decoder linear as in the dense families; the routers stay in float.
+A GGUF model's experts are float (dequantized by the converter); its other decoder linears
+run its blocks as in the dense families.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from radixlm.runtime.models.layers.norm import RMSNorm
 from radixlm.runtime.models.layers.rotary import RotaryEmbedding
 from radixlm.runtime.models.layers.self_attention import SelfAttention
 from radixlm.runtime.models.quantization.config import QuantConfig
-from radixlm.runtime.models.quantization.experts import check_expert_quant
+from radixlm.runtime.models.quantization.experts import expert_quant
 from radixlm.runtime.parallel.groups import TPInfo
 
 
@@ -77,7 +79,7 @@ class SparseMoeBlock(nn.Module):
         # It stays in float, as checkpoints keep it: a rounding there changes the routing.
         self.gate = Linear(cfg.hidden_size, moe.num_experts, dtype=dtype)
         self.experts = FusedMoE(moe.num_experts, cfg.hidden_size, moe.expert_size, dtype, tp,
-                                quant)
+                                expert_quant(quant, cfg.architecture))
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_size:
             self.shared_expert = GatedMLP(cfg.hidden_size, moe.shared_expert_size, "silu",
@@ -125,7 +127,7 @@ class MoEForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int,
                  quant: QuantConfig | None = None, tp: TPInfo | None = None) -> None:
         super().__init__(cfg, quant, tp)
-        check_expert_quant(quant, cfg.architecture)
+        expert_quant(quant, cfg.architecture)  # refuse what experts cannot be stored in, early
         self.moe = MoEConfig.from_model_config(cfg)
         self.model = MoEModel(cfg, self.moe, dtype, quant, self.tp)
         self.lm_head = None if cfg.tie_word_embeddings else VocabEmbedding(

@@ -36,14 +36,19 @@ EXPERT_METHODS = ("fp8", "int8")
 INT8_KERNEL_ROWS = 16
 
 
-def check_expert_quant(quant: QuantConfig | None, architecture: str) -> None:
-    """Refuse the formats experts cannot be stored in (with what to do instead)."""
+def expert_quant(quant: QuantConfig | None, architecture: str) -> QuantConfig | None:
+    """The quantization a MoE model's experts are stored in: the model's for fp8 and int8;
+    None (float) for a GGUF model, whose experts the converter dequantized while its other
+    linears keep their blocks. Formats whose expert layouts we do not read are refused (with
+    what to do instead)."""
     if quant is None or quant.method in EXPERT_METHODS:
-        return
+        return quant
+    if quant.method == "gguf":
+        return None
     raise ValueError(
         f"{architecture}: quantization {quant.method!r} is not supported for mixture-of-experts "
-        f"models (AWQ/GPTQ/GGUF expert layouts are not read); use a float checkpoint with "
-        f"quantization='fp8' or 'int8', an FP8 checkpoint, or run it unquantized")
+        f"models (AWQ/GPTQ expert layouts are not read); use a float checkpoint with "
+        f"quantization='fp8' or 'int8', an FP8 checkpoint, a GGUF file, or run it unquantized")
 
 
 def stored_dtype(quant: QuantConfig) -> torch.dtype:
