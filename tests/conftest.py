@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-import radixlm  # noqa: F401  (before any test imports transformers: see below)
-
 # With the repository root on sys.path (`python -m pytest` from it puts it there), kernels/
 # would be importable as a top-level `kernels` and shadow the Hugging Face package of that name
-# that transformers imports; importing radixlm takes the root off the path (lang/__init__.py).
-# The processes the tests start get no working directory on their path either.
-os.environ["PYTHONSAFEPATH"] = "1"
+# that transformers imports. Importing radixlm takes the root off the path (lang/__init__.py),
+# as it does in the servers the tests start (`python -m radixlm...` imports radixlm first).
+import radixlm  # noqa: F401  (before any test imports transformers)
 
 # Tests are CPU tests unless marked `gpu`; keep the thread count modest and deterministic.
 torch.set_num_threads(2)
