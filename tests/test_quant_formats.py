@@ -87,7 +87,9 @@ def test_detection_from_config_json():
      "checkpoint_format"),
     (None, {"quant_method": "gptq", "bits": 4, "modules_to_not_convert": ["mlp.down_proj"]},
      "modules_to_not_convert"),
-    (None, {"quant_method": "fp8", "weight_block_size": [128, 128]}, "weight_block_size"),
+    (None, {"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
+    ("gptq", {"quant_method": "fp8", "weight_block_size": [128, 128]},
+     "conflicts.*weight_block_size"),
 ])
 def test_unsupported_or_conflicting_configs_name_the_field(forced, config, field):
     with pytest.raises(ValueError, match=field):

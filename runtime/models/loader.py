@@ -1,7 +1,8 @@
 """Finding and loading models: Hugging Face folders, GGUF files, the embedded default, dummy.
 
 `resolve_model` turns what the user typed into a Hugging Face-format folder (converting a GGUF
-file into a cached folder on first use); `load_model` builds our model from it.
+file into a cached folder on first use); `load_model` builds our model from it. A block-wise
+FP8 checkpoint's weights are dequantized on their way in (quantization/block_fp8.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ from radixlm.runtime.models.layers.linear import Linear, use_small_batch_gemv
 from radixlm.runtime.models.layers.moe import FusedMoE
 from radixlm.runtime.models.layers.norm import RMSNorm
 from radixlm.runtime.models.presets import ARCHITECTURE_PRESETS
+from radixlm.runtime.models.quantization.block_fp8 import (
+    BlockFp8,
+    block_fp8_format,
+    dequantized_tensors,
+)
 from radixlm.runtime.models.quantization.config import (
     QUANTIZED_LINEARS,
     QuantConfig,
@@ -168,7 +174,12 @@ def load_model(model: str | None, load_format: str, dtype: torch.dtype,
     if load_format == "dummy":
         _init_dummy(net, seed)
     else:
-        _load_checkpoint(net, folder, quant, lazy=net.tp is not None)
+        tensors = _checkpoint_tensors(folder, lazy=net.tp is not None)
+        block = block_fp8_format(config.raw.get("quantization_config"))
+        if block is not None:
+            _log_block_fp8(block, dtype, quant)
+            tensors = dequantized_tensors(tensors, block, dtype, device)
+        _load_checkpoint(net, folder, tensors, quant)
     _process_quantized_weights(net)
     if quant is not None and device.type == "cuda":
         torch.cuda.empty_cache()  # the float weights quantized away: free for the KV pool
@@ -246,10 +257,18 @@ def _checkpoint_tensors(folder: Path, lazy: bool = False) -> Iterator[tuple[str,
             raise
 
 
-def _load_checkpoint(net: nn.Module, folder: Path, quant: QuantConfig | None,
-                     lazy: bool = False) -> None:
+def _log_block_fp8(fmt: BlockFp8, dtype: torch.dtype, quant: QuantConfig | None) -> None:
+    name = str(dtype).removeprefix("torch.")
+    how = (f"they run as {name} ({dtype.itemsize} bytes a weight)" if quant is None else
+           f"to {name}, then requantized per output channel (quantization={quant.method!r})")
+    log.warning("block-wise FP8 checkpoint (%d x %d blocks): there is no block-scaled FP8 "
+                "kernel, so its weights are dequantized at load: %s", *fmt.block, how)
+
+
+def _load_checkpoint(net: nn.Module, folder: Path, tensors: Iterator[tuple[str, Any]],
+                     quant: QuantConfig | None) -> None:
     heads: dict[str, GGUFBlocks] = {}
-    loaded = net.load_weights(_packed_or_float(_checkpoint_tensors(folder, lazy), quant, heads))
+    loaded = net.load_weights(_packed_or_float(tensors, quant, heads))
     _pack_output_head(net, heads)
     missing = net.expected_weight_keys() - loaded
     if missing:

@@ -15,6 +15,7 @@ Checkpoint names: Mixtral's `block_sparse_moe.experts.<e>.w1|w3|w2` and Qwen's
 
 Quantization (fp8, int8) covers the experts (quantization/experts.py: weight-only, per-channel
 scales) and every other decoder linear as in the dense families; the routers stay in float.
+A block-wise FP8 checkpoint loads as a float model (quantization/block_fp8.py), experts too.
 A GGUF model's experts are float (dequantized by the converter); its other decoder linears
 run its blocks as in the dense families.
 """

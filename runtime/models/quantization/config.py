@@ -6,9 +6,13 @@ method with `quantization=...`. Two rules:
 
 - a forced method must agree with what the checkpoint declares (or the checkpoint declares
   nothing and the method can quantize float weights after loading: fp8, int8);
-- anything we cannot run exactly as its writer meant (a kernel-specific layout, block-wise
-  FP8 scales, per-module overrides) fails here, naming the field, instead of loading into a
-  model that silently computes something else.
+- anything we cannot run exactly as its writer meant (a kernel-specific layout, per-module
+  overrides) fails here, naming the field, instead of loading into a model that silently
+  computes something else.
+
+A block-wise FP8 checkpoint (`weight_block_size`) has no block-scaled kernel here: the loader
+dequantizes its weights into float ones (block_fp8.py), so it resolves like a float
+checkpoint: no QuantConfig, or fp8 / int8 requantizing those weights per channel on load.
 
 A GGUF file (converted by `gguf_loader`) declares "gguf": its blocks run packed through torch's
 CPU int4 kernel where that kernel runs (`gguf_packable`: CPU, bfloat16 activations, one
@@ -20,6 +24,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Any
+
+from radixlm.runtime.models.quantization.block_fp8 import block_fp8_format
 
 QUANTIZATION_METHODS = ("fp8", "int8", "awq", "gptq", "gguf")
 # What the user may ask for (EngineConfig's list): a method, or "none" for float weights.
@@ -81,6 +87,8 @@ def resolve_quant_config(forced: str | None, hf_config: dict[str, Any],
               else None)
     if method == "gguf":
         return _resolve_gguf(forced, gguf_packable)
+    if block_fp8_format(declared) is not None:
+        return _resolve_block_fp8(forced, declared)
     if forced == "none":
         if declared is not None:
             raise ValueError(f"quantization='none': this checkpoint holds {method} tensors, "
@@ -131,6 +139,26 @@ def _resolve_gguf(forced: str | None, packable: bool) -> QuantConfig | None:
                      f"holds GGUF blocks")
 
 
+def _resolve_block_fp8(forced: str | None, declared: dict[str, Any]) -> QuantConfig | None:
+    """Block-wise FP8: the loader dequantizes the weights (block_fp8.py), so the model is a
+    float one; fp8 and int8 requantize its decoder linears per channel on load, which would
+    also quantize the ones the checkpoint keeps in float: such a list is refused then."""
+    if forced in (None, "none"):
+        return None
+    if forced not in ONLINE_METHODS:
+        raise ValueError(f"quantization={forced!r} conflicts with the checkpoint: config.json "
+                         "quantization_config declares block-wise FP8 (weight_block_size), "
+                         "whose weights load as float; only fp8 and int8 can requantize them")
+    for field in ("modules_to_not_convert", "ignored_layers"):
+        kept = [str(m) for m in declared.get(field) or () if _names_decoder_linear(str(m))]
+        if kept:
+            raise ValueError(
+                f"quantization={forced!r} would requantize every decoder linear of this "
+                f"block-wise FP8 checkpoint, but quantization_config.{field} keeps {kept[0]!r} "
+                "in float; leave quantization unset to run the checkpoint dequantized")
+    return QuantConfig(forced, bits=8)
+
+
 def _parse_awq(qc: dict[str, Any]) -> QuantConfig:
     bits = int(qc.get("bits", qc.get("w_bit", 4)))
     group = int(qc.get("group_size", qc.get("q_group_size", 128)))
@@ -168,10 +196,7 @@ def _parse_gptq(qc: dict[str, Any]) -> QuantConfig:
 
 
 def _parse_fp8(qc: dict[str, Any]) -> QuantConfig:
-    if qc.get("weight_block_size"):
-        raise ValueError(f"quantization_config.weight_block_size = {qc['weight_block_size']}: "
-                         "block-wise FP8 checkpoints are not supported (per-tensor and "
-                         "per-channel weight_scale are)")
+    """Per-tensor or per-channel `weight_scale` (block-wise ones resolve before this)."""
     scheme = qc.get("activation_scheme", "dynamic")
     if scheme not in ("dynamic", "static"):
         raise ValueError(f"quantization_config.activation_scheme = {scheme!r}: expected "
@@ -228,17 +253,23 @@ _LINEAR_PROBES = tuple(f"model.layers.0.{name}" for name in (
 def _check_not_converted(modules: Any, field: str) -> None:
     """Checkpoints may keep some modules in float. We run every decoder linear quantized, so
     only lists that name none of them (e.g. ["lm_head"], MoE routers) can be honoured."""
-    decoder_parts = ("layers", "self_attn", "mlp", *QUANTIZED_LINEARS)
-    for name in modules or ():
-        if str(name).startswith("re:"):
-            pattern = re.compile(str(name)[3:])
-            if any(pattern.match(probe) for probe in _LINEAR_PROBES):
-                raise ValueError(f"quantization_config.{field} lists {name!r}, which matches "
-                                 "decoder linears: checkpoints that keep some of them in float "
-                                 "are not supported")
+    for name in map(str, modules or ()):
+        if not _names_decoder_linear(name):
             continue
-        if _FLOAT_ROUTER.search(str(name)):
-            continue
-        if any(part in str(name) for part in decoder_parts):
-            raise ValueError(f"quantization_config.{field} lists {name!r}: checkpoints that "
-                             "keep some decoder linears in float are not supported")
+        if name.startswith("re:"):
+            raise ValueError(f"quantization_config.{field} lists {name!r}, which matches "
+                             "decoder linears: checkpoints that keep some of them in float "
+                             "are not supported")
+        raise ValueError(f"quantization_config.{field} lists {name!r}: checkpoints that "
+                         "keep some decoder linears in float are not supported")
+
+
+def _names_decoder_linear(name: str) -> bool:
+    """Whether a not-converted entry (a module name, or a "re:" pattern) covers any decoder
+    linear we quantize; routers do not count (they are float in our models anyway)."""
+    if name.startswith("re:"):
+        pattern = re.compile(name[3:])
+        return any(pattern.match(probe) for probe in _LINEAR_PROBES)
+    if _FLOAT_ROUTER.search(name):
+        return False
+    return any(part in name for part in ("layers", "self_attn", "mlp", *QUANTIZED_LINEARS))

@@ -13,7 +13,8 @@ and reads one byte per weight, which is what a memory-bound decode step pays for
 Weights come from a float checkpoint, quantized after loading (`quantize_experts`, the rules of
 the dense methods: int8 symmetric with max|w_row| / 127, the scale rounded to the model's dtype
 first; fp8 with max|w_row| / 448), or from an FP8 checkpoint whose experts hold e4m3 `weight`s
-and per-tensor or per-channel `weight_scale`s.
+and per-tensor or per-channel `weight_scale`s. A block-wise FP8 checkpoint's experts arrive as
+float weights (dequantized at load, block_fp8.py): float experts, or quantized as above.
 
 On the CPU, int8 experts run through torch's int8 weight-only kernel while an expert has few
 rows (it reads one byte per weight; measured 2.5-3x faster than bfloat16 at one row), and as a

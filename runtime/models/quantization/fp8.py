@@ -15,7 +15,9 @@ in float32: the same function, up to accumulation order and the output rounding.
 Weights come from a float checkpoint (quantized after loading) or from an FP8 checkpoint
 (`quant_method: fp8`): per-tensor `weight_scale`s (one per q/k/v part of a merged layer) are
 spread over the part's channels; a static `input_scale` is read past, since a per-token scale
-is never coarser.
+is never coarser. A block-wise FP8 checkpoint (`weight_block_size`) does not come here: its
+weights are dequantized into float ones at load (block_fp8.py), which this method may then
+quantize per channel like any float checkpoint's.
 """
 
 from __future__ import annotations
