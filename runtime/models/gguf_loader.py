@@ -8,7 +8,9 @@ the safetensors metadata (`gguf_types`) and `quantization_config.quant_method = 
 config.json. Every other type is dequantized to float32 here. The loader decides per run
 whether the blocks are used packed (quantization "gguf") or dequantized to float.
 Mixture-of-experts files (Mixtral, Qwen2-MoE, Qwen3-MoE) add their config fields and expert
-tensors through `gguf_moe`; their experts and routers are always dequantized here.
+tensors through `gguf_moe`; their experts and routers are always dequantized here. Gemma 2,
+Gemma 3 and Phi-3 add theirs through `gguf_families` (Gemma's norms without llama.cpp's +1,
+Phi-3's fused projections cut, its LongRoPE factors into the config).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from radixlm.runtime.models import gguf_moe
+from radixlm.runtime.models import gguf_families, gguf_moe
 from radixlm.runtime.models.quantization.gguf_blocks import BLOCK_TYPES, NATIVE_TYPES, type_id
 
 logger = logging.getLogger(__name__)
@@ -47,6 +49,7 @@ _HF_CLASSES = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    **gguf_families.HF_CLASSES,
 }
 SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = tuple(_HF_CLASSES)
 
@@ -161,7 +164,9 @@ def _convert(path: pathlib.Path, out_dir: pathlib.Path) -> None:
         )
     config = _build_config(reader, arch)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    layer_table = _LAYER_TENSORS | gguf_moe.layer_tensors(config["model_type"])
+    layer_table = (_LAYER_TENSORS | gguf_moe.layer_tensors(config["model_type"])
+                   | gguf_families.layer_tensors(arch))
+    config_tensors = gguf_families.config_tensors(arch)
 
     from tqdm.auto import tqdm
 
@@ -169,9 +174,11 @@ def _convert(path: pathlib.Path, out_dir: pathlib.Path) -> None:
     block_types: dict[str, str] = {}
     for tensor in tqdm(reader.tensors, desc=f"converting {path.name}", unit="tensor",
                        leave=False, disable=None):
+        if tensor.name in config_tensors:
+            continue  # read into the config (Phi-3's LongRoPE factors)
         layer, base, kind = _parse_name(tensor.name, layer_table)
         # GGUF lists dimensions innermost-first; the numpy data is already row-major [out, in].
-        expected = _expected_shape(base, kind == "bias", config)
+        expected = _expected_shape(arch, base, kind == "bias", config)
         type_name = tensor.tensor_type.name
         blocks = (type_name in NATIVE_TYPES and len(expected) == 2
                   and base not in gguf_moe.FLOAT_TENSORS)
@@ -181,17 +188,18 @@ def _convert(path: pathlib.Path, out_dir: pathlib.Path) -> None:
             shape = (data.shape[0], data.shape[1] // block_bytes * per_block)
         else:
             data = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
-            data = gguf_moe.hf_layout(base, data)
+            data = gguf_families.hf_values(arch, base, gguf_moe.hf_layout(base, data))
             shape = data.shape
         if shape != expected:
             raise ValueError(f"{tensor.name}: shape {shape}, expected {expected} from config")
         if arch in _PERMUTED_ARCHITECTURES and base in ("attn_q", "attn_k"):
             # Whole rows move, so this works on rows of blocks too.
             data = _unpermute_rotary_rows(data, heads if base == "attn_q" else kv_heads)
-        for hf_name, part in _hf_tensors(layer, base, kind, data, layer_table):
-            tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(part))
-            if blocks:
-                block_types[hf_name] = type_name
+        for part_base, part in gguf_families.split_fused(arch, base, data, config):
+            for hf_name, array in _hf_tensors(layer, part_base, kind, part, layer_table):
+                tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(array))
+                if blocks:
+                    block_types[hf_name] = type_name
     save_file(tensors, str(out_dir / "model.safetensors"),
               metadata={"format": "pt", TYPES_METADATA: json.dumps(block_types)})
     del tensors
@@ -280,19 +288,22 @@ def _build_config(reader: Any, arch: str) -> dict[str, Any]:
         "torch_dtype": "float32",
     }
     if arch != "qwen2":  # Qwen2 always has q/k/v biases; the others make them optional.
-        config["attention_bias"] = "blk.0.attn_q.bias" in shapes
+        config["attention_bias"] = any(f"blk.0.{b}.bias" in shapes
+                                       for b in ("attn_q", "attn_qkv"))
     if model_type == "qwen2_moe":  # transformers' name for the same switch
         config["qkv_bias"] = config["attention_bias"]
     if model_type in gguf_moe.MOE_TYPES:
         config.update(gguf_moe.moe_config(model_type, meta, shapes, config["num_hidden_layers"]))
     if arch == "mistral":
         config["sliding_window"] = meta("attention.sliding_window")
+    config.update(gguf_families.family_config(
+        arch, meta, config, {t.name: t for t in reader.tensors}))
     if "rope_freqs.weight" in shapes:
         # Llama 3.1-style per-frequency factors: HF wants the formula's parameters, which the
         # tensor does not state, and silently dropping them would give a subtly wrong model.
         raise ValueError(f"{arch} GGUF with a rope_freqs tensor (llama3 rope scaling): unsupported")
     rope_type = meta("rope.scaling.type")
-    if rope_type not in (None, "none"):
+    if rope_type not in (None, "none") and "rope_scaling" not in config:
         factor = float(meta("rope.scaling.factor", 1.0))
         scaling: dict[str, Any] = {"rope_type": rope_type, "factor": factor}
         original = meta("rope.scaling.original_context_length")
@@ -338,7 +349,8 @@ def _hf_tensors(layer: str | None, base: str, kind: str, data: np.ndarray,
         yield f"{module.format(expert=expert)}.{kind}", data[expert].copy()
 
 
-def _expected_shape(base: str, is_bias: bool, config: dict[str, Any]) -> tuple[int, ...]:
+def _expected_shape(arch: str, base: str, is_bias: bool,
+                    config: dict[str, Any]) -> tuple[int, ...]:
     hidden, head_dim, ffn = config["hidden_size"], config["head_dim"], config["intermediate_size"]
     q_rows = config["num_attention_heads"] * head_dim
     kv_rows = config["num_key_value_heads"] * head_dim
@@ -358,6 +370,7 @@ def _expected_shape(base: str, is_bias: bool, config: dict[str, Any]) -> tuple[i
         "ffn_up": (ffn, hidden),
         "ffn_down": (hidden, ffn),
         **gguf_moe.expected_shapes(config),
+        **gguf_families.expected_shapes(arch, config),
     }
     return shapes[base][:1] if is_bias else shapes[base]
 
