@@ -24,10 +24,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from radixlm.runtime.models import gguf_families, gguf_loader
-from radixlm.runtime.models.loader import load_model
 
 from conftest import save_tiny_hf_model, tiny_config
-from test_models import run_chunks
+from test_models import check_converted_logits, check_engine_greedy
 
 CPU = torch.device("cpu")
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
@@ -236,44 +235,14 @@ def test_converted_folder_holds_the_transformers_checkpoint(family_files):
 def test_logits_match_transformers(family_files):
     """Whole prompt and chunked prefill with single decode steps, float32: within 1e-4 of
     transformers on the folder (80 tokens: beyond the windows and Phi-3's short rope)."""
-    import transformers
-
-    ids = torch.randint(3, 512, (1, 80), generator=torch.Generator().manual_seed(0))
-    reference = transformers.AutoModelForCausalLM.from_pretrained(family_files.folder,
-                                                                  dtype=torch.float32)
-    with torch.no_grad():
-        want = reference(ids).logits[0]
-    loaded = load_model(str(family_files.gguf), "auto", torch.float32, CPU)
-    assert loaded.config.architecture == family_files.config["architectures"][0]
-    for chunks in ([80], [7, 1, 51, 1, 20]):
-        got = run_chunks(loaded, ids[0].tolist(), chunks)
-        assert (got - want).abs().max().item() < 1e-4, chunks
+    check_converted_logits(family_files.folder, family_files.gguf,
+                           family_files.config["architectures"][0], 80, [7, 1, 51, 1, 20])
 
 
 def test_greedy_matches_transformers_through_the_engine(family_files):
     """Prompts sharing a prefix (cache hits), prefilled in chunks mixed with decode steps:
     transformers' greedy tokens."""
-    import transformers
-
-    from radixlm.runtime import Engine
-
-    gen = torch.Generator().manual_seed(2)
-    shared = torch.randint(3, 512, (66,), generator=gen).tolist()
-    prompts = [shared + torch.randint(3, 512, (n,), generator=gen).tolist() for n in (4, 17)]
-    reference = transformers.AutoModelForCausalLM.from_pretrained(family_files.folder,
-                                                                  dtype=torch.float32)
-    expected = []
-    with torch.no_grad():
-        for ids in prompts:
-            out = reference.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8,
-                                     do_sample=False)
-            expected.append(out[0, len(ids):].tolist())
-    params = {"temperature": 0, "max_new_tokens": 8, "min_new_tokens": 8}
-    with Engine(str(family_files.gguf), device="cpu", dtype="float32", max_total_tokens=1024,
-                page_size=4, chunked_prefill_size=16, max_num_batched_tokens=32) as engine:
-        first = engine.generate(input_ids=prompts[0], sampling_params=params).token_ids
-        second = engine.generate(input_ids=prompts[1], sampling_params=params).token_ids
-    assert [first, second] == expected
+    check_engine_greedy(family_files.folder, family_files.gguf, shared=66)
 
 
 def _meta(values: dict):

@@ -26,7 +26,7 @@ from radixlm.runtime.models import gguf_loader, gguf_moe
 from radixlm.runtime.models.loader import load_model
 
 from conftest import save_tiny_hf_model, tiny_config
-from test_models import run_chunks
+from test_models import check_converted_logits, check_engine_greedy
 
 CPU = torch.device("cpu")
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
@@ -234,44 +234,14 @@ def test_logits_match_transformers(moe_files):
     """Whole prompt and chunked prefill with single decode steps, float32: within 1e-4 of
     transformers on the folder. For Q8_0 both hold the same dequantized weights, so Q8_0's
     rounding is in both and the float32 tolerance applies."""
-    import transformers
-
-    ids = torch.randint(3, 512, (1, 60), generator=torch.Generator().manual_seed(0))
-    reference = transformers.AutoModelForCausalLM.from_pretrained(moe_files.folder,
-                                                                  dtype=torch.float32)
-    with torch.no_grad():
-        want = reference(ids).logits[0]
-    loaded = load_model(str(moe_files.gguf), "auto", torch.float32, CPU)
-    assert loaded.config.architecture == moe_files.config["architectures"][0]
-    for chunks in ([60], [7, 1, 31, 1, 20]):
-        got = run_chunks(loaded, ids[0].tolist(), chunks)
-        assert (got - want).abs().max().item() < 1e-4, chunks
+    check_converted_logits(moe_files.folder, moe_files.gguf,
+                           moe_files.config["architectures"][0], 60, [7, 1, 31, 1, 20])
 
 
 def test_greedy_matches_transformers_through_the_engine(moe_files):
     """Prompts sharing a prefix (cache hits), prefilled in chunks mixed with decode steps:
     transformers' greedy tokens."""
-    import transformers
-
-    from radixlm.runtime import Engine
-
-    gen = torch.Generator().manual_seed(2)
-    shared = torch.randint(3, 512, (30,), generator=gen).tolist()
-    prompts = [shared + torch.randint(3, 512, (n,), generator=gen).tolist() for n in (4, 17)]
-    reference = transformers.AutoModelForCausalLM.from_pretrained(moe_files.folder,
-                                                                  dtype=torch.float32)
-    expected = []
-    with torch.no_grad():
-        for ids in prompts:
-            out = reference.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8,
-                                     do_sample=False)
-            expected.append(out[0, len(ids):].tolist())
-    params = {"temperature": 0, "max_new_tokens": 8, "min_new_tokens": 8}
-    with Engine(str(moe_files.gguf), device="cpu", dtype="float32", max_total_tokens=1024,
-                page_size=4, chunked_prefill_size=16, max_num_batched_tokens=32) as engine:
-        first = engine.generate(input_ids=prompts[0], sampling_params=params).token_ids
-        second = engine.generate(input_ids=prompts[1], sampling_params=params).token_ids
-    assert [first, second] == expected
+    check_engine_greedy(moe_files.folder, moe_files.gguf, shared=30)
 
 
 def _prefill_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:

@@ -44,6 +44,49 @@ def run_chunks(loaded, ids: list[int], chunks: list[int]) -> torch.Tensor:
     return torch.cat(logits)
 
 
+def check_converted_logits(folder, model_file, architecture: str, length: int,
+                           chunks: list[int]) -> None:
+    """A converted model file (e.g. a GGUF) against transformers on the checkpoint `folder`
+    holding the same weights, float32: the whole prompt and `chunks` (prefill chunks mixed
+    with single decode steps) within 1e-4."""
+    import transformers
+
+    ids = torch.randint(3, 512, (1, length), generator=torch.Generator().manual_seed(0))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        want = reference(ids).logits[0]
+    loaded = load_model(str(model_file), "auto", torch.float32, CPU)
+    assert loaded.config.architecture == architecture
+    for split in ([length], chunks):
+        got = run_chunks(loaded, ids[0].tolist(), split)
+        assert (got - want).abs().max().item() < 1e-4, split
+
+
+def check_engine_greedy(folder, model_file, shared: int) -> None:
+    """Two prompts sharing `shared` tokens (cache hits), prefilled in chunks mixed with decode
+    steps through the engine on `model_file`: transformers' greedy tokens on `folder`."""
+    import transformers
+
+    from radixlm.runtime import Engine
+
+    gen = torch.Generator().manual_seed(2)
+    prefix = torch.randint(3, 512, (shared,), generator=gen).tolist()
+    prompts = [prefix + torch.randint(3, 512, (n,), generator=gen).tolist() for n in (4, 17)]
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    expected = []
+    with torch.no_grad():
+        for ids in prompts:
+            out = reference.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8,
+                                     do_sample=False)
+            expected.append(out[0, len(ids):].tolist())
+    params = {"temperature": 0, "max_new_tokens": 8, "min_new_tokens": 8}
+    with Engine(str(model_file), device="cpu", dtype="float32", max_total_tokens=1024,
+                page_size=4, chunked_prefill_size=16, max_num_batched_tokens=32) as engine:
+        got = [engine.generate(input_ids=ids, sampling_params=params).token_ids
+               for ids in prompts]
+    assert got == expected
+
+
 @pytest.mark.parametrize("tie", [False, True])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_logits_match_transformers(tmp_path, family, tie):
