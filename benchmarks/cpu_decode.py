@@ -29,6 +29,7 @@ import datetime
 import importlib.util
 import json
 import multiprocessing as mp
+import os
 import platform
 import statistics
 import time
@@ -49,6 +50,18 @@ SEQUENCE_CELLS = 256  # llama.cpp's KV cells per sequence in the batched run (pr
 def batch_prompts(n: int) -> list[str]:
     return [f"Write a short paragraph about {TOPICS[i % len(TOPICS)]} (variant {i})."
             for i in range(n)]
+
+
+def machine() -> str:
+    """The CPU's model name and core count (platform.processor() is often just the ISA)."""
+    name = platform.processor() or platform.machine()
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        name = next(line.split(":", 1)[1].strip() for line in lines
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{name}, {os.cpu_count()} logical cores"
 
 
 def bandwidth_gb_s(mib: int = 256) -> float:
@@ -324,7 +337,7 @@ def main() -> None:
     today = datetime.date.today().isoformat()
     out = Path(args.out or results_dir() / f"cpu_decode_{today}.json")
     out.write_text(json.dumps({
-        "date": today, "machine": platform.processor() or platform.machine(),
+        "date": today, "machine": machine(),
         "threads": args.threads, "tokens": args.tokens, "repeats": args.repeats,
         "batch": args.batch, "batch_tokens": args.batch_tokens, "bandwidth_gb_s": gbs,
         "llama_cpp": has_llama, "torch": torch.__version__, "rows": rows}, indent=2) + "\n")
