@@ -38,7 +38,9 @@ def server(tiny_chat_model):
             "--router", "cache_aware", "--max-running-requests", "1"]
     with ServerProcess(args, startup_timeout=180) as proc:
         yield proc
-        assert proc.stop() == 0  # SIGTERM: replicas stopped, Ray left, a clean exit
+        code = proc.stop()
+        # SIGTERM: replicas stopped, Ray left, a clean exit
+        assert code == 0, f"exit {code}; the server's log ends:\n{proc.log_text()[-6000:]}"
 
 
 def _post(server: ServerProcess, path: str, body: dict, timeout: float = 60) -> tuple[int, str]:

@@ -60,7 +60,21 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(_serve(config, options))
+    code = asyncio.run(_serve(config, options))
+    if config.dp_size > 1:
+        _exit_without_finalizing(code)
+    return code
+
+
+def _exit_without_finalizing(code: int) -> None:
+    """End the process now, skipping the interpreter's teardown. With Ray loaded, that
+    teardown sometimes crashes (a type freed twice while modules are cleared), so a clean stop
+    would exit with SIGABRT. By now the replicas are stopped and Ray is shut down: only the
+    output is left to flush."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 async def _serve(config: ServerConfig, options: dict[str, Any]) -> int:
