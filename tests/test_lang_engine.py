@@ -109,15 +109,16 @@ def test_min_tokens_is_respected(engine, backend):
     assert state.get_meta_info("a")["completion_tokens"] >= 12
 
 
-def test_fork_prefix_is_computed_once_under_cache_pressure(default_model_folder):
+def test_fork_prefix_is_computed_once_under_cache_pressure(tiny_chat_model):
     """A fork of 4 branches over a ~300-token prefix. Between branches, unrelated traffic
     fills the small pool; without the fork's lease the prefix is evicted and recomputed (the
-    same program with cache hints off shows that the pool is small enough)."""
+    same program with cache hints off shows that the pool is small enough). A tiny model with
+    the real tokenizer: the pages matter here, not the text."""
     paragraph = ("Radix trees store strings by their shared prefixes, so that common "
                  "beginnings are kept once. ") * 16
 
     def run(cache_hints: bool) -> tuple[int, list[int]]:
-        with Engine(str(default_model_folder), max_total_tokens=64 * PAGE, page_size=PAGE,
+        with Engine(str(tiny_chat_model), max_total_tokens=64 * PAGE, page_size=PAGE,
                     lease_memory_fraction=0.5) as eng:
             backend = rl.Engine(engine=eng, cache_hints=cache_hints)
             # Two unrelated 600-token prompts between branches: the second one needs pages
@@ -143,7 +144,7 @@ def test_fork_prefix_is_computed_once_under_cache_pressure(default_model_folder)
             no_leak(eng)
             return computed, cached
 
-    with Engine(str(default_model_folder), max_total_tokens=4 * PAGE) as eng:
+    with Engine(str(tiny_chat_model), max_total_tokens=4 * PAGE) as eng:
         prefix = len(eng.tokenizer.encode(paragraph))
     assert 280 <= prefix <= 340
     computed, cached = run(cache_hints=True)
