@@ -34,36 +34,23 @@ from radixlm.runtime.attention.base import AttentionBackend, ForwardBatch, Layer
 from radixlm.runtime.models.causal_lm import CausalLM
 from radixlm.runtime.models.config import ModelConfig
 from radixlm.runtime.models.layers.embedding import VocabEmbedding
-from radixlm.runtime.models.layers.linear import Linear, LinearShard, MergedLinear, QKVLinear
+from radixlm.runtime.models.layers.linear import Linear, LinearShard, MergedLinear
 from radixlm.runtime.models.layers.norm import RMSNorm
 from radixlm.runtime.models.layers.rotary import RotaryEmbedding, apply_rotary
+from radixlm.runtime.models.layers.self_attention import SelfAttention
 from radixlm.runtime.models.quantization.config import QuantConfig
 from radixlm.runtime.parallel.groups import TPInfo
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(SelfAttention):
+    """SelfAttention's layers, with the fused rotary + KV store when the fused kernels are
+    on (q and k rotated side by side in one go)."""
+
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype,
                  quant: QuantConfig | None = None, tp: TPInfo | None = None) -> None:
-        super().__init__()
-        self.layer_id = layer_id
         window = cfg.layer_windows[layer_id] if cfg.layer_windows else None
-        self.attends = LayerAttention(sliding_window=window)
-        d = self.head_dim = cfg.head_dim
-        qkv_shard = o_shard = None
-        if tp is None:
-            self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
-        else:
-            q0, self.num_heads = tp.split(cfg.num_heads, "num_attention_heads")
-            kv0, self.num_kv_heads = tp.kv_heads(cfg.num_kv_heads)
-            qkv_shard = LinearShard(part_starts=(q0 * d, kv0 * d, kv0 * d))
-            o_shard = LinearShard(in_start=q0 * d)
-        self.qkv_proj = QKVLinear(cfg.hidden_size, d, self.num_heads, self.num_kv_heads,
-                                  bias=cfg.attention_bias, dtype=dtype, quant=quant,
-                                  shard=qkv_shard)
-        self.o_proj = Linear(self.num_heads * d, cfg.hidden_size, bias=False, dtype=dtype,
-                             quant=quant, shard=o_shard)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        super().__init__(cfg, layer_id, dtype, LayerAttention(sliding_window=window),
+                         quant=quant, tp=tp)
         self.fused: Any = None  # radixlm.kernels.fused when the fused kernels are on
 
     def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
