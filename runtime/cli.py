@@ -101,7 +101,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
 def _cmd_cache(args: argparse.Namespace) -> int:
     import datetime
 
-    from radixlm.runtime.models.gguf_loader import cache_entries, cache_root, clear_cache
+    from radixlm.runtime.models.gguf_cache import cache_entries, cache_root, clear_cache
 
     if args.action == "clear":
         freed = clear_cache()

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from radixlm.runtime.models import gguf_loader
+from radixlm.runtime.models import gguf_cache, gguf_loader
 from radixlm.runtime.models.gguf_loader import SUPPORTED_GGUF_ARCHITECTURES, convert_gguf
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -195,7 +195,7 @@ def test_cache_key_is_the_content_and_failures_leave_nothing(tmp_path, monkeypat
     source.write_bytes(bytes(data))
     second = convert_gguf(source, cache)
     assert second != first and len(written) == 2
-    entries = gguf_loader.cache_entries(cache)
+    entries = gguf_cache.cache_entries(cache)
     assert [e["folder"] for e in entries] == sorted([first, second])
     assert {e["source"] for e in entries} == {str(source.resolve())}
 
@@ -208,7 +208,7 @@ def test_cache_key_is_the_content_and_failures_leave_nothing(tmp_path, monkeypat
     with pytest.raises(RuntimeError, match="disk full"):
         convert_gguf(source, cache)
     assert sorted((cache / "gguf").iterdir()) == sorted([first, second])
-    assert gguf_loader.clear_cache(cache) > 0 and gguf_loader.cache_entries(cache) == []
+    assert gguf_cache.clear_cache(cache) > 0 and gguf_cache.cache_entries(cache) == []
 
 
 def test_a_truncated_file_is_one_clear_error(tmp_path):

@@ -1,7 +1,8 @@
 """Convert a GGUF model file into a Hugging Face-format model folder, cached on disk.
 
 The engine loads HF folders (config.json + safetensors + tokenizer files), so a GGUF file is
-written once as such a folder; later loads find it in the cache and skip the conversion.
+written once as such a folder; later loads find it in the cache (gguf_cache.py) and skip the
+conversion.
 Tensors of the block types our kernels run as they are (`gguf_blocks.NATIVE_TYPES`: Q4_0, Q4_1,
 Q5_0, Q5_1, Q8_0, Q4_K, Q5_K) keep their blocks: uint8 [rows, bytes per row], their types in
 the safetensors metadata (`gguf_types`) and `quantization_config.quant_method = "gguf"` in
@@ -15,29 +16,24 @@ Phi-3's fused projections cut, its LongRoPE factors into the config).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import pathlib
 import re
-import shutil
-import tempfile
-import time
 from typing import Any, Iterator
 
 import numpy as np
 
-from radixlm.runtime.models import gguf_families, gguf_moe
+from radixlm.runtime.models import gguf_cache, gguf_families, gguf_moe
 from radixlm.runtime.models.quantization.gguf_blocks import BLOCK_TYPES, NATIVE_TYPES, type_id
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SUPPORTED_GGUF_ARCHITECTURES", "cache_entries", "clear_cache", "convert_gguf"]
+__all__ = ["SUPPORTED_GGUF_ARCHITECTURES", "convert_gguf"]
 
 # Bump when the output of the conversion changes, so that stale cache folders are not reused.
 CONVERTER_VERSION = 2
-SOURCE_FILE = "radixlm_source.json"  # in each cache folder: what it was converted from
 TYPES_METADATA = "gguf_types"  # safetensors metadata: {tensor name: block type} as JSON
 
 # GGUF architecture -> (HF architectures entry, HF model_type); "llama" with experts is
@@ -82,67 +78,7 @@ def convert_gguf(
 ) -> pathlib.Path:
     """Return a folder with config.json, model.safetensors, tokenizer files (incl. chat template)
     and generation_config.json for this GGUF file, converting it on first use."""
-    path = pathlib.Path(gguf_path).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file not found: {path}")
-    path = path.resolve()
-    final = _cache_folder(path, cache_root)
-    if final.is_dir():
-        return final
-
-    final.parent.mkdir(parents=True, exist_ok=True)
-    # A dot-prefixed sibling on the same filesystem: os.replace is then atomic, so `final` either
-    # does not exist or is complete, even if this process is killed half-way.
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    start = time.perf_counter()
-    try:
-        _convert(path, tmp)
-        (tmp / SOURCE_FILE).write_text(json.dumps({
-            "source": str(path), "size": path.stat().st_size, "converted": time.time(),
-            "converter_version": CONVERTER_VERSION}) + "\n")
-        _make_readable(tmp)
-        try:
-            os.replace(tmp, final)
-        except OSError:
-            if not final.is_dir():
-                raise
-            # Another process finished the same conversion first; its folder is equally good.
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    logger.info("Converted GGUF %s to %s in %.1f s", path, final, time.perf_counter() - start)
-    return final
-
-
-def cache_root(root: str | os.PathLike | None = None) -> pathlib.Path:
-    """Where converted GGUF files are kept: `root`, $RADIXLM_CACHE_DIR or ~/.cache/radixlm."""
-    if root is None:
-        root = os.environ.get("RADIXLM_CACHE_DIR") or pathlib.Path.home() / ".cache/radixlm"
-    return pathlib.Path(root).expanduser() / "gguf"
-
-
-_SAMPLE_BYTES = 1 << 16
-_SAMPLES = 32
-
-
-def content_key(path: pathlib.Path) -> str:
-    """A key for the file's content, not its name or mtime (a copy or a touched file hits the
-    same conversion; a changed one does not): its size and a hash of its header, its end and
-    32 slices spread over it. Reads about 2 MiB whatever the file's size."""
-    size = path.stat().st_size
-    digest = hashlib.sha256(f"{size}|{CONVERTER_VERSION}".encode())
-    with open(path, "rb") as f:
-        offsets = {0, max(0, size - _SAMPLE_BYTES)}
-        offsets.update(size * i // _SAMPLES for i in range(1, _SAMPLES))
-        for offset in sorted(offsets):
-            f.seek(offset)
-            digest.update(f.read(_SAMPLE_BYTES if offset else 1 << 20))
-    return digest.hexdigest()[:16]
-
-
-def _cache_folder(path: pathlib.Path, root: str | os.PathLike | None) -> pathlib.Path:
-    return cache_root(root) / f"{path.stem}-{content_key(path)}"
+    return gguf_cache.converted_folder(gguf_path, _convert, CONVERTER_VERSION, cache_root)
 
 
 def _convert(path: pathlib.Path, out_dir: pathlib.Path) -> None:
@@ -213,45 +149,6 @@ def _convert(path: pathlib.Path, out_dir: pathlib.Path) -> None:
         generation["pad_token_id"] = int(pad_id)
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     _save_tokenizer(path, out_dir, _field(reader, "tokenizer.chat_template"))
-
-
-def cache_entries(root: str | os.PathLike | None = None) -> list[dict[str, Any]]:
-    """The converted models in the cache: folder, bytes on disk, source file, when."""
-    entries = []
-    folder = cache_root(root)
-    for entry in sorted(folder.iterdir()) if folder.is_dir() else []:
-        if not entry.is_dir() or entry.name.startswith("."):
-            continue
-        record: dict[str, Any] = {}
-        try:
-            record = json.loads((entry / SOURCE_FILE).read_text())
-        except (OSError, ValueError):
-            pass  # converted by an older version: no record
-        entries.append({"folder": entry, "bytes": sum(f.stat().st_size for f in entry.iterdir()
-                                                      if f.is_file()),
-                        "source": record.get("source"), "converted": record.get("converted")})
-    return entries
-
-
-def clear_cache(root: str | os.PathLike | None = None) -> int:
-    """Delete every converted model (and unfinished conversions); the bytes freed."""
-    freed = 0
-    folder = cache_root(root)
-    for entry in list(folder.iterdir()) if folder.is_dir() else []:
-        if entry.is_dir():
-            freed += sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
-            shutil.rmtree(entry, ignore_errors=True)
-    return freed
-
-
-def _make_readable(folder: pathlib.Path) -> None:
-    # mkdtemp (and safetensors) create private 0700/0600 entries; a cache should get the
-    # permissions that ordinarily created files get under the current umask.
-    umask = os.umask(0)
-    os.umask(umask)
-    folder.chmod(0o777 & ~umask)
-    for child in folder.iterdir():
-        child.chmod(0o666 & ~umask)
 
 
 def _build_config(reader: Any, arch: str) -> dict[str, Any]:
