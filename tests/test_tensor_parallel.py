@@ -93,11 +93,32 @@ def test_tp2_greedy_matches_tp1(tmp_path, family, overrides, tp_options):
     overrides = dict(overrides)
     folder = save_tiny_hf_model(tmp_path, family, vocab_size=overrides.pop("vocab_size"),
                                 tie=overrides.pop("tie"), **overrides)
+    # Plain greedy steps gather each rank's argmax; a penalty or logprobs need the whole
+    # logits gathered (min_new_tokens switches a request over after a few steps).
+    other = [dict(GREEDY, repetition_penalty=1.3), dict(GREEDY, logprobs=True),
+             dict(GREEDY, min_new_tokens=4)]
+
+    def run(engine: Engine) -> tuple[list[list[int]], list[list[int]], list]:
+        outs = engine.generate(input_ids=PROMPTS, sampling_params=other)
+        assert all(o.error is None for o in outs), [o.error for o in outs]
+        return (_greedy(engine, PROMPTS), [o.token_ids for o in outs],
+                [entry[1] for entry in outs[1].logprobs])
+
     with Engine(str(folder), **_options()) as engine:
-        expected = _greedy(engine, PROMPTS)
+        expected, expected_other, expected_logprobs = run(engine)
         full = sum(p.numel() for p in engine.core.runner.model.parameters())
     with Engine(str(folder), **_options(tp_size=2, **tp_options)) as engine:
-        assert _greedy(engine, PROMPTS) == expected
+        model = engine.core.runner.model
+        calls = {"greedy_tokens": 0, "compute_logits": 0}
+        for name in calls:
+            def counted(hidden, name=name, method=getattr(model, name)):
+                calls[name] += 1
+                return method(hidden)
+            setattr(model, name, counted)
+        greedy, tokens, logprobs = run(engine)
+        assert greedy == expected and tokens == expected_other
+        assert len(logprobs) == 10 and logprobs == pytest.approx(expected_logprobs, abs=1e-4)
+        assert calls["greedy_tokens"] >= 9 and calls["compute_logits"] >= 9, calls
         # Rank 0 holds its shard only: well under the whole model.
         shard = sum(p.numel() for p in engine.core.runner.model.model.parameters())
         assert shard < 0.75 * full
@@ -286,3 +307,70 @@ def test_two_nodes_on_the_loopback_match_tp1(tmp_path):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+# -- vocab-parallel argmax -----------------------------------------------------------------------
+
+VOCAB, HIDDEN, RANKS = 500, 8, 3  # shards of 167 ids; the last one padded by a row
+
+
+def _head_and_rows() -> tuple[torch.Tensor, torch.Tensor]:
+    """An output head whose maxima tie across and within shards, and hidden rows to score:
+    row 0's maximum at ids 10, 200 and 499 (three shards), row 1's at 201 and 350, row 2's at
+    167 and 334 (each the first id of a shard), and row 3 with every logit negative, below the
+    zero that an unmasked padding row would score."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(VOCAB, HIDDEN, generator=gen)
+    weight[:, 0] = weight[:, 0].abs() + 1
+    rows = torch.zeros(4, HIDDEN)
+    for row, ids in enumerate(([10, 200, 499], [201, 350], [167, 334])):
+        direction = torch.zeros(HIDDEN)
+        direction[0], direction[row + 1] = 1.0, 3.0
+        rows[row] = direction
+        weight[ids] = 40 * direction
+    rows[3, 0] = -10.0
+    return weight, rows
+
+
+def _soft_cap(logits: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(logits / 5) * 5  # saturates: near-maxima become exact ties
+
+
+def _greedy_rank(rank: int, port: int, out: str) -> None:
+    from radixlm.runtime.models.layers.embedding import VocabEmbedding
+    from radixlm.runtime.parallel.groups import destroy_group, init_group
+
+    tp = init_group(rank, RANKS, "gloo", 60, {"MASTER_ADDR": "127.0.0.1",
+                                                "MASTER_PORT": str(port),
+                                                "GLOO_SOCKET_IFNAME": "lo"})
+    try:
+        weight, rows = _head_and_rows()
+        head = VocabEmbedding(VOCAB, HIDDEN, torch.float32, tp)
+        head.weight_loader(head.weight, weight)
+        tokens = [head.greedy(rows), head.greedy(rows, _soft_cap)]
+        if rank == 0:
+            torch.save(tokens, out)
+    finally:
+        destroy_group()
+
+
+def test_vocab_parallel_greedy_is_the_argmax_of_the_gathered_logits(tmp_path):
+    """Each rank's (max, index) pairs give torch.argmax's pick over the whole vocabulary: the
+    first of tied maxima across and within shards, never a padding id, and the same after an
+    elementwise cap that creates ties."""
+    from radixlm.runtime.models.layers.embedding import VocabEmbedding
+    from radixlm.runtime.parallel.groups import free_port
+
+    weight, rows = _head_and_rows()
+    logits = rows @ weight.t()
+    expected = [logits.argmax(-1), _soft_cap(logits).argmax(-1)]
+    assert expected[0][:3].tolist() == [10, 201, 167]
+    assert (logits[3] < 0).all() and (_soft_cap(logits) == 5).sum() > 3
+    single = VocabEmbedding(VOCAB, HIDDEN, torch.float32)
+    single.weight_loader(single.weight, weight)
+    assert [single.greedy(rows).tolist(), single.greedy(rows, _soft_cap).tolist()] == \
+        [e.tolist() for e in expected]
+
+    out = str(tmp_path / "tokens.pt")
+    torch.multiprocessing.spawn(_greedy_rank, args=(free_port(), out), nprocs=RANKS)
+    assert [t.tolist() for t in torch.load(out)] == [e.tolist() for e in expected]

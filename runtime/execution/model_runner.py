@@ -233,8 +233,14 @@ class ModelRunner:
         flat = [i for _, i in rows]
         if flat != list(range(hidden.shape[0])):  # decode steps sample every row, in order
             hidden = hidden[to_device(flat, torch.int64, self.device)]
-        raw = self.model.compute_logits(hidden)  # [B, V] float32
         params = [r.params for r in requests]
+        if not constrained and _plain_greedy(requests):
+            # The argmax of the raw logits is every row's token: with tensor parallelism the
+            # ranks then gather a (max, index) pair per row instead of [B, V] logits.
+            step.sampled = requests
+            step.tokens = self.model.greedy_tokens(hidden)
+            return
+        raw = self.model.compute_logits(hidden)  # [B, V] float32
         sbatch = sampler.SamplingBatch.build(params, [r.generator for r in requests],
                                              self.vocab_size, self.device)
         logits = raw
@@ -339,6 +345,17 @@ class ModelRunner:
         raw = self.model.compute_logits(hidden[index])
         top_n = max(r.params.top_logprobs_num for r, _, _ in rows)
         step._prompt = (rows, targets, *sampler.compute_logprobs(raw, targets, top_n))
+
+
+def _plain_greedy(requests: Sequence[Request]) -> bool:
+    """Whether every row's token is the argmax of the model's logits: greedy, with nothing
+    that changes logits (penalties, logit_bias, a min_new_tokens ban) and no logprobs."""
+    for request in requests:
+        p = request.params
+        if (not sampler.is_greedy(p) or p.has_penalties or p.logit_bias or p.wants_logprobs
+                or request.num_output_tokens < p.min_new_tokens):
+            return False
+    return True
 
 
 def _biased(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:

@@ -72,7 +72,7 @@ class SamplingBatch:
             raise ValueError(
                 f"got {len(generators)} generators for {len(params)} rows; pass one per row "
                 "(None for unseeded rows)")
-        greedy = [_is_greedy(p) for p in params]
+        greedy = [is_greedy(p) for p in params]
         # Greedy rows are normalised here (temperature 0, no truncation) so that `sample`
         # can tell them apart on the device without asking the host.
         temperatures = [0.0 if g else p.temperature for p, g in zip(params, greedy)]
@@ -101,7 +101,7 @@ class SamplingBatch:
         )
 
 
-def _is_greedy(p: SamplingParams) -> bool:
+def is_greedy(p: SamplingParams) -> bool:
     return p.greedy or p.temperature < _GREEDY_TEMPERATURE
 
 

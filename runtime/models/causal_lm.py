@@ -4,7 +4,8 @@ each owning layer's weight loader (the Llama module included).
 A family subclasses `CausalLM`, builds `self.model` (with `embed_tokens`, `layers` and `norm`)
 and `self.lm_head`, writes `forward`, and maps checkpoint names that differ from its parameter
 names in `route` (a fused tensor to its parts, an expert's tensor to its slice of the stacked
-experts). The runner only ever calls `forward`, `compute_logits` and reads `config`.
+experts). The runner only ever calls `forward`, `compute_logits` (or `greedy_tokens`) and
+reads `config`.
 """
 
 from __future__ import annotations
@@ -74,8 +75,20 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, d] -> [N, vocab] float32 logits (gathered from every rank's vocab shard)."""
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return head.logits(hidden)
+        return self.final_logits(self._head().logits(hidden))
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, d] -> [N] int64: the argmax of `compute_logits(hidden)` (see
+        VocabEmbedding.greedy: with tensor parallelism no [N, vocab] logits are gathered)."""
+        return self._head().greedy(hidden, self.final_logits)
+
+    def final_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """What a family does to the head's float32 logits (Gemma caps them); elementwise, so
+        it applies to a vocab shard alike."""
+        return logits
+
+    def _head(self) -> VocabEmbedding:
+        return self.model.embed_tokens if self.lm_head is None else self.lm_head
 
     # -- loading ---------------------------------------------------------------------------
 

@@ -126,7 +126,6 @@ class GemmaForCausalLM(CausalLM):
                            attn)
         return self.model.norm(hidden)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = super().compute_logits(hidden)
+    def final_logits(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.gemma.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap

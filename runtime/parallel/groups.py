@@ -223,3 +223,11 @@ def all_gather_last(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(tp.size)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=-1)
+
+
+def all_gather_rows(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
+    """Stack every rank's `x` along a new first dimension: [...] -> [size, ...]."""
+    parts = [torch.empty_like(x) for _ in range(tp.size)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.stack(parts)
+

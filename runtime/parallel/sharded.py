@@ -6,7 +6,9 @@ samples, and computes its shard of every forward. Before each forward it broadca
 reads, all already resolved from rank 0's slot table, so the other ranks keep no table of their
 own; they only hold their shard of the weights and of the KV pool (the same number of slots).
 Before each logits computation it broadcasts the hidden rows to score: the vocab-parallel
-output head gathers every rank's logits, and only rank 0 samples from them.
+output head gathers every rank's logits, and only rank 0 samples from them. A step whose rows
+all take the plain argmax (greedy, nothing that changes logits, no logprobs) gathers only each
+rank's (max, index) per row instead.
 
 Startup: rank 0 launches `python -m radixlm.runtime.parallel.worker` per rank with the env://
 variables, joins the process group, and broadcasts the engine config; every rank loads its own
@@ -45,7 +47,7 @@ from radixlm.runtime.parallel.groups import (
 
 log = logging.getLogger(__name__)
 
-FORWARD, LOGITS, HEARTBEAT, STOP, GRAPH = 1, 2, 3, 4, 5
+FORWARD, LOGITS, HEARTBEAT, STOP, GRAPH, GREEDY = 1, 2, 3, 4, 5, 6
 HEADER = 4  # int64 words: (command, a, b, c)
 # Workers launched here (not by hand for a multi-node run) watch this process id and exit
 # when it goes away, so a killed engine leaves no orphans.
@@ -119,8 +121,9 @@ class StepChannel:
         inputs, table_rows = packed.split([rows * bs, num * width])
         return inputs.view(rows, bs), table_rows.view(num, width), kv_lens
 
-    def send_hidden(self, hidden: torch.Tensor) -> None:
-        self.send_header(LOGITS, hidden.shape[0], hidden.shape[1])
+    def send_hidden(self, hidden: torch.Tensor, command: int = LOGITS) -> None:
+        """The rows to score: their logits (LOGITS) or only their argmax (GREEDY)."""
+        self.send_header(command, hidden.shape[0], hidden.shape[1])
         dist.broadcast(hidden.contiguous(), src=0)
 
     def recv_hidden(self, header: list[int]) -> torch.Tensor:
@@ -174,8 +177,8 @@ class TensorParallelGroup:
                    kv_lens: list[int]) -> None:
         self._broadcast(lambda: self.channel.send_graph_step(inputs, table_rows, kv_lens))
 
-    def hidden_for_logits(self, hidden: torch.Tensor) -> None:
-        self._broadcast(lambda: self.channel.send_hidden(hidden))
+    def hidden_for_logits(self, hidden: torch.Tensor, command: int = LOGITS) -> None:
+        self._broadcast(lambda: self.channel.send_hidden(hidden, command))
 
     def heartbeat(self, interval: float) -> None:
         """Keep idle workers' pending receive from timing out."""
@@ -271,6 +274,10 @@ class ShardedModel:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         self.group.hidden_for_logits(hidden)
         return self.group.run(lambda: self.model.compute_logits(hidden))
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.group.hidden_for_logits(hidden, GREEDY)
+        return self.group.run(lambda: self.model.greedy_tokens(hidden))
 
 
 def _resolved(config: EngineConfig) -> EngineConfig:

@@ -29,6 +29,7 @@ from radixlm.runtime.parallel.groups import destroy_group, init_group, setup_all
 from radixlm.runtime.parallel.sharded import (
     FORWARD,
     GRAPH,
+    GREEDY,
     HEARTBEAT,
     LOGITS,
     PARENT_ENV,
@@ -102,6 +103,8 @@ def serve(rank: int, world_size: int, local_rank: int) -> None:
             graphs.replay_received(*channel.recv_graph_step(header, SENT_ROWS))
         elif command == LOGITS:
             model.compute_logits(channel.recv_hidden(header))
+        elif command == GREEDY:
+            model.greedy_tokens(channel.recv_hidden(header))
         elif command == STOP:
             return
         elif command != HEARTBEAT:
