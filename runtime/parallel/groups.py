@@ -220,14 +220,15 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 def all_gather_last(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
     """Concatenate every rank's `x` along the last dimension: [..., n] -> [..., size * n]."""
-    parts = [torch.empty_like(x) for _ in range(tp.size)]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=-1)
+    return torch.cat(_gathered(x, tp), dim=-1)
 
 
 def all_gather_rows(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
     """Stack every rank's `x` along a new first dimension: [...] -> [size, ...]."""
+    return torch.stack(_gathered(x, tp))
+
+
+def _gathered(x: torch.Tensor, tp: TPInfo) -> list[torch.Tensor]:
     parts = [torch.empty_like(x) for _ in range(tp.size)]
     dist.all_gather(parts, x.contiguous())
-    return torch.stack(parts)
-
+    return parts
