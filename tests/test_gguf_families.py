@@ -26,10 +26,10 @@ from safetensors.torch import load_file, save_file
 from radixlm.runtime.models import gguf_families, gguf_loader
 
 from conftest import save_tiny_hf_model, tiny_config
+from gguf_files import Q8_0, gguf_writer, write_tensors
 from test_models import check_converted_logits, check_engine_greedy
 
 CPU = torch.device("cpu")
-Q8_0 = gguf.GGMLQuantizationType.Q8_0
 _LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
              "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
              "original_max_position_embeddings": 64}
@@ -84,16 +84,7 @@ def _gguf_names(hf_names, arch: str, layers: int) -> dict[str, str]:
 def _write_gguf(path: Path, arch: str, cfg: dict, tensors: dict[str, np.ndarray],
                 q8_0: frozenset[str]) -> None:
     """The keys llama.cpp's converter writes for the family (convert_hf_to_gguf.py)."""
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(cfg["num_attention_heads"])
-    writer.add_head_count_kv(cfg["num_key_value_heads"])
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_bos_token_id(cfg["bos_token_id"])
-    writer.add_eos_token_id(cfg["eos_token_id"])  # min_new_tokens holds it back on both sides
+    writer = gguf_writer(path, arch, cfg)
     writer.add_sliding_window(cfg["sliding_window"])
     if arch == "phi3":
         head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -120,15 +111,7 @@ def _write_gguf(path: Path, arch: str, cfg: dict, tensors: dict[str, np.ndarray]
         writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["full_attention"]["factor"])
-    for name, array in tensors.items():
-        if name in q8_0:
-            writer.add_tensor(name, gguf.quants.quantize(array, Q8_0), raw_dtype=Q8_0)
-        else:
-            writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_tensors(writer, tensors, q8_0)
 
 
 def _make_files(root: Path, case: str, quantized: bool) -> FamilyFiles:

@@ -26,10 +26,10 @@ from radixlm.runtime.models import gguf_loader, gguf_moe
 from radixlm.runtime.models.loader import load_model
 
 from conftest import save_tiny_hf_model, tiny_config
-from test_models import check_converted_logits, check_engine_greedy
+from gguf_files import Q8_0, gguf_writer, write_tensors
+from test_models import check_converted_logits, check_engine_greedy, run_chunks
 
 CPU = torch.device("cpu")
-Q8_0 = gguf.GGMLQuantizationType.Q8_0
 # name -> (GGUF architecture, transformers config on top of conftest's tiny Llama). Qwen2-MoE
 # has a dense layer (the GGUF says so by its tensors) and a shared expert 48 wide, which Q8_0
 # cannot block (its down projection stays F32 in the Q8_0 file).
@@ -111,17 +111,8 @@ def _gguf_tensors(weights: dict[str, torch.Tensor], names: dict[str, str], arch:
 
 def _write_gguf(path: Path, arch: str, cfg: dict, tensors: dict[str, np.ndarray],
                 q8_0: frozenset[str]) -> None:
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(cfg["num_attention_heads"])
-    writer.add_head_count_kv(cfg["num_key_value_heads"])
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer = gguf_writer(path, arch, cfg)
     writer.add_rope_freq_base(cfg["rope_theta"])
-    writer.add_bos_token_id(cfg["bos_token_id"])
-    writer.add_eos_token_id(cfg["eos_token_id"])  # min_new_tokens holds it back on both sides
     writer.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
     writer.add_expert_used_count(cfg["num_experts_per_tok"])
     if "head_dim" in cfg:
@@ -134,15 +125,7 @@ def _write_gguf(path: Path, arch: str, cfg: dict, tensors: dict[str, np.ndarray]
         writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     if "shared_expert_intermediate_size" in cfg:
         writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
-    for name, array in tensors.items():
-        if name in q8_0:
-            writer.add_tensor(name, gguf.quants.quantize(array, Q8_0), raw_dtype=Q8_0)
-        else:
-            writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_tensors(writer, tensors, q8_0)
 
 
 def _make_files(root: Path, case: str, quantized: bool) -> MoEFiles:
@@ -244,24 +227,6 @@ def test_greedy_matches_transformers_through_the_engine(moe_files):
     check_engine_greedy(moe_files.folder, moe_files.gguf, shared=30)
 
 
-def _prefill_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    """One prefill of `ids` with a KV cache in the model's dtype (run_chunks' is float32)."""
-    from radixlm.runtime.attention.base import ForwardBatch
-    from radixlm.runtime.attention.kv_cache import KVCache
-    from radixlm.runtime.attention.torch_native import TorchNativeAttention
-
-    cfg, n = model.config, len(ids)
-    dtype = next(model.model.norm.parameters()).dtype
-    kv = KVCache(cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim, dtype, CPU, page_size=1)
-    batch = ForwardBatch(input_ids=torch.tensor(ids), positions=torch.arange(n), q_lens=[n],
-                         kv_lens=[n], out_slots=torch.arange(n), slot_table=torch.arange(n)[None],
-                         kv_cache=kv)
-    attn = TorchNativeAttention(cfg.head_dim ** -0.5)
-    attn.plan(batch)
-    with torch.inference_mode():
-        return model.compute_logits(model(batch, attn)).float()
-
-
 def test_bfloat16_cpu_runs_the_blocks_with_float_experts(tmp_path):
     """The CPU default for a GGUF model (quantization "gguf", bfloat16): attention, dense and
     shared-expert linears run their Q8_0 blocks packed, the experts and routers are bfloat16
@@ -271,7 +236,8 @@ def test_bfloat16_cpu_runs_the_blocks_with_float_experts(tmp_path):
 
     files = _make_files(tmp_path, "qwen2-moe", quantized=True)
     ids = torch.randint(3, 512, (40,), generator=torch.Generator().manual_seed(3)).tolist()
-    model = load_model(str(files.gguf), "auto", torch.bfloat16, CPU).model
+    loaded = load_model(str(files.gguf), "auto", torch.bfloat16, CPU)
+    model = loaded.model
     assert model.quant.method == "gguf"
     layers = model.model.layers
     assert isinstance(layers[0].self_attn.qkv_proj.quant_method, GGUFLinearMethod)
@@ -281,8 +247,8 @@ def test_bfloat16_cpu_runs_the_blocks_with_float_experts(tmp_path):
     assert isinstance(experts, FusedMoE) and experts.quant is None
     assert experts.w13.dtype == torch.bfloat16 and experts.w13_scale is None
     assert layers[0].mlp.gate.quant_method is None
-    got = _prefill_logits(model, ids)
-    want = _prefill_logits(load_model(str(files.gguf), "auto", torch.float32, CPU).model, ids)
+    got = run_chunks(loaded, ids, [len(ids)])
+    want = run_chunks(load_model(str(files.gguf), "auto", torch.float32, CPU), ids, [len(ids)])
     error = ((got - want).norm() / want.norm()).item()
     assert error < 3e-2, error  # measured 0.7%: bfloat16 activations and weights
 

@@ -19,6 +19,8 @@ from radixlm.runtime.models.quantization.gguf_blocks import (
     GGUFBlocks,
 )
 
+from test_models import run_chunks
+
 
 def _random_blocks(name: str, rows: int, columns: int, seed: int = 0) -> GGUFBlocks:
     """Random codes, with float16 scales (and mins) of a realistic size in their slots."""
@@ -89,46 +91,29 @@ def test_option_rules():
         resolve_quant_config("none", {"quantization_config": {"quant_method": "awq"}})
 
 
-def _logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    from radixlm.runtime.attention.base import ForwardBatch
-    from radixlm.runtime.attention.kv_cache import KVCache
-    from radixlm.runtime.attention.torch_native import TorchNativeAttention
-
-    cfg = model.config
-    dtype = next(model.model.norm.parameters()).dtype
-    kv = KVCache(cfg.num_layers, 64, cfg.num_kv_heads, cfg.head_dim, dtype,
-                 torch.device("cpu"), page_size=16)
-    n = len(ids)
-    batch = ForwardBatch(input_ids=torch.tensor(ids), positions=torch.arange(n), q_lens=[n],
-                         kv_lens=[n], out_slots=torch.arange(n), slot_table=torch.arange(n)[None],
-                         kv_cache=kv)
-    attn = TorchNativeAttention(cfg.head_dim ** -0.5)
-    attn.plan(batch)
-    with torch.inference_mode():
-        return model.compute_logits(model(batch, attn))
-
-
 def test_tiny_gguf_model_packed_matches_dequantized(tiny_gguf, monkeypatch, tmp_path):
     from radixlm.runtime.models.loader import load_model
 
     monkeypatch.setattr(gguf_loader, "_save_tokenizer", lambda *args: None)
     monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path))
     cpu = torch.device("cpu")
-    packed = load_model(tiny_gguf, "auto", torch.bfloat16, cpu).model
-    dense = load_model(tiny_gguf, "auto", torch.bfloat16, cpu, quantization="none").model
-    exact = load_model(tiny_gguf, "auto", torch.float32, cpu).model
-    assert packed.quant.method == "gguf" and dense.quant is None and exact.quant is None
-    mlp = packed.model.layers[0].mlp
+    packed = load_model(tiny_gguf, "auto", torch.bfloat16, cpu)
+    dense = load_model(tiny_gguf, "auto", torch.bfloat16, cpu, quantization="none")
+    exact = load_model(tiny_gguf, "auto", torch.float32, cpu)
+    assert (packed.model.quant.method == "gguf" and dense.model.quant is None
+            and exact.model.quant is None)
+    mlp = packed.model.model.layers[0].mlp
     assert mlp.gate_up_proj.cpu_weights.num_planes == 2  # Q4_1 gate + Q8_0 up: two planes
     assert mlp.down_proj.cpu_weights.num_planes == 1
-    assert packed.model.embed_tokens.packed_logits is not None  # the tied Q8_0 head
+    assert packed.model.model.embed_tokens.packed_logits is not None  # the tied Q8_0 head
     ids = [1, 5, 9, 33, 64, 100, 127, 2]
-    want = _logits(exact, ids)
-    for model in (packed, dense):
-        got = _logits(model, ids)
+    want = run_chunks(exact, ids, [len(ids)])
+    for loaded in (packed, dense):
+        got = run_chunks(loaded, ids, [len(ids)])
         assert (got - want).abs().max() <= 0.03 * want.abs().max()
     # Packed and dense bfloat16 differ only by the scales' rounding to bfloat16.
-    assert torch.equal(_logits(packed, ids).argmax(-1), _logits(dense, ids).argmax(-1))
+    assert torch.equal(run_chunks(packed, ids, [len(ids)]).argmax(-1),
+                       run_chunks(dense, ids, [len(ids)]).argmax(-1))
 
 
 def test_embedded_model_runs_its_blocks_by_default():

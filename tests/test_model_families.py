@@ -11,7 +11,7 @@ import torch
 from radixlm.runtime.models.loader import load_model
 
 from conftest import save_tiny_hf_model
-from test_models import run_chunks
+from test_models import run_chunks, transformers_greedy
 
 CPU = torch.device("cpu")
 _LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
@@ -102,8 +102,6 @@ def test_phi3_short_rope_within_the_pretraining_length(tmp_path):
 def test_greedy_matches_transformers_through_the_engine(tmp_path, family):
     """Prompts sharing a prefix (prefix-cache hits), prefilled in 16-token chunks mixed with
     decode steps, 12 tokens each: the tokens transformers' greedy generate gives."""
-    import transformers
-
     from radixlm.runtime import Engine
 
     folder = save_family(tmp_path, family, tie=family.startswith("gemma"))
@@ -111,13 +109,7 @@ def test_greedy_matches_transformers_through_the_engine(tmp_path, family):
     shared = torch.randint(3, 512, (70,), generator=gen).tolist()
     prompts = [shared + torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 30, 1)]
     prompts.append(shared[:45])
-    ref_model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    expected = []
-    with torch.no_grad():
-        for ids in prompts:
-            out = ref_model.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12,
-                                     do_sample=False)
-            expected.append(out[0, len(ids):].tolist())
+    expected = transformers_greedy(folder, prompts, 12)
     params = {"temperature": 0, "max_new_tokens": 12, "min_new_tokens": 12}
     with Engine(str(folder), device="cpu", dtype="float32", max_total_tokens=2048, page_size=4,
                 chunked_prefill_size=16, max_num_batched_tokens=32) as engine:

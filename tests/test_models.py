@@ -16,11 +16,13 @@ CPU = torch.device("cpu")
 
 
 def run_chunks(loaded, ids: list[int], chunks: list[int]) -> torch.Tensor:
-    """Feed one sequence through our model chunk by chunk; return logits of every position."""
+    """Feed one sequence through our model chunk by chunk, with a KV cache in the model's
+    dtype; return the (float32) logits of every position."""
     cfg = loaded.config
     device = loaded.model.model.embed_tokens.weight.device
+    dtype = next(loaded.model.model.norm.parameters()).dtype
     page_size = 4
-    cache = KVCache(cfg.num_layers, 512, cfg.num_kv_heads, cfg.head_dim, torch.float32, device,
+    cache = KVCache(cfg.num_layers, 512, cfg.num_kv_heads, cfg.head_dim, dtype, device,
                     page_size)
     table = ReqToTokenTable(1, 256, page_size, device)
     row = table.acquire()
@@ -62,23 +64,30 @@ def check_converted_logits(folder, model_file, architecture: str, length: int,
         assert (got - want).abs().max().item() < 1e-4, split
 
 
+def transformers_greedy(folder, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """transformers' greedy tokens on the checkpoint `folder` (float32), one prompt at a time:
+    no padding anywhere in the reference."""
+    import transformers
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    expected = []
+    with torch.no_grad():
+        for ids in prompts:
+            out = reference.generate(torch.tensor([ids]), max_new_tokens=new_tokens,
+                                     min_new_tokens=new_tokens, do_sample=False)
+            expected.append(out[0, len(ids):].tolist())
+    return expected
+
+
 def check_engine_greedy(folder, model_file, shared: int) -> None:
     """Two prompts sharing `shared` tokens (cache hits), prefilled in chunks mixed with decode
     steps through the engine on `model_file`: transformers' greedy tokens on `folder`."""
-    import transformers
-
     from radixlm.runtime import Engine
 
     gen = torch.Generator().manual_seed(2)
     prefix = torch.randint(3, 512, (shared,), generator=gen).tolist()
     prompts = [prefix + torch.randint(3, 512, (n,), generator=gen).tolist() for n in (4, 17)]
-    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    expected = []
-    with torch.no_grad():
-        for ids in prompts:
-            out = reference.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8,
-                                     do_sample=False)
-            expected.append(out[0, len(ids):].tolist())
+    expected = transformers_greedy(folder, prompts, 8)
     params = {"temperature": 0, "max_new_tokens": 8, "min_new_tokens": 8}
     with Engine(str(model_file), device="cpu", dtype="float32", max_total_tokens=1024,
                 page_size=4, chunked_prefill_size=16, max_num_batched_tokens=32) as engine:
