@@ -25,7 +25,7 @@ from triton.testing import do_bench
 
 from radixlm.kernels import fused
 from radixlm.kernels import triton_attention as ta
-from radixlm.runtime.attention.base import ForwardBatch
+from radixlm.runtime.attention.base import FULL_ATTENTION, ForwardBatch
 from radixlm.runtime.attention.kv_cache import KVCache
 from radixlm.runtime.attention.torch_native import TorchNativeAttention
 from radixlm.runtime.attention.triton_backend import TritonAttention
@@ -52,13 +52,15 @@ EXTEND_SWEEP = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3)
                 (128, 32, 4, 2), (64, 32, 4, 3)]
 
 
-def make_batch(q_lens: list[int], kv_lens: list[int], page_size: int, seed: int = 0):
+def make_batch(q_lens: list[int], kv_lens: list[int], page_size: int, seed: int = 0,
+               storage: torch.dtype | None = None):
+    """storage: a float8 dtype for a float8 KV cache (scales 1.0), else the model's."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     num_pages = sum(-(-n // page_size) for n in kv_lens) + 1
     cache = KVCache(1, num_pages * page_size, KV_HEADS, DIM, DTYPE, torch.device("cuda"),
-                    page_size)
-    cache.k.normal_(generator=gen)
-    cache.v.normal_(generator=gen)
+                    page_size, storage_dtype=storage)
+    for pool in (cache.k, cache.v):
+        pool.copy_(torch.randn(pool.shape, device="cuda", dtype=DTYPE, generator=gen))
     perm = torch.randperm(num_pages, device="cuda", generator=gen)
     width = max(kv_lens)
     table = torch.zeros(len(kv_lens), -(-width // page_size) * page_size, dtype=torch.int64,
@@ -122,7 +124,7 @@ def flashinfer_runner(batch, q, k, v, tensor_cores: bool = False):
     out = backend.forward(q, k, v, 0, batch)  # first call JIT-compiles the kernels
     torch.cuda.synchronize()
     first = time.perf_counter() - start
-    wrapper = backend._plan_wrapper(HEADS, KV_HEADS, DIM, q.device)
+    wrapper = backend._plan_wrapper(HEADS, KV_HEADS, DIM, q.device, FULL_ATTENTION)
     pages = batch.kv_cache.layer_pages(0)
     return first, (lambda: wrapper.run(q, pages)), out
 
@@ -170,6 +172,54 @@ def sweep_decode(spec, configs=DECODE_SWEEP, splits_list=(1, 2, 4, 8, 16, 32)) -
             results.append({"block_n": block_n, "warps": warps, "stages": stages,
                             "splits": splits, "ms": ms(fn), "rel_err": rel(out, ref)})
     return sorted(results, key=lambda r: r["ms"])
+
+
+# The decode steps of one_batch.py / offline_throughput.py, kernel by kernel: batch 1 at the
+# Llama-3-8B run's ~1088-token context (latency-bound: a few microseconds a layer) and batch
+# 256 at ~1536 (bandwidth-bound), the latter over bf16 and float8 caches. Timed as CUDA graph
+# replays, as the engine runs them, so launch overhead is not counted.
+LATENCY = {  # name: (batch, context, storage dtype, configs, split counts)
+    "B1 ctx1088 bf16": (1, 1088, None, [(n, w, 2) for n in (16, 32, 64, 128) for w in (2, 4)],
+                        (4, 8, 16, 32, 64)),
+    "B256 ctx1536 bf16": (256, 1536, None, [(n, w, s) for n in (32, 64, 128) for w in (4, 8)
+                                            for s in (2, 3)], (1, 2)),
+    "B256 ctx1536 fp8_e4m3": (256, 1536, torch.float8_e4m3fn,
+                              [(n, w, s) for n in (32, 64, 128) for w in (4, 8)
+                               for s in (2, 3)], (1, 2)),
+}
+
+
+def sweep_latency(spec) -> dict:
+    from triton.testing import do_bench_cudagraph
+
+    batch_size, ctx, storage, configs, splits_list = spec
+    batch, q, k, v = make_batch([1] * batch_size, [ctx] * batch_size, 16, storage=storage)
+    kv_bytes = 2 * batch_size * ctx * KV_HEADS * DIM * batch.kv_cache.k.element_size()
+    ref = planned(batch).forward(q, k, v, 0, batch, kv_stored=True)
+    out = torch.empty_like(q)
+    results = []
+    for block_n, warps, stages in configs:
+        cfg = ta.DecodeConfig(block_n, warps, stages)
+        for splits in splits_list:
+            fn = triton_attention_only(planned(batch, num_splits=splits, decode_config=cfg),
+                                       batch, q, out)
+            fn()
+            t = do_bench_cudagraph(fn, rep=50, return_mode="median")
+            results.append({"block_n": block_n, "warps": warps, "stages": stages,
+                            "splits": splits, "us": 1e3 * t, "tb_s": kv_bytes / t / 1e9,
+                            "rel_err": rel(out, ref)})
+    record = {"kv_bytes": kv_bytes, "floor_us": kv_bytes / 4.1e12 * 1e6,
+              "default_splits": planned(batch).num_splits,
+              "triton": sorted(results, key=lambda r: r["us"])}
+    try:  # the Triton sweep is kept if FlashInfer fails
+        runner = flashinfer_runner(batch, q, k, v)
+    except Exception as exc:
+        record["flashinfer_error"], runner = repr(exc), None
+    if runner is not None:
+        _, fn, fi_out = runner
+        record["flashinfer_us"] = 1e3 * do_bench_cudagraph(fn, rep=50, return_mode="median")
+        record["flashinfer_rel_err_vs_triton"] = rel(fi_out, ref)
+    return record
 
 
 def extend_flops(q_lens, kv_lens) -> float:
@@ -286,9 +336,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--bandwidth", type=float, default=4.1e12, help="bytes/s ceiling")
-    parser.add_argument("--sweep", choices=("full", "splits", "none"), default="full",
+    parser.add_argument("--sweep", choices=("full", "splits", "latency", "none"),
+                        default="full",
                         help="full: tile configs x split counts; splits: split counts of the "
-                             "default decode config on the long-context cases")
+                             "default decode config on the long-context cases; latency: only "
+                             "the decode steps of the 8B benchmarks (batch 1 and 256, bf16 and "
+                             "float8 caches), timed as graph replays")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -313,11 +366,15 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     # Each step is recorded as it finishes (and a failure noted, not fatal): a run that is
     # cut short still leaves everything measured so far.
-    steps = [(name, lambda n=name, s=spec: bench_decode(n, s, args.bandwidth, rows))
-             for name, spec in DECODE.items()]
-    steps += [(name, lambda n=name, s=spec: bench_extend(n, s, rows))
-              for name, spec in EXTEND.items()]
-    steps.append(("fused", lambda: bench_fused(rows)))
+    if args.sweep == "latency":
+        steps = [(f"latency {name}", lambda n=name: sweeps.__setitem__(
+            n, sweep_latency(LATENCY[n]))) for name in LATENCY]
+    else:
+        steps = [(name, lambda n=name, s=spec: bench_decode(n, s, args.bandwidth, rows))
+                 for name, spec in DECODE.items()]
+        steps += [(name, lambda n=name, s=spec: bench_extend(n, s, rows))
+                  for name, spec in EXTEND.items()]
+        steps.append(("fused", lambda: bench_fused(rows)))
     if args.sweep == "full":
         steps += [(f"sweep {name}", lambda n=name: sweeps.__setitem__(n, sweep_decode(DECODE[n])))
                   for name in ("B64 ctx2048 page16", "B8 ctx16384 page16")]
@@ -338,7 +395,15 @@ def main() -> None:
         print(f"{name}: {time.perf_counter() - start:.1f} s", flush=True)
         out.write_text(json.dumps(result, indent=2))
     for name, best in sweeps.items():
-        print(f"sweep {name}: best {best[:3]}")
+        if isinstance(best, dict):  # a latency sweep
+            print(f"{name}: floor {best['floor_us']:.1f} us, default splits "
+                  f"{best['default_splits']}, flashinfer {best.get('flashinfer_us', 0):.1f} us")
+            for r in best["triton"][:5] + [r for r in best["triton"]
+                                           if (r["block_n"], r["warps"], r["stages"])
+                                           == (128, 4, 2)]:
+                print(f"   {r}")
+        else:
+            print(f"sweep {name}: best {best[:3]}")
     if errors:
         print("errors:", json.dumps(errors, indent=2))
     print_table(rows)
