@@ -8,7 +8,7 @@ triton.testing.do_bench (CUDA events), attention kernels only (the K/V store is 
 Also sweeps the Triton decode/extend tile configs and split counts, so the defaults can be
 checked on the card.
 
-    python benchmarks/attention_kernels.py [--out PATH] [--sweep full|splits|none]
+    python benchmarks/attention_kernels.py [--out PATH] [--sweep full|splits|latency|none]
 """
 
 from __future__ import annotations
@@ -157,10 +157,9 @@ def bench_decode(name, spec, bandwidth, rows):
     rows.append(row)
 
 
-def sweep_decode(spec, configs=DECODE_SWEEP, splits_list=(1, 2, 4, 8, 16, 32)) -> list[dict]:
-    batch_size, ctx, page_size = spec
-    batch, q, k, v = make_batch([1] * batch_size, [ctx] * batch_size, page_size)
-    ref = planned(batch).forward(q, k, v, 0, batch)
+def time_decode_configs(batch, q, ref, configs, splits_list, timer) -> list[dict]:
+    """The Triton decode kernels under each (block_n, warps, stages) config and split count:
+    timer(fn) in ms, and the output's relative error against ref; fastest first."""
     out = torch.empty_like(q)
     results = []
     for block_n, warps, stages in configs:
@@ -170,8 +169,15 @@ def sweep_decode(spec, configs=DECODE_SWEEP, splits_list=(1, 2, 4, 8, 16, 32)) -
                                        batch, q, out)
             fn()
             results.append({"block_n": block_n, "warps": warps, "stages": stages,
-                            "splits": splits, "ms": ms(fn), "rel_err": rel(out, ref)})
+                            "splits": splits, "ms": timer(fn), "rel_err": rel(out, ref)})
     return sorted(results, key=lambda r: r["ms"])
+
+
+def sweep_decode(spec, configs=DECODE_SWEEP, splits_list=(1, 2, 4, 8, 16, 32)) -> list[dict]:
+    batch_size, ctx, page_size = spec
+    batch, q, k, v = make_batch([1] * batch_size, [ctx] * batch_size, page_size)
+    ref = planned(batch).forward(q, k, v, 0, batch)
+    return time_decode_configs(batch, q, ref, configs, splits_list, ms)
 
 
 # The decode steps of one_batch.py / offline_throughput.py, kernel by kernel: batch 1 at the
@@ -196,21 +202,13 @@ def sweep_latency(spec) -> dict:
     batch, q, k, v = make_batch([1] * batch_size, [ctx] * batch_size, 16, storage=storage)
     kv_bytes = 2 * batch_size * ctx * KV_HEADS * DIM * batch.kv_cache.k.element_size()
     ref = planned(batch).forward(q, k, v, 0, batch, kv_stored=True)
-    out = torch.empty_like(q)
-    results = []
-    for block_n, warps, stages in configs:
-        cfg = ta.DecodeConfig(block_n, warps, stages)
-        for splits in splits_list:
-            fn = triton_attention_only(planned(batch, num_splits=splits, decode_config=cfg),
-                                       batch, q, out)
-            fn()
-            t = do_bench_cudagraph(fn, rep=50, return_mode="median")
-            results.append({"block_n": block_n, "warps": warps, "stages": stages,
-                            "splits": splits, "us": 1e3 * t, "tb_s": kv_bytes / t / 1e9,
-                            "rel_err": rel(out, ref)})
+    results = time_decode_configs(
+        batch, q, ref, configs, splits_list,
+        lambda fn: do_bench_cudagraph(fn, rep=50, return_mode="median"))
+    for r in results:
+        r["tb_s"] = kv_bytes / r["ms"] / 1e9
     record = {"kv_bytes": kv_bytes, "floor_us": kv_bytes / 4.1e12 * 1e6,
-              "default_splits": planned(batch).num_splits,
-              "triton": sorted(results, key=lambda r: r["us"])}
+              "default_splits": planned(batch).num_splits, "triton": results}
     try:  # the Triton sweep is kept if FlashInfer fails
         runner = flashinfer_runner(batch, q, k, v)
     except Exception as exc:
