@@ -16,13 +16,15 @@ import torch
 import triton
 import triton.language as tl
 
+from radixlm.kernels.pdl import pdl_options, pdl_prologue
 from radixlm.kernels.triton_attention import fp8_max, to_cache
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, hidden,
                      stride_x, stride_r, stride_o, stride_ro,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -58,14 +60,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             x2, res2, weight, out, res_out, eps, hidden,
             x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0),
             HAS_RESIDUAL=residual is not None, BLOCK=block,
-            num_warps=min(max(block // 256, 1), 16))
+            num_warps=min(max(block // 256, 1), 16), **pdl_options(x.device))
     if residual is None:
         return out.view(x.shape)
     return out.view(x.shape), res_out.view(x.shape)
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -86,7 +90,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(triton.next_power_of_2(inter), 1024)
     if rows:
         _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](
-            x2, out, inter, x2.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+            x2, out, inter, x2.stride(0), out.stride(0), BLOCK=block, num_warps=4,
+            **pdl_options(x.device))
     return out.view(*x.shape[:-1], inter)
 
 
@@ -97,7 +102,8 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, num_heads,
                    v_inv_scale, stride_vt, stride_vh, stride_cs, stride_ch,
                    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
                    STORE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_KV: tl.constexpr,
-                   FP8_MAX: tl.constexpr):
+                   FP8_MAX: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     token = tl.program_id(0)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
@@ -179,5 +185,5 @@ def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Te
             BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_HALF=triton.next_power_of_2(half),
             # With fusion on, the compiler turns round(x1 * cos) - round(x2 * sin) into one
             # bf16 fma, skipping a rounding the torch ops do (1 ulp off in ~1/4 of outputs).
-            num_warps=4, enable_fp_fusion=False)
+            num_warps=4, enable_fp_fusion=False, **pdl_options(x.device))
     return out

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixlm.kernels.pdl import pdl_options, pdl_prologue
+
 MAX_ROWS = 16
 
 
@@ -31,7 +33,9 @@ class GemvConfig:
 
 @triton.jit
 def _gemv_dot_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl_prologue(PDL)
     pid_n = tl.program_id(0)
     offs_m = tl.arange(0, 16)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -73,5 +77,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig = NARROW) -> 
     _gemv_dot_kernel[(triton.cdiv(n, config.block_n),)](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, NUM_STAGES=config.num_stages,
-        num_warps=config.num_warps)
+        num_warps=config.num_warps, **pdl_options(x.device))
     return out

@@ -12,8 +12,11 @@ a second kernel merges the splits:
 
 Keys are gathered token by token through the slot table, so any page size works.
 Log-sum-exps are kept in base 2 (scores are pre-multiplied by log2(e)) so exp2 can be used.
-A float8 cache (radixlm.runtime.attention.kv_cache) is widened to the query's dtype as it is
-loaded; its K scale is part of score_mul and its V scale is out_mul.
+A float8 cache (radixlm.runtime.attention.kv_cache) is widened as it is loaded, to the query's
+dtype or (WIDEN_FP16) to float16 with the query cast to float16 too: e4m3 -> float16 is exact
+and one instruction, where e4m3 -> bfloat16 goes through float32; a bfloat16 query loses
+nothing in float16 unless |q| > 65504 or it is subnormal there (< 6e-5). Its K scale is part of
+score_mul and its V scale is out_mul.
 
 (Merging in the split kernel itself, the last split of each sequence and KV head taking a
 ticket and merging, made batch-1 decode attention slower on an H200: 14 us a layer against 12
@@ -29,6 +32,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from radixlm.kernels.pdl import pdl_prologue
 
 
 @triton.jit
@@ -54,8 +59,10 @@ def decode_split_kernel(
     stride_qt, stride_qh, stride_cs, stride_ch, stride_tb, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_FP16: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     pid = tl.program_id(0)  # index among the step's decode sequences
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -75,6 +82,8 @@ def decode_split_kernel(
     mask_hd = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_hd, other=0.0)  # [BLOCK_H, BLOCK_D]
+    if WIDEN_FP16:
+        q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -86,15 +95,18 @@ def decode_split_kernel(
         # [BLOCK_N, BLOCK_D] offsets of this KV head's rows for the tile's tokens
         kv_off = slots[:, None] * stride_cs + kv_head * stride_ch + offs_d[None, :]
         mask_nd = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
-        # A float8 cache is widened to q's dtype; its scales are in score_mul and out_mul.
+        # A float8 cache is widened to q's (compute) dtype; its scales are in score_mul and
+        # out_mul.
         k = tl.load(k_cache_ptr + kv_off, mask=mask_nd, other=0.0).to(q.dtype)
+        # V is loaded before the softmax needs it, so that its latency overlaps K's: at
+        # batch 1 a program sees one or two tiles and waits on memory, not on math.
+        v = tl.load(v_cache_ptr + kv_off, mask=mask_nd, other=0.0).to(q.dtype)
         s = scores(q, k, score_mul, cap_mul, SOFTCAP, DOT_PRECISION)
         s = tl.where(mask_n[None, :], s, float("-inf"))  # [BLOCK_H, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off, mask=mask_nd, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -118,8 +130,9 @@ def decode_split_kernel(
 def decode_merge_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, q_rows_ptr, num_splits, num_heads,
     stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     pid = tl.program_id(0)
     head = tl.program_id(1)
     q_row = tl.load(q_rows_ptr + pid)

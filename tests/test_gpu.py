@@ -62,3 +62,33 @@ def test_llama3_8b_shape_bf16_runs():
         assert stats["kv_pages_free"] + stats["kv_pages_cached"] == stats["kv_pages_total"]
         print(f"llama-3-8b shape, bf16, triton attention: 16 x 32 tokens in {elapsed:.2f} s "
               f"({16 * 32 / elapsed:.0f} tokens/s)")
+
+
+
+@pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 14336)])
+def test_float_gemv_at_8b_shapes_eager_and_in_a_graph(n, k):
+    """The small-batch GEMV (launched with PDL on Hopper) at Llama-3-8B's o and down shapes
+    against float32 products, eager and replayed in a CUDA graph after its input changed."""
+    from radixlm.kernels.gemv import gemv
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weight = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) / k ** 0.5
+
+    def check(x, out):
+        want = x.float() @ weight.float().T
+        err = ((out.float() - want).norm() / want.norm()).item()
+        assert err < 5e-3, f"{x.shape[0]} rows: {err:.1e}"
+
+    for rows in (1, 4, 16):
+        x = torch.randn(rows, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+        check(x, gemv(x, weight))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        first = gemv(x, weight)
+        # square: the second product reads the first's output, so PDL must order them
+        second = gemv(first if k == n else x, weight)
+    x.copy_(torch.randn(x.shape, device="cuda", generator=gen, dtype=torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(x, first)
+    check(first if k == n else x, second)
