@@ -13,6 +13,7 @@ weights. Per row:
   the step reads, at the card's measured copy bandwidth.
 
     python benchmarks/one_batch.py [--batch-sizes 1 8 32 128 256] [--attention-backend triton]
+        [--kv-cache-dtype fp8_e4m3] [--quantization fp8] [--profile]
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def time_graph(engine: Engine, batch: int, reps: int = 20) -> float | None:
 KERNEL_KINDS = [("attention", ("decode_split", "decode_merge", "store_kv", "extend_kernel",
                                "BatchDecode", "BatchPrefill", "index_copy")),
                 ("norm", ("rms_norm",)), ("rotary", ("rotary",)), ("silu_and_mul", ("silu",)),
+                ("quantize", ("per_token_fp8", "quantize")),
                 ("matmul", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitK", "Kernel2"))]
 
 
@@ -205,6 +207,9 @@ def main() -> None:
     parser.add_argument("--disable-cuda-graph", action="store_true")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         choices=["auto", "fp8_e4m3", "fp8_e5m2"])
+    parser.add_argument("--quantization", default=None, choices=["fp8", "int8"],
+                        help="quantized decoder linears (fp8: W8A8); the floor counts their "
+                             "stored bytes")
     parser.add_argument("--overlap-schedule", default="auto", choices=["auto", "on", "off"])
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of the script")
     parser.add_argument("--profile", action="store_true",
@@ -220,7 +225,8 @@ def main() -> None:
                     attention_backend=args.attention_backend,
                     disable_cuda_graph=args.disable_cuda_graph, max_running_requests=max_bs,
                     overlap_schedule=args.overlap_schedule, kv_cache_dtype=args.kv_cache_dtype,
-                    max_total_tokens=max_bs * ctx + 4096, max_num_batched_tokens=16384,
+                    quantization=args.quantization, max_total_tokens=max_bs * ctx + 4096,
+                    max_num_batched_tokens=16384,
                     chunked_prefill_size=args.input_len, disable_radix_cache=True)
     costs = model_costs(engine)
     weight_bytes, kv_per_token = costs["weight_bytes"], costs["kv_bytes_per_token"]
@@ -262,7 +268,8 @@ def main() -> None:
         row["speedup_vs_hf_eager"] = hf_ms / row["decode_ms_per_token"] if hf_ms else None
 
     card = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"\n{args.model}, bf16, {attn}, input {args.input_len}, output {args.output_len}, "
+    print(f"\n{args.model}, bf16, weights {args.quantization or 'bf16'}, {attn}, "
+          f"input {args.input_len}, output {args.output_len}, "
           f"graphs {'off' if args.disable_cuda_graph else 'on'}, "
           f"overlap {overlap}, {card}")
     print(f"{'batch':>5} {'prefill ms':>11} {'TFLOP/s':>8} {'decode ms':>10} {'GPU ms':>7} "
@@ -285,7 +292,7 @@ def main() -> None:
         "machine": {"gpu": card, "torch": torch.__version__},
         "config": {"model": args.model, "dtype": "bfloat16", "attention": attn,
                    "cuda_graphs": not args.disable_cuda_graph, "overlap": overlap,
-                   "kv_cache_dtype": args.kv_cache_dtype,
+                   "kv_cache_dtype": args.kv_cache_dtype, "quantization": args.quantization,
                    "input_len": args.input_len,
                    "output_len": args.output_len},
         "floor": {**costs, "copy_bandwidth": COPY_BANDWIDTH, "gemm_rate": GEMM_RATE},
