@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 import triton
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 from radixlm.kernels import fused
 from radixlm.kernels import triton_attention as ta
@@ -199,9 +199,7 @@ LATENCY = {  # name: (batch, context, storage dtype, configs, split counts)
 }
 
 
-def sweep_latency(spec) -> dict:
-    from triton.testing import do_bench_cudagraph
-
+def sweep_latency(spec, bandwidth: float) -> dict:
     batch_size, ctx, storage, configs, splits_list = spec
     batch, q, k, v = make_batch([1] * batch_size, [ctx] * batch_size, 16, storage=storage)
     kv_bytes = 2 * batch_size * ctx * KV_HEADS * DIM * batch.kv_cache.k.element_size()
@@ -211,7 +209,7 @@ def sweep_latency(spec) -> dict:
         lambda fn: do_bench_cudagraph(fn, rep=50, return_mode="median"))
     for r in results:
         r["tb_s"] = kv_bytes / r["ms"] / 1e9
-    record = {"kv_bytes": kv_bytes, "floor_us": kv_bytes / 4.1e12 * 1e6,
+    record = {"kv_bytes": kv_bytes, "floor_us": kv_bytes / bandwidth * 1e6,
               "default_splits": planned(batch).num_splits, "triton": results}
     try:  # the Triton sweep is kept if FlashInfer fails
         runner = flashinfer_runner(batch, q, k, v)
@@ -370,7 +368,7 @@ def main() -> None:
     # cut short still leaves everything measured so far.
     if args.sweep == "latency":
         steps = [(f"latency {name}", lambda n=name: sweeps.__setitem__(
-            n, sweep_latency(LATENCY[n]))) for name in LATENCY]
+            n, sweep_latency(LATENCY[n], args.bandwidth))) for name in LATENCY]
     else:
         steps = [(name, lambda n=name, s=spec: bench_decode(n, s, args.bandwidth, rows))
                  for name, spec in DECODE.items()]

@@ -64,7 +64,6 @@ def test_llama3_8b_shape_bf16_runs():
               f"({16 * 32 / elapsed:.0f} tokens/s)")
 
 
-
 @pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 14336)])
 def test_float_gemv_at_8b_shapes_eager_and_in_a_graph(n, k):
     """The small-batch GEMV (launched with PDL on Hopper) at Llama-3-8B's o and down shapes
