@@ -63,7 +63,7 @@ def time_graph(engine: Engine, batch: int, reps: int = 20) -> float | None:
     """Median ms of replaying the captured graph of this batch (the last step's inputs are
     still staged, so a replay recomputes that step: same values to the same KV slots)."""
     graphs = engine.core.runner.cuda_graphs
-    if graphs is None:
+    if graphs is None or batch > graphs.max_bs:  # larger batches run eagerly
         return None
     graph = graphs.graphs[graphs.padded_size(batch)]
     return median_replay_ms(graph, reps)
