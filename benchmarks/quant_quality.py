@@ -1,4 +1,5 @@
-"""What quantization costs in quality, on the default model (SmolLM2-135M-Instruct), on CPU.
+"""What quantization costs in quality, on the default model (SmolLM2-135M-Instruct), on CPU
+(or a GPU: `--device cuda`).
 
 Held-out text: the odd half of Python's `pydoc_data` topics (the quantizers calibrate on the
 even half), cut into `--windows` windows of `--seq-len` tokens, each scored on its own. For
@@ -21,6 +22,13 @@ blocks (the default CPU path), int8 as int4 planes and fp8 as bfloat16 weights, 
 bfloat16 activations.
 
     python benchmarks/quant_quality.py [--windows 8] [--seq-len 512] [--num-samples 32]
+
+On a GPU, `--attention-backend triton` (or flashinfer) scores through that backend's kernels,
+and `--one-token-steps` runs each window a token at a time, so that its decode kernels (and a
+float8 cache's widening in them) produce the scores rather than its prefill kernel:
+
+    python benchmarks/quant_quality.py --device cuda --attention-backend triton \
+        --one-token-steps --configs bf16 "bf16, fp8_e4m3 KV" "fp32, fp8_e4m3 KV"
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from radixlm.runtime.attention.base import create_backend
 from radixlm.runtime.models.layers.linear import Linear
 from radixlm.runtime.models.loader import load_model, resolve_model
 from radixlm.runtime.models.quantization.calibration import (
@@ -48,7 +57,6 @@ from radixlm.runtime.models.quantization.quantize import QuantizeOptions, quanti
 
 from results_dir import results_dir
 
-CPU = torch.device("cpu")
 # name -> (load dtype, online quantization, offline quantizer options)
 CONFIGS: dict[str, tuple[torch.dtype, str | None, QuantizeOptions | None]] = {
     "fp32": (torch.float32, None, None),
@@ -82,18 +90,20 @@ def linear_bytes(model: torch.nn.Module) -> int:
                if not name.endswith("batch_dense"))
 
 
-def build(name: str, folder: Path, calibration: torch.Tensor, work: Path) -> tuple:
-    """The model of one configuration, and the seconds its quantizer took (0 if none)."""
+def build(name: str, folder: Path, calibration: torch.Tensor, work: Path,
+          device: torch.device) -> tuple:
+    """The model of one configuration, and the seconds its quantizer took (0 if none).
+    Quantizers run where the model is loaded."""
     dtype, online, offline = CONFIGS[name]
     if offline is None:
-        return load_model(str(folder), "auto", dtype, CPU, quantization=online).model, 0.0
-    source = load_model(str(folder), "auto", torch.float32, CPU).model
+        return load_model(str(folder), "auto", dtype, device, quantization=online).model, 0.0
+    source = load_model(str(folder), "auto", torch.float32, device).model
     start = time.perf_counter()
     results = quantize_model(source, calibration, offline)
     seconds = time.perf_counter() - start
     fmt = "awq" if offline.method == "awq" else "gptq"
     out = save_quantized(source, results, offline, fmt, folder, work / name.replace(" ", "_"))
-    return load_model(str(out), "auto", dtype, CPU).model, seconds
+    return load_model(str(out), "auto", dtype, device).model, seconds
 
 
 def main() -> None:
@@ -102,11 +112,17 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--num-samples", type=int, default=32, help="calibration windows")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--attention-backend", default="torch",
+                        choices=["torch", "triton", "flashinfer"])
+    parser.add_argument("--one-token-steps", action="store_true",
+                        help="score each window a token at a time (the decode kernels)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    device = torch.device(args.device)
 
     folder = resolve_model(None)
-    tokenizer = load_model(str(folder), "auto", torch.float32, CPU).tokenizer
+    tokenizer = load_model(str(folder), "auto", torch.float32, torch.device("cpu")).tokenizer
     heldout = token_windows(tokenizer, "\n\n".join(pydoc_texts("heldout")), args.seq_len,
                             args.windows)
     calibration = token_windows(tokenizer, calibration_text("pydoc"), args.seq_len,
@@ -115,11 +131,14 @@ def main() -> None:
     names = ["fp32"] + [n for n in args.configs if n != "fp32"]  # fp32 first: the reference
     with tempfile.TemporaryDirectory() as work:
         for name in names:
-            model, quantize_s = build(name, folder, calibration, Path(work))
+            model, quantize_s = build(name, folder, calibration, Path(work), device)
+            attn = create_backend(args.attention_backend, model.config.head_dim ** -0.5,
+                                  device)
             start = time.perf_counter()
-            scores = [sequence_scores(model, window, KV_CACHE.get(name)) for window in heldout]
-            logprobs = torch.cat([lp for lp, _ in scores])
-            top1 = torch.cat([choice for _, choice in scores])
+            scores = [sequence_scores(model, window, KV_CACHE.get(name), attn,
+                                      args.one_token_steps) for window in heldout]
+            logprobs = torch.cat([lp for lp, _ in scores]).float().cpu()
+            top1 = torch.cat([choice for _, choice in scores]).cpu()
             eval_s = time.perf_counter() - start
             if reference is None:
                 reference, reference_top1 = logprobs, top1
@@ -137,16 +156,19 @@ def main() -> None:
     record = {
         "benchmark": "quant_quality", "date": datetime.date.today().isoformat(),
         "machine": {"cpu": platform.processor() or platform.machine(),
-                    "threads": torch.get_num_threads(), "torch": torch.__version__},
+                    "threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None},
         "config": {"model": "smollm2-135m-instruct", "heldout": "pydoc_data topics, odd",
                    "calibration": "pydoc_data topics, even", "windows": args.windows,
                    "seq_len": args.seq_len, "scored_tokens": int(reference.numel()),
                    "calibration_windows": args.num_samples, "group_size": 128,
-                   "int4_grid": "asymmetric (zero point)"},
+                   "int4_grid": "asymmetric (zero point)", "device": args.device,
+                   "attention_backend": args.attention_backend,
+                   "one_token_steps": args.one_token_steps},
         "rows": rows,
     }
     out = Path(args.out or results_dir() /
-               f"quant_quality_cpu_{record['date']}.json")
+               f"quant_quality_{device.type}_{record['date']}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}")

@@ -9,7 +9,7 @@ import torch
 from radixlm.runtime.cli import main
 from radixlm.runtime.models.loader import load_model
 from radixlm.runtime.models.quantization import awq_quantizer
-from radixlm.runtime.models.quantization.calibration import sequence_logprobs
+from radixlm.runtime.models.quantization.calibration import sequence_logprobs, sequence_scores
 from radixlm.runtime.models.quantization.checkpoint import save_quantized
 from radixlm.runtime.models.quantization.gptq_quantizer import accumulate_hessian, gptq_quantize
 from radixlm.runtime.models.quantization.int_weight import IntWeight, dequantize
@@ -109,6 +109,26 @@ def test_quantized_loads_of_a_float_checkpoint(tmp_path):
         assert (sequence_logprobs(model, ids) - base).abs().mean() < limit, method
     with pytest.raises(ValueError, match="radixlm quantize"):
         load_model(str(src), "auto", torch.float32, CPU, quantization="gptq")
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
+def test_scores_a_token_at_a_time_equal_one_prefill(tmp_path, kv_dtype):
+    """quant_quality.py --one-token-steps: the sequence as decode steps scores each token as
+    the prefill does, up to float32 summation order. A float8 cache can turn that order into
+    a one-step rounding difference of a stored value (seen on SmolLM2 from layer 6 on), so
+    there the scores need only agree closely."""
+    src = save_tiny_hf_model(tmp_path, "llama")
+    model = load_model(str(src), "auto", torch.float32, CPU).model
+    ids = torch.randint(3, 512, (24,), generator=torch.Generator().manual_seed(2))
+    prefill_lp, prefill_top = sequence_scores(model, ids, kv_dtype)
+    steps_lp, steps_top = sequence_scores(model, ids, kv_dtype, one_token_steps=True)
+    assert steps_lp.shape == prefill_lp.shape == (23,)
+    if kv_dtype is None:
+        assert (steps_lp - prefill_lp).abs().max() < 1e-4
+        assert torch.equal(steps_top, prefill_top)
+    else:
+        assert (steps_lp - prefill_lp).abs().mean() < 0.02
+        assert (steps_top == prefill_top).float().mean() >= 0.9
 
 
 @pytest.mark.parametrize("method", ["fp8", "int8", "awq", "gptq"])

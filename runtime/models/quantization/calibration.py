@@ -13,12 +13,12 @@ model's own layers and the torch attention backend over a small paged KV cache.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
-from radixlm.runtime.attention.base import ForwardBatch
+from radixlm.runtime.attention.base import AttentionBackend, ForwardBatch
 from radixlm.runtime.attention.kv_cache import KVCache
 from radixlm.runtime.attention.torch_native import TorchNativeAttention
 
@@ -72,19 +72,41 @@ def make_cache(model: nn.Module, num_tokens: int, dtype: torch.dtype,
                    storage_dtype=storage_dtype)
 
 
+def token_steps(ids: torch.Tensor, cache: KVCache) -> Iterator[ForwardBatch]:
+    """Sequence ids [L] as L - 1 one-token (decode) steps: token t at position t, in slot t,
+    attending to slots 0 .. t."""
+    device = cache.k.device
+    slots = torch.arange(ids.numel(), device=device)
+    ids = ids.to(device)
+    for t in range(ids.numel() - 1):
+        yield ForwardBatch(input_ids=ids[t:t + 1], positions=slots[t:t + 1], q_lens=[1],
+                           kv_lens=[t + 1], out_slots=slots[t:t + 1],
+                           slot_table=slots.view(1, -1), kv_cache=cache)
+
+
 @torch.inference_mode()
-def sequence_scores(model: nn.Module, ids: torch.Tensor,
-                    kv_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_scores(model: nn.Module, ids: torch.Tensor, kv_dtype: torch.dtype | None = None,
+                    attn: AttentionBackend | None = None,
+                    one_token_steps: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """For each next token of one sequence ids [L]: its log-probability ([L - 1] float32) and
     the model's own top choice ([L - 1]). kv_dtype: the KV cache's storage (float8), which
-    the whole sequence then attends through."""
+    the whole sequence then attends through. attn: the attention backend (torch's by
+    default). one_token_steps: run the sequence as decode steps, a token at a time, rather
+    than as one prefill, so that the scores come from the backend's decode kernels."""
     dtype = model.model.embed_tokens.weight.dtype
     cache = make_cache(model, ids.numel(), dtype, kv_dtype)
-    batch = prefill_batch(ids.view(1, -1), cache)
-    attn = TorchNativeAttention(model.config.head_dim ** -0.5)
-    attn.plan(batch)
-    logprobs = torch.log_softmax(model.compute_logits(model(batch, attn)[:-1]), -1)
-    targets = batch.input_ids[1:]
+    attn = attn or TorchNativeAttention(model.config.head_dim ** -0.5)
+    if one_token_steps:
+        logits = []
+        for step in token_steps(ids, cache):
+            attn.plan(step)
+            logits.append(model.compute_logits(model(step, attn)))
+        logprobs = torch.log_softmax(torch.cat(logits), -1)
+    else:
+        batch = prefill_batch(ids.view(1, -1), cache)
+        attn.plan(batch)
+        logprobs = torch.log_softmax(model.compute_logits(model(batch, attn)[:-1]), -1)
+    targets = ids[1:].to(logprobs.device)
     return logprobs.gather(1, targets[:, None]).squeeze(1), logprobs.argmax(-1)
 
 
