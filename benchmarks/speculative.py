@@ -5,7 +5,7 @@ the mean accepted length (tokens gained per target forward of a speculating requ
 target forwards per output token, the wall-clock speedup, and whether the outputs are
 identical (they must be).
 
-`text` (CPU, the default model on real text):
+`text` (either device, the default model on real text; the CPU default):
   extract   n-gram drafts on extractive prompts: repeat / quote / fix a passage of the
             Python documentation (prompt lookup's home ground);
   json      n-gram drafts under a JSON schema: copy a record given in the prompt.
@@ -37,6 +37,7 @@ default llama-3-8b, with random weights):
     python benchmarks/speculative.py --device cuda                    # forced, draft, copy
     python benchmarks/speculative.py --device cuda --workloads copy   # ~2 min on an H200
     python benchmarks/speculative.py --workloads copy --model DIR     # a small config, CPU
+    python benchmarks/speculative.py --device cuda --workloads text   # the real model, GPU
 """
 
 from __future__ import annotations
@@ -137,12 +138,12 @@ def header() -> None:
           f"{'fwd/token':>11}{'accept':>9}   identical")
 
 
-def run_cpu(args) -> list[dict]:
+def run_text(args) -> list[dict]:
     rows = []
     greedy = SamplingParams(temperature=0, max_new_tokens=args.new_tokens)
     constrained = SamplingParams(temperature=0, max_new_tokens=120, json_schema=SCHEMA)
-    with Engine(max_total_tokens=32768) as plain_engine, Engine(
-            max_total_tokens=32768, speculative="ngram",
+    with Engine(max_total_tokens=32768, device=args.device) as plain_engine, Engine(
+            max_total_tokens=32768, device=args.device, speculative="ngram",
             num_speculative_tokens=args.k) as spec_engine:
         header()
         for name, prompts, params in (
@@ -274,7 +275,7 @@ def main() -> None:
         parser.error(f"--workloads: unknown or CUDA-only: {', '.join(workloads)}")
     given, rows = args.new_tokens, []
     try:
-        for name, run_workload, new_tokens in (("text", run_cpu, 96), ("forced", run_cuda, 96),
+        for name, run_workload, new_tokens in (("text", run_text, 96), ("forced", run_cuda, 96),
                                                ("copy", run_copy, 256)):
             if name in workloads:
                 args.new_tokens = given or new_tokens
