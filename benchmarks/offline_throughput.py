@@ -16,6 +16,12 @@ submitted at once, on a dummy (random-weight) model, Llama-3-8B-shaped by defaul
 
     python benchmarks/offline_throughput.py --device cuda [--num-prompts 512]
         [--input-len 1024 --output-len 1024] [--attention-backend auto|triton|flashinfer]
+        [--hf-baseline 64]
+
+`--hf-baseline N` adds the peer to that run: after the full workload, the engine generates
+for the first N prompts alone, then `transformers` (eager, bf16, random weights of the same
+shape) generates for the same N prompts in one batched `generate` call, and both tokens/s
+are reported side by side (with random weights the two outputs are not compared).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import torch
 from radixlm.runtime import Engine
 from radixlm.runtime.models.loader import resolve_model
 
+from hf_dummy import hf_dummy_model
 from results_dir import results_dir
 
 TOPICS = ["the ocean", "a lost key", "mathematics", "a small village", "the moon", "coffee",
@@ -109,6 +116,28 @@ def gemm_floor(engine: Engine, batch: int, dtype: torch.dtype) -> dict:
             "tokens_per_s": batch / per_step}
 
 
+def hf_generate_cuda(model_name: str, prompts: list[list[int]], output_len: int) -> dict:
+    """transformers' batched greedy `generate` on equal-length prompts (no padding), every
+    request forced to output_len new tokens: seconds and output tokens/s."""
+    model = hf_dummy_model(model_name)
+    ids = torch.tensor(prompts, device="cuda")
+    kwargs = dict(do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids[:2, :64], attention_mask=torch.ones_like(ids[:2, :64]),
+                       max_new_tokens=8, **kwargs)  # warm-up
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                             max_new_tokens=output_len, min_new_tokens=output_len, **kwargs)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+    generated = out[:, ids.shape[1]:].numel()
+    del model, out
+    torch.cuda.empty_cache()
+    return {"seconds": elapsed, "output_tokens": generated,
+            "output_tokens_per_s": generated / elapsed}
+
+
 def run_cuda(args: argparse.Namespace) -> None:
     model = args.model or "llama-3-8b"
     num, input_len, output_len = args.num_prompts, args.input_len, args.output_len
@@ -133,7 +162,24 @@ def run_cuda(args: argparse.Namespace) -> None:
     stats = engine.stats()
     attn = type(engine.core.runner.attn).__name__
     overlap = engine.core.overlap
+    peer = None
+    if args.hf_baseline:
+        subset = prompts[:args.hf_baseline]
+        engine.flush_cache()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.generate(input_ids=subset, sampling_params=params, use_tqdm=False)
+        ours_s = time.perf_counter() - start
+        peer = {"num_prompts": len(subset), "radixlm_seconds": ours_s,
+                "radixlm_output_tokens_per_s": len(subset) * output_len / ours_s}
     engine.close()
+    del engine
+    torch.cuda.empty_cache()
+    if peer is not None:
+        hf = hf_generate_cuda(model, subset, output_len)
+        peer.update({"transformers_seconds": hf["seconds"],
+                     "transformers_output_tokens_per_s": hf["output_tokens_per_s"],
+                     "speedup_vs_transformers": hf["seconds"] / peer["radixlm_seconds"]})
     generated = sum(o.completion_tokens for o in outs)
     assert generated == num * output_len, generated
     output_tps = generated / elapsed
@@ -144,6 +190,11 @@ def run_cuda(args: argparse.Namespace) -> None:
     print(f"{elapsed:.1f} s, output {output_tps:,.0f} tokens/s, total {total_tps:,.0f} "
           f"tokens/s, {stats['steps']} steps ({stats['overlapped_steps']} overlapped), "
           f"{stats['retractions']} retractions")
+    if peer is not None:
+        print(f"the first {peer['num_prompts']} prompts alone: radixlm "
+              f"{peer['radixlm_output_tokens_per_s']:,.0f} output tokens/s, transformers "
+              f"generate (eager, bf16) {peer['transformers_output_tokens_per_s']:,.0f}: "
+              f"{peer['speedup_vs_transformers']:.1f}x")
     record = {
         "benchmark": "offline_throughput",
         "date": datetime.date.today().isoformat(),
@@ -160,6 +211,7 @@ def run_cuda(args: argparse.Namespace) -> None:
                     "steps": stats["steps"], "overlapped_steps": stats["overlapped_steps"],
                     "retractions": stats["retractions"],
                     "kv_pages_total": stats["kv_pages_total"]},
+        "transformers_peer": peer,
     }
     out = Path(args.out or results_dir() /
                f"offline_throughput_h200_{record['date']}.json")
@@ -190,6 +242,9 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=None,
                         help="default: 64 on CPU, 512 on CUDA")
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--hf-baseline", type=int, default=0, metavar="N",
+                        help="CUDA mode: also time transformers generate on the first N "
+                             "prompts, beside the engine on the same N")
     parser.add_argument("--skip-sequential", action="store_true",
                         help="skip transformers one-prompt-at-a-time (the slowest part)")
     parser.add_argument("--out", default=None,

@@ -30,6 +30,7 @@ import torch
 from radixlm.runtime import Engine
 
 from gpu_timing import median_replay_ms
+from hf_dummy import hf_dummy_model
 from results_dir import results_dir
 
 COPY_BANDWIDTH = 4.1e12  # bytes/s, device-to-device copy measured on the H200
@@ -170,18 +171,9 @@ def hf_eager_decode_ms(model_name: str, batch: int, input_len: int, steps: int =
     """The in-run baseline: Hugging Face `transformers`, eager, bf16, random weights of the
     same shape, greedy decode with its KV cache. Median ms of one decode step, including
     reading the token back (as any generation loop must)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from radixlm.runtime.models.loader import ARCHITECTURE_PRESETS
-
-    preset = dict(ARCHITECTURE_PRESETS[model_name])
-    model_type = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}[
-        preset.pop("architectures")[0]]
-    config = AutoConfig.for_model(model_type, **preset)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    model = hf_dummy_model(model_name)
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, config.vocab_size, (batch, input_len), generator=gen).cuda()
+    ids = torch.randint(0, model.config.vocab_size, (batch, input_len), generator=gen).cuda()
     times = []
     with torch.inference_mode():
         out = model(ids, use_cache=True)
