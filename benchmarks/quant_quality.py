@@ -2,8 +2,8 @@
 (or a GPU: `--device cuda`).
 
 Held-out text: the odd half of Python's `pydoc_data` topics (the quantizers calibrate on the
-even half), cut into `--windows` windows of `--seq-len` tokens, each scored on its own. For
-each configuration:
+even half), cut into `--windows` windows of `--seq-len` tokens, scored side by side (each
+window attends only to itself). For each configuration:
 
 - perplexity over the scored tokens (every token of a window but the first);
 - mean |delta logprob|: the mean absolute difference, over the same tokens, between the log
@@ -135,10 +135,9 @@ def main() -> None:
             attn = create_backend(args.attention_backend, model.config.head_dim ** -0.5,
                                   device)
             start = time.perf_counter()
-            scores = [sequence_scores(model, window, KV_CACHE.get(name), attn,
-                                      args.one_token_steps) for window in heldout]
-            logprobs = torch.cat([lp for lp, _ in scores]).float().cpu()
-            top1 = torch.cat([choice for _, choice in scores]).cpu()
+            logprobs, top1 = sequence_scores(model, heldout, KV_CACHE.get(name), attn,
+                                             args.one_token_steps)
+            logprobs, top1 = logprobs.cpu(), top1.cpu()
             eval_s = time.perf_counter() - start
             if reference is None:
                 reference, reference_top1 = logprobs, top1

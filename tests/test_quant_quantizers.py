@@ -113,16 +113,18 @@ def test_quantized_loads_of_a_float_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
 def test_scores_a_token_at_a_time_equal_one_prefill(tmp_path, kv_dtype):
-    """quant_quality.py --one-token-steps: the sequence as decode steps scores each token as
-    the prefill does, up to float32 summation order. A float8 cache can turn that order into
-    a one-step rounding difference of a stored value (seen on SmolLM2 from layer 6 on), so
-    there the scores need only agree closely."""
+    """quant_quality.py --one-token-steps: sequences as decode steps, side by side, score each
+    token as the prefill does, up to float32 summation order, and each sequence as it scores
+    alone. A float8 cache can turn that order into a one-step rounding difference of a stored
+    value (seen on SmolLM2 from layer 6 on), so there the scores need only agree closely."""
     src = save_tiny_hf_model(tmp_path, "llama")
     model = load_model(str(src), "auto", torch.float32, CPU).model
-    ids = torch.randint(3, 512, (24,), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(3, 512, (3, 24), generator=torch.Generator().manual_seed(2))
     prefill_lp, prefill_top = sequence_scores(model, ids, kv_dtype)
     steps_lp, steps_top = sequence_scores(model, ids, kv_dtype, one_token_steps=True)
-    assert steps_lp.shape == prefill_lp.shape == (23,)
+    assert steps_lp.shape == prefill_lp.shape == (3 * 23,)
+    alone_lp, _ = sequence_scores(model, ids[1], kv_dtype, one_token_steps=True)
+    assert (alone_lp - steps_lp[23:46]).abs().max() < 1e-4
     if kv_dtype is None:
         assert (steps_lp - prefill_lp).abs().max() < 1e-4
         assert torch.equal(steps_top, prefill_top)

@@ -73,26 +73,31 @@ def make_cache(model: nn.Module, num_tokens: int, dtype: torch.dtype,
 
 
 def token_steps(ids: torch.Tensor, cache: KVCache) -> Iterator[ForwardBatch]:
-    """Sequence ids [L] as L - 1 one-token (decode) steps: token t at position t, in slot t,
-    attending to slots 0 .. t."""
+    """Sequences ids [S, L] as L - 1 one-token (decode) steps of S rows: step t feeds each
+    sequence's token t at position t (sequence s in slots s * L .. s * L + L - 1), attending to
+    its tokens 0 .. t."""
+    num_seqs, seq_len = ids.shape
     device = cache.k.device
-    slots = torch.arange(ids.numel(), device=device)
+    slots = torch.arange(num_seqs * seq_len, device=device).view(num_seqs, seq_len)
     ids = ids.to(device)
-    for t in range(ids.numel() - 1):
-        yield ForwardBatch(input_ids=ids[t:t + 1], positions=slots[t:t + 1], q_lens=[1],
-                           kv_lens=[t + 1], out_slots=slots[t:t + 1],
-                           slot_table=slots.view(1, -1), kv_cache=cache)
+    for t in range(seq_len - 1):
+        yield ForwardBatch(input_ids=ids[:, t].contiguous(),
+                           positions=torch.full((num_seqs,), t, device=device),
+                           q_lens=[1] * num_seqs, kv_lens=[t + 1] * num_seqs,
+                           out_slots=slots[:, t].contiguous(), slot_table=slots, kv_cache=cache)
 
 
 @torch.inference_mode()
 def sequence_scores(model: nn.Module, ids: torch.Tensor, kv_dtype: torch.dtype | None = None,
                     attn: AttentionBackend | None = None,
                     one_token_steps: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each next token of one sequence ids [L]: its log-probability ([L - 1] float32) and
-    the model's own top choice ([L - 1]). kv_dtype: the KV cache's storage (float8), which
-    the whole sequence then attends through. attn: the attention backend (torch's by
-    default). one_token_steps: run the sequence as decode steps, a token at a time, rather
-    than as one prefill, so that the scores come from the backend's decode kernels."""
+    """For each next token of the sequences ids ([L], or [S, L] scored side by side): its
+    log-probability and the model's own top choice, each [S * (L - 1)] in sequence order
+    (float32 and token ids). kv_dtype: the KV cache's storage (float8), which every token then
+    attends through. attn: the attention backend (torch's by default). one_token_steps: run the
+    sequences as decode steps, a token at a time, rather than as one prefill, so that the
+    scores come from the backend's decode kernels."""
+    ids = ids.view(-1, ids.shape[-1])
     dtype = model.model.embed_tokens.weight.dtype
     cache = make_cache(model, ids.numel(), dtype, kv_dtype)
     attn = attn or TorchNativeAttention(model.config.head_dim ** -0.5)
@@ -101,12 +106,13 @@ def sequence_scores(model: nn.Module, ids: torch.Tensor, kv_dtype: torch.dtype |
         for step in token_steps(ids, cache):
             attn.plan(step)
             logits.append(model.compute_logits(model(step, attn)))
-        logprobs = torch.log_softmax(torch.cat(logits), -1)
+        logits = torch.stack(logits, 1)  # [S, L - 1, vocab]
     else:
-        batch = prefill_batch(ids.view(1, -1), cache)
+        batch = prefill_batch(ids, cache)
         attn.plan(batch)
-        logprobs = torch.log_softmax(model.compute_logits(model(batch, attn)[:-1]), -1)
-    targets = ids[1:].to(logprobs.device)
+        logits = model.compute_logits(model(batch, attn)).view(*ids.shape, -1)[:, :-1]
+    logprobs = torch.log_softmax(logits.reshape(-1, logits.shape[-1]), -1)
+    targets = ids[:, 1:].reshape(-1).to(logprobs.device)
     return logprobs.gather(1, targets[:, None]).squeeze(1), logprobs.argmax(-1)
 
 
