@@ -20,6 +20,7 @@ import torch
 from radixlm.runtime.engine.engine import Engine
 from radixlm.runtime.models.layers.linear import Linear, LinearShard
 from radixlm.runtime.models.quantization.config import QuantConfig
+from radixlm.runtime.parallel import groups
 from radixlm.runtime.parallel.groups import TPInfo, active_all_reduce, valid_tp_sizes
 
 from conftest import save_tiny_hf_model
@@ -257,6 +258,22 @@ def test_tp2_on_two_gpus_matches_tp1(tmp_path):
         assert engine.stats()["overlapped_steps"] > 0
     with Engine(str(folder), tp_size=2, disable_cuda_graph=True, **options) as engine:
         assert _greedy(engine, PROMPTS) == expected
+    with pytest.raises(RuntimeError, match="fresh process"):  # NCCL in graphs: the fence
+        Engine(str(folder), tp_size=2, **options)
+
+
+def test_nccl_in_graphs_after_another_cuda_engine_is_refused(monkeypatch):
+    """The fence for the hang in docs/distributed.md: NCCL all-reduces captured in CUDA graphs
+    are refused once the process has built a CUDA engine; symmetric memory, eager steps and
+    the first CUDA engine of a process are not. CPU engines do not count."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(groups, "_cuda_engine_built", False)
+    groups.check_nccl_in_graphs("nccl", True, cpu)
+    groups.check_nccl_in_graphs("nccl", True, cuda)  # the process's first CUDA engine
+    for mode, graphs in (("symmetric", True), ("nccl", False), ("none", True)):
+        groups.check_nccl_in_graphs(mode, graphs, cuda)
+    with pytest.raises(RuntimeError, match="fresh process.*disable_cuda_graph=True"):
+        groups.check_nccl_in_graphs("nccl", True, cuda)
 
 
 def test_two_nodes_on_the_loopback_match_tp1(tmp_path):

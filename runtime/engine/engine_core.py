@@ -37,7 +37,11 @@ from radixlm.runtime.execution.speculative.speculator import Speculator
 from radixlm.runtime.grammar.engine import GrammarCompileError, GrammarLimitError
 from radixlm.runtime.grammar.spec import GrammarSpec
 from radixlm.runtime.models.loader import LoadedModel
-from radixlm.runtime.parallel.groups import choose_all_reduce, setup_all_reduce
+from radixlm.runtime.parallel.groups import (
+    check_nccl_in_graphs,
+    choose_all_reduce,
+    setup_all_reduce,
+)
 from radixlm.runtime.parallel.sharded import ShardedModel
 from radixlm.runtime.scheduling.kv_manager import KVManager
 from radixlm.runtime.scheduling.leases import LeaseTable
@@ -112,9 +116,11 @@ class EngineCore:
                                  max_batch_size=rows, max_len=self.max_model_len,
                                  capture=device.type == "cuda")
                             if graphs else None)
+        mode = (choose_all_reduce(config.tp_all_reduce, device) if tp_group is not None
+                else "none")
+        check_nccl_in_graphs(mode, graphs, device)
         if tp_group is not None:  # the other ranks allocate their KV and capture alongside
             numel = rows * mc.hidden_size  # a decode step's activations, verify rows included
-            mode = choose_all_reduce(config.tp_all_reduce, device)
             tp_group.start(self.kv_cache.num_slots, self._graph_args, mode, numel)
             log.info("tensor parallelism: %d ranks, %s all-reduce", tp_group.size,
                      setup_all_reduce(mode, numel, dtype, device))

@@ -202,6 +202,28 @@ def choose_all_reduce(configured: str, device: torch.device) -> str:
     return "symmetric"
 
 
+_cuda_engine_built = False  # whether this process has built a CUDA engine (see below)
+
+
+def check_nccl_in_graphs(mode: str, graphs: bool, device: torch.device) -> None:
+    """Refuse a tensor-parallel engine whose decode graphs would capture NCCL all-reduces
+    (`mode` "nccl") in a process that has built a CUDA engine before: on two H200s such an
+    engine hung at its first steps, while the same engine in a fresh process, with
+    symmetric memory, or run eagerly did not (the cause is not known yet). A clear error
+    beats a hang. Call it once per engine; it also records that a CUDA engine was built."""
+    global _cuda_engine_built
+    if device.type != "cuda":
+        return
+    built_before, _cuda_engine_built = _cuda_engine_built, True
+    if mode == "nccl" and graphs and built_before:
+        raise RuntimeError(
+            "tensor parallelism with NCCL all-reduces in CUDA graphs after another CUDA "
+            "engine in this process is refused: that combination hung on a 2-GPU machine. "
+            "Start this engine in a fresh process (a second tensor-parallel engine in a "
+            "process cannot use symmetric memory, so it falls back to NCCL), or pass "
+            "disable_cuda_graph=True (eager decode steps, slower)")
+
+
 def symmetric_memory_available() -> bool:
     try:
         import torch.distributed._symmetric_memory  # noqa: F401
