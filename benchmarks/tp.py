@@ -13,6 +13,7 @@ random weights:
   step's all-reduces (2 per layer + 1 for the embedding, at the step's size) replayed alone in
   a CUDA graph on the same GPUs, divided by the measured step.
 
+Each configuration runs in a fresh process (one tensor-parallel engine per process).
 NVLink multicast (NVLS) is turned off unless NCCL_NVLS_ENABLE is already set; every NCCL_*
 variable in effect is recorded.
 
@@ -25,10 +26,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -170,10 +171,16 @@ def measure(args: argparse.Namespace, tp: int, graphs: bool, all_reduce: str) ->
                 "throughput_tokens_per_s": round(args.batch * n / batch_s, 1)}
     finally:
         engine.close()
-        del engine
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+
+
+def measure_in_fresh_process(args: argparse.Namespace, tp: int, graphs: bool,
+                             all_reduce: str) -> dict:
+    """`measure` in a process of its own. Tensor parallelism takes one engine per process:
+    symmetric memory is set up once per process, and NCCL all-reduces in CUDA graphs after
+    another CUDA engine are refused (docs/distributed.md), so each configuration gets what a
+    served engine gets."""
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        return pool.submit(measure, args, tp, graphs, all_reduce).result()
 
 
 def nccl_version() -> str | None:
@@ -205,7 +212,8 @@ def main() -> None:
     rows = []
     for spec in args.configs:
         tp, mode, *all_reduce = spec.split(":")
-        rows.append(measure(args, int(tp), mode == "graphs", (all_reduce or ["auto"])[0]))
+        rows.append(measure_in_fresh_process(args, int(tp), mode == "graphs",
+                                             (all_reduce or ["auto"])[0]))
         print(json.dumps(rows[-1]), flush=True)
     replayed = [r for r in rows if r["cuda_graphs"] and r["tp"] > 1]
     replay_ms: dict[str, dict] = {}
