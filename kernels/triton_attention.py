@@ -34,6 +34,8 @@ class DecodeConfig:
     num_stages: int = 3
     # A float8 cache under a bfloat16 query: compute in float16 (see triton_decode).
     fp8_as_fp16: bool = True
+    # A float8 V under a 16-bit query: read it as int16 pairs of head dims (see triton_decode).
+    fp8_v_pairs: bool = True
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,8 @@ class ExtendConfig:
 
 def decode_config(dtype: torch.dtype, head_dim: int) -> DecodeConfig:
     # fp32 (and wide heads) make tiles 2x the bytes: smaller ones keep the pipeline in
-    # shared memory.
+    # shared memory. A float8 cache keeps 128-key tiles: 64 ran 10% faster alone at batch 256
+    # but 2-4% slower offline (H200, 2026-12-04; docs/performance.md).
     if dtype == torch.float32 or head_dim > 128:
         return DecodeConfig(block_n=32)
     return DecodeConfig()
@@ -172,16 +175,22 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_lse = torch.empty(num_decode, num_heads, num_splits, dtype=torch.float32,
                                device=q.device)
     score_mul, cap_mul = _score_factors(scale * k_scale, softcap)
+    v_pairs = (cfg.fp8_v_pairs and v_cache.element_size() == 1 and head_dim % 2 == 0
+               and q.dtype in (torch.bfloat16, torch.float16))
+    v_e4m3 = v_cache.dtype == torch.float8_e4m3fn
+    if v_pairs:  # the widened pairs are e4m3 values * 2^-8 (see triton_decode)
+        v_cache, v_scale = v_cache.view(torch.int16), v_scale * (256.0 if v_e4m3 else 1.0)
     decode_split_kernel[(num_decode, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_o, part_lse, slot_table, kv_lens, seq_rows, q_rows,
         score_mul, cap_mul, v_scale, window or NO_WINDOW, num_splits, num_heads,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), slot_table.stride(0),
-        out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+        v_cache.stride(1), slot_table.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_H=_pow2(group), BLOCK_D=block_d,
         BLOCK_N=cfg.block_n, DIRECT=direct, SOFTCAP=softcap is not None,
         DOT_PRECISION=_dot_precision(q.dtype),
         WIDEN_FP16=cfg.fp8_as_fp16 and k_cache.element_size() == 1 and q.dtype == torch.bfloat16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(q.device))
+        V_PAIRS=v_pairs, V_E4M3=v_e4m3, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_options(q.device))
     if not direct:
         block_s = triton.next_power_of_2(num_splits)
         decode_merge_kernel[(num_decode, num_heads)](

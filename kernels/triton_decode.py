@@ -18,6 +18,14 @@ and one instruction, where e4m3 -> bfloat16 goes through float32; a bfloat16 que
 nothing in float16 unless |q| > 65504 or it is subnormal there (< 6e-5). Its K scale is part of
 score_mul and its V scale is out_mul.
 
+A float8 V under a 16-bit query (V_PAIRS) is read as int16 pairs of adjacent head dims and
+widened with integer ops into two float16 tiles, the even and the odd dims, each multiplied by
+p on its own. V is the transposed operand of p @ v, and shared memory has no transposing
+matrix load for 8-bit data: read as float8, the tile came back from shared memory a byte at
+a time (128 loads per thread per tile, profiled on an H200); as int16 it takes the 16-bit
+transposing load. The widening is exact: e5m2 is the top byte of a float16, and e4m3 placed
+below the sign bit is a float16 of the value * 2^-8 (the caller folds 2^8 into out_mul).
+
 (Merging in the split kernel itself, the last split of each sequence and KV head taking a
 ticket and merging, made batch-1 decode attention slower on an H200: 14 us a layer against 12
 for split + merge + store kernels, Llama-3-8B shape at a ~1088-token context.)
@@ -52,16 +60,52 @@ def scores(q, k, score_mul, cap_mul, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.co
 
 
 @triton.jit
+def fp8_pairs_to_fp16(pairs, HIGH: tl.constexpr, E4M3: tl.constexpr):
+    """int16 lanes each holding two float8 bytes -> float16 of the low or the HIGH byte:
+    exactly the value for e5m2, the value * 2^-8 for e4m3 (sign kept, 7 bits shifted under
+    float16's top exponent bit)."""
+    if E4M3:
+        if HIGH:
+            bits = (pairs & -32768) | ((pairs >> 1) & 0x3F80)
+        else:
+            bits = ((pairs << 8) & -32768) | ((pairs << 7) & 0x3F80)
+    else:
+        bits = (pairs & -256) if HIGH else (pairs << 8)
+    return bits.to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def store_rows(ptrs, acc, acc_even, acc_odd, mul, mask_h, HEAD_DIM: tl.constexpr,
+               BLOCK_D: tl.constexpr, V_PAIRS: tl.constexpr):
+    """Rows [BLOCK_H, HEAD_DIM] starting at ptrs ([BLOCK_H, 1]): acc * mul, or with V_PAIRS
+    the even dims from acc_even and the odd ones from acc_odd."""
+    if V_PAIRS:
+        offs_j = tl.arange(0, BLOCK_D // 2)
+        mask = mask_h[:, None] & (offs_j < HEAD_DIM // 2)[None, :]
+        tl.store(ptrs + 2 * offs_j[None, :], (acc_even * mul).to(ptrs.dtype.element_ty),
+                 mask=mask)
+        tl.store(ptrs + 2 * offs_j[None, :] + 1, (acc_odd * mul).to(ptrs.dtype.element_ty),
+                 mask=mask)
+    else:
+        offs_d = tl.arange(0, BLOCK_D)
+        tl.store(ptrs + offs_d[None, :], (acc * mul).to(ptrs.dtype.element_ty),
+                 mask=mask_h[:, None] & (offs_d < HEAD_DIM)[None, :])
+
+
+@triton.jit
 def decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     slot_table_ptr, kv_lens_ptr, seq_rows_ptr, q_rows_ptr,
     score_mul, cap_mul, out_mul, window, num_splits, num_heads,
-    stride_qt, stride_qh, stride_cs, stride_ch, stride_tb, stride_ot, stride_oh,
+    stride_qt, stride_qh, stride_cs, stride_ch, stride_vs, stride_vh, stride_tb, stride_ot,
+    stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
     SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_FP16: tl.constexpr,
-    PDL: tl.constexpr,
+    V_PAIRS: tl.constexpr, V_E4M3: tl.constexpr, PDL: tl.constexpr,
 ):
+    # V_PAIRS: v_cache_ptr is the float8 V cache viewed as int16 (its strides stride_vs and
+    # stride_vh in int16 units), V_E4M3 its format (else e5m2).
     pdl_prologue(PDL)
     pid = tl.program_id(0)  # index among the step's decode sequences
     kv_head = tl.program_id(1)
@@ -78,6 +122,7 @@ def decode_split_kernel(
     offs_g = tl.arange(0, BLOCK_H)  # query heads of this KV head's group (padded to >= 16)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
+    offs_j = tl.arange(0, BLOCK_D // 2)  # V_PAIRS: pairs of head dims (2j, 2j + 1)
     heads = kv_head * GROUP + offs_g
     mask_hd = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
@@ -88,32 +133,47 @@ def decode_split_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    acc_even = tl.zeros([BLOCK_H, BLOCK_D // 2], tl.float32)  # V_PAIRS
+    acc_odd = tl.zeros([BLOCK_H, BLOCK_D // 2], tl.float32)
     table = slot_table_ptr + row * stride_tb
     for n0 in range(start, end, BLOCK_N):
         mask_n = (n0 + offs_n) < end
         slots = tl.load(table + n0 + offs_n, mask=mask_n, other=0)  # [BLOCK_N] int64
         # [BLOCK_N, BLOCK_D] offsets of this KV head's rows for the tile's tokens
-        kv_off = slots[:, None] * stride_cs + kv_head * stride_ch + offs_d[None, :]
+        k_off = slots[:, None] * stride_cs + kv_head * stride_ch + offs_d[None, :]
         mask_nd = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
         # A float8 cache is widened to q's (compute) dtype; its scales are in score_mul and
         # out_mul.
-        k = tl.load(k_cache_ptr + kv_off, mask=mask_nd, other=0.0).to(q.dtype)
+        k = tl.load(k_cache_ptr + k_off, mask=mask_nd, other=0.0).to(q.dtype)
         # V is loaded before the softmax needs it, so that its latency overlaps K's: at
         # batch 1 a program sees one or two tiles and waits on memory, not on math.
-        v = tl.load(v_cache_ptr + kv_off, mask=mask_nd, other=0.0).to(q.dtype)
+        v_row = slots[:, None] * stride_vs + kv_head * stride_vh
+        if V_PAIRS:
+            pairs = tl.load(v_cache_ptr + v_row + offs_j[None, :],
+                            mask=mask_n[:, None] & (offs_j < HEAD_DIM // 2)[None, :], other=0)
+        else:
+            v = tl.load(v_cache_ptr + v_row + offs_d[None, :], mask=mask_nd,
+                        other=0.0).to(q.dtype)
         s = scores(q, k, score_mul, cap_mul, SOFTCAP, DOT_PRECISION)
         s = tl.where(mask_n[None, :], s, float("-inf"))  # [BLOCK_H, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if V_PAIRS:
+            p16 = p.to(tl.float16)
+            acc_even = acc_even * alpha[:, None] + tl.dot(
+                p16, fp8_pairs_to_fp16(pairs, False, V_E4M3), input_precision=DOT_PRECISION)
+            acc_odd = acc_odd * alpha[:, None] + tl.dot(
+                p16, fp8_pairs_to_fp16(pairs, True, V_E4M3), input_precision=DOT_PRECISION)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
+                                                input_precision=DOT_PRECISION)
         m_i = m_new
 
     if DIRECT:  # one split: the split's result is the answer
-        out = acc * (out_mul / l_i[:, None])
-        tl.store(out_ptr + q_row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=mask_hd)
+        store_rows(out_ptr + q_row * stride_ot + heads[:, None] * stride_oh, acc, acc_even,
+                   acc_odd, out_mul / l_i[:, None], offs_g < GROUP, HEAD_DIM, BLOCK_D, V_PAIRS)
     else:
         # A short sequence can leave trailing splits empty: they report lse = -inf, weight 0.
         has_keys = l_i > 0
@@ -121,8 +181,8 @@ def decode_split_kernel(
         lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
         # partials are [num_decode, num_heads, num_splits, HEAD_DIM] and [.., .., num_splits]
         part = (pid * num_heads + heads) * num_splits + split  # [BLOCK_H]
-        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
-                 acc * (out_mul / l_safe[:, None]), mask=mask_hd)
+        store_rows(part_o_ptr + part[:, None] * HEAD_DIM, acc, acc_even, acc_odd,
+                   out_mul / l_safe[:, None], offs_g < GROUP, HEAD_DIM, BLOCK_D, V_PAIRS)
         tl.store(part_lse_ptr + part, lse, mask=offs_g < GROUP)
 
 

@@ -163,6 +163,39 @@ def case_fp8_e5m2_cache():
     return _fp8_case(torch.float8_e5m2, 1.0, 1.0)
 
 
+def case_fp8_v_read_as_pairs_equals_byte_reads():
+    """Under a 16-bit query the decode kernel reads a float8 V as int16 pairs and widens the
+    bytes itself: the same output as reading them as float8, and the reference's over the
+    dequantized cache. Decode rows only: the interpreter mis-emulates bfloat16 elsewhere."""
+    from radixlm.kernels.reference import paged_attention_reference
+    from radixlm.kernels.triton_attention import DecodeConfig
+    from radixlm.runtime.attention.triton_backend import TritonAttention
+
+    details = []
+    for dtype, storage, scales, splits in (
+            (torch.bfloat16, torch.float8_e4m3fn, (0.5, 2.0), 3),
+            (torch.float16, torch.float8_e4m3fn, (1.0, 0.25), 1),
+            (torch.float16, torch.float8_e5m2, (1.0, 1.0), 2)):
+        batch, q, k, v = random_paged_batch("cpu", dtype, 16, [1] * 4, [37, 1, 300, 64],
+                                            storage_dtype=storage)
+        batch.kv_cache.set_scales([scales[0]], [scales[1]])
+        outs = []
+        for pairs in (True, False):
+            backend = TritonAttention(SCALE_DIM[32], num_splits=splits,
+                                      decode_config=DecodeConfig(fp8_v_pairs=pairs))
+            backend.plan(batch)
+            outs.append(backend.forward(q, k, v, 0, batch))
+        assert torch.equal(outs[0], outs[1]), f"{dtype}, {storage}: pairs differ from bytes"
+        cache = batch.kv_cache
+        ref = paged_attention_reference(q, cache.k[0].float() * scales[0],
+                                        cache.v[0].float() * scales[1], batch.slot_table,
+                                        batch.q_lens, batch.kv_lens, SCALE_DIM[32])
+        err = rel_err(outs[0], ref)
+        assert err < 5e-3, f"{dtype}, {storage}: relative error {err:.2e}"
+        details.append(f"{storage} under {dtype}: {err:.1e}")
+    return "; ".join(details)
+
+
 def case_extend_long_chunk_after_prefix():
     return _backend_case(torch.float16, 16, [130, 2], [400, 2], dim=64)
 
