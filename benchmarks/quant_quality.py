@@ -156,6 +156,8 @@ def main() -> None:
         "benchmark": "quant_quality", "date": datetime.date.today().isoformat(),
         "machine": {"cpu": platform.processor() or platform.machine(),
                     "threads": torch.get_num_threads(), "torch": torch.__version__,
+                    # the held-out text is this Python's pydoc_data: it differs by version
+                    "python": platform.python_version(),
                     "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None},
         "config": {"model": "smollm2-135m-instruct", "heldout": "pydoc_data topics, odd",
                    "calibration": "pydoc_data topics, even", "windows": args.windows,

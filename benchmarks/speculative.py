@@ -55,6 +55,7 @@ import torch
 
 from radixlm.runtime import Engine, SamplingParams
 from radixlm.runtime.execution import speculative
+from radixlm.runtime.models.loader import DEFAULT_MODEL
 
 from results_dir import results_dir
 
@@ -287,8 +288,12 @@ def main() -> None:
                    else platform.processor() or platform.machine())
         record = {"benchmark": "speculative", "date": datetime.date.today().isoformat(),
                   "machine": {"device": machine, "threads": torch.get_num_threads(),
-                              "torch": torch.__version__},
-                  "config": vars(args), "rows": rows}
+                              "torch": torch.__version__,
+                              "python": platform.python_version()},  # its pydoc text
+                  # the text workload runs the default model; --model is the copy workload's
+                  "config": {**vars(args),
+                             "text_model": DEFAULT_MODEL if "text" in workloads else None},
+                  "rows": rows}
         tag = "h200" if args.device == "cuda" else "cpu"
         out = Path(args.out or results_dir() /
                    f"speculative_{tag}_{record['date']}.json")
