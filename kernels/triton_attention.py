@@ -175,8 +175,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_lse = torch.empty(num_decode, num_heads, num_splits, dtype=torch.float32,
                                device=q.device)
     score_mul, cap_mul = _score_factors(scale * k_scale, softcap)
-    v_pairs = (cfg.fp8_v_pairs and v_cache.element_size() == 1 and head_dim % 2 == 0
-               and q.dtype in (torch.bfloat16, torch.float16))
+    v_pairs = (cfg.fp8_v_pairs and v_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+               and head_dim % 2 == 0 and q.dtype in (torch.bfloat16, torch.float16))
     v_e4m3 = v_cache.dtype == torch.float8_e4m3fn
     if v_pairs:  # the widened pairs are e4m3 values * 2^-8 (see triton_decode)
         v_cache, v_scale = v_cache.view(torch.int16), v_scale * (256.0 if v_e4m3 else 1.0)

@@ -89,6 +89,9 @@ class EngineCore:
         # Tensor parallelism: rank 0's model is the stand-in that sends each call to the other
         # ranks; graphs capture the shard itself, and send each replay (see cuda_graph).
         tp_group = loaded.model.group if isinstance(loaded.model, ShardedModel) else None
+        mode = (choose_all_reduce(config.tp_all_reduce, device) if tp_group is not None
+                else "none")
+        check_nccl_in_graphs(mode, graphs, device)  # before the KV pool is allocated
         # With CUDA graphs, one page past the allocator's: padded rows write their K/V there.
         scratch_pages = 1 if graphs else 0
         kv_dtype = kv_storage_dtype(config.kv_cache_dtype, dtype)
@@ -116,9 +119,6 @@ class EngineCore:
                                  max_batch_size=rows, max_len=self.max_model_len,
                                  capture=device.type == "cuda")
                             if graphs else None)
-        mode = (choose_all_reduce(config.tp_all_reduce, device) if tp_group is not None
-                else "none")
-        check_nccl_in_graphs(mode, graphs, device)
         if tp_group is not None:  # the other ranks allocate their KV and capture alongside
             numel = rows * mc.hidden_size  # a decode step's activations, verify rows included
             tp_group.start(self.kv_cache.num_slots, self._graph_args, mode, numel)

@@ -202,7 +202,7 @@ def choose_all_reduce(configured: str, device: torch.device) -> str:
     return "symmetric"
 
 
-_cuda_engine_built = False  # whether this process has built a CUDA engine (see below)
+_cuda_engine_built = False  # whether this process has begun building a CUDA engine
 
 
 def check_nccl_in_graphs(mode: str, graphs: bool, device: torch.device) -> None:
@@ -210,7 +210,9 @@ def check_nccl_in_graphs(mode: str, graphs: bool, device: torch.device) -> None:
     (`mode` "nccl") in a process that has built a CUDA engine before: on two H200s such an
     engine hung at its first steps, while the same engine in a fresh process, with
     symmetric memory, or run eagerly did not (the cause is not known yet). A clear error
-    beats a hang. Call it once per engine; it also records that a CUDA engine was built."""
+    beats a hang. Call it once per engine, before its KV pool is allocated; it records that
+    this process has begun building a CUDA engine (one that fails later counts too: it may
+    have set up the same CUDA state)."""
     global _cuda_engine_built
     if device.type != "cuda":
         return

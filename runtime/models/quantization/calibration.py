@@ -96,23 +96,31 @@ def sequence_scores(model: nn.Module, ids: torch.Tensor, kv_dtype: torch.dtype |
     (float32 and token ids). kv_dtype: the KV cache's storage (float8), which every token then
     attends through. attn: the attention backend (torch's by default). one_token_steps: run the
     sequences as decode steps, a token at a time, rather than as one prefill, so that the
-    scores come from the backend's decode kernels."""
+    scores come from the backend's decode kernels. Logits are scored a step (or a sequence) at
+    a time, so at most [max(S, L), vocab] of them exist at once."""
     ids = ids.view(-1, ids.shape[-1])
     dtype = model.model.embed_tokens.weight.dtype
     cache = make_cache(model, ids.numel(), dtype, kv_dtype)
     attn = attn or TorchNativeAttention(model.config.head_dim ** -0.5)
+    targets = ids[:, 1:].to(cache.k.device)
     if one_token_steps:
-        logits = []
-        for step in token_steps(ids, cache):
+        scored = []
+        for t, step in enumerate(token_steps(ids, cache)):
             attn.plan(step)
-            logits.append(model.compute_logits(model(step, attn)))
-        logits = torch.stack(logits, 1)  # [S, L - 1, vocab]
+            scored.append(_score(model.compute_logits(model(step, attn)), targets[:, t]))
+        logprobs, top = (torch.stack(parts, 1) for parts in zip(*scored))  # [S, L - 1] each
     else:
         batch = prefill_batch(ids, cache)
         attn.plan(batch)
-        logits = model.compute_logits(model(batch, attn)).view(*ids.shape, -1)[:, :-1]
-    logprobs = torch.log_softmax(logits.reshape(-1, logits.shape[-1]), -1)
-    targets = ids[:, 1:].reshape(-1).to(logprobs.device)
+        hidden = model(batch, attn).view(*ids.shape, -1)
+        scored = [_score(model.compute_logits(h[:-1]), t) for h, t in zip(hidden, targets)]
+        logprobs, top = (torch.stack(parts) for parts in zip(*scored))
+    return logprobs.reshape(-1), top.reshape(-1)
+
+
+def _score(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of logits [N, vocab]: the log-probability of each row's target, and its argmax."""
+    logprobs = torch.log_softmax(logits, -1)
     return logprobs.gather(1, targets[:, None]).squeeze(1), logprobs.argmax(-1)
 
 
