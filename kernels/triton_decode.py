@@ -105,7 +105,7 @@ def decode_split_kernel(
     V_PAIRS: tl.constexpr, V_E4M3: tl.constexpr, PDL: tl.constexpr,
 ):
     # V_PAIRS: v_cache_ptr is the float8 V cache viewed as int16 (its strides stride_vs and
-    # stride_vh in int16 units), V_E4M3 its format (else e5m2).
+    # stride_vh in int16 units, read only then), V_E4M3 its format (else e5m2).
     pdl_prologue(PDL)
     pid = tl.program_id(0)  # index among the step's decode sequences
     kv_head = tl.program_id(1)
@@ -140,20 +140,19 @@ def decode_split_kernel(
         mask_n = (n0 + offs_n) < end
         slots = tl.load(table + n0 + offs_n, mask=mask_n, other=0)  # [BLOCK_N] int64
         # [BLOCK_N, BLOCK_D] offsets of this KV head's rows for the tile's tokens
-        k_off = slots[:, None] * stride_cs + kv_head * stride_ch + offs_d[None, :]
+        kv_off = slots[:, None] * stride_cs + kv_head * stride_ch + offs_d[None, :]
         mask_nd = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
         # A float8 cache is widened to q's (compute) dtype; its scales are in score_mul and
         # out_mul.
-        k = tl.load(k_cache_ptr + k_off, mask=mask_nd, other=0.0).to(q.dtype)
+        k = tl.load(k_cache_ptr + kv_off, mask=mask_nd, other=0.0).to(q.dtype)
         # V is loaded before the softmax needs it, so that its latency overlaps K's: at
         # batch 1 a program sees one or two tiles and waits on memory, not on math.
-        v_row = slots[:, None] * stride_vs + kv_head * stride_vh
         if V_PAIRS:
-            pairs = tl.load(v_cache_ptr + v_row + offs_j[None, :],
+            pair_off = slots[:, None] * stride_vs + kv_head * stride_vh + offs_j[None, :]
+            pairs = tl.load(v_cache_ptr + pair_off,
                             mask=mask_n[:, None] & (offs_j < HEAD_DIM // 2)[None, :], other=0)
-        else:
-            v = tl.load(v_cache_ptr + v_row + offs_d[None, :], mask=mask_nd,
-                        other=0.0).to(q.dtype)
+        else:  # V's layout is K's: one set of offsets (separate ones cost ~50 registers)
+            v = tl.load(v_cache_ptr + kv_off, mask=mask_nd, other=0.0).to(q.dtype)
         s = scores(q, k, score_mul, cap_mul, SOFTCAP, DOT_PRECISION)
         s = tl.where(mask_n[None, :], s, float("-inf"))  # [BLOCK_H, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, 1))
