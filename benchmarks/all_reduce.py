@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from radixlm.runtime.parallel.groups import free_port
+from radixlm.runtime.distributed.groups import free_port
 
 from gpu_timing import capture, median_replay_ms
 from results_dir import results_dir

@@ -26,7 +26,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 from radixlm.kernels import fused
 from radixlm.kernels import triton_attention as ta
-from radixlm.runtime.attention.base import FULL_ATTENTION, ForwardBatch
+from radixlm.runtime.attention.backend import FULL_ATTENTION, ForwardBatch
 from radixlm.runtime.attention.kv_cache import KVCache
 from radixlm.runtime.attention.torch_native import TorchNativeAttention
 from radixlm.runtime.attention.triton_backend import TritonAttention

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from radixlm.runtime.attention.base import create_backend
+from radixlm.runtime.attention import create_backend
 from radixlm.runtime.models.layers.linear import Linear
 from radixlm.runtime.models.loader import load_model, resolve_model
 from radixlm.runtime.models.quantization.calibration import (

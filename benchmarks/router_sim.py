@@ -1,4 +1,4 @@
-"""Routing at scale, by simulation: the routing policies of `radixlm.runtime.distributed.routing`
+"""Routing at scale, by simulation: the routing policies of `radixlm.runtime.replicas.routing`
 over 8 to 256 simulated replicas of an 8B model on H200s.
 
 The trace (seeded) is multi-tenant: each session belongs to a tenant (Zipf popularity) whose
@@ -56,7 +56,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from radixlm.runtime.distributed.routing import POLICIES, ReplicaLoad, RouteRequest, make_router
+from radixlm.runtime.replicas.routing import POLICIES, ReplicaLoad, RouteRequest, make_router
 
 from results_dir import results_dir
 

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from radixlm.runtime import Engine, EngineConfig, SamplingParams
-from radixlm.runtime.grammar.engine import create_grammar_engine
+from radixlm.runtime.grammar import create_grammar_engine
 from radixlm.runtime.grammar.spec import GrammarSpec
 
 from results_dir import results_dir

@@ -5,7 +5,7 @@ is one function's parameters; the file name is the function).
 For each sampled function: compile the hermes call grammar around its schema, and, as the
 baseline, llguidance's plain JSON-schema grammar of the same parameters (the floor: a call
 grammar cannot compile faster than its arguments' schema). The call grammar closes objects
-that leave additionalProperties open (tool_parsers.closed), as the arguments feed a
+that leave additionalProperties open (tool_formats.closed), as the arguments feed a
 function. Then generate one enforced call with the default model on the CPU and validate its
 arguments with `jsonschema`. Also decode speed with and without the call grammar. Prints a
 table, writes JSON.
@@ -29,7 +29,7 @@ import llguidance
 import llguidance.hf
 
 from radixlm.runtime import Engine
-from radixlm.runtime.server import tool_parsers
+from radixlm.runtime.protocol import tool_formats
 
 from results_dir import results_dir
 
@@ -70,21 +70,21 @@ def main() -> None:
         row = {"function": tool["name"]}
         try:
             row["call_compile_ms"] = compile_ms(lltok, llguidance.LLMatcher.grammar_from_lark(
-                tool_parsers.call_grammar("hermes", [tool], parallel=False)))
+                tool_formats.call_grammar("hermes", [tool], parallel=False)))
             row["schema_compile_ms"] = compile_ms(
                 lltok, llguidance.LLMatcher.grammar_from_json_schema(tool["parameters"]))
         except ValueError as exc:
             row["error"] = str(exc)[:200]
             rows.append(row)
             continue
-        grammar = tool_parsers.call_grammar("hermes", [tool], parallel=False)
+        grammar = tool_formats.call_grammar("hermes", [tool], parallel=False)
         prompt = engine.apply_chat_template([{"role": "user", "content": f"Call {tool['name']}."}])
         start = time.perf_counter()
         out = engine.generate(prompt, {"ebnf": grammar, "max_new_tokens": args.max_tokens,
                                        "temperature": 0})
         row["seconds"] = time.perf_counter() - start
         row["tokens"] = out.completion_tokens
-        _, calls = tool_parsers.parse("hermes", out.text, [tool["name"]])
+        _, calls = tool_formats.parse("hermes", out.text, [tool["name"]])
         row["complete"] = bool(calls)
         try:
             if calls:

@@ -39,13 +39,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from radixlm.runtime import Engine
-from radixlm.runtime.models.layers import embedding, linear
-from radixlm.runtime.parallel.groups import (
+from radixlm.runtime.distributed.groups import (
     active_all_reduce,
     all_reduce,
     free_port,
     setup_all_reduce,
 )
+from radixlm.runtime.models.layers import embedding, linear
 
 from gpu_timing import capture, median_replay_ms
 from results_dir import results_dir

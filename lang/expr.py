@@ -300,8 +300,8 @@ def tool_call(name: str | None = None, tools: Sequence[dict[str, Any]] = (),
     list of calls, {"id", "name", "arguments": dict} each ([] when the model answered with
     text, which is appended as usual). "required" and a named function are enforced by a
     grammar of the tools' schemas on rl.Engine and rl.RuntimeEndpoint."""
-    from radixlm.runtime.server.openai_tools import parse_tools
-    from radixlm.runtime.server.protocol import ApiError, Fields
+    from radixlm.runtime.protocol.fields import ApiError, Fields
+    from radixlm.runtime.protocol.tool_requests import parse_tools
 
     _check_name(name, "tool_call")
     choice = tool_choice

@@ -265,7 +265,7 @@ class Interpreter:
                                       "arguments": c["function"]["arguments"]} for c in calls])
 
     def _separate_reasoning(self, expr: SeparateReasoning) -> None:
-        from radixlm.runtime.server.reasoning import split
+        from radixlm.runtime.protocol.reasoning import split
 
         reply = self.vars[expr.name]
         thought, answer = split(expr.parser, reply)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from radixlm.kernels.reference import paged_attention_reference
-from radixlm.runtime.attention.base import ForwardBatch, create_backend
+from radixlm.runtime.attention import create_backend
+from radixlm.runtime.attention.backend import ForwardBatch
 from radixlm.runtime.attention.kv_cache import KVCache
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -76,7 +77,7 @@ def test_torch_backend_bf16_on_cuda():
 
 
 def test_auto_backend_by_device():
-    from radixlm.runtime.attention.base import resolve_backend
+    from radixlm.runtime.attention import resolve_backend
     from radixlm.runtime.attention.torch_native import TorchNativeAttention
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from radixlm.kernels import cpu_decode as kernel_build
-from radixlm.runtime.attention.base import ForwardBatch
+from radixlm.runtime.attention.backend import ForwardBatch
 from radixlm.runtime.attention.kv_cache import KVCache
 from radixlm.runtime.attention.torch_native import TorchNativeAttention
 from radixlm.runtime.execution.cpu_decode import CpuDecode, unsupported

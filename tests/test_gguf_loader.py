@@ -125,7 +125,7 @@ class _ForwardAll:
                           torch.device("cpu"), page_size=16)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        from radixlm.runtime.attention.base import ForwardBatch
+        from radixlm.runtime.attention.backend import ForwardBatch
 
         n = ids.shape[0]
         batch = ForwardBatch(input_ids=ids, positions=torch.arange(n), q_lens=[n], kv_lens=[n],

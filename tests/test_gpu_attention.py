@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from radixlm.runtime import Engine
-from radixlm.runtime.attention.base import create_backend
+from radixlm.runtime.attention import create_backend
 from radixlm.runtime.attention.torch_native import TorchNativeAttention
 
 from test_triton_kernels import PROMPTS, random_paged_batch, rel_err, save_llama

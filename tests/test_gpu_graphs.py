@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from radixlm.runtime import Engine
-from radixlm.runtime.attention.base import ForwardBatch, create_backend
+from radixlm.runtime.attention import create_backend
+from radixlm.runtime.attention.backend import ForwardBatch
 from radixlm.runtime.attention.kv_cache import KVCache
 from radixlm.runtime.models.loader import load_model
 

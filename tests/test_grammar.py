@@ -15,12 +15,12 @@ from hypothesis import strategies as st
 
 from radixlm.runtime import SamplingParams
 from radixlm.runtime.execution.sampler import apply_token_bitmask
-from radixlm.runtime.grammar import json_regex as jr
-from radixlm.runtime.grammar.json_schema import json_object_regex, schema_to_regex
-from radixlm.runtime.grammar.matcher import CompiledGrammar
+from radixlm.runtime.grammar.outlines import json_regex as jr
+from radixlm.runtime.grammar.outlines.json_schema import json_object_regex, schema_to_regex
+from radixlm.runtime.grammar.outlines.matcher import OutlinesGrammar
+from radixlm.runtime.grammar.outlines.vocabulary import build_vocabulary
 from radixlm.runtime.grammar.regex_check import check_regex, json_string_pattern
 from radixlm.runtime.grammar.spec import choices_regex
-from radixlm.runtime.grammar.vocabulary import build_vocabulary
 
 
 @pytest.fixture(scope="module")
@@ -222,12 +222,12 @@ def test_absurd_bounds_are_clamped_and_whitespace_bounded():
 # -- masks and jump-forward on the real tokenizer ------------------------------------------------
 
 
-def compile_grammar(vocab, regex: str) -> CompiledGrammar:
+def compile_grammar(vocab, regex: str) -> OutlinesGrammar:
     import outlines_core
 
     index = outlines_core.Index(regex, outlines_core.Vocabulary(vocab.automaton_eos,
                                                                 vocab.byte_map()))
-    return CompiledGrammar(index, vocab, -(-vocab.size // 32), regex)
+    return OutlinesGrammar(index, vocab, -(-vocab.size // 32), regex)
 
 
 def allowed_ids(grammar, matcher) -> set[int]:
@@ -268,7 +268,7 @@ def test_state_info_from_masks_matches_the_index(smol_vocab, smol_tokenizer):
 
 
 def test_jump_forward_tokens_are_canonical_and_back_off(smol_vocab, smol_tokenizer):
-    from radixlm.runtime.grammar.jump_forward import forced_tokens
+    from radixlm.runtime.grammar.outlines.jump_forward import forced_tokens
 
     regex = schema_to_regex(json.dumps({"type": "object", "properties": {
         "customer_name": {"type": "string"}, "quantity": {"type": "integer"}},

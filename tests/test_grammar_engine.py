@@ -342,7 +342,7 @@ def test_a_compile_over_its_memory_limit_fails_alone(tiny_chat_model):
 
 
 def test_compiled_grammars_are_cached_within_a_memory_budget(tiny_chat_model):
-    from radixlm.runtime.grammar import compiler
+    from radixlm.runtime.grammar.outlines import compiler
 
     with Engine(str(tiny_chat_model), max_total_tokens=4096, grammar_backend="outlines",
                 grammar_cache_memory_gb=1e-4) as eng:  # ~100 kB

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from radixlm.kernels.reference import paged_attention_reference
 from radixlm.runtime import Engine
-from radixlm.runtime.attention.base import create_backend
+from radixlm.runtime.attention import create_backend
 from radixlm.runtime.attention.kv_cache import KVCache, quantize_kv
 from radixlm.runtime.config.engine_config import EngineConfig
 from radixlm.runtime.engine.kv_sizing import pool_pages

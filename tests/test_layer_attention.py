@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from radixlm.kernels.reference import paged_attention_reference
-from radixlm.runtime.attention.base import LayerAttention, create_backend
+from radixlm.runtime.attention import create_backend
+from radixlm.runtime.attention.backend import LayerAttention
 
 from interpreter_cases import collect_cases, main, results_under_interpreter
 from test_attention import make_batch

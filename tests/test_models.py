@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixlm.runtime.attention.base import ForwardBatch, create_backend
+from radixlm.runtime.attention import create_backend
+from radixlm.runtime.attention.backend import ForwardBatch
 from radixlm.runtime.attention.kv_cache import KVCache
 from radixlm.runtime.models.loader import load_model
 from radixlm.runtime.scheduling.pages import ReqToTokenTable

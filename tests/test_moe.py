@@ -63,7 +63,7 @@ def test_grouped_matches_per_token(tokens, experts, top_k, skew):
 def test_fused_moe_layer_loads_experts_and_shards():
     """Checkpoint pieces land at the right rows; a rank of two holds the right halves, and
     the two ranks' partial outputs sum to the whole."""
-    from radixlm.runtime.parallel.groups import TPInfo
+    from radixlm.runtime.distributed.groups import TPInfo
 
     x, w13, w2, weights, ids = random_moe(9, 4, 2)
     whole = FusedMoE(4, 64, 48, torch.float32)

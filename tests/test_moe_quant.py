@@ -136,7 +136,7 @@ def test_fp8_checkpoint_scales_per_channel_per_tensor_and_shards():
     """An FP8 checkpoint's e4m3 experts with per-channel weight_scale ([rows] or [rows, 1])
     or one per tensor; two ranks hold their halves of gate/up scales and every down scale,
     and their partial outputs sum to the whole layer's."""
-    from radixlm.runtime.parallel.groups import TPInfo
+    from radixlm.runtime.distributed.groups import TPInfo
 
     x, q13, q2, s13, s2, weights, ids, _, _ = quantized_moe(9, 4, 2, "fp8")
     s13[1, :48] = 0.01  # expert 1's gate: one scale for the whole tensor

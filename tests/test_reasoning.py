@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixlm.runtime.server import reasoning
+from radixlm.runtime.protocol import reasoning
 from radixlm.runtime.server.process import ServerProcess
 
 from conftest import save_tiny_chat_model

@@ -1,4 +1,4 @@
-"""Tests for radixlm.runtime.distributed.routing: each policy's contract, cache-aware affinity,
+"""Tests for radixlm.runtime.replicas.routing: each policy's contract, cache-aware affinity,
 balance, sticky sessions and restarts, and the routed-prefix tree against a naive model."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixlm.runtime.distributed.routed_prefixes import RoutedPrefixes
-from radixlm.runtime.distributed.routing import (
+from radixlm.runtime.replicas.routed_prefixes import RoutedPrefixes
+from radixlm.runtime.replicas.routing import (
     POLICIES,
     CacheAwareRouter,
     NoHealthyReplica,

@@ -426,9 +426,9 @@ def test_health_says_when_the_engine_stalled():
     """Between the watchdog firing and the exit, /health answers 503 engine_stalled."""
     from aiohttp import web
 
+    from radixlm.runtime.engine_process.messages import EngineInfo
     from radixlm.runtime.server.app import build_app
     from radixlm.runtime.server.args import ServerConfig
-    from radixlm.runtime.server.ipc import EngineInfo
     from radixlm.runtime.server.state import ServerState
     from radixlm.runtime.server.text_codec import TextCodec
 

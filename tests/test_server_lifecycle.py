@@ -190,7 +190,7 @@ class _StubEngine:
         return False
 
     def submit(self, key, input_ids, params, cache_salt, sink, group=None, rank=0) -> None:
-        from radixlm.runtime.server.ipc import Chunk
+        from radixlm.runtime.engine_process.messages import Chunk
 
         sink.put_nowait((key, Chunk(index=0, delta="ok", token_ids=[7], logprobs=None,
                                     time=time.monotonic(), finish_reason="length",
@@ -205,9 +205,9 @@ def test_an_exception_in_one_request_is_a_500_for_it_alone(tiny_chat_model):
     from aiohttp import web
     from transformers import AutoTokenizer
 
+    from radixlm.runtime.engine_process.messages import EngineInfo
     from radixlm.runtime.server.app import build_app
     from radixlm.runtime.server.args import ServerConfig
-    from radixlm.runtime.server.ipc import EngineInfo
     from radixlm.runtime.server.state import ServerState
     from radixlm.runtime.server.text_codec import TextCodec
 

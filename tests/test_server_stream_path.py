@@ -8,10 +8,10 @@ import asyncio
 import pickle
 from types import SimpleNamespace
 
-from radixlm.runtime.server.engine_client import EngineClient
-from radixlm.runtime.server.engine_process import _EngineServer
+from radixlm.runtime.engine_process.client import EngineClient
+from radixlm.runtime.engine_process.loop import _EngineServer
+from radixlm.runtime.engine_process.messages import Chunk, EngineError
 from radixlm.runtime.server.generation import coalesce
-from radixlm.runtime.server.ipc import Chunk, EngineError
 
 
 def output(tokens: list[int], delta: str, index: int = 0, finish: str | None = None,

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from radixlm.runtime.distributed import groups
+from radixlm.runtime.distributed.groups import TPInfo, active_all_reduce, valid_tp_sizes
 from radixlm.runtime.engine.engine import Engine
 from radixlm.runtime.models.layers.linear import Linear, LinearShard
 from radixlm.runtime.models.quantization.config import QuantConfig
-from radixlm.runtime.parallel import groups
-from radixlm.runtime.parallel.groups import TPInfo, active_all_reduce, valid_tp_sizes
 
 from conftest import save_tiny_hf_model
 
@@ -284,7 +284,7 @@ def test_two_nodes_on_the_loopback_match_tp1(tmp_path):
     import json
     import urllib.request
 
-    from radixlm.runtime.parallel.groups import free_port
+    from radixlm.runtime.distributed.groups import free_port
     from radixlm.runtime.server.process import ServerProcess
 
     folder = save_tiny_hf_model(tmp_path, "llama", vocab_size=510, tie=True)
@@ -354,8 +354,8 @@ def _soft_cap(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _greedy_rank(rank: int, port: int, out: str) -> None:
+    from radixlm.runtime.distributed.groups import destroy_group, init_group
     from radixlm.runtime.models.layers.embedding import VocabEmbedding
-    from radixlm.runtime.parallel.groups import destroy_group, init_group
 
     tp = init_group(rank, RANKS, "gloo", 60, {"MASTER_ADDR": "127.0.0.1",
                                                 "MASTER_PORT": str(port),
@@ -375,8 +375,8 @@ def test_vocab_parallel_greedy_is_the_argmax_of_the_gathered_logits(tmp_path):
     """Each rank's (max, index) pairs give torch.argmax's pick over the whole vocabulary: the
     first of tied maxima across and within shards, never a padding id, and the same after an
     elementwise cap that creates ties."""
+    from radixlm.runtime.distributed.groups import free_port
     from radixlm.runtime.models.layers.embedding import VocabEmbedding
-    from radixlm.runtime.parallel.groups import free_port
 
     weight, rows = _head_and_rows()
     logits = rows @ weight.t()

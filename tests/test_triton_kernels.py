@@ -26,7 +26,7 @@ def random_paged_batch(device: str, dtype: torch.dtype, page_size: int, q_lens: 
     """A one-layer KV cache full of random "earlier" keys, each sequence on shuffled pages, and
     this step's q/k/v. With strided_qkv, q/k/v are views of one fused [T, H + 2 Hkv, D] tensor,
     as the model passes them."""
-    from radixlm.runtime.attention.base import ForwardBatch
+    from radixlm.runtime.attention.backend import ForwardBatch
     from radixlm.runtime.attention.kv_cache import KVCache
 
     gen = torch.Generator().manual_seed(seed)

@@ -11,8 +11,8 @@ from radixlm.choices import ChoiceScores
 from radixlm.runtime.config.sampling_params import SamplingParams
 from radixlm.runtime.engine.engine import Engine as RuntimeEngine
 from radixlm.runtime.engine.tokenization import encode_prompt
+from radixlm.runtime.protocol import tool_formats, tool_requests
 from radixlm.runtime.scheduling.request import Output, TokenLogprob
-from radixlm.runtime.server import openai_tools, tool_parsers
 
 # A fork's prefix stays pinned at most this long if the program never joins (e.g. it hangs).
 LEASE_TTL_S = 600.0
@@ -113,7 +113,7 @@ class Engine(Backend):
         template = getattr(self.tokenizer, "chat_template", None)
         if not template:
             return None
-        return self.engine.apply_chat_template(openai_tools.for_template(template, messages),
+        return self.engine.apply_chat_template(tool_requests.for_template(template, messages),
                                                add_generation_prompt)
 
     def call_tools(self, prompt: Prompt, tools: Any, params: SamplingParams) -> Generation:
@@ -123,7 +123,7 @@ class Engine(Backend):
         template = getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise BackendError("tool_call: the model has no chat template")
-        plan = openai_tools.plan(template, prompt.messages[:-1], tools)
+        plan = tool_requests.plan(template, prompt.messages[:-1], tools)
         text = self.engine.apply_chat_template(plan.messages, True, plan.template_tools)
         if plan.grammar is not None:
             params = params.replace(ebnf=plan.grammar)
@@ -132,7 +132,7 @@ class Engine(Backend):
         out = self.engine.generate(text, params)
         if out.finish_reason == "abort":
             raise BackendError(f"the engine aborted the request: {out.error or 'aborted'}")
-        content, calls = (tool_parsers.parse(plan.format, out.text,
+        content, calls = (tool_formats.parse(plan.format, out.text,
                                              [t["name"] for t in tools.tools])
                           if plan.format else (out.text, []))
         return Generation(content, {**self._meta(out), "tool_calls": [

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from radixlm.kernels.host_copy import to_device
-from radixlm.runtime.attention.base import (
+from radixlm.runtime.attention.backend import (
     FULL_ATTENTION,
     AttentionBackend,
     ForwardBatch,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from radixlm.runtime.attention.base import (
+from radixlm.runtime.attention.backend import (
     FULL_ATTENTION,
     AttentionBackend,
     ForwardBatch,

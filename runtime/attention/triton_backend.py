@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from radixlm.kernels.host_copy import to_device
-from radixlm.runtime.attention.base import (
+from radixlm.runtime.attention.backend import (
     FULL_ATTENTION,
     AttentionBackend,
     ForwardBatch,

@@ -1,4 +1,4 @@
-"""Data parallelism: several engine replicas behind one endpoint. `routing` decides which
-replica serves each request (cache-aware, round-robin, least-load); it imports nothing of the
-runtime, so a front end can route without loading a model.
+"""torch.distributed for tensor parallelism: process groups (gloo / NCCL) and the collectives
+the model layers call. It imports nothing of the runtime but the kernels, so the layers can
+use it; the ranks' drivers that sit above execution are in `radixlm.runtime.parallel`.
 """

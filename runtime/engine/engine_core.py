@@ -24,9 +24,14 @@ from typing import Any
 import torch
 
 from radixlm.kernels import cpu_decode as cpu_decode_kernel
-from radixlm.runtime.attention.base import create_backend
+from radixlm.runtime.attention import create_backend
 from radixlm.runtime.attention.kv_cache import KVCache, kv_storage_dtype
 from radixlm.runtime.config.engine_config import EngineConfig
+from radixlm.runtime.distributed.groups import (
+    check_nccl_in_graphs,
+    choose_all_reduce,
+    setup_all_reduce,
+)
 from radixlm.runtime.engine.kv_sizing import max_model_len, pool_pages
 from radixlm.runtime.engine.overlap import follow_up_batch
 from radixlm.runtime.execution.cpu_decode import CpuDecode, unsupported
@@ -34,14 +39,10 @@ from radixlm.runtime.execution.cuda_graph import DecodeGraphs
 from radixlm.runtime.execution.model_runner import LaunchedStep, ModelRunner, StepResult
 from radixlm.runtime.execution.speculative.draft_model import DraftModel
 from radixlm.runtime.execution.speculative.speculator import Speculator
+from radixlm.runtime.grammar import create_grammar_engine
 from radixlm.runtime.grammar.engine import GrammarCompileError, GrammarLimitError
 from radixlm.runtime.grammar.spec import GrammarSpec
 from radixlm.runtime.models.loader import LoadedModel
-from radixlm.runtime.parallel.groups import (
-    check_nccl_in_graphs,
-    choose_all_reduce,
-    setup_all_reduce,
-)
 from radixlm.runtime.parallel.sharded import ShardedModel
 from radixlm.runtime.scheduling.kv_manager import KVManager
 from radixlm.runtime.scheduling.leases import LeaseTable
@@ -375,8 +376,6 @@ class EngineCore:
         Thread-safe: the offline Engine builds it in the caller's thread."""
         with self._grammar_init:
             if self._grammar is None:
-                from radixlm.runtime.grammar.engine import create_grammar_engine
-
                 self._grammar = create_grammar_engine(self.config.grammar_backend,
                                                       self.tokenizer, self._vocab_size,
                                                       self.config)

@@ -16,7 +16,7 @@ from types import ModuleType
 
 import torch
 
-from radixlm.runtime.attention.base import AttentionBackend, ForwardBatch
+from radixlm.runtime.attention.backend import AttentionBackend, ForwardBatch
 from radixlm.runtime.attention.kv_cache import KVCache
 from radixlm.runtime.attention.torch_native import TorchNativeAttention
 from radixlm.runtime.models.layers.linear import Linear

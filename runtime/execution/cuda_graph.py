@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from radixlm.runtime.attention.base import AttentionBackend, ForwardBatch
+from radixlm.runtime.attention.backend import AttentionBackend, ForwardBatch
 from radixlm.runtime.attention.kv_cache import KVCache
 from radixlm.runtime.models.llama import LlamaForCausalLM
 from radixlm.runtime.scheduling.pages import ReqToTokenTable

@@ -1,17 +1,41 @@
 """Grammar-constrained decoding: regex, JSON Schema and Lark/GBNF grammars -> token masks.
 
-- spec.py: the grammar fields of SamplingParams and their cheap checks at submission;
-- engine.py: the interface every grammar engine implements, and the factory;
-- llguidance_engine.py, schema_check.py: the default engine, and its schema preparation;
-- outlines_engine.py: outlines-core, with compiler.py and _worker.py (killable worker
-  processes, LRU cache), matcher.py and jump_forward.py (per-state masks and forced tokens),
-  json_schema.py, schema_normaliser.py, schema_combinators.py, json_regex.py, regex_check.py
-  (schema and pattern -> regex) and vocabulary.py (token ids -> bytes).
+- spec.py: the grammar fields of SamplingParams and their cheap checks at submission
+  (regex_check.py, schema_check.py, stop_regex.py for `stop_regex`);
+- engine.py: the interface every grammar engine implements;
+- llguidance_engine.py: the default engine;
+- outlines/: outlines-core, the alternative (killable compile workers, schema -> regex,
+  per-state masks and jump-forward);
+- this file: the registry, `create_grammar_engine(name, ...)`.
 
 A library of its own: it imports nothing else of the runtime. The batch masks that the model
 runner applies are built in `radixlm.runtime.execution.grammar_masks`.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from radixlm.runtime.grammar.engine import GrammarEngine
 from radixlm.runtime.grammar.spec import GrammarSpec, check_grammar_fields, choices_regex
 
-__all__ = ["GrammarSpec", "check_grammar_fields", "choices_regex"]
+# name -> (module, class). Imported on first use: llguidance's engine loads torch, which the
+# HTTP process and the request checks in `spec` do not need.
+ENGINES = {
+    "llguidance": ("radixlm.runtime.grammar.llguidance_engine", "LLGuidanceEngine"),
+    "outlines": ("radixlm.runtime.grammar.outlines.engine", "OutlinesEngine"),
+}
+
+
+def create_grammar_engine(name: str, tokenizer: Any, model_vocab_size: int,
+                          config: Any) -> GrammarEngine:
+    """The engine named by EngineConfig.grammar_backend, for this tokenizer."""
+    if name not in ENGINES:
+        raise ValueError(f"grammar_backend must be llguidance or outlines, got {name!r}")
+    module, cls = ENGINES[name]
+    return getattr(importlib.import_module(module), cls)(tokenizer, model_vocab_size, config)
+
+
+__all__ = ["ENGINES", "GrammarSpec", "check_grammar_fields", "choices_regex",
+           "create_grammar_engine"]

@@ -131,17 +131,3 @@ class GrammarEngine(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
-
-
-def create_grammar_engine(name: str, tokenizer: Any, model_vocab_size: int,
-                          config: Any) -> GrammarEngine:
-    """The engine named by EngineConfig.grammar_backend, for this tokenizer."""
-    if name == "llguidance":
-        from radixlm.runtime.grammar.llguidance_engine import LLGuidanceEngine
-
-        return LLGuidanceEngine(tokenizer, model_vocab_size, config)
-    if name == "outlines":
-        from radixlm.runtime.grammar.outlines_engine import OutlinesEngine
-
-        return OutlinesEngine(tokenizer, model_vocab_size, config)
-    raise ValueError(f"grammar_backend must be llguidance or outlines, got {name!r}")

@@ -13,8 +13,6 @@ import json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from radixlm.runtime.grammar.json_schema import json_object_regex, load_schema, schema_to_regex
-from radixlm.runtime.grammar.regex_check import check_regex
 from radixlm.runtime.grammar.schema_check import check_schema_shape
 
 GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf", "json_object")
@@ -26,17 +24,6 @@ class GrammarSpec:
     kind: str  # "regex" | "json_schema" | "ebnf" | "json_object"
     source: str  # the pattern, the schema as compact JSON, the grammar, "" for json_object
     strict: bool = True  # False: what cannot be enforced is left out and reported
-
-    def to_regex(self, max_spaces: int = 1) -> str:
-        """The regex outlines-core compiles. `max_spaces` bounds the whitespace between JSON
-        tokens. Can be slow and large for big schemas: run it where that is bounded."""
-        if self.kind == "regex":
-            return check_regex(self.source)
-        if self.kind == "json_schema":
-            return schema_to_regex(self.source, max_spaces)
-        if self.kind == "json_object":
-            return json_object_regex(max_spaces)
-        raise ValueError(f"{self.kind} grammars have no regex form")
 
     @classmethod
     def of(cls, params: Any) -> "GrammarSpec | None":
@@ -105,3 +92,19 @@ def escape(text: str) -> str:
     """Escape regex metacharacters in a way both Python's re and Rust's regex accept (Python's
     re.escape also escapes spaces and other characters Rust rejects escaped)."""
     return "".join("\\" + c if c in r"\.+*?()|[]{}^$#&-~" else c for c in text)
+
+
+def load_schema(value: Any) -> str:
+    """A dict or JSON text -> compact JSON text of a schema object (ValueError otherwise)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"json_schema is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"json_schema must be a JSON object (a dict), got "
+                         f"{type(value).__name__}")
+    try:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"json_schema is not JSON-serialisable: {exc}") from None

@@ -16,13 +16,13 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from radixlm.runtime.attention.base import AttentionBackend, ForwardBatch
+from radixlm.runtime.attention.backend import AttentionBackend, ForwardBatch
+from radixlm.runtime.distributed.groups import TPInfo
 from radixlm.runtime.models.config import ModelConfig
 from radixlm.runtime.models.layers.embedding import VocabEmbedding
 from radixlm.runtime.models.layers.linear import Linear, MergedLinear
 from radixlm.runtime.models.layers.moe import FusedMoE
 from radixlm.runtime.models.quantization.config import QuantConfig
-from radixlm.runtime.parallel.groups import TPInfo
 
 # A checkpoint tensor as the loader routes it: (our parameter name, shard id, tensor).
 Routed = tuple[str, Any, Any]

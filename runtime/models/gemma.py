@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from radixlm.runtime.attention.base import AttentionBackend, ForwardBatch, LayerAttention
+from radixlm.runtime.attention.backend import AttentionBackend, ForwardBatch, LayerAttention
+from radixlm.runtime.distributed.groups import TPInfo
 from radixlm.runtime.models.causal_lm import CausalLM
 from radixlm.runtime.models.config import ModelConfig
 from radixlm.runtime.models.layers.embedding import VocabEmbedding
@@ -31,7 +32,6 @@ from radixlm.runtime.models.layers.norm import OffsetRMSNorm
 from radixlm.runtime.models.layers.rotary import RotaryEmbedding
 from radixlm.runtime.models.layers.self_attention import SelfAttention
 from radixlm.runtime.models.quantization.config import QuantConfig
-from radixlm.runtime.parallel.groups import TPInfo
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixlm.runtime.attention.base import AttentionBackend, ForwardBatch, LayerAttention
+from radixlm.runtime.attention.backend import AttentionBackend, ForwardBatch, LayerAttention
+from radixlm.runtime.distributed.groups import TPInfo
 from radixlm.runtime.models.causal_lm import CausalLM
 from radixlm.runtime.models.config import ModelConfig
 from radixlm.runtime.models.layers.embedding import VocabEmbedding
@@ -39,7 +40,6 @@ from radixlm.runtime.models.layers.norm import RMSNorm
 from radixlm.runtime.models.layers.rotary import RotaryEmbedding, apply_rotary
 from radixlm.runtime.models.layers.self_attention import SelfAttention
 from radixlm.runtime.models.quantization.config import QuantConfig
-from radixlm.runtime.parallel.groups import TPInfo
 
 
 class LlamaAttention(SelfAttention):

@@ -18,6 +18,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from radixlm.runtime.distributed.groups import TPInfo
 from radixlm.runtime.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from radixlm.runtime.models.gguf_loader import TYPES_METADATA
 from radixlm.runtime.models.layers.linear import Linear, use_small_batch_gemv
@@ -37,7 +38,6 @@ from radixlm.runtime.models.quantization.config import (
 from radixlm.runtime.models.quantization.cpu_weights import CpuWeights, batch_copies_fit
 from radixlm.runtime.models.quantization.gguf_blocks import GGUFBlocks
 from radixlm.runtime.models.registry import model_class
-from radixlm.runtime.parallel.groups import TPInfo
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism: process groups and collectives (`groups`, imported by the model layers,
-importing nothing of the runtime), the rank-0 driver of a sharded model (`sharded`) and the
-worker ranks' loop (`worker`), which sit beside execution.
+"""Tensor parallelism's ranks: rank 0's driver of a sharded model (`sharded`) and the worker
+ranks' loop (`worker`). They sit beside the engine, above execution; the process groups and
+collectives the layers use are in `radixlm.runtime.distributed`.
 """

@@ -31,12 +31,10 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from radixlm.runtime.attention.base import ForwardBatch
+from radixlm.runtime.attention.backend import ForwardBatch
 from radixlm.runtime.attention.kv_cache import KVCache
 from radixlm.runtime.config.engine_config import EngineConfig
-from radixlm.runtime.models.config import ModelConfig
-from radixlm.runtime.models.loader import ARCHITECTURE_PRESETS, resolve_model
-from radixlm.runtime.parallel.groups import (
+from radixlm.runtime.distributed.groups import (
     TPInfo,
     backend_for,
     destroy_group,
@@ -44,6 +42,8 @@ from radixlm.runtime.parallel.groups import (
     rendezvous_env,
     valid_tp_sizes,
 )
+from radixlm.runtime.models.config import ModelConfig
+from radixlm.runtime.models.loader import ARCHITECTURE_PRESETS, resolve_model
 
 log = logging.getLogger(__name__)
 

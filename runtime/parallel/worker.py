@@ -20,12 +20,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from radixlm.runtime.attention.base import create_backend
+from radixlm.runtime.attention import create_backend
 from radixlm.runtime.attention.kv_cache import KVCache, kv_storage_dtype
 from radixlm.runtime.config.engine_config import EngineConfig
+from radixlm.runtime.distributed.groups import destroy_group, init_group, setup_all_reduce
 from radixlm.runtime.execution.cuda_graph import SENT_ROWS, DecodeGraphs
 from radixlm.runtime.models.loader import load_model
-from radixlm.runtime.parallel.groups import destroy_group, init_group, setup_all_reduce
 from radixlm.runtime.parallel.sharded import (
     FORWARD,
     GRAPH,

@@ -28,9 +28,9 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from radixlm.runtime.config.sampling_params import SamplingParams
+from radixlm.runtime.protocol.fields import ApiError
 from radixlm.runtime.server import access_log, native_routes, openai_routes
 from radixlm.runtime.server.generation import Generation
-from radixlm.runtime.server.protocol import ApiError
 from radixlm.runtime.server.state import ServerState
 from radixlm.runtime.server.web_util import STATE, error_response, json_response, state_of
 

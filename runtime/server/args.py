@@ -26,9 +26,9 @@ from radixlm.runtime.config.engine_config import (
     SPECULATIVE_METHODS,
     EngineConfig,
 )
-from radixlm.runtime.distributed.routing import POLICIES as ROUTING_POLICIES
-from radixlm.runtime.server.reasoning import PARSERS as REASONING_PARSERS
-from radixlm.runtime.server.tool_parsers import FORMATS as TOOL_CALL_FORMATS
+from radixlm.runtime.protocol.reasoning import PARSERS as REASONING_PARSERS
+from radixlm.runtime.protocol.tool_formats import FORMATS as TOOL_CALL_FORMATS
+from radixlm.runtime.replicas.routing import POLICIES as ROUTING_POLICIES
 
 
 @dataclass(frozen=True)

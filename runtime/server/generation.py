@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from radixlm.runtime.config.sampling_params import SamplingParams
+from radixlm.runtime.engine_process.messages import Chunk, EngineError, LogprobEntry, Rerun
 from radixlm.runtime.grammar.spec import GRAMMAR_FIELDS
+from radixlm.runtime.protocol.fields import ApiError
 from radixlm.runtime.server import access_log
-from radixlm.runtime.server.ipc import Chunk, EngineError, LogprobEntry
-from radixlm.runtime.server.protocol import ApiError
 from radixlm.runtime.server.state import ServerState
 
 
@@ -67,12 +67,6 @@ class Sample:
             self.grammar_warnings = chunk.grammar_warnings
             self.completion_tokens = chunk.completion_tokens
             self.prompt_logprobs = chunk.prompt_logprobs
-
-
-class Rerun:
-    """Put in a generation's sink in place of a key's chunks: the request is running again
-    from the start (the engine replica serving it was lost before anything of it had left
-    the server), so what it produced so far is dropped."""
 
 
 class _Sink(asyncio.Queue):

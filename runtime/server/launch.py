@@ -24,10 +24,10 @@ from typing import Any, Sequence
 
 from aiohttp import web
 
+from radixlm.runtime.engine_process.client import EngineClient
 from radixlm.runtime.server.access_log import log_engine_stats
 from radixlm.runtime.server.app import build_app
 from radixlm.runtime.server.args import ServerConfig, add_serve_args, engine_options, server_config
-from radixlm.runtime.server.engine_client import EngineClient
 from radixlm.runtime.server.state import ServerState
 from radixlm.runtime.server.text_codec import TextCodec
 
@@ -138,7 +138,7 @@ def _engine_handle(config: ServerConfig, options: dict[str, Any]) -> Any:
     """One engine process, or (--dp N) N replicas on Ray behind the same interface."""
     if config.dp_size == 1:
         return EngineClient(options, config.log_level)
-    from radixlm.runtime.server.replica_set import ReplicaSet
+    from radixlm.runtime.replicas.replica_set import ReplicaSet
 
     return ReplicaSet(options, config.log_level, dp_size=config.dp_size, policy=config.router,
                       ray_address=config.ray_address)

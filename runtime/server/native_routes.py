@@ -10,13 +10,14 @@ from typing import Any, AsyncIterator
 
 from aiohttp import web
 
-from radixlm.runtime.server import native_protocol as native
-from radixlm.runtime.server.engine_client import EngineCallError
+from radixlm.runtime.engine_process.client import EngineCallError
+from radixlm.runtime.protocol.fields import ApiError, Fields, bad
+from radixlm.runtime.protocol.sampling import check_prompt_len, fit_context
+from radixlm.runtime.protocol.tool_requests import for_template
+from radixlm.runtime.server import native_requests as native
 from radixlm.runtime.server.generation import Generation, abort_error, check_samples
 from radixlm.runtime.server.metrics import cache_hit_rate
-from radixlm.runtime.server.openai_protocol import parse_messages
-from radixlm.runtime.server.openai_tools import for_template
-from radixlm.runtime.server.protocol import ApiError, Fields, bad, check_prompt_len, fit_context
+from radixlm.runtime.server.openai_requests import parse_messages
 from radixlm.runtime.server.state import ServerState
 from radixlm.runtime.server.web_util import json_response, read_json, state_of, stream_events
 

@@ -8,11 +8,12 @@ from typing import Any, AsyncIterator
 
 from aiohttp import web
 
-from radixlm.runtime.server import openai_tools, reasoning, tool_parsers
+from radixlm.runtime.engine_process.messages import LogprobEntry
+from radixlm.runtime.protocol import reasoning, tool_formats, tool_requests
+from radixlm.runtime.protocol.fields import ApiError, bad
+from radixlm.runtime.protocol.sampling import fit_context
 from radixlm.runtime.server.generation import Generation, Sample, abort_error
-from radixlm.runtime.server.ipc import LogprobEntry
-from radixlm.runtime.server.openai_protocol import OpenAIRequest, parse_chat, parse_completion
-from radixlm.runtime.server.protocol import ApiError, bad, fit_context
+from radixlm.runtime.server.openai_requests import OpenAIRequest, parse_chat, parse_completion
 from radixlm.runtime.server.state import ServerState
 from radixlm.runtime.server.web_util import json_response, read_json, state_of, stream_events
 
@@ -60,7 +61,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state.require_engine()
     req = parse_chat(await read_json(request))
     assert req.messages is not None
-    plan = openai_tools.plan(state.codec.chat_template, req.messages, req.tools,
+    plan = tool_requests.plan(state.codec.chat_template, req.messages, req.tools,
                              state.config.tool_call_parser)
     text = await state.codec.render_chat(plan.messages, add_generation_prompt=True,
                                          tools=plan.template_tools,
@@ -141,7 +142,7 @@ class _Renderer:
         self.offsets: dict[int, int] = {}  # completions text_offset, per streamed choice
         self.tool_format = tool_format
         self.tool_names = [t["name"] for t in req.tools.tools]
-        self.parsers: dict[int, tool_parsers.StreamingToolParser] = {}  # per streamed choice
+        self.parsers: dict[int, tool_formats.StreamingToolParser] = {}  # per streamed choice
         self.reasoning = (state.config.reasoning_parser
                           if chat and req.separate_reasoning else None)
         self.thinking: dict[int, reasoning.ReasoningStream] = {}  # per streamed choice
@@ -156,7 +157,7 @@ class _Renderer:
         if self.reasoning is not None:
             thought, content = reasoning.split(self.reasoning, content)
         if self.tool_format is not None:
-            content, calls = tool_parsers.parse(self.tool_format, content, self.tool_names)
+            content, calls = tool_formats.parse(self.tool_format, content, self.tool_names)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if thought is not None:
             message["reasoning_content"] = thought
@@ -174,7 +175,7 @@ class _Renderer:
             out = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
             return _with_warnings(out, sample) if finish is not None else out
         delta: dict[str, Any] = {}
-        calls: list[tool_parsers.ToolCall] = []
+        calls: list[tool_formats.ToolCall] = []
         if self.reasoning is not None:
             stream = self.thinking.setdefault(index, reasoning.ReasoningStream(self.reasoning))
             thought, text = stream.feed(text)
@@ -184,7 +185,7 @@ class _Renderer:
             if thought:
                 delta["reasoning_content"] = thought
         if self.tool_format is not None:
-            parser = self.parsers.setdefault(index, tool_parsers.StreamingToolParser(
+            parser = self.parsers.setdefault(index, tool_formats.StreamingToolParser(
                 self.tool_format, self.tool_names))
             text = parser.feed(text)
             if finish is not None:

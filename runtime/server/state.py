@@ -7,11 +7,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixlm.runtime.engine_process.messages import EngineInfo
+from radixlm.runtime.protocol.fields import ApiError
 from radixlm.runtime.server.args import ServerConfig
 from radixlm.runtime.server.heap import HeapTrimmer
-from radixlm.runtime.server.ipc import EngineInfo
 from radixlm.runtime.server.metrics import Metrics
-from radixlm.runtime.server.protocol import ApiError
 from radixlm.runtime.server.text_codec import TextCodec
 
 

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from radixlm.runtime.engine.tokenization import encode_prompt
-from radixlm.runtime.server.protocol import ApiError, bad
+from radixlm.runtime.protocol.fields import ApiError, bad
 
 LONG_TEXT_CHARS = 16_384
 

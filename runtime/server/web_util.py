@@ -10,7 +10,7 @@ from typing import Any, AsyncIterator
 
 from aiohttp import web
 
-from radixlm.runtime.server.protocol import ApiError, parse_json
+from radixlm.runtime.protocol.fields import ApiError, parse_json
 from radixlm.runtime.server.state import ServerState
 
 log = logging.getLogger("radixlm.server")

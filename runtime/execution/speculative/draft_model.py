@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from radixlm.kernels.host_copy import to_device
-from radixlm.runtime.attention.base import AttentionBackend, ForwardBatch
+from radixlm.runtime.attention.backend import AttentionBackend, ForwardBatch
 from radixlm.runtime.attention.kv_cache import KVCache
 from radixlm.runtime.execution import sampler
 from radixlm.runtime.execution.grammar_masks import draft_masks

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixlm.runtime.distributed.groups import TPInfo, all_gather_last, all_gather_rows, all_reduce
 from radixlm.runtime.models.layers.weights import copy_weight, narrow
-from radixlm.runtime.parallel.groups import TPInfo, all_gather_last, all_gather_rows, all_reduce
 
 
 class VocabEmbedding(nn.Module):

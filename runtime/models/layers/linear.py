@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixlm.runtime.distributed.groups import all_reduce
 from radixlm.runtime.models.layers.weights import copy_weight, narrow, tensor_shape
-from radixlm.runtime.parallel.groups import all_reduce
 
 if TYPE_CHECKING:
     from radixlm.runtime.models.quantization.config import QuantConfig

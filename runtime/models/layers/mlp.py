@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixlm.runtime.distributed.groups import TPInfo
 from radixlm.runtime.models.layers.linear import Linear, LinearShard, MergedLinear
 from radixlm.runtime.models.quantization.config import QuantConfig
-from radixlm.runtime.parallel.groups import TPInfo
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixlm.runtime.distributed.groups import TPInfo, all_reduce
 from radixlm.runtime.models.layers.weights import copy_weight, materialize, narrow
 from radixlm.runtime.models.quantization.config import QuantConfig
 from radixlm.runtime.models.quantization.experts import (
@@ -36,7 +37,6 @@ from radixlm.runtime.models.quantization.experts import (
     quantize_experts,
     stored_dtype,
 )
-from radixlm.runtime.parallel.groups import TPInfo, all_reduce
 
 # Checkpoint part -> (parameter, index of the part in it).
 _PARTS = {"gate": ("w13", 0), "up": ("w13", 1), "down": ("w2", 0)}

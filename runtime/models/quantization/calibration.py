@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from radixlm.runtime.attention.base import AttentionBackend, ForwardBatch
+from radixlm.runtime.attention.backend import AttentionBackend, ForwardBatch
 from radixlm.runtime.attention.kv_cache import KVCache
 from radixlm.runtime.attention.torch_native import TorchNativeAttention
 

@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from radixlm.runtime.server import engine_process
-from radixlm.runtime.server.ipc import Chunk, EngineError, EngineInfo
+from radixlm.runtime.engine_process import loop as engine_loop
+from radixlm.runtime.engine_process.messages import Chunk, EngineError, EngineInfo
 
 log = logging.getLogger("radixlm.server")
 
@@ -75,7 +75,7 @@ class EngineClient:
         parent_conn, child_conn = ctx.Pipe(duplex=True)
         # daemon: multiprocessing terminates it when this process exits normally; the child
         # also exits by itself when the pipe closes or its parent pid changes (a crash).
-        self.process = ctx.Process(target=engine_process.run, name="radixlm-engine",
+        self.process = ctx.Process(target=engine_loop.run, name="radixlm-engine",
                                    args=(self.options, child_conn, os.getpid(), self.log_level),
                                    daemon=True)
         self.process.start()
@@ -167,7 +167,7 @@ class EngineClient:
             self.abort(key)
 
     async def call(self, method: str, **kwargs: Any) -> Any:
-        """Run an Engine method (see engine_process.CALLS) in the engine process."""
+        """Run an Engine method (see engine_loop.CALLS) in the engine process."""
         if not self.alive:
             raise EngineCallError(EngineError(503, "the engine is not running"))
         assert self._loop is not None

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
-from radixlm.runtime.server.ipc import Chunk, EngineError, EngineInfo, LogprobEntry
+from radixlm.runtime.engine_process.messages import Chunk, EngineError, EngineInfo, LogprobEntry
 
 log = logging.getLogger("radixlm.engine_process")
 

@@ -27,13 +27,13 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from radixlm.runtime.grammar import _worker
 from radixlm.runtime.grammar.engine import GrammarCompileError
-from radixlm.runtime.grammar.matcher import CompiledGrammar
+from radixlm.runtime.grammar.outlines import compile_worker
+from radixlm.runtime.grammar.outlines.matcher import OutlinesGrammar
+from radixlm.runtime.grammar.outlines.vocabulary import TokenVocabulary
 from radixlm.runtime.grammar.spec import GrammarSpec
-from radixlm.runtime.grammar.vocabulary import TokenVocabulary
 
-# (spec, max_spaces, tokenizer fingerprint, mask width) -> Future of a CompiledGrammar.
+# (spec, max_spaces, tokenizer fingerprint, mask width) -> Future of a OutlinesGrammar.
 _CACHE: OrderedDict[tuple, Future] = OrderedDict()
 _CACHE_LOCK = threading.Lock()
 
@@ -61,7 +61,7 @@ class GrammarCompiler:
                          "grammar_compile_seconds": 0.0}
 
     def submit(self, spec: GrammarSpec) -> Future:
-        """A Future of the CompiledGrammar; it fails with GrammarCompileError."""
+        """A Future of the OutlinesGrammar; it fails with GrammarCompileError."""
         key = (spec, self.max_spaces, self.vocab.fingerprint, self.mask_words)
         with _CACHE_LOCK:
             future = _CACHE.get(key)
@@ -105,7 +105,7 @@ class GrammarCompiler:
 
     # -- in a pool thread ---------------------------------------------------------------------
 
-    def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
+    def _compile(self, spec: GrammarSpec) -> OutlinesGrammar:
         start = time.perf_counter()
         try:
             index, nbytes, regex = self._worker().compile(spec, self.max_spaces, self.timeout)
@@ -127,7 +127,7 @@ class GrammarCompiler:
         with self._lock:
             self.counters["grammar_compiles"] += 1
             self.counters["grammar_compile_seconds"] += elapsed
-        return CompiledGrammar(index, self.vocab, self.mask_words, regex, elapsed, nbytes,
+        return OutlinesGrammar(index, self.vocab, self.mask_words, regex, elapsed, nbytes,
                                self.tokenizer)
 
     def _count(self, name: str) -> None:
@@ -150,10 +150,10 @@ class _WorkerProcess:
 
     def __init__(self, eos: int, byte_map: dict[bytes, list[int]], memory_limit: int) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, _worker.__file__, str(memory_limit)],
+            [sys.executable, compile_worker.__file__, str(memory_limit)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             close_fds=True)
-        _worker.write_frame(self.proc.stdin, ("vocab", eos, byte_map))
+        compile_worker.write_frame(self.proc.stdin, ("vocab", eos, byte_map))
         self._read(deadline=time.monotonic() + 120)  # "ready"
 
     @property
@@ -162,7 +162,7 @@ class _WorkerProcess:
 
     def compile(self, spec: GrammarSpec, max_spaces: int, timeout: float):
         """(index, its estimated memory, the regex it was built from)."""
-        _worker.write_frame(self.proc.stdin, ("compile", spec.kind, spec.source, max_spaces))
+        compile_worker.write_frame(self.proc.stdin, ("compile", spec.kind, spec.source, max_spaces))
         reply = self._read(deadline=time.monotonic() + timeout)
         if reply[0] == "error":
             raise GrammarCompileError(reply[1])
@@ -176,7 +176,7 @@ class _WorkerProcess:
         if not ready:
             self.kill()
             raise TimeoutError
-        message = _worker.read_frame(stream)
+        message = compile_worker.read_frame(stream)
         if message is None:  # the child died: killed by the memory limit, or crashed
             code = self.proc.wait()
             raise GrammarCompileError(f"the compile worker died (exit code {code}); the "

@@ -1,20 +1,14 @@
-"""Request checking shared by every route: errors in OpenAI's shape, JSON bodies, typed field
-access that names the field on failure, and the one path from request fields to a validated
-`SamplingParams` (plus the limits a server needs on top of it, and the context-length check).
-
-Everything here raises `ApiError`; the app turns it into
-`{"error": {"message", "type", "param", "code"}}` with the status it carries.
+"""Client input checked field by field: errors in OpenAI's shape (`ApiError`, with the HTTP
+status it maps to), JSON bodies, and typed access to an object's fields that names the field
+(`param`) on failure. Shared by the server's routes and the language's tool calls.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import re
 from typing import Any, Iterable, Mapping
-
-from radixlm.runtime.config.sampling_params import SamplingParams
 
 ERROR_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -22,15 +16,6 @@ ERROR_TYPES = {
     413: "invalid_request_error", 415: "invalid_request_error", 500: "internal_server_error",
     501: "not_implemented_error", 503: "service_unavailable_error",
 }
-
-# Server-side bounds on top of SamplingParams' own checks: hostile values that are valid
-# Python but would cost the engine (or crash a torch call) are refused at the boundary.
-MAX_N = 128
-MAX_TOP_LOGPROBS = 20
-MAX_STOP_STRINGS = 32
-MAX_STOP_CHARS = 1024
-MAX_STOP_TOKEN_IDS = 256  # scanned at every decode step
-MAX_SEED = 2**63 - 1 - MAX_N  # the engine seeds sample i with seed + i; torch takes int64
 
 
 class ApiError(Exception):
@@ -213,80 +198,3 @@ def token_ids(value: Any, param: str, vocab_size: int) -> list[int]:
 
 def is_id_list(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and not isinstance(value[0], (list, str))
-
-
-# -- sampling parameters ----------------------------------------------------------------------
-
-SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
-
-
-def sampling_params(values: Mapping[str, Any], names: Mapping[str, str],
-                    prefix: str = "") -> SamplingParams:
-    """Build SamplingParams from engine-named `values`; a bad value is a 400 naming the request
-    field it came from (`names` maps engine field -> request field; a field not in it is
-    named `prefix + field`)."""
-    for field in ("stop", "stop_token_ids", "stop_regex"):  # SamplingParams would take keys
-        if isinstance(values.get(field), dict):
-            param = names.get(field, prefix + field)
-            raise bad(f"{param} must be a string or an array, got object", param, "invalid_type")
-    try:
-        params = SamplingParams.from_dict(values)
-    except ValueError as exc:
-        raise bad(str(exc), _param_of(str(exc), names, prefix)) from None
-    except TypeError as exc:  # e.g. a list where a scalar belongs
-        raise bad(str(exc)) from None
-    check_limits(params, names, prefix)
-    return params
-
-
-def _param_of(message: str, names: Mapping[str, str], prefix: str) -> str | None:
-    """The field a SamplingParams error is about: its messages start with the field name."""
-    field = re.match(r"unknown sampling field\(s\): (\w+)", message)
-    if field is None:
-        field = re.match(r"(\w+)", message)
-        if field is None or field.group(1) not in SAMPLING_FIELDS:
-            return None
-    return names.get(field.group(1), prefix + field.group(1))
-
-
-def check_limits(p: SamplingParams, names: Mapping[str, str], prefix: str = "") -> None:
-    def name(field: str) -> str:
-        return names.get(field, prefix + field)
-
-    if p.n > MAX_N:
-        raise bad(f"{name('n')} must be <= {MAX_N}, got {p.n}", name("n"))
-    if p.top_logprobs_num > MAX_TOP_LOGPROBS:
-        raise bad(f"{name('top_logprobs_num')} must be <= {MAX_TOP_LOGPROBS}, "
-                  f"got {p.top_logprobs_num}", name("top_logprobs_num"))
-    if p.seed is not None and not 0 <= p.seed <= MAX_SEED:
-        raise bad(f"{name('seed')} must be in [0, {MAX_SEED}], got {p.seed}", name("seed"))
-    if len(p.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in p.stop):
-        raise bad(f"{name('stop')}: at most {MAX_STOP_STRINGS} strings of at most "
-                  f"{MAX_STOP_CHARS} characters", name("stop"))
-    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise bad(f"{name('stop_token_ids')}: at most {MAX_STOP_TOKEN_IDS} token ids, got "
-                  f"{len(p.stop_token_ids)}", name("stop_token_ids"))
-
-
-def fit_context(params: SamplingParams, prompt_len: int, max_model_len: int,
-                explicit_max: bool, prompt_param: str, max_param: str) -> SamplingParams:
-    """Refuse a prompt (or prompt + explicit max tokens) beyond the context; clip a default
-    max_new_tokens to what is left."""
-    check_prompt_len(prompt_len, max_model_len, prompt_param)
-    room = max_model_len - prompt_len
-    if params.max_new_tokens <= room:
-        return params
-    if explicit_max:
-        raise bad(f"the prompt ({prompt_len} tokens) plus {max_param} "
-                  f"({params.max_new_tokens}) exceeds this model's context of {max_model_len} "
-                  f"tokens", max_param, "context_length_exceeded")
-    return params.replace(max_new_tokens=room,
-                          min_new_tokens=min(params.min_new_tokens, room))
-
-
-def check_prompt_len(prompt_len: int, max_model_len: int, param: str) -> None:
-    """The engine needs room for at least one more position after the prompt."""
-    if prompt_len >= max_model_len:
-        raise bad(f"the prompt is {prompt_len} tokens; this model's context holds "
-                  f"{max_model_len} tokens, prompt and completion together", param,
-                  "context_length_exceeded")

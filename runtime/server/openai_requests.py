@@ -2,7 +2,7 @@
 `SamplingParams`, with the extras SGLang and vLLM accept (top_k, min_p, ...). A field we do not
 know, or one we know but do not implement (echo, suffix), is a 400 naming it:
 silently ignoring it would return something the client did not ask for. Tool calling's
-fields are in openai_tools.py."""
+fields are in tool_requests.py."""
 
 from __future__ import annotations
 
@@ -13,15 +13,9 @@ from typing import Any
 
 from radixlm.runtime.config.sampling_params import SamplingParams
 from radixlm.runtime.grammar.spec import choices_regex
-from radixlm.runtime.server.openai_tools import ToolRequest, assistant_calls, parse_tools
-from radixlm.runtime.server.protocol import (
-    MAX_TOP_LOGPROBS,
-    Fields,
-    bad,
-    is_id_list,
-    sampling_params,
-    token_ids,
-)
+from radixlm.runtime.protocol.fields import Fields, bad, is_id_list, token_ids
+from radixlm.runtime.protocol.sampling import MAX_TOP_LOGPROBS, sampling_params
+from radixlm.runtime.protocol.tool_requests import ToolRequest, assistant_calls, parse_tools
 
 # Request field -> SamplingParams field, for the fields that map one to one.
 _DIRECT = {"n": "n", "stop": "stop", "temperature": "temperature", "top_p": "top_p",

@@ -10,8 +10,8 @@ import re
 import secrets
 from typing import Any
 
-from radixlm.runtime.grammar import json_regex as jr
-from radixlm.runtime.grammar import schema_combinators as combinators
+from radixlm.runtime.grammar.outlines import json_regex as jr
+from radixlm.runtime.grammar.outlines import schema_combinators as combinators
 from radixlm.runtime.grammar.regex_check import json_string_pattern, parse
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 
 A template that takes `tools` (Qwen, Llama 3.1+, Mistral, Hermes, ...) gets them as the
 model was trained to see them. One that knows no tools gets a system message describing them
-in the `hermes` format (tool_parsers.system_prompt), with earlier calls and results written
+in the `hermes` format (tool_formats.system_prompt), with earlier calls and results written
 in that format too, so tool calling works, if less reliably, with any chat model.
 """
 
@@ -16,8 +16,8 @@ from typing import Any
 
 import jsonschema
 
-from radixlm.runtime.server import tool_parsers
-from radixlm.runtime.server.protocol import Fields, bad
+from radixlm.runtime.protocol import tool_formats
+from radixlm.runtime.protocol.fields import Fields, bad
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -162,12 +162,12 @@ def plan(template: Any, messages: list[dict[str, Any]], tools: ToolRequest,
          parser: str | None = None) -> ToolPlan:
     """`parser` overrides the format the template implies."""
     native = supports_tools(template)
-    fmt = parser or tool_parsers.format_for_template(template if native else None)
+    fmt = parser or tool_formats.format_for_template(template if native else None)
     if not native and tools.active:
         messages = for_plain_template(messages, tools.tools)
     else:
         messages = for_template(template, messages)
-    grammar = (tool_parsers.call_grammar(fmt, tools.allowed(), tools.parallel)
+    grammar = (tool_formats.call_grammar(fmt, tools.allowed(), tools.parallel)
                if tools.constrained else None)
     return ToolPlan(messages, tools.template_tools() if native and tools.active else None,
                     fmt if tools.active else None, grammar)
@@ -192,7 +192,7 @@ def for_plain_template(messages: list[dict[str, Any]],
     """The conversation for a template that knows no tools: the tools described in the system
     message, calls and results written as text in the hermes format."""
     out: list[dict[str, Any]] = []
-    prompt = tool_parsers.system_prompt(tools) if tools else None
+    prompt = tool_formats.system_prompt(tools) if tools else None
     for m in messages:
         if m["role"] == "assistant" and m.get("tool_calls"):
             blocks = [f'<tool_call>\n{json.dumps(c["function"], ensure_ascii=False)}\n'

@@ -21,26 +21,11 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Any
 
-from radixlm.runtime.grammar import json_regex as jr
-from radixlm.runtime.grammar.schema_normaliser import GENERIC_DEPTH, Normaliser
-
-
-def load_schema(value: Any) -> str:
-    """A dict or JSON text -> compact JSON text of a schema object (ValueError otherwise)."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"json_schema is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"json_schema must be a JSON object (a dict), got "
-                         f"{type(value).__name__}")
-    try:
-        return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"json_schema is not JSON-serialisable: {exc}") from None
+from radixlm.runtime.grammar.outlines import json_regex as jr
+from radixlm.runtime.grammar.outlines.schema_normaliser import GENERIC_DEPTH, Normaliser
+from radixlm.runtime.grammar.regex_check import check_regex
+from radixlm.runtime.grammar.spec import GrammarSpec
 
 
 @functools.lru_cache(maxsize=256)
@@ -82,3 +67,15 @@ def check_schema(schema: dict) -> None:
         where = "/" + "/".join(str(p) for p in exc.absolute_path)
         raise ValueError(f"json_schema is not a valid JSON Schema: {exc.message} "
                          f"(at {where})") from None
+
+
+def spec_regex(spec: GrammarSpec, max_spaces: int = 1) -> str:
+    """The regex outlines-core compiles for a grammar spec. `max_spaces` bounds the whitespace
+    between JSON tokens. Can be slow and large for big schemas: run it where that is bounded."""
+    if spec.kind == "regex":
+        return check_regex(spec.source)
+    if spec.kind == "json_schema":
+        return schema_to_regex(spec.source, max_spaces)
+    if spec.kind == "json_object":
+        return json_object_regex(max_spaces)
+    raise ValueError(f"{spec.kind} grammars have no regex form")

@@ -18,7 +18,6 @@ backend serves models whose layers alternate between local and global attention.
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -98,48 +97,3 @@ class AttentionBackend(ABC):
         the fixed buffers. kv_lens is the same lengths already on the device, in a buffer
         that stays put between capture and replay."""
         raise NotImplementedError(f"{type(self).__name__} cannot run in a CUDA graph")
-
-
-BACKENDS = ("torch", "triton", "flashinfer")
-
-
-def resolve_backend(name: str, device: torch.device | None = None,
-                    dtype: torch.dtype | None = None, head_dim: int | None = None) -> str:
-    """Turn "auto" into a backend: torch on CPU, our Triton kernels on CUDA. Measured on the
-    8B shape (docs/performance.md), Triton's decode is faster than FlashInfer's at every batch
-    size and end-to-end throughput is higher, with no minutes-long JIT compile on first use;
-    FlashInfer stays one `attention_backend="flashinfer"` away for prefill-heavy work."""
-    if name != "auto":
-        return name
-    if device is None or device.type != "cuda":
-        return "torch"
-    return "triton" if _importable("triton") else "torch"
-
-
-def _importable(module: str) -> bool:
-    # A real import, not just find_spec: FlashInfer can be installed but miss a dependency.
-    try:
-        importlib.import_module(module)
-    except Exception:
-        return False
-    return True
-
-
-def create_backend(name: str, scale: float, device: torch.device | None = None,
-                   dtype: torch.dtype | None = None,
-                   head_dim: int | None = None) -> AttentionBackend:
-    name = resolve_backend(name, device, dtype, head_dim)
-    if name == "torch":
-        from radixlm.runtime.attention.torch_native import TorchNativeAttention
-
-        return TorchNativeAttention(scale)
-    if name == "triton":
-        from radixlm.runtime.attention.triton_backend import TritonAttention
-
-        return TritonAttention(scale)
-    if name == "flashinfer":
-        from radixlm.runtime.attention.flashinfer_backend import FlashInferAttention
-
-        return FlashInferAttention(scale)
-    raise ValueError(f"unknown attention_backend {name!r}; available: auto, "
-                     f"{', '.join(BACKENDS)}")

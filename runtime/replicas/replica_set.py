@@ -23,16 +23,15 @@ import os
 from functools import partial
 from typing import Any
 
-from radixlm.runtime.distributed.routing import ReplicaLoad, RouteRequest, make_router
-from radixlm.runtime.server.engine_client import EngineCallError, Sink
-from radixlm.runtime.server.generation import Rerun
-from radixlm.runtime.server.ipc import Chunk, EngineError, EngineInfo
-from radixlm.runtime.server.replica_client import (
+from radixlm.runtime.engine_process.client import EngineCallError, Sink
+from radixlm.runtime.engine_process.messages import Chunk, EngineError, EngineInfo, Rerun
+from radixlm.runtime.replicas.replica_client import (
     ReplicaClient,
     ReplicaLost,
     load_engine,
     serve_engine,
 )
+from radixlm.runtime.replicas.routing import ReplicaLoad, RouteRequest, make_router
 
 log = logging.getLogger("radixlm.server")
 
@@ -102,13 +101,13 @@ class ReplicaSet:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> EngineInfo:
-        from radixlm.runtime.distributed import replicas as ray_replicas
+        from radixlm.runtime.replicas import ray_actors
 
         loop = asyncio.get_running_loop()
         local = not (self.ray_address or os.environ.get("RAY_ADDRESS"))
         cpus = os.cpu_count() or 1
         where = await loop.run_in_executor(None, partial(
-            ray_replicas.connect, self.ray_address, max(cpus, self.dp_size) if local else None))
+            ray_actors.connect, self.ray_address, max(cpus, self.dp_size) if local else None))
         device = str(self.options.get("device") or "auto")
         gpus = (self.options.get("tp_size", 1) if device.startswith("cuda") or (
             device == "auto" and _cluster_gpus() > 0) else 0)
@@ -117,7 +116,7 @@ class ReplicaSet:
                  "router %s)", self.dp_size, where, f"{gpus} GPU(s)" if gpus else "1 CPU",
                  self.policy)
         load = partial(load_engine, self.options, threads)
-        handles = [ray_replicas.ReplicaHandle(i, load, serve_engine, num_cpus=0 if gpus else 1,
+        handles = [ray_actors.ReplicaHandle(i, load, serve_engine, num_cpus=0 if gpus else 1,
                                               num_gpus=gpus, max_restarts=MAX_RESTARTS)
                    for i in range(self.dp_size)]
         self.replicas = [ReplicaClient(h, self._on_ready, self.log_level) for h in handles]
@@ -158,10 +157,10 @@ class ReplicaSet:
     async def close(self, timeout: float = 10.0) -> None:
         self._closing = True
         await asyncio.gather(*(r.close(timeout) for r in self.replicas), return_exceptions=True)
-        from radixlm.runtime.distributed import replicas as ray_replicas
+        from radixlm.runtime.replicas import ray_actors
 
         # Leaves a cluster we joined; stops the local one we started.
-        await asyncio.get_running_loop().run_in_executor(None, ray_replicas.disconnect)
+        await asyncio.get_running_loop().run_in_executor(None, ray_actors.disconnect)
 
     @property
     def alive(self) -> bool:

@@ -23,7 +23,7 @@ CONTEXT_TOKENS = 2
 
 def forced_tokens(matcher: Any, token_ids: Sequence[int], tokenizer: Any) -> list[int]:
     """Tokens to append now (possibly none), all allowed by the grammar in order; `matcher` is
-    an outlines-core GrammarMatcher."""
+    an outlines-core OutlinesMatcher."""
     forced = _whole_characters(matcher.forced_bytes())
     if not forced:
         return []

@@ -3,7 +3,7 @@ every replica, each node recording which replicas were sent a prompt through it 
 the router can find the replica that was sent the longest prefix of a new prompt. Bounded: each
 replica holds at most `capacity` units, the least recently used going first.
 
-Keys are strings of units (radixlm.runtime.distributed.routing.prefix_key: one character per
+Keys are strings of units (radixlm.runtime.replicas.routing.prefix_key: one character per
 token id, or the prompt's text), so matching runs on str comparisons in C.
 """
 

@@ -18,10 +18,9 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-from radixlm.runtime.grammar import engine
-from radixlm.runtime.grammar.engine import GrammarError
-from radixlm.runtime.grammar.jump_forward import forced_tokens
-from radixlm.runtime.grammar.vocabulary import TokenVocabulary
+from radixlm.runtime.grammar.engine import CompiledGrammar, GrammarError, GrammarMatcher
+from radixlm.runtime.grammar.outlines.jump_forward import forced_tokens
+from radixlm.runtime.grammar.outlines.vocabulary import TokenVocabulary
 
 MAX_FORCED_BYTES = 256
 # Per grammar: masks of more distinct states than this are not cached (each mask takes
@@ -38,7 +37,7 @@ class StateInfo(NamedTuple):
     forced_next: int | None  # ... and this is the state after it
 
 
-class CompiledGrammar(engine.CompiledGrammar):
+class OutlinesGrammar(CompiledGrammar):
     def __init__(self, index: Any, vocab: TokenVocabulary, mask_words: int, regex: str,
                  compile_seconds: float = 0.0, nbytes: int = 0, tokenizer: Any = None) -> None:
         self.index = index
@@ -57,8 +56,8 @@ class CompiledGrammar(engine.CompiledGrammar):
         """Estimated memory: the index and the cached masks."""
         return self.index_bytes + 4 * self.mask_words * len(self._masks)
 
-    def matcher(self) -> "GrammarMatcher":
-        return GrammarMatcher(self)
+    def matcher(self) -> "OutlinesMatcher":
+        return OutlinesMatcher(self)
 
     def info(self, state: int, guide: Any = None) -> StateInfo:
         """What the state allows. With a guide at `state`, it is read off the state's mask
@@ -146,10 +145,10 @@ class CompiledGrammar(engine.CompiledGrammar):
         return mask
 
 
-class GrammarMatcher(engine.GrammarMatcher):
+class OutlinesMatcher(GrammarMatcher):
     """One request's position in a grammar: an automaton state."""
 
-    def __init__(self, grammar: CompiledGrammar) -> None:
+    def __init__(self, grammar: OutlinesGrammar) -> None:
         from outlines_core import Guide
 
         self.grammar = grammar

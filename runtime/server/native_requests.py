@@ -8,15 +8,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixlm.runtime.config.sampling_params import SamplingParams
+from radixlm.runtime.engine_process.messages import LogprobEntry
+from radixlm.runtime.protocol.fields import Fields, bad, is_id_list, token_ids
+from radixlm.runtime.protocol.sampling import sampling_params
 from radixlm.runtime.server.generation import Sample
-from radixlm.runtime.server.ipc import LogprobEntry
-from radixlm.runtime.server.protocol import (
-    Fields,
-    bad,
-    is_id_list,
-    sampling_params,
-    token_ids,
-)
 
 GENERATE_FIELDS = ("text", "input_ids", "sampling_params", "stream", "return_logprob",
                    "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "rid",

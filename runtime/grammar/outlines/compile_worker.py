@@ -1,7 +1,7 @@
 """A grammar compile worker: a child process that turns a grammar (a regex, or a JSON schema
 expanded into one here) into an outlines-core index.
 
-Run as a script (`python _worker.py <memory limit in bytes>`), so it imports nothing from the
+Run as a script (`python compile_worker.py <memory limit in bytes>`), so it imports nothing from the
 engine but the grammar package's pure-Python schema code. Compiling runs in its own process
 so that one that takes too long or too much memory can be killed (or dies alone) without
 touching the engine.
@@ -50,6 +50,7 @@ def main() -> None:
         pass
     from outlines_core import Index, Vocabulary
 
+    from radixlm.runtime.grammar.outlines.json_schema import spec_regex
     from radixlm.runtime.grammar.spec import GrammarSpec
 
     vocabulary = None
@@ -64,7 +65,7 @@ def main() -> None:
         elif kind == "compile":
             start = time.perf_counter()
             try:
-                regex = GrammarSpec(message[1], message[2]).to_regex(message[3])
+                regex = spec_regex(GrammarSpec(message[1], message[2]), message[3])
                 # outlines-core builds its automaton with leftmost-first semantics: in
                 # `(yes|yesterday)` the first branch wins once it matches, so the second could
                 # never be generated. Anchored at the end, every branch stays a full match.

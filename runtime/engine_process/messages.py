@@ -74,3 +74,9 @@ class EngineInfo:
     architecture: str
     eos_token_ids: list[int]
     config: dict[str, Any]
+
+
+class Rerun:
+    """Put in a generation's sink in place of a key's chunks: the request is running again
+    from the start (the engine replica serving it was lost before anything of it had left
+    the server), so what it produced so far is dropped."""

@@ -25,7 +25,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from radixlm.runtime.distributed.routed_prefixes import RoutedPrefixes
+from radixlm.runtime.replicas.routed_prefixes import RoutedPrefixes
 
 POLICIES = ("cache_aware", "round_robin", "least_load")
 

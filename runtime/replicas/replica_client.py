@@ -15,8 +15,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from radixlm.runtime.server.engine_client import EngineClient
-from radixlm.runtime.server.ipc import EngineError, EngineInfo
+from radixlm.runtime.engine_process.client import EngineClient
+from radixlm.runtime.engine_process.messages import EngineError, EngineInfo
 
 log = logging.getLogger("radixlm.server")
 
@@ -47,7 +47,7 @@ def load_engine(options: dict[str, Any], threads: int | None) -> tuple[Any, Engi
 
 def serve_engine(engine: Any, end: Any) -> None:
     """Serve the pipe protocol over the actor's channel until the stop message."""
-    from radixlm.runtime.server.engine_process import _EngineServer
+    from radixlm.runtime.engine_process.loop import _EngineServer
 
     try:
         asyncio.run(_EngineServer(engine, end).serve())
