@@ -38,7 +38,7 @@ from typing import Callable
 
 import aiohttp
 
-from radixlm.runtime.server.process import ServerProcess
+from radixlm.backends.server_process import ServerProcess
 
 from prefix_sharing import ideal_prefill, shared_prefix_prompts
 from results_dir import results_dir

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 
 import radixlm as rl
-from radixlm.backends.base import Backend
+from radixlm.backends.backend import Backend
 from radixlm.runtime import Engine
 from radixlm.runtime.engine.tokenization import encode_prompt
 

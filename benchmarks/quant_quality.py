@@ -46,14 +46,14 @@ import torch
 from radixlm.runtime.attention import create_backend
 from radixlm.runtime.models.layers.linear import Linear
 from radixlm.runtime.models.loader import load_model, resolve_model
-from radixlm.runtime.models.quantization.calibration import (
+from radixlm.runtime.quantize.calibration import (
     calibration_text,
     pydoc_texts,
     sequence_scores,
     token_windows,
 )
-from radixlm.runtime.models.quantization.checkpoint import save_quantized
-from radixlm.runtime.models.quantization.quantize import QuantizeOptions, quantize_model
+from radixlm.runtime.quantize.checkpoint import save_quantized
+from radixlm.runtime.quantize.model_quantizer import QuantizeOptions, quantize_model
 
 from results_dir import results_dir
 

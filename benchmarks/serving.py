@@ -547,7 +547,7 @@ def main() -> None:
     server_args, options = shlex.split(args.server_args), {}
     pids = {"client": os.getpid()}
     if args.launch:
-        from radixlm.runtime.server.process import ServerProcess
+        from radixlm.backends.server_process import ServerProcess
 
         server_args, options = launch_options(server_args)
         started = time.perf_counter()

@@ -278,7 +278,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="JSON path")
     args = parser.parse_args()
-    from radixlm.runtime.server.process import ServerProcess
+    from radixlm.backends.server_process import ServerProcess
 
     with ServerProcess(shlex.split(args.server_args)) as server:
         pids = {"http": server.proc.pid, "engine": server.engine_pid()}

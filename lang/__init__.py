@@ -32,7 +32,7 @@ if Path(__file__).parent.name == "lang":
     _root = Path(__file__).resolve().parent.parent
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _root]
 
-from radixlm.backends.base import (
+from radixlm.backends.backend import (
     Backend,
     BackendError,
     flush_cache,
@@ -40,7 +40,7 @@ from radixlm.backends.base import (
     set_default_backend,
     use_backend,
 )
-from radixlm.choices import (
+from radixlm.backends.choices import (
     greedy_token_selection,
     token_length_normalized,
     unconditional_likelihood_normalized,
@@ -83,11 +83,13 @@ __all__ = [
 
 # The backends are imported on first use: rl.Engine pulls in torch and the model stack,
 # which a program that only talks to a server does not need.
+# `rl.Engine` is SGLang's name for the in-process backend; its class is `EngineBackend`, apart
+# from the runtime's own `Engine` that it drives.
 _BACKENDS = {
-    "Engine": "radixlm.backends.local",
-    "RuntimeEndpoint": "radixlm.backends.runtime_endpoint",
-    "Runtime": "radixlm.backends.runtime",
-    "OpenAI": "radixlm.backends.openai_compat",
+    "Engine": ("radixlm.backends.local", "EngineBackend"),
+    "RuntimeEndpoint": ("radixlm.backends.runtime_endpoint", "RuntimeEndpoint"),
+    "Runtime": ("radixlm.backends.runtime", "Runtime"),
+    "OpenAI": ("radixlm.backends.openai_compat", "OpenAI"),
 }
 
 
@@ -95,5 +97,6 @@ def __getattr__(name: str) -> Any:
     if name in _BACKENDS:
         import importlib
 
-        return getattr(importlib.import_module(_BACKENDS[name]), name)
+        module, cls = _BACKENDS[name]
+        return getattr(importlib.import_module(module), cls)
     raise AttributeError(f"module 'radixlm' has no attribute {name!r}")

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Sequence, Union
 
-from radixlm.choices import ChoicesMethod, token_length_normalized
+from radixlm.backends.choices import ChoicesMethod, token_length_normalized
 from radixlm.runtime.config.sampling_params import SamplingParams
 
 # Friendlier names users know from the OpenAI API and SGLang's frontend, mapped onto the

@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixlm.backends.base import Backend, Prompt
+from radixlm.backends.backend import Backend, Prompt
 from radixlm.chat import RoleRenderer
 from radixlm.expr import (
     Concat,

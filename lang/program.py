@@ -21,8 +21,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from tqdm.auto import tqdm
 
-from radixlm.backends.base import Backend, Prompt, resolve_backend
-from radixlm.choices import ChoiceScores
+from radixlm.backends.backend import Backend, Prompt, resolve_backend
+from radixlm.backends.choices import ChoiceScores
 from radixlm.expr import (
     LANGUAGE_ONLY_FIELDS,
     SAMPLING_ALIASES,

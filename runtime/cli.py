@@ -88,8 +88,8 @@ async def _stream(engine, prompt: dict, params) -> None:
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-    from radixlm.runtime.models.config import SUPPORTED_ARCHITECTURES
     from radixlm.runtime.models.loader import ARCHITECTURE_PRESETS, DEFAULT_MODEL, EMBEDDED_MODELS
+    from radixlm.runtime.models.model_config import SUPPORTED_ARCHITECTURES
 
     print(f"default model: {DEFAULT_MODEL}")
     print("embedded models: " + ", ".join(EMBEDDED_MODELS))
@@ -118,7 +118,7 @@ def _cmd_cache(args: argparse.Namespace) -> int:
 
 
 def _cmd_quantize(args: argparse.Namespace) -> int:
-    from radixlm.runtime.models.quantization.command import run_quantize
+    from radixlm.runtime.quantize.command import run_quantize
 
     return run_quantize(args)
 
@@ -132,7 +132,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from importlib.metadata import version
 
-    from radixlm.runtime.models.quantization.command import add_quantize_args
+    from radixlm.runtime.quantize.command import add_quantize_args
     from radixlm.runtime.server.args import add_serve_args
 
     parser = argparse.ArgumentParser(prog="radixlm", description="radixlm LLM runtime")

@@ -33,7 +33,7 @@ from radixlm.runtime.models.quantization.block_fp8 import (
     dequantize_block_fp8,
     dequantized_tensors,
 )
-from radixlm.runtime.models.quantization.config import resolve_quant_config
+from radixlm.runtime.models.quantization.quant_config import resolve_quant_config
 
 from conftest import save_tiny_hf_model
 from test_model_families import save_family

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from radixlm.runtime.models import gguf_loader
-from radixlm.runtime.models.quantization.config import resolve_quant_config
 from radixlm.runtime.models.quantization.cpu_weights import CpuWeights, dequantize_planes
 from radixlm.runtime.models.quantization.gguf_blocks import (
     BLOCK_TYPES,
     NATIVE_TYPES,
     GGUFBlocks,
 )
+from radixlm.runtime.models.quantization.quant_config import resolve_quant_config
 
 from test_models import run_chunks
 
@@ -136,6 +136,6 @@ def test_embedded_model_runs_its_blocks_by_default():
 
 def test_engine_options_list_every_quantization():
     from radixlm.runtime.config.engine_config import QUANTIZATIONS as ENGINE_CHOICES
-    from radixlm.runtime.models.quantization.config import QUANTIZATIONS
+    from radixlm.runtime.models.quantization.quant_config import QUANTIZATIONS
 
     assert ENGINE_CHOICES == QUANTIZATIONS

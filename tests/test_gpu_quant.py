@@ -197,8 +197,8 @@ def test_engine_awq_checkpoint_on_cuda_matches_cpu(tmp_path):
     import transformers
 
     from radixlm.runtime.models.loader import load_model
-    from radixlm.runtime.models.quantization.checkpoint import save_quantized
-    from radixlm.runtime.models.quantization.quantize import QuantizeOptions, quantize_model
+    from radixlm.runtime.quantize.checkpoint import save_quantized
+    from radixlm.runtime.quantize.model_quantizer import QuantizeOptions, quantize_model
 
     from conftest import tiny_config
 

@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 
 from radixlm.runtime import Engine
-from radixlm.runtime.grammar.engine import GrammarMatcher
+from radixlm.runtime.grammar.interface import GrammarMatcher
 
 SAMPLE = {"temperature": 1.0, "max_new_tokens": 40}
 PERSON = {"type": "object",

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from radixlm.runtime import EngineConfig, SamplingParams
 from radixlm.runtime.grammar import create_grammar_engine
-from radixlm.runtime.grammar.engine import GrammarCompileError
+from radixlm.runtime.grammar.interface import GrammarCompileError
 from radixlm.runtime.grammar.spec import GrammarSpec
 
 BACKENDS = ("llguidance", "outlines")

@@ -8,8 +8,8 @@ import time
 import pytest
 
 import radixlm as rl
-from radixlm.backends.base import Backend, Generation, Prompt
-from radixlm.choices import ChoiceScores
+from radixlm.backends.backend import Backend, Generation, Prompt
+from radixlm.backends.choices import ChoiceScores
 from radixlm.expr import DTYPE_REGEX
 
 

@@ -21,7 +21,6 @@ import torch
 from test_moe import per_token_reference, random_moe
 
 from radixlm.runtime.models.layers.moe import FusedMoE, grouped_moe
-from radixlm.runtime.models.quantization.config import QuantConfig
 from radixlm.runtime.models.quantization.experts import (
     INT8_KERNEL_ROWS,
     dequantize_experts,
@@ -29,6 +28,7 @@ from radixlm.runtime.models.quantization.experts import (
     quantize_experts,
 )
 from radixlm.runtime.models.quantization.fp8 import FP8, quantize_fp8_rows
+from radixlm.runtime.models.quantization.quant_config import QuantConfig
 
 from interpreter_cases import collect_cases, main, results_under_interpreter
 
@@ -330,7 +330,7 @@ def test_compressed_tensors_fp8_checkpoint_loads_like_fp8(tmp_path):
 def test_compressed_tensors_variants_we_cannot_run_are_refused(change, message):
     import copy
 
-    from radixlm.runtime.models.quantization.config import resolve_quant_config
+    from radixlm.runtime.models.quantization.quant_config import resolve_quant_config
 
     qc = copy.deepcopy(COMPRESSED_TENSORS_FP8)
     group = qc["config_groups"]["group_0"]
@@ -350,7 +350,7 @@ def test_compressed_tensors_variants_we_cannot_run_are_refused(change, message):
 
 
 def test_awq_and_gptq_moe_checkpoints_are_refused():
-    from radixlm.runtime.models.config import ModelConfig
+    from radixlm.runtime.models.model_config import ModelConfig
     from radixlm.runtime.models.moe import MoEForCausalLM
 
     from conftest import tiny_config

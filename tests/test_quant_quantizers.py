@@ -8,13 +8,13 @@ import torch
 
 from radixlm.runtime.cli import main
 from radixlm.runtime.models.loader import load_model
-from radixlm.runtime.models.quantization import awq_quantizer
-from radixlm.runtime.models.quantization.calibration import sequence_logprobs, sequence_scores
-from radixlm.runtime.models.quantization.checkpoint import save_quantized
-from radixlm.runtime.models.quantization.gptq_quantizer import accumulate_hessian, gptq_quantize
 from radixlm.runtime.models.quantization.int_weight import IntWeight, dequantize
-from radixlm.runtime.models.quantization.quantize import QuantizeOptions, quantize_model
 from radixlm.runtime.models.quantization.rtn import dequantize_groups, fake_quantize, rtn_quantize
+from radixlm.runtime.quantize import awq_quantizer
+from radixlm.runtime.quantize.calibration import sequence_logprobs, sequence_scores
+from radixlm.runtime.quantize.checkpoint import save_quantized
+from radixlm.runtime.quantize.gptq_quantizer import accumulate_hessian, gptq_quantize
+from radixlm.runtime.quantize.model_quantizer import QuantizeOptions, quantize_model
 
 from conftest import save_tiny_hf_model
 

@@ -21,7 +21,7 @@ import pytest
 
 from radixlm.runtime import Engine
 from radixlm.runtime.engine.tokenization import encode_prompt
-from radixlm.runtime.server.process import ServerProcess
+from radixlm.backends.server_process import ServerProcess
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

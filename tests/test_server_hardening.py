@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 from test_server import Http, error_of, sse
 
-from radixlm.runtime.server.process import ServerProcess
+from radixlm.backends.server_process import ServerProcess
 
 LIMITS = ["--max-total-tokens", "8192", "--keep-alive-timeout", "2", "--body-timeout", "2",
           "--max-samples-per-request", "64", "--max-running-requests", "4"]

@@ -19,7 +19,7 @@ import pytest
 from test_server import Http, running
 
 from radixlm.runtime.config.engine_config import EngineConfig
-from radixlm.runtime.server.process import ServerProcess
+from radixlm.backends.server_process import ServerProcess
 
 KEY = "lifecycle-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

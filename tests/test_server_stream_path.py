@@ -95,17 +95,17 @@ def test_coalesce_merges_each_samples_backlog():
 
 
 def test_a_busy_consumer_gets_one_merged_chunk_per_sample():
-    """Generation.chunks: what piled up in the sink comes out merged; metrics still count
+    """HttpGeneration.chunks: what piled up in the sink comes out merged; metrics still count
     every token."""
     from radixlm.runtime.config.sampling_params import SamplingParams
     from radixlm.runtime.server.args import ServerConfig
-    from radixlm.runtime.server.generation import Generation
+    from radixlm.runtime.server.generation import HttpGeneration
     from radixlm.runtime.server.metrics import Metrics
 
     state = SimpleNamespace(config=ServerConfig(), info=None, metrics=Metrics("m"))
 
     async def run() -> tuple[list, list]:
-        gen = Generation(state, [[1, 2]], [SamplingParams(max_new_tokens=3)], ["k"])
+        gen = HttpGeneration(state, [[1, 2]], [SamplingParams(max_new_tokens=3)], ["k"])
         for i, token in enumerate((5, 6, 7)):
             gen._sink.put_nowait(("k", Chunk(0, f"t{i}", [token], None, 10.0 + i,
                                              finish_reason="length" if i == 2 else None,

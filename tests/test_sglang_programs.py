@@ -29,7 +29,7 @@ sglang = pytest.importorskip("sglang", reason="the test extra installs sglang's 
 from sglang.test import test_programs  # noqa: E402
 
 import radixlm.compat.sglang as compat  # noqa: E402
-from radixlm.runtime.server.process import ServerProcess  # noqa: E402
+from radixlm.backends.server_process import ServerProcess  # noqa: E402
 
 PROGRAM_TIMEOUT_S = 120
 

@@ -21,7 +21,7 @@ from radixlm.runtime.distributed import groups
 from radixlm.runtime.distributed.groups import TPInfo, active_all_reduce, valid_tp_sizes
 from radixlm.runtime.engine.engine import Engine
 from radixlm.runtime.models.layers.linear import Linear, LinearShard
-from radixlm.runtime.models.quantization.config import QuantConfig
+from radixlm.runtime.models.quantization.quant_config import QuantConfig
 
 from conftest import save_tiny_hf_model
 
@@ -55,7 +55,7 @@ def test_lazy_slices_read_only_the_shard(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from radixlm.runtime.models.layers.weights import copy_weight, narrow
+    from radixlm.runtime.models.weights.loading import copy_weight, narrow
 
     w = torch.arange(24.0).view(4, 6)
     save_file({"w": w}, str(tmp_path / "w.safetensors"))
@@ -285,7 +285,7 @@ def test_two_nodes_on_the_loopback_match_tp1(tmp_path):
     import urllib.request
 
     from radixlm.runtime.distributed.groups import free_port
-    from radixlm.runtime.server.process import ServerProcess
+    from radixlm.backends.server_process import ServerProcess
 
     folder = save_tiny_hf_model(tmp_path, "llama", vocab_size=510, tie=True)
     with Engine(str(folder), **_options()) as engine:

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import radixlm as rl
 from radixlm.runtime import Engine
 from radixlm.runtime.protocol import tool_formats as tp
-from radixlm.runtime.server.process import ServerProcess
+from radixlm.backends.server_process import ServerProcess
 
 from conftest import save_tiny_chat_model
 

@@ -1,2 +1,2 @@
 """Where a program's requests go: the in-process engine, our server, or any
-OpenAI-compatible server. All three implement `Backend` (base.py)."""
+OpenAI-compatible server. All three implement `Backend` (backend.py)."""

@@ -8,7 +8,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Iterator
 
-from radixlm.backends.base import BackendError
+from radixlm.backends.backend import BackendError
 
 
 class HttpClient:

@@ -1,4 +1,4 @@
-"""`rl.Engine`: programs on the in-process engine (radixlm.runtime.Engine)."""
+"""`rl.Engine` (`EngineBackend`): programs on the in-process engine (radixlm.runtime.Engine)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,15 @@ import asyncio
 import json
 from typing import Any, Sequence
 
-from radixlm.backends.base import Backend, BackendError, Generation, OnDelta, Prompt, logprob_meta
-from radixlm.choices import ChoiceScores
+from radixlm.backends.backend import (
+    Backend,
+    BackendError,
+    Generation,
+    OnDelta,
+    Prompt,
+    logprob_meta,
+)
+from radixlm.backends.choices import ChoiceScores
 from radixlm.runtime.config.sampling_params import SamplingParams
 from radixlm.runtime.engine.engine import Engine as RuntimeEngine
 from radixlm.runtime.engine.tokenization import encode_prompt
@@ -18,7 +25,7 @@ from radixlm.runtime.scheduling.request import Output, TokenLogprob
 LEASE_TTL_S = 600.0
 
 
-class Engine(Backend):
+class EngineBackend(Backend):
     """Runs programs on an engine in this process.
 
     `rl.Engine()` loads the embedded default model; `rl.Engine("path/or/name", **options)`

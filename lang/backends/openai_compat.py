@@ -17,9 +17,9 @@ import json
 import os
 from typing import Any, Sequence
 
-from radixlm.backends.base import Backend, BackendError, Generation, OnDelta, Prompt
+from radixlm.backends.backend import Backend, BackendError, Generation, OnDelta, Prompt
+from radixlm.backends.choices import ChoiceScores
 from radixlm.backends.http import HttpClient
-from radixlm.choices import ChoiceScores
 from radixlm.runtime.config.sampling_params import SamplingParams
 
 # SamplingParams fields with an OpenAI name; the rest go as extra fields (vLLM, SGLang and

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from radixlm.backends.runtime_endpoint import RuntimeEndpoint
-from radixlm.runtime.server.process import ServerProcess
+from radixlm.backends.server_process import ServerProcess
 
 
 class Runtime(RuntimeEndpoint):

@@ -10,10 +10,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-from radixlm.backends.base import Backend, BackendError, Generation, OnDelta, Prompt
+from radixlm.backends.backend import Backend, BackendError, Generation, OnDelta, Prompt
+from radixlm.backends.choices import ChoiceScores
 from radixlm.backends.http import HttpClient
 from radixlm.backends.openai_compat import chat_with_tools, request_body
-from radixlm.choices import ChoiceScores
 from radixlm.runtime.config.sampling_params import SamplingParams
 
 # Meta info lists a streamed /generate event holds only the new entries of.

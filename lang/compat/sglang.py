@@ -46,7 +46,7 @@ from radixlm import (
     user_end,
     video,
 )
-from radixlm.backends import base
+from radixlm.backends import backend
 from radixlm.expr import Expr, Role, RoleBegin, RoleEnd, to_expr
 from radixlm.program import sglang_function as function
 
@@ -84,7 +84,7 @@ class _GlobalConfig:
 
     @property
     def default_backend(self) -> Any:
-        return base.default_backend()
+        return backend.default_backend()
 
     @default_backend.setter
     def default_backend(self, backend: Any) -> None:

@@ -2,12 +2,14 @@
 
 Field names follow SGLang's native API (`max_new_tokens`, `stop_token_ids`, `top_logprobs_num`);
 the server maps OpenAI names (`max_tokens`, `logprobs`, `top_logprobs`) onto these.
-Every field is checked at construction, so bad input fails at the boundary with a `ValueError`
-naming the field, before anything is queued.
+Every field is checked once, at construction (and a changed field again by `replace`), so bad
+input fails at the boundary with a `ValueError` naming the field, before anything is queued;
+later layers (the engine's RequestFactory) trust an instance as is.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -65,45 +67,58 @@ class SamplingParams:
     json_schema_strict: bool = True
 
     def __post_init__(self) -> None:
+        self._check(FIELD_NAMES)
+
+    def _check(self, names: frozenset[str]) -> None:
+        """Normalise and check the fields in `names`, then the rules between fields.
+        Construction checks every field; `replace` only those it changes, so a request's
+        parameters are validated once however often they are adjusted (the JSON schema parse
+        and the stop-regex compile are not free)."""
         set_ = object.__setattr__  # frozen: normalise through object.__setattr__
-        if isinstance(self.stop, str):
-            set_(self, "stop", (self.stop,))
-        elif self.stop is None:
-            set_(self, "stop", ())
-        if isinstance(self.stop_regex, str):
+        if "stop" in names:
+            if isinstance(self.stop, str):
+                set_(self, "stop", (self.stop,))
+            elif self.stop is None:
+                set_(self, "stop", ())
+        if "stop_regex" in names and isinstance(self.stop_regex, str):
             set_(self, "stop_regex", (self.stop_regex,))
-        for name in ("stop_token_ids", "stop_regex"):
+        for name in _among(names, ("stop_token_ids", "stop_regex")):
             if getattr(self, name) is None:
                 set_(self, name, ())
-        set_(self, "stop", _tuple_of(self.stop, str, "stop"))
-        set_(self, "stop_regex", _tuple_of(self.stop_regex, str, "stop_regex"))
-        set_(self, "logit_bias", _bias_pairs(self.logit_bias))
-        set_(self, "stop_token_ids", _tuple_of(self.stop_token_ids, int, "stop_token_ids"))
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
-                     "frequency_penalty", "presence_penalty"):
+        for name, kind in (("stop", str), ("stop_regex", str)):
+            if name in names:
+                set_(self, name, _tuple_of(getattr(self, name), kind, name))
+        if "logit_bias" in names:
+            set_(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if "stop_token_ids" in names:
+            set_(self, "stop_token_ids", _tuple_of(self.stop_token_ids, int, "stop_token_ids"))
+        for name in _among(names, ("temperature", "top_p", "min_p", "repetition_penalty",
+                                   "frequency_penalty", "presence_penalty")):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"{name} must be a number, got {type(value).__name__}")
             if not math.isfinite(value):  # a NaN would poison the whole batch's sampling
                 raise ValueError(f"{name} must be a finite number, got {value}")
             set_(self, name, float(value))
-        for name in ("max_new_tokens", "min_new_tokens", "top_k", "n", "top_logprobs_num"):
+        for name in _among(names, ("max_new_tokens", "min_new_tokens", "top_k", "n",
+                                   "top_logprobs_num")):
             _check_int(getattr(self, name), name)
-        for name in ("seed", "logprob_start_len"):
+        for name in _among(names, ("seed", "logprob_start_len")):
             if getattr(self, name) is not None:
                 _check_int(getattr(self, name), name)
-        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
-                     "no_stop_trim", "logprobs", "json_object", "json_schema_strict"):
+        for name in _among(names, ("ignore_eos", "skip_special_tokens",
+                                   "spaces_between_special_tokens", "no_stop_trim", "logprobs",
+                                   "json_object", "json_schema_strict")):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         self._check_ranges()
-        if self.constrained:
+        if self.constrained and not names.isdisjoint(_GRAMMAR_FIELDS):
             # Imported here: plain sampling never loads the grammar machinery.
             from radixlm.runtime.grammar.spec import check_grammar_fields
 
             set_(self, "json_schema", check_grammar_fields(self.regex, self.json_schema,
                                                            self.ebnf, self.json_object))
-        if self.stop_regex:
+        if self.stop_regex and "stop_regex" in names:
             from radixlm.runtime.grammar.stop_regex import check_stop_regexes
 
             check_stop_regexes(self.stop_regex)
@@ -173,6 +188,8 @@ class SamplingParams:
 
     @classmethod
     def coerce(cls, value: "SamplingParams | Mapping[str, Any] | None") -> "SamplingParams":
+        """Params from what a caller passed: an instance as is (it was checked when built),
+        a mapping through from_dict, None as the defaults."""
         if value is None:
             return cls()
         if isinstance(value, SamplingParams):
@@ -182,8 +199,28 @@ class SamplingParams:
         raise ValueError(
             f"sampling_params must be a SamplingParams or a dict, got {type(value).__name__}")
 
+    def remaining_new_tokens(self, num_output_tokens: int, num_tokens: int,
+                             context_len: int) -> int:
+        """The length rule: how many more tokens a sequence of `num_tokens` tokens, the last
+        `num_output_tokens` of them generated, may still get. What max_new_tokens leaves,
+        within a context of `context_len` tokens (prompt and output together); 0 means the
+        sequence is done by length. `Request.remaining_new_tokens` is a request's view of it."""
+        return max(0, min(self.max_new_tokens - num_output_tokens, context_len - num_tokens))
+
     def replace(self, **changes: Any) -> "SamplingParams":
-        return dataclasses.replace(self, **changes)
+        """A copy with `changes`, of which only the changed fields (and the rules between
+        fields) are checked: the others were checked when this instance was built."""
+        if not changes.keys() <= FIELD_NAMES:
+            return dataclasses.replace(self, **changes)  # its TypeError names the bad field
+        fresh = copy.copy(self)
+        for name, value in changes.items():
+            object.__setattr__(fresh, name, value)
+        fresh._check(frozenset(changes))
+        return fresh
+
+
+FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+_GRAMMAR_FIELDS = frozenset(("regex", "json_schema", "ebnf", "json_object"))
 
 
 MAX_LOGIT_BIAS_TOKENS = 1024
@@ -216,6 +253,11 @@ def _bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
                              f"[-100, 100], got {bias!r}")
         pairs[token] = float(bias)
     return tuple(sorted(pairs.items()))
+
+
+def _among(names: frozenset[str], fields: tuple[str, ...]) -> list[str]:
+    """`fields` that are in `names`, in `fields`' order (the order errors are raised in)."""
+    return [name for name in fields if name in names]
 
 
 def _check_int(value: Any, name: str) -> None:

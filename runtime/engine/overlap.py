@@ -41,8 +41,7 @@ def follow_up_batch(prev: LaunchedStep, scheduler: Scheduler, kv: KVManager,
         if (request.finished or request.grammar is not None or params.has_penalties
                 or request.num_output_tokens + 1 < params.min_new_tokens):
             return None
-        if (request.num_output_tokens + 1 < params.max_new_tokens
-                and len(request.token_ids) + 1 < request.max_total_len):
+        if request.remaining_new_tokens > 1:  # room for more than the pending token
             keep.append(index)
     followers = [requests[i] for i in keep]
     if not followers:

@@ -3,7 +3,7 @@
 Rows are filled on the host by the grammar engine (a batch at once, in parallel where the
 engine can), plus the request's own EOS ids when its grammar accepts here and EOS is not
 banned.
-The sampler unpacks the bits with tensor ops (`sampler.apply_token_bitmask`).
+The sampler unpacks the bits with tensor ops (`logit_processing.apply_token_bitmask`).
 """
 
 from __future__ import annotations

@@ -3,12 +3,12 @@
 Logits are computed only for the rows that need them: the last token of each request whose
 tokens are all computed after this step (it gets a next token), and prompt positions whose
 logprobs were asked for. Rows of requests with a grammar are masked to the tokens it allows.
+The batch becomes tensors in `step_inputs`; what a step hands back is in `step_result`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -18,99 +18,24 @@ from radixlm.runtime.attention.backend import AttentionBackend, ForwardBatch
 from radixlm.runtime.attention.kv_cache import KVCache
 from radixlm.runtime.execution import sampler, speculative
 from radixlm.runtime.execution.grammar_masks import BatchBitmask, draft_masks
+from radixlm.runtime.execution.logit_processing import (
+    apply_logit_bias,
+    apply_penalties,
+    apply_token_bitmask,
+    mask_tokens,
+)
+from radixlm.runtime.execution.logprobs import compute_logprobs
+from radixlm.runtime.execution.step_inputs import (
+    StepInputs,
+    collect_inputs,
+    device_batch,
+    one_row_per_token,
+)
+from radixlm.runtime.execution.step_result import LaunchedStep, StepResult, token_logprobs
 from radixlm.runtime.models.llama import LlamaForCausalLM
 from radixlm.runtime.scheduling.pages import ReqToTokenTable
-from radixlm.runtime.scheduling.request import Request, TokenLogprob
+from radixlm.runtime.scheduling.request import Request
 from radixlm.runtime.scheduling.scheduler import ScheduledBatch
-
-
-@dataclass
-class StepResult:
-    # Requests that got a next token this step, with it and (if asked) its logprob.
-    sampled: list[Request] = field(default_factory=list)
-    next_tokens: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob | None] = field(default_factory=list)
-    # Prompt logprobs computed this step: request -> [(prompt position, logprob)].
-    prompt_logprobs: dict[Request, list[tuple[int, TokenLogprob]]] = field(default_factory=dict)
-    # Requests whose grammar failed this step, with why; their sampled token is not used.
-    failed: dict[Request, Exception] = field(default_factory=dict)
-    # Speculating requests: the tokens verification emits (accepted drafts, then one more),
-    # and their logprobs for requests that asked.
-    verified: dict[Request, list[int]] = field(default_factory=dict)
-    verified_logprobs: dict[Request, list[TokenLogprob]] = field(default_factory=dict)
-
-
-class LaunchedStep:
-    """A step whose device work is queued. `tokens` (device) can feed a following step
-    before the host has seen them; `result()` waits for this step alone (not for steps queued
-    after it) and reads what it produced back to the host."""
-
-    def __init__(self, scheduled: ScheduledBatch, device: torch.device) -> None:
-        self.scheduled = scheduled
-        self.device = device
-        self.sampled: list[Request] = []
-        self.tokens: torch.Tensor | None = None  # [len(sampled)] on the device
-        self.failed: dict[Request, Exception] = {}
-        self.verified: dict[Request, list[int]] = {}
-        self.verified_logprobs: dict[Request, list[TokenLogprob]] = {}
-        self._logprobs: tuple | None = None  # (chosen, top values, top ids) for sampled rows
-        self._prompt: tuple | None = None  # (rows, targets, chosen, top values, top ids)
-        self._host_tokens: torch.Tensor | None = None
-        self._done: torch.cuda.Event | None = None
-
-    def send_home(self) -> None:
-        """Start copying the outputs to pinned host memory; remember when they have landed."""
-        if self.device.type != "cuda":
-            return
-
-        def home(t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None:
-                return None
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            return host.copy_(t, non_blocking=True)
-        self._host_tokens = home(self.tokens)
-        if self._logprobs is not None:
-            self._logprobs = tuple(home(t) for t in self._logprobs)
-        if self._prompt is not None:
-            rows, *tensors = self._prompt
-            self._prompt = (rows, *(home(t) for t in tensors))
-        self._done = torch.cuda.Event()
-        self._done.record()
-
-    def result(self) -> StepResult:
-        if self._done is not None:
-            self._done.synchronize()
-            tokens = self._host_tokens
-        else:
-            tokens = self.tokens
-        result = StepResult(failed=self.failed, verified=self.verified,
-                            verified_logprobs=self.verified_logprobs)
-        if tokens is not None:
-            result.sampled = self.sampled
-            result.next_tokens = tokens.tolist()
-            result.logprobs = ([None] * len(self.sampled) if self._logprobs is None else
-                               _entries(self.sampled, tokens, *self._logprobs))
-        if self._prompt is not None:
-            rows, targets, chosen, top_vals, top_ids = self._prompt
-            requests = [r for r, _, _ in rows]
-            for (request, _, position), entry in zip(
-                    rows, _entries(requests, targets, chosen, top_vals, top_ids)):
-                result.prompt_logprobs.setdefault(request, []).append((position + 1, entry))
-        return result
-
-
-class StepInputs(NamedTuple):
-    """A step's inputs on the host: flat token rows, and per-sequence rows and lengths."""
-
-    input_ids: list[int]
-    positions: list[int]
-    rows: list[int]  # slot-table row of each sequence
-    q_lens: list[int]
-    kv_lens: list[int]
-    sample_rows: list[tuple[Request, int]]  # (request, flat token index)
-    prompt_rows: list[tuple[Request, int, int]]  # (request, flat index, position)
-    # Speculating requests: (request, flat index of its first token); its drafts follow.
-    verify_rows: list[tuple[Request, int]]
 
 
 class ModelRunner:
@@ -134,12 +59,12 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, scheduled: ScheduledBatch) -> LaunchedStep:
         """Queue one step's forward and sampling on the device; nothing here waits for it."""
-        inputs = self._collect(scheduled)
+        inputs = collect_inputs(scheduled)
         sample_rows, prompt_rows = inputs.sample_rows, inputs.prompt_rows
         pending = scheduled.pending_tokens
         graphs = self.cuda_graphs
         token_rows = (None if graphs is None or prompt_rows
-                      else _one_row_per_token(scheduled, inputs, graphs.max_bs))
+                      else one_row_per_token(scheduled, inputs, graphs.max_bs))
         batch = None
         if token_rows is not None:
             hidden = graphs.forward(*token_rows, pending)
@@ -164,62 +89,8 @@ class ModelRunner:
         step.send_home()
         return step
 
-    def _collect(self, scheduled: ScheduledBatch) -> StepInputs:
-        ids: list[int] = []
-        positions: list[int] = []
-        rows: list[int] = []
-        q_lens, kv_lens = [], []
-        sample_rows: list[tuple[Request, int]] = []  # (request, flat token index)
-        prompt_rows: list[tuple[Request, int, int]] = []  # (request, flat index, position)
-        verify_rows: list[tuple[Request, int]] = []
-        follows = scheduled.pending_tokens is not None
-        for request, count in zip(scheduled.requests, scheduled.num_new_tokens):
-            # A step that follows one still on the device computes the token that step is
-            # sampling: it is not in token_ids yet, and sits at position len(token_ids).
-            start = len(request.token_ids) if follows else request.num_computed_tokens
-            end = start + count
-            flat = len(ids)
-            drafts = request.draft_tokens
-            if follows:
-                ids.append(0)  # the device fills in the pending token
-            elif drafts:  # its one uncomputed token, then the drafts to verify
-                ids.extend(request.token_ids[start:])
-                ids.extend(drafts)
-                verify_rows.append((request, flat))
-            else:
-                ids.extend(request.token_ids[start:end])
-            positions.extend(range(start, end))
-            rows.append(request.table_row)
-            q_lens.append(count)
-            kv_lens.append(end)
-            if not drafts and (follows or end == len(request.token_ids)):
-                sample_rows.append((request, flat + count - 1))
-            first = request.prompt_logprob_start
-            if first is not None:
-                # Hidden state at position p scores prompt token p + 1.
-                for p in range(max(start, first - 1, 0), min(end, request.prompt_len - 1)):
-                    prompt_rows.append((request, flat + p - start, p))
-        return StepInputs(ids, positions, rows, q_lens, kv_lens, sample_rows, prompt_rows,
-                          verify_rows)
-
     def _device_batch(self, inputs: StepInputs, pending: torch.Tensor | None) -> ForwardBatch:
-        device = self.device
-        # One copy for the three index lists; the views below slice it.
-        num, seqs = len(inputs.input_ids), len(inputs.rows)
-        packed = to_device(inputs.input_ids + inputs.positions + inputs.rows + inputs.q_lens,
-                           torch.int64, device)
-        input_ids, positions_t, rows_t, q_lens_t = packed.split([num, num, seqs, seqs])
-        # output_size: the length is known here, so repeat_interleave need not ask the GPU.
-        token_rows = torch.repeat_interleave(rows_t, q_lens_t, output_size=num)
-        return ForwardBatch(
-            input_ids=input_ids if pending is None else pending,
-            positions=positions_t,
-            q_lens=inputs.q_lens,
-            kv_lens=inputs.kv_lens,
-            out_slots=self.table.table[token_rows, positions_t],
-            slot_table=self.table.table[rows_t, : max(inputs.kv_lens)],
-            kv_cache=self.kv_cache,
-        )
+        return device_batch(inputs, pending, self.table, self.kv_cache, self.device)
 
     def _sample(self, hidden: torch.Tensor, rows: list[tuple[Request, int]],
                 step: LaunchedStep) -> None:
@@ -245,19 +116,19 @@ class ModelRunner:
                                              self.vocab_size, self.device)
         logits = raw
         if sbatch.needs_penalties:
-            logits = sampler.apply_penalties(logits, sbatch, [r.prompt_ids for r in requests],
+            logits = apply_penalties(logits, sbatch, [r.prompt_ids for r in requests],
                                              [r.output_ids for r in requests])
         logits = _biased(logits, requests)
         banned_rows, banned_ids = _min_token_bans(requests,
                                                   [r.num_output_tokens for r in requests])
         if banned_rows:
-            logits = sampler.mask_tokens(logits, banned_rows, banned_ids)
+            logits = mask_tokens(logits, banned_rows, banned_ids)
         if constrained:
-            logits = sampler.apply_token_bitmask(logits, constrained, masks)
+            logits = apply_token_bitmask(logits, constrained, masks)
         tokens = sampler.sample(logits, sbatch)
         if any(p.wants_logprobs for p in params):
             top_n = max(p.top_logprobs_num for p in params)
-            step._logprobs = sampler.compute_logprobs(raw, tokens, top_n)
+            step.logprob_tensors = compute_logprobs(raw, tokens, top_n)
         step.sampled = requests
         step.tokens = tokens
 
@@ -281,20 +152,20 @@ class ModelRunner:
             penalties = sampler.SamplingBatch.build([r.params for r in per_row],
                                                     [None] * len(per_row), self.vocab_size,
                                                     self.device)
-            logits = sampler.apply_penalties(
+            logits = apply_penalties(
                 logits, penalties, [r.prompt_ids for r in per_row],
                 [r.output_ids + r.draft_tokens[:d] for r, d in zip(per_row, drafted)])
         logits = _biased(logits, per_row)
         banned_rows, banned_ids = _min_token_bans(
             per_row, [r.num_output_tokens + d for r, d in zip(per_row, drafted)])
         if banned_rows:
-            logits = sampler.mask_tokens(logits, banned_rows, banned_ids)
+            logits = mask_tokens(logits, banned_rows, banned_ids)
         constrained = [b for b, r in enumerate(requests) if r.grammar is not None]
         if constrained:  # each position under the grammar state the drafts before it reach
             masks = np.concatenate([self._draft_masks(requests[b], k, step)
                                     for b in constrained])
             flat_rows = [b * (k + 1) + j for b in constrained for j in range(k + 1)]
-            logits = sampler.apply_token_bitmask(
+            logits = apply_token_bitmask(
                 logits, flat_rows, to_device(torch.from_numpy(masks.view(np.int32)), torch.int32,
                                              self.device))
         logits = logits.view(len(rows), k + 1, self.vocab_size)
@@ -317,7 +188,7 @@ class ModelRunner:
         if any(r.params.wants_logprobs for r in requests):  # of the model's own distribution
             tokens = verified.output_tokens.clamp_min(0).reshape(-1)
             top_n = max(r.params.top_logprobs_num for r in requests)
-            entries = _entries(per_row, tokens, *sampler.compute_logprobs(raw, tokens, top_n))
+            entries = token_logprobs(per_row, tokens, *compute_logprobs(raw, tokens, top_n))
             step.verified_logprobs = {
                 r: entries[b * (k + 1): b * (k + 1) + len(emitted[b])]
                 for b, r in enumerate(requests) if r.params.wants_logprobs}
@@ -344,7 +215,7 @@ class ModelRunner:
         targets = to_device([r.token_ids[p + 1] for r, _, p in rows], torch.int64, self.device)
         raw = self.model.compute_logits(hidden[index])
         top_n = max(r.params.top_logprobs_num for r, _, _ in rows)
-        step._prompt = (rows, targets, *sampler.compute_logprobs(raw, targets, top_n))
+        step.prompt_tensors = (rows, targets, *compute_logprobs(raw, targets, top_n))
 
 
 def _plain_greedy(requests: Sequence[Request]) -> bool:
@@ -363,7 +234,7 @@ def _biased(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
     rows = [i for i, r in enumerate(requests) if r.params.logit_bias]
     if not rows:
         return logits
-    return sampler.apply_logit_bias(logits, rows, [requests[i].params.logit_bias for i in rows])
+    return apply_logit_bias(logits, rows, [requests[i].params.logit_bias for i in rows])
 
 
 def _min_token_bans(requests: list[Request], num_outputs: list[int]
@@ -378,37 +249,3 @@ def _min_token_bans(requests: list[Request], num_outputs: list[int]
             ids.append((() if params.ignore_eos else tuple(request.eos_token_ids))
                        + params.stop_token_ids)
     return rows, ids
-
-
-def _one_row_per_token(scheduled: ScheduledBatch, inputs: StepInputs, limit: int):
-    """A step of decode tokens and speculative verifications as one decode row per token,
-    the form CUDA graphs replay: (requests, input ids, positions, slot-table rows, kv lens),
-    or None when a prefill chunk is in it or it has more than `limit` tokens.
-
-    Draft position j of a sequence becomes a row of its own whose context ends at that
-    position. Each layer stores the K/V of every new token before attention reads any, so
-    these rows attend exactly as the causal verify step would."""
-    if len(inputs.input_ids) > limit:
-        return None
-    requests, rows, kv_lens = [], [], []
-    for request, row, q_len, kv_len in zip(scheduled.requests, inputs.rows, inputs.q_lens,
-                                           inputs.kv_lens):
-        if q_len > 1 and not request.draft_tokens:
-            return None
-        requests.extend([request] * q_len)
-        rows.extend([row] * q_len)
-        kv_lens.extend(range(kv_len - q_len + 1, kv_len + 1))
-    return requests, inputs.input_ids, inputs.positions, rows, kv_lens
-
-
-def _entries(requests: list[Request], tokens: torch.Tensor, chosen: torch.Tensor,
-             top_vals: torch.Tensor | None, top_ids: torch.Tensor | None) -> list[TokenLogprob]:
-    tokens_l, chosen_l = tokens.tolist(), chosen.tolist()
-    vals_l = top_vals.tolist() if top_vals is not None else None
-    ids_l = top_ids.tolist() if top_ids is not None else None
-    out = []
-    for i, request in enumerate(requests):
-        k = request.params.top_logprobs_num
-        top = list(zip(ids_l[i][:k], vals_l[i][:k])) if k and ids_l is not None else None
-        out.append(TokenLogprob(tokens_l[i], chosen_l[i], top))
-    return out

@@ -2,7 +2,7 @@
 
 - spec.py: the grammar fields of SamplingParams and their cheap checks at submission
   (regex_check.py, schema_check.py, stop_regex.py for `stop_regex`);
-- engine.py: the interface every grammar engine implements;
+- interface.py: what every grammar engine implements, and its errors;
 - llguidance_engine.py: the default engine;
 - outlines/: outlines-core, the alternative (killable compile workers, schema -> regex,
   per-state masks and jump-forward);
@@ -17,14 +17,14 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from radixlm.runtime.grammar.engine import GrammarEngine
+from radixlm.runtime.grammar.interface import GrammarEngine
 from radixlm.runtime.grammar.spec import GrammarSpec, check_grammar_fields, choices_regex
 
 # name -> (module, class). Imported on first use: llguidance's engine loads torch, which the
 # HTTP process and the request checks in `spec` do not need.
 ENGINES = {
     "llguidance": ("radixlm.runtime.grammar.llguidance_engine", "LLGuidanceEngine"),
-    "outlines": ("radixlm.runtime.grammar.outlines.engine", "OutlinesEngine"),
+    "outlines": ("radixlm.runtime.grammar.outlines.outlines_engine", "OutlinesEngine"),
 }
 
 

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from radixlm.runtime.grammar.engine import (
+from radixlm.runtime.grammar.interface import (
     CompiledGrammar,
     GrammarCompileError,
     GrammarEngine,

@@ -18,11 +18,11 @@ from torch import nn
 
 from radixlm.runtime.attention.backend import AttentionBackend, ForwardBatch
 from radixlm.runtime.distributed.groups import TPInfo
-from radixlm.runtime.models.config import ModelConfig
 from radixlm.runtime.models.layers.embedding import VocabEmbedding
 from radixlm.runtime.models.layers.linear import Linear, MergedLinear
 from radixlm.runtime.models.layers.moe import FusedMoE
-from radixlm.runtime.models.quantization.config import QuantConfig
+from radixlm.runtime.models.model_config import ModelConfig
+from radixlm.runtime.models.quantization.quant_config import QuantConfig
 
 # A checkpoint tensor as the loader routes it: (our parameter name, shard id, tensor).
 Routed = tuple[str, Any, Any]

@@ -19,24 +19,24 @@ import torch
 from torch import nn
 
 from radixlm.runtime.distributed.groups import TPInfo
-from radixlm.runtime.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from radixlm.runtime.models.gguf_loader import TYPES_METADATA
 from radixlm.runtime.models.layers.linear import Linear, use_small_batch_gemv
 from radixlm.runtime.models.layers.moe import FusedMoE
 from radixlm.runtime.models.layers.norm import RMSNorm
+from radixlm.runtime.models.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from radixlm.runtime.models.presets import ARCHITECTURE_PRESETS
 from radixlm.runtime.models.quantization.block_fp8 import (
     BlockFp8,
     block_fp8_format,
     dequantized_tensors,
 )
-from radixlm.runtime.models.quantization.config import (
+from radixlm.runtime.models.quantization.cpu_weights import CpuWeights, batch_copies_fit
+from radixlm.runtime.models.quantization.gguf_blocks import GGUFBlocks
+from radixlm.runtime.models.quantization.quant_config import (
     QUANTIZED_LINEARS,
     QuantConfig,
     resolve_quant_config,
 )
-from radixlm.runtime.models.quantization.cpu_weights import CpuWeights, batch_copies_fit
-from radixlm.runtime.models.quantization.gguf_blocks import GGUFBlocks
 from radixlm.runtime.models.registry import model_class
 
 log = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Iterator
 
-from radixlm.runtime.models.layers.weights import narrow, tensor_shape
 from radixlm.runtime.models.llama import LlamaForCausalLM
+from radixlm.runtime.models.weights.loading import narrow, tensor_shape
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):

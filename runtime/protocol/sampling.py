@@ -80,15 +80,15 @@ def fit_context(params: SamplingParams, prompt_len: int, max_model_len: int,
     """Refuse a prompt (or prompt + explicit max tokens) beyond the context; clip a default
     max_new_tokens to what is left."""
     check_prompt_len(prompt_len, max_model_len, prompt_param)
-    room = max_model_len - prompt_len
-    if params.max_new_tokens <= room:
+    allowed = params.remaining_new_tokens(0, prompt_len, max_model_len)
+    if allowed == params.max_new_tokens:
         return params
     if explicit_max:
         raise bad(f"the prompt ({prompt_len} tokens) plus {max_param} "
                   f"({params.max_new_tokens}) exceeds this model's context of {max_model_len} "
                   f"tokens", max_param, "context_length_exceeded")
-    return params.replace(max_new_tokens=room,
-                          min_new_tokens=min(params.min_new_tokens, room))
+    return params.replace(max_new_tokens=allowed,
+                          min_new_tokens=min(params.min_new_tokens, allowed))
 
 
 def check_prompt_len(prompt_len: int, max_model_len: int, param: str) -> None:

@@ -1,7 +1,7 @@
 """One replica's side of `radixlm serve --dp N`: what runs inside its Ray actor (loading the
 engine, serving the engine process's pipe protocol over the actor's channel) and, in the front
 end, `ReplicaClient`: an `EngineClient` whose pipe is the replica's Ray handle
-(distributed/replicas.py), which notices the replica's loss, waits for Ray to restart it and
+(replicas/ray_actors.py), which notices the replica's loss, waits for Ray to restart it and
 stops it so that no thread of ours is inside a Ray call when Ray shuts down.
 """
 

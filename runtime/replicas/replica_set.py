@@ -1,8 +1,8 @@
-"""`radixlm serve --dp N`: N engine replicas (Ray actors, see distributed/replicas.py) behind
+"""`radixlm serve --dp N`: N engine replicas (Ray actors, see replicas/ray_actors.py) behind
 the one HTTP front end, each with its own KV pool and radix cache.
 
 `ReplicaSet` has the methods of `EngineClient`, so the routes, the watchdog and the shutdown
-path use it unchanged. Each request goes where the router (distributed/routing.py) sends it,
+path use it unchanged. Each request goes where the router (replicas/routing.py) sends it,
 given each replica's load (its requests in flight, known exactly here). A replica speaks the
 engine process's pipe protocol (the same `_EngineServer` runs inside the actor), so its client
 is an `EngineClient` whose pipe is a Ray handle (replica_client.py).

@@ -140,9 +140,10 @@ class Request:
 
     @property
     def remaining_new_tokens(self) -> int:
-        """Tokens this request may still generate, at most."""
-        return max(0, min(self.params.max_new_tokens - self.num_output_tokens,
-                          self.max_total_len - len(self.token_ids)))
+        """Tokens this request may still generate, at most: the length rule
+        (SamplingParams.remaining_new_tokens) for its tokens so far; 0 when it is done."""
+        return self.params.remaining_new_tokens(self.num_output_tokens, len(self.token_ids),
+                                                self.max_total_len)
 
     @property
     def num_uncomputed(self) -> int:

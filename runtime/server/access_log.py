@@ -5,7 +5,7 @@ of engine statistics while there is work (the lines vLLM and SGLang users read).
     radixlm.access: POST /v1/chat/completions 400 0.002s error="messages[0].content is ..."
     radixlm.server: engine: 3 running, 0 waiting, KV 12% used, 41.5 generated tok/s, ...
 
-The routes do not pass token counts around for this: each `Generation` registers itself with
+The routes do not pass token counts around for this: each `HttpGeneration` registers itself with
 the request being handled (a context variable the middleware sets), and the access line sums
 what they produced once the response, streamed or not, has been sent.
 """

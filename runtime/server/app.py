@@ -30,7 +30,7 @@ from aiohttp import web
 from radixlm.runtime.config.sampling_params import SamplingParams
 from radixlm.runtime.protocol.fields import ApiError
 from radixlm.runtime.server import access_log, native_routes, openai_routes
-from radixlm.runtime.server.generation import Generation
+from radixlm.runtime.server.generation import HttpGeneration
 from radixlm.runtime.server.state import ServerState
 from radixlm.runtime.server.web_util import STATE, error_response, json_response, state_of
 
@@ -167,8 +167,8 @@ async def health_generate(request: web.Request) -> web.Response:
     state.require_engine()
     bos = getattr(state.codec.tokenizer, "bos_token_id", None)
     prompt = [bos if isinstance(bos, int) else 0]
-    gen = Generation(state, [prompt], [SamplingParams(max_new_tokens=1, temperature=0)],
-                     [f"health-{uuid.uuid4().hex}"])
+    gen = HttpGeneration(state, [prompt], [SamplingParams(max_new_tokens=1, temperature=0)],
+                         [f"health-{uuid.uuid4().hex}"])
     try:
         async with gen:
             await asyncio.wait_for(gen.run(), HEALTH_GENERATE_TIMEOUT)

@@ -2,7 +2,7 @@
 their samples gathered as they come, metrics recorded, and everything aborted in the engine
 if the request ends early (the client went away, a handler failed, the server is draining).
 
-    async with Generation(state, prompts, params, keys) as gen:
+    async with HttpGeneration(state, prompts, params, keys) as gen:
         async for sample, chunk in gen.chunks():   # new tokens, as the engine makes them
             ...
         # gen.samples: every sample, finished, in (prompt, index) order
@@ -76,7 +76,7 @@ class _Sink(asyncio.Queue):
     rerunnable = False
 
 
-class Generation:
+class HttpGeneration:
     def __init__(self, state: ServerState, prompts: list[list[int]],
                  params: list[SamplingParams], keys: list[str],
                  cache_salt: str | None = None, group: str | None = None) -> None:
@@ -102,7 +102,7 @@ class Generation:
         self._pending = {key: p.n for key, p in zip(keys, params)}
         self._sink: _Sink = _Sink()
 
-    async def __aenter__(self) -> "Generation":
+    async def __aenter__(self) -> "HttpGeneration":
         self._admit()
         engine = self.state.engine
         rank = 0  # of this request's samples, for fair admission (Request.queue_rank)

@@ -15,7 +15,7 @@ from radixlm.runtime.protocol.fields import ApiError, Fields, bad
 from radixlm.runtime.protocol.sampling import check_prompt_len, fit_context
 from radixlm.runtime.protocol.tool_requests import for_template
 from radixlm.runtime.server import native_requests as native
-from radixlm.runtime.server.generation import Generation, abort_error, check_samples
+from radixlm.runtime.server.generation import HttpGeneration, abort_error, check_samples
 from radixlm.runtime.server.metrics import cache_hit_rate
 from radixlm.runtime.server.openai_requests import parse_messages
 from radixlm.runtime.server.state import ServerState
@@ -66,7 +66,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     req.params = [fit_context(p, len(ids), info.max_model_len, explicit, prompt_param,
                               "sampling_params.max_new_tokens")
                   for p, ids, explicit in zip(req.params, req.input_ids, req.explicit_max)]
-    gen = Generation(state, req.input_ids, req.params, req.keys, req.cache_salt)
+    gen = HttpGeneration(state, req.input_ids, req.params, req.keys, req.cache_salt)
     if req.stream:
         return await stream_events(request, _events(state, gen, req))
     async with gen:
@@ -80,7 +80,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     return json_response(results if req.batch or len(results) > 1 else results[0])
 
 
-async def _events(state: ServerState, gen: Generation,
+async def _events(state: ServerState, gen: HttpGeneration,
                   req: native.GenerateRequest) -> AsyncIterator[dict[str, Any]]:
     flat = {id(s): i for i, s in enumerate(gen.samples)}
     sent = dict.fromkeys(flat, 0)  # output logprobs already streamed, per sample
@@ -103,7 +103,7 @@ async def _events(state: ServerState, gen: Generation,
             yield event
 
 
-async def _logprob_texts(state: ServerState, gen: Generation,
+async def _logprob_texts(state: ServerState, gen: HttpGeneration,
                          req: native.GenerateRequest) -> dict[int, str]:
     if not (req.return_logprob and req.text_in_logprobs):
         return {}

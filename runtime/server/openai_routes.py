@@ -12,7 +12,7 @@ from radixlm.runtime.engine_process.messages import LogprobEntry
 from radixlm.runtime.protocol import reasoning, tool_formats, tool_requests
 from radixlm.runtime.protocol.fields import ApiError, bad
 from radixlm.runtime.protocol.sampling import fit_context
-from radixlm.runtime.server.generation import Generation, Sample, abort_error
+from radixlm.runtime.server.generation import HttpGeneration, Sample, abort_error
 from radixlm.runtime.server.openai_requests import OpenAIRequest, parse_chat, parse_completion
 from radixlm.runtime.server.state import ServerState
 from radixlm.runtime.server.web_util import json_response, read_json, state_of, stream_events
@@ -88,7 +88,7 @@ async def _respond(request: web.Request, state: ServerState, req: OpenAIRequest,
                           prompt_param, req.max_param) for ids in prompts]
     rid = f"{prefix}-{uuid.uuid4().hex}"
     keys = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
-    gen = Generation(state, prompts, params, keys, req.cache_salt, group=rid)
+    gen = HttpGeneration(state, prompts, params, keys, req.cache_salt, group=rid)
     head = {"id": rid, "object": kind, "created": int(time.time()), "model": state.model_name}
     render = _Renderer(state, req, kind == "chat.completion", tool_format)
     if req.stream:
@@ -102,7 +102,7 @@ async def _respond(request: web.Request, state: ServerState, req: OpenAIRequest,
     return json_response({**head, "choices": choices, "usage": gen.usage()})
 
 
-async def _events(gen: Generation, head: dict[str, Any], render: "_Renderer",
+async def _events(gen: HttpGeneration, head: dict[str, Any], render: "_Renderer",
                   req: OpenAIRequest) -> AsyncIterator[dict[str, Any]]:
     head = {**head, "object": head["object"] + (".chunk" if render.chat else "")}
     flat = {id(s): i for i, s in enumerate(gen.samples)}

@@ -22,6 +22,7 @@ from radixlm.runtime.attention.backend import AttentionBackend, ForwardBatch
 from radixlm.runtime.attention.kv_cache import KVCache
 from radixlm.runtime.execution import sampler
 from radixlm.runtime.execution.grammar_masks import draft_masks
+from radixlm.runtime.execution.logit_processing import apply_token_bitmask
 from radixlm.runtime.execution.speculative.verify import sampling_probs
 from radixlm.runtime.models.llama import LlamaForCausalLM
 from radixlm.runtime.scheduling.pages import ReqToTokenTable
@@ -88,7 +89,7 @@ class DraftModel:
                     except Exception:  # not followed further (see _follow)
                         del following[b]
                 if masked:
-                    logits = sampler.apply_token_bitmask(
+                    logits = apply_token_bitmask(
                         logits, masked, to_device(torch.from_numpy(
                             np.concatenate(masks).view(np.int32)), torch.int32, device))
                 tokens = sampler.sample(logits, sbatch)

@@ -1,8 +1,8 @@
 """A grammar compile worker: a child process that turns a grammar (a regex, or a JSON schema
 expanded into one here) into an outlines-core index.
 
-Run as a script (`python compile_worker.py <memory limit in bytes>`), so it imports nothing from the
-engine but the grammar package's pure-Python schema code. Compiling runs in its own process
+Run as a script (`python compile_worker.py <memory limit in bytes>`), so it imports nothing
+from the engine but the grammar package's pure-Python schema code. Compiling runs in its own process
 so that one that takes too long or too much memory can be killed (or dies alone) without
 touching the engine.
 

@@ -27,7 +27,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from radixlm.runtime.grammar.engine import GrammarCompileError
+from radixlm.runtime.grammar.interface import GrammarCompileError
 from radixlm.runtime.grammar.outlines import compile_worker
 from radixlm.runtime.grammar.outlines.matcher import OutlinesGrammar
 from radixlm.runtime.grammar.outlines.vocabulary import TokenVocabulary

@@ -1,5 +1,5 @@
 """outlines-core's compiled grammar (shared by every request using it) and a request's
-position in it, behind the grammar-engine interface (engine.py).
+position in it, behind the grammar-engine interface (grammar/interface.py).
 
 The token index maps an automaton state to the tokens allowed there and the state each one
 leads to. Per state we cache, lazily and once for all requests:
@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-from radixlm.runtime.grammar.engine import CompiledGrammar, GrammarError, GrammarMatcher
+from radixlm.runtime.grammar.interface import CompiledGrammar, GrammarError, GrammarMatcher
 from radixlm.runtime.grammar.outlines.jump_forward import forced_tokens
 from radixlm.runtime.grammar.outlines.vocabulary import TokenVocabulary
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlm.runtime.distributed.groups import TPInfo, all_gather_last, all_gather_rows, all_reduce
-from radixlm.runtime.models.layers.weights import copy_weight, narrow
+from radixlm.runtime.models.weights.loading import copy_weight, narrow
 
 
 class VocabEmbedding(nn.Module):

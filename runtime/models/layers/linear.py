@@ -12,17 +12,15 @@ products with an all-reduce. Sizes given to the constructors are always this ran
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from radixlm.runtime.distributed.groups import all_reduce
-from radixlm.runtime.models.layers.weights import copy_weight, narrow, tensor_shape
-
-if TYPE_CHECKING:
-    from radixlm.runtime.models.quantization.config import QuantConfig
+from radixlm.runtime.models.quantization import QuantConfig, create_linear_method
+from radixlm.runtime.models.weights.loading import copy_weight, narrow, tensor_shape
 
 
 @dataclass(frozen=True)
@@ -74,8 +72,8 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype),
                                        requires_grad=False)
         else:
-            self.quant_method = quant.linear_method(in_features, self.output_sizes,
-                                                    dtype or torch.get_default_dtype())
+            self.quant_method = create_linear_method(quant, in_features, self.output_sizes,
+                                                     dtype or torch.get_default_dtype())
             self.quant_method.create_weights(self)
             if shard is not None and set(self.quant_method.specs) - _SHARDABLE_QUANT_PARAMS:
                 raise ValueError(

@@ -15,7 +15,7 @@ from torch import nn
 
 from radixlm.runtime.distributed.groups import TPInfo
 from radixlm.runtime.models.layers.linear import Linear, LinearShard, MergedLinear
-from radixlm.runtime.models.quantization.config import QuantConfig
+from radixlm.runtime.models.quantization.quant_config import QuantConfig
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:

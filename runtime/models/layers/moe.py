@@ -29,14 +29,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlm.runtime.distributed.groups import TPInfo, all_reduce
-from radixlm.runtime.models.layers.weights import copy_weight, materialize, narrow
-from radixlm.runtime.models.quantization.config import QuantConfig
 from radixlm.runtime.models.quantization.experts import (
     dequantize_experts,
     expert_linear,
     quantize_experts,
     stored_dtype,
 )
+from radixlm.runtime.models.quantization.quant_config import QuantConfig
+from radixlm.runtime.models.weights.loading import copy_weight, materialize, narrow
 
 # Checkpoint part -> (parameter, index of the part in it).
 _PARTS = {"gate": ("w13", 0), "up": ("w13", 1), "down": ("w2", 0)}

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixlm.runtime.models.layers.weights import copy_weight
+from radixlm.runtime.models.weights.loading import copy_weight
 
 
 class RMSNorm(nn.Module):

@@ -28,7 +28,7 @@ from typing import Any, Iterator
 
 import torch
 
-from radixlm.runtime.models.layers.weights import materialize
+from radixlm.runtime.models.weights.loading import materialize
 
 FP8 = torch.float8_e4m3fn
 SCALE_SUFFIX = "_scale_inv"  # <linear>.weight -> <linear>.weight_scale_inv

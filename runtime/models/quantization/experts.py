@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from radixlm.runtime.models.quantization.config import QuantConfig
 from radixlm.runtime.models.quantization.fp8 import FP8, quantize_fp8_rows
+from radixlm.runtime.models.quantization.quant_config import QuantConfig
 
 EXPERT_METHODS = ("fp8", "int8")
 # Up to this many rows an int8 expert on the CPU runs torch's int8 weight-only kernel; beyond,

@@ -27,14 +27,14 @@ import functools
 import torch
 from torch import nn
 
-from radixlm.runtime.models.layers.weights import copy_weight
-from radixlm.runtime.models.quantization.base import (
+from radixlm.runtime.models.quantization.cpu_weights import CpuWeights
+from radixlm.runtime.models.quantization.linear_method import (
     LinearMethod,
     ParamSpec,
     RandomWeights,
     replace_parameter,
 )
-from radixlm.runtime.models.quantization.cpu_weights import CpuWeights
+from radixlm.runtime.models.weights.loading import copy_weight
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448

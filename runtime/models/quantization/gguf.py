@@ -16,14 +16,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from radixlm.runtime.models.quantization.base import (
+from radixlm.runtime.models.quantization.cpu_weights import CpuWeights
+from radixlm.runtime.models.quantization.gguf_blocks import GGUFBlocks
+from radixlm.runtime.models.quantization.linear_method import (
     LinearMethod,
     ParamSpec,
     RandomWeights,
     replace_parameter,
 )
-from radixlm.runtime.models.quantization.cpu_weights import CpuWeights
-from radixlm.runtime.models.quantization.gguf_blocks import GGUFBlocks
 
 
 class GGUFLinearMethod(LinearMethod):

@@ -19,16 +19,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from radixlm.runtime.models.quantization.base import (
-    LinearMethod,
-    ParamSpec,
-    RandomWeights,
-    replace_parameter,
-)
 from radixlm.runtime.models.quantization.int_weight import (
     IntWeight,
     attach_cpu_weights,
     int_weight_matmul,
+)
+from radixlm.runtime.models.quantization.linear_method import (
+    LinearMethod,
+    ParamSpec,
+    RandomWeights,
+    replace_parameter,
 )
 from radixlm.runtime.models.quantization.packing import (
     pack_gptq_weight,

@@ -10,17 +10,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from radixlm.runtime.models.quantization.base import (
-    LinearMethod,
-    ParamSpec,
-    RandomWeights,
-    replace_parameter,
-)
 from radixlm.runtime.models.quantization.int_weight import (
     IntWeight,
     attach_cpu_weights,
     from_group_quantized,
     int_weight_matmul,
+)
+from radixlm.runtime.models.quantization.linear_method import (
+    LinearMethod,
+    ParamSpec,
+    RandomWeights,
+    replace_parameter,
 )
 from radixlm.runtime.models.quantization.rtn import GroupQuantized
 

@@ -19,12 +19,12 @@ from typing import NamedTuple
 
 import torch
 
-from radixlm.runtime.models.quantization.base import replace_parameter
 from radixlm.runtime.models.quantization.cpu_weights import (
     CpuWeights,
     integer_planes,
     kernel_group,
 )
+from radixlm.runtime.models.quantization.linear_method import replace_parameter
 from radixlm.runtime.models.quantization.packing import pack_gptq_weight, unpack_gptq_weight
 from radixlm.runtime.models.quantization.rtn import GroupQuantized
 

@@ -14,7 +14,7 @@ import contextvars
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
-from radixlm.choices import ChoiceScores
+from radixlm.backends.choices import ChoiceScores
 from radixlm.runtime.config.sampling_params import SamplingParams
 
 

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from radixlm.runtime.models.quantization import awq_quantizer
-from radixlm.runtime.models.quantization.calibration import LayerwiseRunner, record_inputs
-from radixlm.runtime.models.quantization.gptq_quantizer import accumulate_hessian, gptq_quantize
 from radixlm.runtime.models.quantization.rtn import GroupQuantized, dequantize_groups, rtn_quantize
+from radixlm.runtime.quantize import awq_quantizer
+from radixlm.runtime.quantize.calibration import LayerwiseRunner, record_inputs
+from radixlm.runtime.quantize.gptq_quantizer import accumulate_hessian, gptq_quantize
 
 METHODS = ("rtn", "awq", "gptq")
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")

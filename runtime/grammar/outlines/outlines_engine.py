@@ -10,7 +10,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any
 
-from radixlm.runtime.grammar.engine import GrammarCompileError, GrammarEngine
+from radixlm.runtime.grammar.interface import GrammarCompileError, GrammarEngine
 from radixlm.runtime.grammar.outlines.compiler import GrammarCompiler
 from radixlm.runtime.grammar.outlines.vocabulary import build_vocabulary
 from radixlm.runtime.grammar.spec import GrammarSpec

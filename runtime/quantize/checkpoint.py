@@ -18,7 +18,7 @@ from torch import nn
 
 from radixlm.runtime.models.layers.linear import Linear
 from radixlm.runtime.models.quantization.packing import pack_awq, pack_gptq_weight, pack_gptq_zeros
-from radixlm.runtime.models.quantization.quantize import QuantizedLinear, QuantizeOptions
+from radixlm.runtime.quantize.model_quantizer import QuantizedLinear, QuantizeOptions
 
 FORMATS = ("awq", "gptq")
 # Our fused linear -> the checkpoint linears of its parts, in part order.

@@ -21,8 +21,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from radixlm.runtime.models.layers.weights import copy_weight
-from radixlm.runtime.models.quantization.config import QuantConfig
+from radixlm.runtime.models.quantization.quant_config import QuantConfig
+from radixlm.runtime.models.weights.loading import copy_weight
 
 # (shape, device) -> random float32 weights, for load_format="dummy".
 RandomWeights = Callable[[tuple[int, ...], torch.device], torch.Tensor]

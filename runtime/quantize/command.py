@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from radixlm.runtime.models.quantization.quantize import METHODS
+from radixlm.runtime.quantize.model_quantizer import METHODS
 
 
 def add_quantize_args(parser: argparse.ArgumentParser) -> None:
@@ -42,9 +42,9 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
 
 def run_quantize(args: argparse.Namespace) -> int:
     from radixlm.runtime.models.loader import ARCHITECTURE_PRESETS, load_model, resolve_model
-    from radixlm.runtime.models.quantization.calibration import calibration_text, token_windows
-    from radixlm.runtime.models.quantization.checkpoint import save_quantized
-    from radixlm.runtime.models.quantization.quantize import QuantizeOptions, quantize_model
+    from radixlm.runtime.quantize.calibration import calibration_text, token_windows
+    from radixlm.runtime.quantize.checkpoint import save_quantized
+    from radixlm.runtime.quantize.model_quantizer import QuantizeOptions, quantize_model
 
     options = QuantizeOptions(method=args.method, bits=args.bits, group_size=args.group_size,
                               sym=args.sym, desc_act=args.desc_act, damp=args.damp)

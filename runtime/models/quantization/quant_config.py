@@ -59,18 +59,6 @@ class QuantConfig:
         """The group size for a linear with this many input channels."""
         return in_features if self.group_size in (-1, 0) else self.group_size
 
-    def linear_method(self, in_features: int, output_sizes: list[int], params_dtype: Any):
-        """A fresh linear method (one per layer) that makes and runs this layer's weights."""
-        from radixlm.runtime.models.quantization.awq import AWQLinearMethod
-        from radixlm.runtime.models.quantization.fp8 import Fp8LinearMethod
-        from radixlm.runtime.models.quantization.gguf import GGUFLinearMethod
-        from radixlm.runtime.models.quantization.gptq import GPTQLinearMethod
-        from radixlm.runtime.models.quantization.int8 import Int8LinearMethod
-
-        cls = {"fp8": Fp8LinearMethod, "int8": Int8LinearMethod, "awq": AWQLinearMethod,
-               "gptq": GPTQLinearMethod, "gguf": GGUFLinearMethod}[self.method]
-        return cls(self, in_features, output_sizes, params_dtype)
-
 
 def resolve_quant_config(forced: str | None, hf_config: dict[str, Any],
                          dummy: bool = False, gguf_packable: bool = False
