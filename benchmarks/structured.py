@@ -242,7 +242,7 @@ class MaskTimer:
     constrained request's row in it): per step, and per token (the step's time over its rows)."""
 
     def __init__(self) -> None:
-        from radixlm.runtime.execution.grammar_masks import BatchBitmask
+        from radixlm.runtime.execution.sampling.grammar_masks import BatchBitmask
 
         self.cls = BatchBitmask
         self.steps: list[tuple[float, int]] = []  # (seconds, rows)

@@ -15,6 +15,7 @@ from typing import Any, Sequence, Union
 
 from radixlm.backends.choices import ChoicesMethod, token_length_normalized
 from radixlm.runtime.config.sampling_params import SamplingParams
+from radixlm.runtime.protocol.fields import ApiError, Fields
 
 # Friendlier names users know from the OpenAI API and SGLang's frontend, mapped onto the
 # runtime's one SamplingParams. Every other field keeps its SamplingParams name.
@@ -300,8 +301,7 @@ def tool_call(name: str | None = None, tools: Sequence[dict[str, Any]] = (),
     list of calls, {"id", "name", "arguments": dict} each ([] when the model answered with
     text, which is appended as usual). "required" and a named function are enforced by a
     grammar of the tools' schemas on rl.Engine and rl.RuntimeEndpoint."""
-    from radixlm.runtime.protocol.fields import ApiError, Fields
-    from radixlm.runtime.protocol.tool_requests import parse_tools
+    from radixlm.runtime.protocol.tool_requests import parse_tools  # loads jsonschema
 
     _check_name(name, "tool_call")
     choice = tool_choice

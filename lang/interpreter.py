@@ -34,6 +34,7 @@ from radixlm.expr import (
     VarScopeBegin,
     VarScopeEnd,
 )
+from radixlm.runtime.protocol import reasoning
 
 log = logging.getLogger(__name__)
 
@@ -265,10 +266,8 @@ class Interpreter:
                                       "arguments": c["function"]["arguments"]} for c in calls])
 
     def _separate_reasoning(self, expr: SeparateReasoning) -> None:
-        from radixlm.runtime.protocol.reasoning import split
-
         reply = self.vars[expr.name]
-        thought, answer = split(expr.parser, reply)
+        thought, answer = reasoning.split(expr.parser, reply)
         with self._cv:
             if self.text.endswith(reply):  # the gen's text is the last thing appended
                 self.text = self.text[:len(self.text) - len(reply)] + answer

@@ -309,3 +309,48 @@ def test_non_finite_sampling_values_are_refused(field):
     for value in (float("nan"), float("inf")):
         with pytest.raises(ValueError, match=field):
             SamplingParams(**{field: value})
+
+
+def test_remaining_new_tokens_is_one_rule_for_max_new_tokens_and_the_context():
+    from radixlm.runtime.protocol.sampling import fit_context
+    from radixlm.runtime.scheduling.request import Request
+
+    params = SamplingParams(max_new_tokens=5, min_new_tokens=4)
+    # (generated so far, tokens so far, context) -> what may still come
+    assert params.remaining_new_tokens(0, 3, 100) == 5
+    assert params.remaining_new_tokens(2, 5, 100) == 3
+    assert params.remaining_new_tokens(1, 98, 100) == 2  # the context is the tighter bound
+    assert params.remaining_new_tokens(5, 8, 100) == 0
+    assert params.remaining_new_tokens(0, 100, 100) == 0
+    request = Request("r", [1, 2, 3], params, frozenset(), None, lambda out: None,
+                      max_total_len=9)
+    assert request.remaining_new_tokens == 5
+    request.token_ids += [4, 5, 6, 7]
+    assert request.remaining_new_tokens == 1  # two generated: 3 more allowed, 2 fit
+    request.token_ids.append(8)
+    assert request.remaining_new_tokens == 0
+    # The server's context fit is the same rule before anything is generated.
+    assert fit_context(params, 3, 100, True, "prompt", "max_tokens") is params
+    clipped = fit_context(params, 97, 100, False, "prompt", "max_tokens")
+    assert (clipped.max_new_tokens, clipped.min_new_tokens) == (3, 3)
+
+
+def test_replace_checks_only_the_changed_fields(monkeypatch):
+    from radixlm.runtime.grammar import spec
+
+    params = SamplingParams(json_schema={"type": "object"}, stop="x", max_new_tokens=9)
+    calls = []
+    check = spec.check_grammar_fields
+    monkeypatch.setattr(spec, "check_grammar_fields", lambda *a: calls.append(a) or check(*a))
+    clipped = params.replace(max_new_tokens=4, min_new_tokens=2)
+    assert calls == []  # the schema was checked once, when params was built
+    assert (clipped.max_new_tokens, clipped.json_schema, clipped.stop) == (
+        4, '{"type":"object"}', ("x",))
+    assert params.replace(ebnf=None, json_schema=None, regex="a+").regex == "a+"
+    assert len(calls) == 1  # a changed grammar is checked
+    with pytest.raises(ValueError, match="min_new_tokens"):
+        params.replace(min_new_tokens=10)  # rules between fields still hold
+    with pytest.raises(ValueError, match="max_new_tokens must be an int"):
+        params.replace(max_new_tokens="4")
+    with pytest.raises(ValueError, match="regex and json_schema are exclusive"):
+        params.replace(regex="a")

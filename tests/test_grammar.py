@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from radixlm.runtime import SamplingParams
-from radixlm.runtime.execution.logit_processing import apply_token_bitmask
+from radixlm.runtime.execution.sampling.logit_processing import apply_token_bitmask
 from radixlm.runtime.grammar.outlines import json_regex as jr
 from radixlm.runtime.grammar.outlines.json_schema import json_object_regex, schema_to_regex
 from radixlm.runtime.grammar.outlines.matcher import OutlinesGrammar
@@ -290,7 +290,7 @@ def test_jump_forward_tokens_are_canonical_and_back_off(smol_vocab, smol_tokeniz
 
 @pytest.mark.parametrize("path", ["table", "shifts"])
 def test_apply_token_bitmask_matches_a_loop(path, monkeypatch):
-    from radixlm.runtime.execution import logit_processing
+    from radixlm.runtime.execution.sampling import logit_processing
 
     if path == "shifts":  # the GPU path, checked here on CPU
         monkeypatch.setattr(logit_processing, "_apply_by_byte_table",

@@ -14,7 +14,7 @@ from radixlm.runtime.attention import create_backend
 from radixlm.runtime.attention.kv_cache import KVCache, quantize_kv
 from radixlm.runtime.config.engine_config import EngineConfig
 from radixlm.runtime.engine.kv_sizing import pool_pages
-from radixlm.runtime.models.model_config import ModelConfig
+from radixlm.runtime.models.architecture.model_config import ModelConfig
 
 from conftest import save_tiny_hf_model
 from test_attention import make_batch

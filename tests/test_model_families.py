@@ -126,9 +126,9 @@ def test_greedy_matches_transformers_through_the_engine(tmp_path, family):
 def test_dummy_presets_match_transformers_parameter_counts(name):
     import transformers
 
-    from radixlm.runtime.models.model_config import ModelConfig
+    from radixlm.runtime.models.architecture.model_config import ModelConfig
     from radixlm.runtime.models.presets import ARCHITECTURE_PRESETS
-    from radixlm.runtime.models.registry import model_class
+    from radixlm.runtime.models.loader import model_class
 
     preset = ARCHITECTURE_PRESETS[name]
     config = ModelConfig.from_dict(preset)
@@ -176,7 +176,7 @@ def test_applied_windows_no_longer_cap_the_context():
     stops at a configured window."""
     from radixlm.runtime.config.engine_config import EngineConfig
     from radixlm.runtime.engine.kv_sizing import max_model_len
-    from radixlm.runtime.models.model_config import ModelConfig
+    from radixlm.runtime.models.architecture.model_config import ModelConfig
 
     base = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, max_position_embeddings=1024, sliding_window=8)
@@ -193,7 +193,7 @@ def test_applied_windows_no_longer_cap_the_context():
 
 
 def test_unknown_activation_is_refused():
-    from radixlm.runtime.models.model_config import ModelConfig
+    from radixlm.runtime.models.architecture.model_config import ModelConfig
 
     cfg = dict(architectures=["Gemma2ForCausalLM"], vocab_size=8, hidden_size=8,
                intermediate_size=8, num_hidden_layers=1, num_attention_heads=1,

@@ -163,7 +163,7 @@ def test_dummy_weights_have_the_right_shapes(tmp_path):
 def test_dummy_presets_have_the_public_parameter_counts(name, params):
     from radixlm.runtime.models.llama import LlamaForCausalLM
     from radixlm.runtime.models.loader import ARCHITECTURE_PRESETS
-    from radixlm.runtime.models.model_config import ModelConfig
+    from radixlm.runtime.models.architecture.model_config import ModelConfig
 
     config = ModelConfig.from_dict(ARCHITECTURE_PRESETS[name])
     with torch.device("meta"):  # shapes only, no memory

@@ -350,7 +350,7 @@ def test_compressed_tensors_variants_we_cannot_run_are_refused(change, message):
 
 
 def test_awq_and_gptq_moe_checkpoints_are_refused():
-    from radixlm.runtime.models.model_config import ModelConfig
+    from radixlm.runtime.models.architecture.model_config import ModelConfig
     from radixlm.runtime.models.moe import MoEForCausalLM
 
     from conftest import tiny_config

@@ -1,4 +1,4 @@
-"""Tests for radixlm.runtime.execution.sampler: exactness of greedy, distributional correctness of
+"""Tests for radixlm.runtime.execution.sampling.sampler: exactness of greedy, distributional correctness of
 sampling (chi-square goodness of fit), per-request seeded reproducibility, penalties, masks,
 logprobs."""
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from radixlm.runtime.config.sampling_params import SamplingParams
-from radixlm.runtime.execution.logit_processing import apply_penalties, mask_tokens
-from radixlm.runtime.execution.logprobs import compute_logprobs
-from radixlm.runtime.execution.sampler import SamplingBatch, sample
+from radixlm.runtime.execution.sampling.logit_processing import apply_penalties, mask_tokens
+from radixlm.runtime.execution.sampling.logprobs import compute_logprobs
+from radixlm.runtime.execution.sampling.sampler import SamplingBatch, sample
 
 CPU = torch.device("cpu")
 # A toy distribution over 8 tokens, deliberately not sorted so that index bookkeeping in the
@@ -418,7 +418,7 @@ def test_compute_logprobs_without_top_n_and_clamped() -> None:
 
 
 def test_logit_bias_adds_per_row_and_leaves_the_input_alone() -> None:
-    from radixlm.runtime.execution.logit_processing import apply_logit_bias
+    from radixlm.runtime.execution.sampling.logit_processing import apply_logit_bias
 
     logits = torch.zeros(3, 8)
     out = apply_logit_bias(logits, [0, 2], [((1, 5.0), (7, -100.0)), ((3, 2.5),)])

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixlm.runtime.config.sampling_params import SamplingParams
-from radixlm.runtime.execution.sampler import SamplingBatch, sample
+from radixlm.runtime.execution.sampling.sampler import SamplingBatch, sample
 from radixlm.runtime.execution.speculative import (
     PAD_TOKEN,
     AdaptiveK,

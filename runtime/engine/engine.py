@@ -1,18 +1,16 @@
 """The public offline engine: `Engine().generate(...)`, streaming, chat, abort, stats.
 
-The engine core runs in a background thread of the caller's process. Calls validate and
-tokenize in the caller's thread (so bad input raises before anything is queued), hand requests
-to the loop through a queue, and wait for results (or stream them to an asyncio loop).
+The engine core runs in a background thread of the caller's process (see engine_thread). Calls
+validate and tokenize in the caller's thread (so bad input raises before anything is queued),
+hand requests to that thread's loop through its inbox, and wait for results (or stream them to
+an asyncio loop).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import logging
 import queue
 import sys
-import threading
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 from tqdm.auto import tqdm
@@ -20,20 +18,14 @@ from tqdm.auto import tqdm
 from radixlm.runtime.config.engine_config import EngineConfig
 from radixlm.runtime.config.sampling_params import SamplingParams
 from radixlm.runtime.engine.engine_core import EngineCore
+from radixlm.runtime.engine.engine_thread import EngineThread
+from radixlm.runtime.engine.model_loading import load_engine_models
 from radixlm.runtime.engine.request_factory import RequestFactory
-from radixlm.runtime.models.loader import (
-    ARCHITECTURE_PRESETS,
-    LoadedModel,
-    declared_quantization,
-    load_model,
-)
-from radixlm.runtime.parallel.sharded import ShardedModel, TensorParallelGroup
+from radixlm.runtime.models.loader import declared_quantization
+from radixlm.runtime.parallel.sharded import TensorParallelGroup
 from radixlm.runtime.scheduling.request import Output, Request
 
-log = logging.getLogger(__name__)
-
 ParamsArg = SamplingParams | Mapping[str, Any] | None
-_STOP = object()
 
 
 class Engine:
@@ -53,26 +45,14 @@ class Engine:
         # shards while this one loads its own.
         self._tp = (TensorParallelGroup(self.config, self.device, self.dtype)
                     if self.config.tp_size > 1 else None)
-        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._closed = False
-        # Rounds of the engine loop so far: a watchdog on another thread reads it (with
-        # has_work) to tell a busy engine from a stalled one.
-        self.loop_rounds = 0
-        # The engine thread loads the model too, so that it is the only thread of ours that
-        # runs torch's parallel CPU work: OpenMP gives each such thread a pool of its own, and
-        # once the pools together hold more threads than there are cores, every worker stops
-        # spinning between parallel regions and each small op pays a futex wake-up (decode on
-        # 2 cores measured 55% slower).
-        built: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run_thread, args=(built,),
-                                        name="radixlm-engine", daemon=True)
-        self._thread.start()
-        failure = built.get()
-        if failure is not None:
-            self._thread.join()
+        try:
+            self._engine_thread = EngineThread(self._build_core, self._tp,
+                                               self.config.tp_timeout)
+        except BaseException:
             if self._tp is not None:
                 self._tp.shutdown(graceful=False)
-            raise failure
+            raise
+        self.core = self._engine_thread.core
         self.max_model_len = self.core.max_model_len
         self._factory = RequestFactory(self.tokenizer, self.model_config.vocab_size,
                                        frozenset(self._eos_ids()), self.max_model_len,
@@ -221,7 +201,7 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request (and its n samples); it finishes with finish_reason "abort"."""
-        self._inbox.put(("abort", request_id))
+        self._engine_thread.abort(request_id)
 
     def flush_cache(self) -> None:
         """Drop every cached prefix (e.g. after changing weights). Refused with a ValueError
@@ -236,11 +216,15 @@ class Engine:
         """Requests running or waiting (read from any thread: a snapshot)."""
         return self.core.has_work
 
+    @property
+    def loop_rounds(self) -> int:
+        """Rounds of the engine loop so far: a watchdog on another thread reads it (with
+        has_work) to tell a busy engine from a stalled one."""
+        return self._engine_thread.rounds
+
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._inbox.put(_STOP)
-            self._thread.join(timeout=30)
+        if not self._engine_thread.stopped:
+            self._engine_thread.stop()
             self.core.shutdown()
             if self._tp is not None:
                 self._tp.shutdown()
@@ -251,40 +235,14 @@ class Engine:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _build_core(self) -> None:
-        tp = self._tp
-        loaded = load_model(self.config.model, self.config.load_format, self.dtype,
-                            self.device, max_positions=self.config.max_model_len,
-                            seed=self.config.seed, quantization=self.config.quantization,
-                            tp=None if tp is None else tp.info, revision=self.config.revision,
-                            tokenizer=self.config.tokenizer,
-                            chat_template=self.config.chat_template)
-        self.model_config = loaded.config
-        self.tokenizer = loaded.tokenizer
-        # A draft model is not sharded: it runs on rank 0 only, on the host's side of the
-        # broadcasts (its steps involve no other rank).
-        draft = self._load_draft(loaded) if self.config.speculative == "draft" else None
-        if tp is not None:
-            # The core sizes and holds this rank's KV heads, and runs the model through the
-            # stand-in that sends each call to the other ranks first.
-            kv_heads = tp.info.kv_heads(loaded.config.num_kv_heads)[1]
-            loaded = dataclasses.replace(
-                loaded, model=ShardedModel(loaded.model, tp),
-                config=dataclasses.replace(loaded.config, num_kv_heads=kv_heads))
-        self.core = EngineCore(self.config, loaded, self.device, self.dtype, draft)
+    def _build_core(self) -> EngineCore:
+        """Load the models and build the core (on the engine thread)."""
+        models = load_engine_models(self.config, self.device, self.dtype, self._tp)
+        self.model_config = models.model_config
+        self.tokenizer = models.target.tokenizer
+        return EngineCore(self.config, models.target, self.device, self.dtype, models.draft)
 
     # -- building requests (caller's thread) --------------------------------------------------
-
-    def _load_draft(self, target: LoadedModel) -> LoadedModel:
-        name = self.config.draft_model
-        preset = self.config.load_format == "dummy" and name in ARCHITECTURE_PRESETS
-        draft = load_model(name, "dummy" if preset else "auto", self.dtype, self.device,
-                           max_positions=target.config.max_position_embeddings,
-                           seed=self.config.seed + 1)
-        if (draft.tokenizer is not None and target.tokenizer is not None
-                and draft.tokenizer.get_vocab() != target.tokenizer.get_vocab()):
-            raise ValueError(f"draft_model {name!r} does not share the target's tokenizer")
-        return draft
 
     def _normalize_prompts(self, prompt: Any, input_ids: Any) -> tuple[bool, list[list[int]]]:
         return self._factory.prompts(prompt, input_ids)
@@ -327,80 +285,11 @@ class Engine:
         return [outputs[r.request_id] for r in requests]
 
     def _call(self, fn: Callable[[EngineCore], Any]) -> Any:
-        """Run fn(core) on the engine thread (the core is not thread-safe); return its result
-        or raise its exception here."""
-        if self._closed:
-            raise RuntimeError("the engine is closed")
-        reply: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
-        self._inbox.put(("call", (fn, reply)))
-        ok, value = reply.get()
-        if not ok:
-            raise value
-        return value
-
-    # -- the engine thread --------------------------------------------------------------------
+        """Run fn(core) on the engine thread; return its result or raise its exception."""
+        return self._engine_thread.call(fn)
 
     def _submit(self, requests: list[Request]) -> None:
-        if self._closed:
-            raise RuntimeError("the engine is closed")
-        self._inbox.put(("add", requests))
-
-    def _run_thread(self, built: queue.SimpleQueue[BaseException | None]) -> None:
-        try:
-            self._build_core()
-        except BaseException as exc:
-            built.put(exc)
-            return
-        built.put(None)
-        self._loop()
-
-    def _loop(self) -> None:
-        core = self.core
-        # Idle tensor-parallel workers wait in a collective that times out: wake up to send
-        # them a heartbeat well within the timeout.
-        beat = None if self._tp is None else self.config.tp_timeout / 4
-        while True:
-            # Block only when idle; otherwise take what arrived and keep stepping.
-            try:
-                message = self._inbox.get(block=not core.has_work, timeout=beat)
-            except queue.Empty:
-                message = None
-            if beat is not None:  # sends only when nothing was sent for `beat` seconds
-                self._tp.heartbeat(beat)
-            while message is not None:
-                if message is _STOP:
-                    return
-                self._handle(message)
-                try:
-                    message = self._inbox.get_nowait()
-                except queue.Empty:
-                    message = None
-            core.expire_leases()
-            self.loop_rounds += 1
-            if core.has_work:
-                try:
-                    core.step()
-                except Exception as exc:  # a bug in postprocessing: fail the work, not the loop
-                    log.exception("engine step failed")
-                    for rid in list(core.requests):
-                        core.abort(rid, error=f"internal error: {exc}")
-
-    def _handle(self, message: tuple[str, Any]) -> None:
-        kind, payload = message
-        if kind == "add":
-            for request in payload:
-                self.core.add_request(request)
-        elif kind == "call":
-            fn, reply = payload
-            try:
-                reply.put((True, fn(self.core)))
-            except Exception as exc:
-                reply.put((False, exc))
-        elif kind == "abort":
-            if not self.core.abort(payload):
-                prefix = f"{payload}#"
-                for rid in [r for r in self.core.requests if r.startswith(prefix)]:
-                    self.core.abort(rid)
+        self._engine_thread.submit(requests)
 
 
 def _ignore(_: Output) -> None:

@@ -22,7 +22,7 @@ from radixlm.runtime.engine.execution_setup import ExecutionSetup
 from radixlm.runtime.engine.kv_sizing import max_model_len, pool_pages
 from radixlm.runtime.engine.overlap import follow_up_batch
 from radixlm.runtime.engine.structured_output import StructuredOutput
-from radixlm.runtime.execution.model_runner import LaunchedStep, StepResult
+from radixlm.runtime.execution.step_result import LaunchedStep, StepResult
 from radixlm.runtime.models.loader import LoadedModel
 from radixlm.runtime.scheduling.kv_manager import KVManager
 from radixlm.runtime.scheduling.leases import LeaseTable

@@ -13,7 +13,7 @@ import torch
 
 from radixlm.kernels.host_copy import to_device
 from radixlm.runtime.config.engine_config import EngineConfig
-from radixlm.runtime.execution.model_runner import LaunchedStep
+from radixlm.runtime.execution.step_result import LaunchedStep
 from radixlm.runtime.scheduling.kv_manager import KVManager
 from radixlm.runtime.scheduling.scheduler import ScheduledBatch, Scheduler
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from radixlm.runtime.config.engine_config import EngineConfig
 from radixlm.runtime.grammar import create_grammar_engine
-from radixlm.runtime.grammar.engine import GrammarCompileError, GrammarLimitError
+from radixlm.runtime.grammar.interface import GrammarCompileError, GrammarLimitError
 from radixlm.runtime.grammar.spec import GrammarSpec
 from radixlm.runtime.scheduling.request import Request
 

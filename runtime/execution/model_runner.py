@@ -16,15 +16,16 @@ import torch
 from radixlm.kernels.host_copy import to_device
 from radixlm.runtime.attention.backend import AttentionBackend, ForwardBatch
 from radixlm.runtime.attention.kv_cache import KVCache
-from radixlm.runtime.execution import sampler, speculative
-from radixlm.runtime.execution.grammar_masks import BatchBitmask, draft_masks
-from radixlm.runtime.execution.logit_processing import (
+from radixlm.runtime.execution import speculative
+from radixlm.runtime.execution.sampling import sampler
+from radixlm.runtime.execution.sampling.grammar_masks import BatchBitmask, draft_masks
+from radixlm.runtime.execution.sampling.logit_processing import (
     apply_logit_bias,
     apply_penalties,
     apply_token_bitmask,
     mask_tokens,
 )
-from radixlm.runtime.execution.logprobs import compute_logprobs
+from radixlm.runtime.execution.sampling.logprobs import compute_logprobs
 from radixlm.runtime.execution.step_inputs import (
     StepInputs,
     collect_inputs,

@@ -9,7 +9,7 @@
 - this file: the registry, `create_grammar_engine(name, ...)`.
 
 A library of its own: it imports nothing else of the runtime. The batch masks that the model
-runner applies are built in `radixlm.runtime.execution.grammar_masks`.
+runner applies are built in `radixlm.runtime.execution.sampling.grammar_masks`.
 """
 
 from __future__ import annotations

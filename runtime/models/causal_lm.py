@@ -18,10 +18,10 @@ from torch import nn
 
 from radixlm.runtime.attention.backend import AttentionBackend, ForwardBatch
 from radixlm.runtime.distributed.groups import TPInfo
+from radixlm.runtime.models.architecture.model_config import ModelConfig
 from radixlm.runtime.models.layers.embedding import VocabEmbedding
 from radixlm.runtime.models.layers.linear import Linear, MergedLinear
 from radixlm.runtime.models.layers.moe import FusedMoE
-from radixlm.runtime.models.model_config import ModelConfig
 from radixlm.runtime.models.quantization.quant_config import QuantConfig
 
 # A checkpoint tensor as the loader routes it: (our parameter name, shard id, tensor).

@@ -24,13 +24,13 @@ from torch import nn
 
 from radixlm.runtime.attention.backend import AttentionBackend, ForwardBatch, LayerAttention
 from radixlm.runtime.distributed.groups import TPInfo
+from radixlm.runtime.models.architecture.model_config import ModelConfig
 from radixlm.runtime.models.causal_lm import CausalLM
 from radixlm.runtime.models.layers.embedding import VocabEmbedding
 from radixlm.runtime.models.layers.mlp import GatedMLP
 from radixlm.runtime.models.layers.norm import OffsetRMSNorm
 from radixlm.runtime.models.layers.rotary import RotaryEmbedding
 from radixlm.runtime.models.layers.self_attention import SelfAttention
-from radixlm.runtime.models.model_config import ModelConfig
 from radixlm.runtime.models.quantization.quant_config import QuantConfig
 
 

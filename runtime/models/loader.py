@@ -19,11 +19,12 @@ import torch
 from torch import nn
 
 from radixlm.runtime.distributed.groups import TPInfo
+from radixlm.runtime.models.architecture.families import FAMILIES
+from radixlm.runtime.models.architecture.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from radixlm.runtime.models.gguf_loader import TYPES_METADATA
 from radixlm.runtime.models.layers.linear import Linear, use_small_batch_gemv
 from radixlm.runtime.models.layers.moe import FusedMoE
 from radixlm.runtime.models.layers.norm import RMSNorm
-from radixlm.runtime.models.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from radixlm.runtime.models.presets import ARCHITECTURE_PRESETS
 from radixlm.runtime.models.quantization.block_fp8 import (
     BlockFp8,
@@ -37,7 +38,6 @@ from radixlm.runtime.models.quantization.quant_config import (
     QuantConfig,
     resolve_quant_config,
 )
-from radixlm.runtime.models.registry import model_class
 
 log = logging.getLogger(__name__)
 
@@ -350,3 +350,9 @@ def _process_quantized_weights(net: nn.Module) -> None:
         elif isinstance(module, FusedMoE):
             module.process_weights_after_loading()
 
+
+def model_class(architecture: str) -> type:
+    """The class that builds an architecture's model (named in its family entry)."""
+    """The class that builds models of this architecture (imported on first use)."""
+    module, _, name = FAMILIES[architecture].model.partition(":")
+    return getattr(importlib.import_module(f"radixlm.runtime.models.{module}"), name)

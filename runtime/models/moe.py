@@ -30,6 +30,7 @@ from torch import nn
 
 from radixlm.runtime.attention.backend import AttentionBackend, ForwardBatch, LayerAttention
 from radixlm.runtime.distributed.groups import TPInfo
+from radixlm.runtime.models.architecture.model_config import ModelConfig
 from radixlm.runtime.models.causal_lm import CausalLM, Routed
 from radixlm.runtime.models.layers.embedding import VocabEmbedding
 from radixlm.runtime.models.layers.linear import Linear
@@ -38,7 +39,6 @@ from radixlm.runtime.models.layers.moe import FusedMoE, route_top_k
 from radixlm.runtime.models.layers.norm import RMSNorm
 from radixlm.runtime.models.layers.rotary import RotaryEmbedding
 from radixlm.runtime.models.layers.self_attention import SelfAttention
-from radixlm.runtime.models.model_config import ModelConfig
 from radixlm.runtime.models.quantization.experts import expert_quant
 from radixlm.runtime.models.quantization.quant_config import QuantConfig
 

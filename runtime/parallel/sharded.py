@@ -43,7 +43,7 @@ from radixlm.runtime.distributed.groups import (
     valid_tp_sizes,
 )
 from radixlm.runtime.models.loader import ARCHITECTURE_PRESETS, resolve_model
-from radixlm.runtime.models.model_config import ModelConfig
+from radixlm.runtime.models.architecture.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 

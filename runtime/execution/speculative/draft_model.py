@@ -20,9 +20,9 @@ import torch
 from radixlm.kernels.host_copy import to_device
 from radixlm.runtime.attention.backend import AttentionBackend, ForwardBatch
 from radixlm.runtime.attention.kv_cache import KVCache
-from radixlm.runtime.execution import sampler
-from radixlm.runtime.execution.grammar_masks import draft_masks
-from radixlm.runtime.execution.logit_processing import apply_token_bitmask
+from radixlm.runtime.execution.sampling import sampler
+from radixlm.runtime.execution.sampling.grammar_masks import draft_masks
+from radixlm.runtime.execution.sampling.logit_processing import apply_token_bitmask
 from radixlm.runtime.execution.speculative.verify import sampling_probs
 from radixlm.runtime.models.llama import LlamaForCausalLM
 from radixlm.runtime.scheduling.pages import ReqToTokenTable

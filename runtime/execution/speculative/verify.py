@@ -34,7 +34,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from radixlm.kernels.host_copy import to_device
-from radixlm.runtime.execution.sampler import SamplingBatch, truncated_logits
+from radixlm.runtime.execution.sampling.sampler import SamplingBatch, truncated_logits
 
 # Fills output_tokens past each row's emitted tokens. Negative on purpose: used as a token id
 # by mistake, it fails loudly instead of embedding token 0.

@@ -14,10 +14,10 @@ from torch import nn
 
 from radixlm.runtime.attention.backend import AttentionBackend, ForwardBatch, LayerAttention
 from radixlm.runtime.distributed.groups import TPInfo
+from radixlm.runtime.models.architecture.model_config import ModelConfig
 from radixlm.runtime.models.layers.linear import Linear, LinearShard, QKVLinear
 from radixlm.runtime.models.layers.norm import RMSNorm
 from radixlm.runtime.models.layers.rotary import apply_rotary
-from radixlm.runtime.models.model_config import ModelConfig
 from radixlm.runtime.models.quantization.quant_config import QuantConfig
 
 

@@ -1,13 +1,13 @@
 """Model families by architecture name (the `architectures` entry of config.json).
 
 Each entry says which class builds the model and the switches `ModelConfig` reads for it. The
-class is named, not imported, so that reading a config never imports every family's code. To
+class is named, not imported (the loader imports it), so that reading a config never imports
+every family's code. To
 add a family: write its module under models/, add its architectures here (docs/models.md).
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -64,9 +64,3 @@ FAMILIES: dict[str, Family] = {
     # transformers' Phi-3 applies config.sliding_window (when set) on every layer.
     "Phi3ForCausalLM": Family("phi3:Phi3ForCausalLM", sliding_layers=_every_layer),
 }
-
-
-def model_class(architecture: str) -> type:
-    """The class that builds models of this architecture (imported on first use)."""
-    module, _, name = FAMILIES[architecture].model.partition(":")
-    return getattr(importlib.import_module(f"radixlm.runtime.models.{module}"), name)

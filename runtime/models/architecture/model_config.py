@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from radixlm.runtime.models.registry import FAMILIES
+from radixlm.runtime.models.architecture.families import FAMILIES
 
 # Architecture name in config.json -> its family (the class and the switches read below).
 SUPPORTED_ARCHITECTURES = FAMILIES

@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 
 from radixlm.kernels.host_copy import to_device
-from radixlm.runtime.execution.sampler import SamplingBatch
+from radixlm.runtime.execution.sampling.sampler import SamplingBatch
 
 
 def apply_penalties(
