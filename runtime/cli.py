@@ -88,8 +88,8 @@ async def _stream(engine, prompt: dict, params) -> None:
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-    from radixlm.runtime.models.loader import ARCHITECTURE_PRESETS, DEFAULT_MODEL, EMBEDDED_MODELS
     from radixlm.runtime.models.architecture.model_config import SUPPORTED_ARCHITECTURES
+    from radixlm.runtime.models.loader import ARCHITECTURE_PRESETS, DEFAULT_MODEL, EMBEDDED_MODELS
 
     print(f"default model: {DEFAULT_MODEL}")
     print("embedded models: " + ", ".join(EMBEDDED_MODELS))

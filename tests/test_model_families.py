@@ -127,8 +127,8 @@ def test_dummy_presets_match_transformers_parameter_counts(name):
     import transformers
 
     from radixlm.runtime.models.architecture.model_config import ModelConfig
-    from radixlm.runtime.models.presets import ARCHITECTURE_PRESETS
     from radixlm.runtime.models.loader import model_class
+    from radixlm.runtime.models.presets import ARCHITECTURE_PRESETS
 
     preset = ARCHITECTURE_PRESETS[name]
     config = ModelConfig.from_dict(preset)

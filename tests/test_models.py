@@ -161,9 +161,9 @@ def test_dummy_weights_have_the_right_shapes(tmp_path):
                                          ("qwen2.5-7b", 7_615_616_512),
                                          ("llama-3-70b", 70_553_706_496)])
 def test_dummy_presets_have_the_public_parameter_counts(name, params):
+    from radixlm.runtime.models.architecture.model_config import ModelConfig
     from radixlm.runtime.models.llama import LlamaForCausalLM
     from radixlm.runtime.models.loader import ARCHITECTURE_PRESETS
-    from radixlm.runtime.models.architecture.model_config import ModelConfig
 
     config = ModelConfig.from_dict(ARCHITECTURE_PRESETS[name])
     with torch.device("meta"):  # shapes only, no memory

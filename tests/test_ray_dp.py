@@ -24,8 +24,8 @@ import pytest
 
 pytest.importorskip("ray")
 
-from radixlm.runtime.engine.engine import Engine  # noqa: E402
 from radixlm.backends.server_process import ServerProcess  # noqa: E402
+from radixlm.runtime.engine.engine import Engine  # noqa: E402
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
 PROMPTS = [[1, 5, 9, 33, 7], [1] + list(range(100, 140)), [1, 300, 301, 302], [1, 42],

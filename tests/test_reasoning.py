@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixlm.runtime.protocol import reasoning
 from radixlm.backends.server_process import ServerProcess
+from radixlm.runtime.protocol import reasoning
 
 from conftest import save_tiny_chat_model
 

@@ -1,6 +1,6 @@
-"""Tests for radixlm.runtime.execution.sampling.sampler: exactness of greedy, distributional correctness of
-sampling (chi-square goodness of fit), per-request seeded reproducibility, penalties, masks,
-logprobs."""
+"""Tests for radixlm.runtime.execution.sampling: exactness of greedy, distributional
+correctness of sampling (chi-square goodness of fit), per-request seeded reproducibility,
+penalties, masks, logprobs."""
 
 from __future__ import annotations
 

@@ -19,9 +19,9 @@ import aiohttp
 import openai
 import pytest
 
+from radixlm.backends.server_process import ServerProcess
 from radixlm.runtime import Engine
 from radixlm.runtime.engine.tokenization import encode_prompt
-from radixlm.backends.server_process import ServerProcess
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -18,8 +18,8 @@ import openai
 import pytest
 from test_server import Http, running
 
-from radixlm.runtime.config.engine_config import EngineConfig
 from radixlm.backends.server_process import ServerProcess
+from radixlm.runtime.config.engine_config import EngineConfig
 
 KEY = "lifecycle-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

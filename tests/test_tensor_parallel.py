@@ -284,8 +284,8 @@ def test_two_nodes_on_the_loopback_match_tp1(tmp_path):
     import json
     import urllib.request
 
-    from radixlm.runtime.distributed.groups import free_port
     from radixlm.backends.server_process import ServerProcess
+    from radixlm.runtime.distributed.groups import free_port
 
     folder = save_tiny_hf_model(tmp_path, "llama", vocab_size=510, tie=True)
     with Engine(str(folder), **_options()) as engine:

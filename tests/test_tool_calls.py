@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import radixlm as rl
+from radixlm.backends.server_process import ServerProcess
 from radixlm.runtime import Engine
 from radixlm.runtime.protocol import tool_formats as tp
-from radixlm.backends.server_process import ServerProcess
 
 from conftest import save_tiny_chat_model
 

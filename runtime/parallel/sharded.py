@@ -42,8 +42,8 @@ from radixlm.runtime.distributed.groups import (
     rendezvous_env,
     valid_tp_sizes,
 )
-from radixlm.runtime.models.loader import ARCHITECTURE_PRESETS, resolve_model
 from radixlm.runtime.models.architecture.model_config import ModelConfig
+from radixlm.runtime.models.loader import ARCHITECTURE_PRESETS, resolve_model
 
 log = logging.getLogger(__name__)
 
