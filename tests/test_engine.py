@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -312,7 +314,7 @@ def test_non_finite_sampling_values_are_refused(field):
 
 
 def test_remaining_new_tokens_is_one_rule_for_max_new_tokens_and_the_context():
-    from radixlm.runtime.protocol.sampling import fit_context
+    from radixlm.runtime.protocol.sampling_fields import fit_context
     from radixlm.runtime.scheduling.request import Request
 
     params = SamplingParams(max_new_tokens=5, min_new_tokens=4)
@@ -354,3 +356,19 @@ def test_replace_checks_only_the_changed_fields(monkeypatch):
         params.replace(max_new_tokens="4")
     with pytest.raises(ValueError, match="regex and json_schema are exclusive"):
         params.replace(regex="a")
+
+
+def test_a_closed_engine_is_freed_without_a_garbage_collection(tiny_chat_model):
+    """Closing and dropping an engine frees its KV pool at once: no reference cycle keeps it
+    alive until a collection (on a GPU that pool is most of the card's memory)."""
+    gc.collect()
+    gc.disable()
+    try:
+        engine = Engine(str(tiny_chat_model), max_total_tokens=2048, page_size=16)
+        engine.generate("hello", {"max_new_tokens": 2, "json_object": True})  # grammar path
+        kv_cache, core = weakref.ref(engine.core.kv_cache), weakref.ref(engine.core)
+        engine.close()
+        del engine
+        assert core() is None and kv_cache() is None
+    finally:
+        gc.enable()

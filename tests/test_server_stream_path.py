@@ -9,7 +9,7 @@ import pickle
 from types import SimpleNamespace
 
 from radixlm.runtime.engine_process.client import EngineClient
-from radixlm.runtime.engine_process.loop import _EngineServer
+from radixlm.runtime.engine_process.loop import EngineServer
 from radixlm.runtime.engine_process.messages import Chunk, EngineError
 from radixlm.runtime.server.generation import coalesce
 
@@ -25,7 +25,7 @@ def output(tokens: list[int], delta: str, index: int = 0, finish: str | None = N
 
 
 def test_engine_process_sends_new_tokens_as_tuples_and_the_rest_as_chunks():
-    server = _EngineServer(engine=None, conn=None)
+    server = EngineServer(engine=None, conn=None)
     server.active["k"] = 2  # two samples
     sent: dict = {}
     first = server._message(("out", "k", output([5], "a"), 1.0), sent)

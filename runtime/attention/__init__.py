@@ -12,13 +12,14 @@ import importlib
 import torch
 
 from radixlm.runtime.attention.backend import AttentionBackend
-from radixlm.runtime.attention.flashinfer_backend import FlashInferAttention
-from radixlm.runtime.attention.torch_native import TorchNativeAttention
-from radixlm.runtime.attention.triton_backend import TritonAttention
 
-# The backends import their kernels on first use, so this table loads no Triton or FlashInfer.
-BACKENDS: dict[str, type[AttentionBackend]] = {
-    "torch": TorchNativeAttention, "triton": TritonAttention, "flashinfer": FlashInferAttention}
+# name -> (module, class), imported when chosen: the Triton backend loads Triton, which a CPU
+# engine (or anything that only needs the KV tensors) has no use for.
+BACKENDS = {
+    "torch": ("radixlm.runtime.attention.torch_native", "TorchNativeAttention"),
+    "triton": ("radixlm.runtime.attention.triton_backend", "TritonAttention"),
+    "flashinfer": ("radixlm.runtime.attention.flashinfer_backend", "FlashInferAttention"),
+}
 
 
 def resolve_backend(name: str, device: torch.device | None = None,
@@ -50,4 +51,6 @@ def create_backend(name: str, scale: float, device: torch.device | None = None,
     if name not in BACKENDS:
         raise ValueError(f"unknown attention_backend {name!r}; available: auto, "
                          f"{', '.join(BACKENDS)}")
-    return BACKENDS[name](scale)
+    module, cls = BACKENDS[name]
+    backend: AttentionBackend = getattr(importlib.import_module(module), cls)(scale)
+    return backend

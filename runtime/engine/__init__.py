@@ -3,6 +3,7 @@
 (loading, runner and speculator), request building, tokenization and detokenization, KV pool
 sizing.
 
-Imports every layer below it (scheduling, execution, parallel, models, attention, config,
-grammar); only the server and the language import it.
+Imports the layers below it (parallel, execution, scheduling, models, attention, distributed,
+config, grammar, kernels); the engine process, the replicas, the server and the language
+import it.
 """

@@ -21,7 +21,7 @@ from radixlm.runtime.config.engine_config import EngineConfig
 from radixlm.runtime.engine.execution_setup import ExecutionSetup
 from radixlm.runtime.engine.kv_sizing import max_model_len, pool_pages
 from radixlm.runtime.engine.overlap import follow_up_batch
-from radixlm.runtime.engine.structured_output import StructuredOutput
+from radixlm.runtime.engine.structured_output import Compiled, StructuredOutput
 from radixlm.runtime.execution.step_result import LaunchedStep, StepResult
 from radixlm.runtime.models.loader import LoadedModel
 from radixlm.runtime.scheduling.kv_manager import KVManager
@@ -74,8 +74,7 @@ class EngineCore:
         jump_forward = (config.enable_jump_forward if config.enable_jump_forward is not None
                         else not graphs)
         self.structured = StructuredOutput(config, loaded.tokenizer, mc.vocab_size,
-                                           self.counters, jump_forward, self._append_token,
-                                           self._finish)
+                                           self.counters, jump_forward)
         # Speculation needs each step's verified tokens on the host before the next step.
         self.overlap = self.speculator is None and (
             config.overlap_schedule == "on"
@@ -94,8 +93,8 @@ class EngineCore:
         request.max_total_len = self.max_model_len
         self.requests[request.request_id] = request
         self.scheduler.add(request)
-        if request.params.constrained:
-            self.structured.start(request)
+        if request.params.constrained and not self.structured.start(request):
+            self._finish(request, "abort")
 
     def abort(self, request_id: str, error: str | None = None) -> bool:
         request = self.requests.get(request_id)
@@ -167,7 +166,7 @@ class EngineCore:
         """The next batch, once the grammars that compiled are attached; None when nothing
         can run now."""
         if self.structured.compiling:
-            self.structured.attach_compiled()
+            self._attach_grammars()
         scheduled = self.scheduler.schedule()
         if scheduled is None:
             self._unblock()
@@ -236,14 +235,14 @@ class EngineCore:
             for position, entry in entries:  # recomputation rewrites the same values
                 request.prompt_logprobs[position - start] = entry
         for request, error in result.failed.items():
-            self.structured.fail(request, error)
+            self._fail_grammar(request, error)
         for request, token, logprob in zip(result.sampled, result.next_tokens,
                                            result.logprobs):
             if request.finished:
                 continue
             self._append_token(request, token, logprob)
             if request.grammar is not None and not request.finished:
-                self.structured.jump_forward(request)
+                self._jump_forward(request)
         for request, emitted in result.verified.items():
             if not request.finished:
                 self._append_verified(request, emitted,
@@ -291,7 +290,7 @@ class EngineCore:
                 request.grammar.accept(token)
                 complete = request.grammar.is_terminated
             except Exception as exc:
-                self.structured.fail(request, exc)
+                self._fail_grammar(request, exc)
                 return
         detok = request.detokenizer
         if detok is not None:
@@ -307,6 +306,33 @@ class EngineCore:
         elif request.stream:
             delta = detok.take_delta() if detok is not None else ""
             self._emit(request, delta)
+
+    # -- structured output (the grammar side is StructuredOutput's) ----------------------------
+
+    def _attach_grammars(self) -> None:
+        for request, compiled in self.structured.attach_compiled():
+            if compiled is Compiled.FAILED:
+                self._finish(request, "abort")
+            elif compiled is Compiled.COMPLETE:
+                self._finish(request, "stop")
+            else:
+                self._jump_forward(request)
+
+    def _jump_forward(self, request: Request) -> None:
+        """Append the tokens the grammar forces next; the next step computes them at once."""
+        tokens = self.structured.forced_tokens(request)
+        if tokens is None:
+            self._finish(request, "abort")
+            return
+        for token in tokens:
+            self.counters["jump_forward_tokens"] += 1
+            self._append_token(request, token, None)
+            if request.finished:
+                break
+
+    def _fail_grammar(self, request: Request, error: str | Exception) -> None:
+        self.structured.record_failure(request, error)
+        self._finish(request, "abort")
 
     def grammar_engine(self) -> Any:
         """The GrammarEngine, built on first use; any thread may call this (see

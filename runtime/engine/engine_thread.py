@@ -27,7 +27,6 @@ class EngineThread:
 
     def __init__(self, build: Callable[[], EngineCore], tp: TensorParallelGroup | None,
                  tp_timeout: float) -> None:
-        self._build = build
         self._tp = tp
         self._tp_timeout = tp_timeout
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -42,7 +41,9 @@ class EngineThread:
         # spinning between parallel regions and each small op pays a futex wake-up (decode on
         # 2 cores measured 55% slower).
         built: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, args=(built,),
+        # `build` goes to the thread, not to self: the thread lets go of it when it ends, so
+        # no cycle back to the Engine that owns this outlives the loop.
+        self._thread = threading.Thread(target=self._run, args=(build, built),
                                         name="radixlm-engine", daemon=True)
         self._thread.start()
         failure = built.get()
@@ -81,9 +82,10 @@ class EngineThread:
 
     # -- on the engine thread -----------------------------------------------------------------
 
-    def _run(self, built: queue.SimpleQueue[BaseException | None]) -> None:
+    def _run(self, build: Callable[[], EngineCore],
+             built: queue.SimpleQueue[BaseException | None]) -> None:
         try:
-            self.core = self._build()
+            self.core = build()
         except BaseException as exc:
             built.put(exc)
             return

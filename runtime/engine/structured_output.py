@@ -6,6 +6,12 @@ meanwhile, and each step attaches the grammars that became ready. A grammar that
 compile (or times out: the grammar engine enforces grammar_compile_timeout) fails its request
 as invalid. Once attached, the tokens a grammar forces are appended without sampling (jump
 forward).
+
+`StructuredOutput` owns the grammar side only: it says what happened (a grammar attached, a
+request's grammar failed, the tokens forced next) and the core acts on it, appending tokens and
+finishing requests. It holds no reference back to the core, so a closed engine is freed as
+soon as its last reference goes (a cycle would keep its KV pool alive until a garbage
+collection).
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ import threading
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
-from typing import Any, Callable
+from enum import Enum
+from typing import Any
 
 from radixlm.runtime.config.engine_config import EngineConfig
 from radixlm.runtime.grammar import create_grammar_engine
@@ -26,23 +33,27 @@ from radixlm.runtime.scheduling.request import Request
 log = logging.getLogger(__name__)
 
 
+class Compiled(Enum):
+    """What became of a request whose grammar compile finished: what the core does next."""
+
+    READY = "ready"  # its grammar is attached: jump forward, then sample
+    COMPLETE = "complete"  # the grammar matches only the empty string: finish ("stop")
+    FAILED = "failed"  # the compile failed (recorded on the request): finish ("abort")
+
+
 class StructuredOutput:
-    """Compiles, attaches and advances requests' grammars, and fails the requests whose
-    grammar goes wrong. Driven by the engine core's thread, except `grammar_engine`, which
-    any thread may call. Requests change only through the core's `append_token` (a generated
-    or forced token) and `finish` (the end of a request, with its reason)."""
+    """Compiles and attaches requests' grammars, says which tokens a grammar forces, and
+    records a request's grammar failure. Driven by the engine core's thread, except
+    `grammar_engine`, which any thread may call. It never appends a token or finishes a
+    request: it tells the core, which does."""
 
     def __init__(self, config: EngineConfig, tokenizer: Any, vocab_size: int,
-                 counters: Counter[str], jump_forward: bool,
-                 append_token: Callable[[Request, int, Any], None],
-                 finish: Callable[[Request, str], None]) -> None:
+                 counters: Counter[str], jump_forward: bool) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.counters = counters  # the core's
-        self.jump_forward_on = jump_forward
-        self._append_token = append_token
-        self._finish = finish
+        self.jump_forward_enabled = jump_forward
         self._grammar: Any = None  # GrammarEngine, built on first use
         self._grammar_init = threading.Lock()
         self.compiling: list[Request] = []  # queued while their grammar compiles
@@ -57,17 +68,22 @@ class StructuredOutput:
                                                       self.config)
             return self._grammar
 
-    def start(self, request: Request) -> None:
-        """Start compiling a newly queued request's grammar."""
+    def start(self, request: Request) -> bool:
+        """Start compiling a newly queued request's grammar. False: it cannot start (the
+        failure is recorded on the request, which the core then finishes)."""
         self.counters["grammar_requests"] += 1
         if self.tokenizer is None:
-            self.fail(request, "structured output needs a tokenizer; this model has none")
-            return
+            self.record_failure(request, "structured output needs a tokenizer; this model "
+                                         "has none")
+            return False
         request.grammar_future = self.grammar_engine().submit(GrammarSpec.of(request.params))
         self.compiling.append(request)
+        return True
 
-    def attach_compiled(self) -> None:
-        """Give each request whose compile finished its grammar (or its failure)."""
+    def attach_compiled(self) -> list[tuple[Request, Compiled]]:
+        """Give each request whose compile finished its grammar (or record its failure), in
+        the order they were queued."""
+        attached: list[tuple[Request, Compiled]] = []
         waiting, self.compiling = self.compiling, []
         for request in waiting:
             future = request.grammar_future
@@ -83,39 +99,39 @@ class StructuredOutput:
                 request.grammar_warnings = compiled.warnings
                 complete = request.grammar.is_terminated
             except GrammarCompileError as exc:  # the request's own grammar is at fault
-                self.fail(request, str(exc), invalid=True)
+                self.record_failure(request, str(exc), invalid=True)
+                attached.append((request, Compiled.FAILED))
                 continue
             except Exception as exc:
-                self.fail(request, exc)
+                self.record_failure(request, exc)
+                attached.append((request, Compiled.FAILED))
                 continue
-            if complete:  # the grammar matches only the empty string
-                self._finish(request, "stop")
-            else:
-                self.jump_forward(request)
+            attached.append((request, Compiled.COMPLETE if complete else Compiled.READY))
+        return attached
 
     def wait_for_a_compile(self, timeout: float) -> None:
         """Block until one compile finishes, or `timeout` seconds."""
         wait_futures([r.grammar_future for r in self.compiling], timeout=timeout,
                      return_when=FIRST_COMPLETED)
 
-    def jump_forward(self, request: Request) -> None:
-        """Append the tokens the grammar forces next; the next step computes them at once."""
-        if not self.jump_forward_on or request.params.wants_logprobs:
-            return  # (forced tokens would have no logprobs)
+    def forced_tokens(self, request: Request) -> list[int] | None:
+        """The tokens the grammar forces next, within what the request may still generate, for
+        the core to append without sampling (the next step computes them at once); [] when
+        jump-forward is off for it. None: the grammar failed (recorded on the request)."""
+        if not self.jump_forward_enabled or request.params.wants_logprobs:
+            return []  # (forced tokens would have no logprobs)
         try:
             tokens = request.grammar.forced_tokens(request.token_ids)
         except Exception as exc:
-            self.fail(request, exc)
-            return
-        for token in tokens[: request.remaining_new_tokens]:
-            self.counters["jump_forward_tokens"] += 1
-            self._append_token(request, token, None)
-            if request.finished:
-                break
+            self.record_failure(request, exc)
+            return None
+        return tokens[: request.remaining_new_tokens]
 
-    def fail(self, request: Request, error: str | Exception, invalid: bool = False) -> None:
-        """End the request with `error`; `invalid`: its grammar is at fault, not the engine
-        (always so for a grammar that outgrew the matcher's limits)."""
+    def record_failure(self, request: Request, error: str | Exception,
+                       invalid: bool = False) -> None:
+        """Record on the request that its grammar failed with `error`, for the core to end
+        it; `invalid`: its grammar is at fault, not the engine (always so for a grammar that
+        outgrew the matcher's limits)."""
         if isinstance(error, Exception):
             if isinstance(error, GrammarLimitError):
                 invalid = True
@@ -127,7 +143,6 @@ class StructuredOutput:
         log.warning("request %s: %s", request.request_id, error)
         request.error = error
         request.error_invalid = invalid
-        self._finish(request, "abort")
 
     def close(self) -> None:
         """Stop the grammar compile workers."""

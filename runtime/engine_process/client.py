@@ -29,7 +29,13 @@ from radixlm.runtime.engine_process.messages import Chunk, EngineError, EngineIn
 
 log = logging.getLogger("radixlm.server")
 
-Sink = asyncio.Queue  # receives (key, Chunk | EngineError)
+Sink = asyncio.Queue  # receives (key, Chunk | EngineError | Rerun)
+
+
+class Rerun:
+    """Put in a generation's sink in place of a key's chunks: the request is running again
+    from the start (the engine replica serving it was lost before anything of it had left
+    the server), so what it produced so far is dropped."""
 
 
 class EngineCallError(Exception):

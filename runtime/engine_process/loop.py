@@ -62,7 +62,7 @@ def run(options: dict[str, Any], conn: Connection, parent_pid: int, log_level: s
         return
     conn.send(("ready", info))
     try:
-        asyncio.run(_EngineServer(engine, conn).serve())
+        asyncio.run(EngineServer(engine, conn).serve())
     finally:
         engine.close()
 
@@ -82,7 +82,7 @@ def _plain(config: Any) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
 
-class _EngineServer:
+class EngineServer:
     def __init__(self, engine: Any, conn: Connection) -> None:
         self.engine = engine
         self.conn = conn

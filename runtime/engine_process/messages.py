@@ -17,7 +17,7 @@ engine -> HTTP (each send is a list of, typically all of one step's tokens):
     ("chunk", key, Chunk)
     ("error", key, EngineError)            the request was refused before it started
     ("reply", call_id, result, EngineError | None)
-    ("beat", loop_rounds, has_work)        every second (engine_process.BEAT_SECONDS)
+    ("beat", loop_rounds, has_work)        every second (loop.BEAT_SECONDS)
 """
 
 from __future__ import annotations
@@ -74,9 +74,3 @@ class EngineInfo:
     architecture: str
     eos_token_ids: list[int]
     config: dict[str, Any]
-
-
-class Rerun:
-    """Put in a generation's sink in place of a key's chunks: the request is running again
-    from the start (the engine replica serving it was lost before anything of it had left
-    the server), so what it produced so far is dropped."""

@@ -118,7 +118,7 @@ class ModelRunner:
         logits = raw
         if sbatch.needs_penalties:
             logits = apply_penalties(logits, sbatch, [r.prompt_ids for r in requests],
-                                             [r.output_ids for r in requests])
+                                     [r.output_ids for r in requests])
         logits = _biased(logits, requests)
         banned_rows, banned_ids = _min_token_bans(requests,
                                                   [r.num_output_tokens for r in requests])

@@ -15,12 +15,14 @@ runner applies are built in `radixlm.runtime.execution.sampling.grammar_masks`.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from radixlm.runtime.grammar.interface import GrammarEngine
 from radixlm.runtime.grammar.spec import GrammarSpec, check_grammar_fields, choices_regex
 
-# name -> (module, class). Imported on first use: llguidance's engine loads torch, which the
+if TYPE_CHECKING:  # the interface loads numpy, which the request checks in `spec` do not need
+    from radixlm.runtime.grammar.interface import GrammarEngine
+
+# name -> (module, class), imported on first use: llguidance's engine loads torch, which the
 # HTTP process and the request checks in `spec` do not need.
 ENGINES = {
     "llguidance": ("radixlm.runtime.grammar.llguidance_engine", "LLGuidanceEngine"),

@@ -56,7 +56,8 @@ __all__ = ["ARCHITECTURE_PRESETS", "LoadedModel", "load_model", "resolve_model"]
 
 @dataclass
 class LoadedModel:
-    # LlamaForCausalLM or another family's model (registry.py): forward, compute_logits
+    # LlamaForCausalLM or another family's model (architecture/families.py): forward,
+    # compute_logits
     model: nn.Module
     config: ModelConfig
     tokenizer: Any | None  # a transformers tokenizer; None for weight-less presets
@@ -352,7 +353,7 @@ def _process_quantized_weights(net: nn.Module) -> None:
 
 
 def model_class(architecture: str) -> type:
-    """The class that builds an architecture's model (named in its family entry)."""
-    """The class that builds models of this architecture (imported on first use)."""
+    """The class that builds models of this architecture (named in its family entry,
+    imported on first use)."""
     module, _, name = FAMILIES[architecture].model.partition(":")
     return getattr(importlib.import_module(f"radixlm.runtime.models.{module}"), name)

@@ -47,10 +47,10 @@ def load_engine(options: dict[str, Any], threads: int | None) -> tuple[Any, Engi
 
 def serve_engine(engine: Any, end: Any) -> None:
     """Serve the pipe protocol over the actor's channel until the stop message."""
-    from radixlm.runtime.engine_process.loop import _EngineServer
+    from radixlm.runtime.engine_process.loop import EngineServer
 
     try:
-        asyncio.run(_EngineServer(engine, end).serve())
+        asyncio.run(EngineServer(engine, end).serve())
     finally:
         engine.close()
 

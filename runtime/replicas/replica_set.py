@@ -4,7 +4,7 @@ the one HTTP front end, each with its own KV pool and radix cache.
 `ReplicaSet` has the methods of `EngineClient`, so the routes, the watchdog and the shutdown
 path use it unchanged. Each request goes where the router (replicas/routing.py) sends it,
 given each replica's load (its requests in flight, known exactly here). A replica speaks the
-engine process's pipe protocol (the same `_EngineServer` runs inside the actor), so its client
+engine process's pipe protocol (the same `EngineServer` runs inside the actor), so its client
 is an `EngineClient` whose pipe is a Ray handle (replica_client.py).
 
 When a replica dies, Ray restarts it (it loads its engine again). Its requests that had sent
@@ -23,8 +23,8 @@ import os
 from functools import partial
 from typing import Any
 
-from radixlm.runtime.engine_process.client import EngineCallError, Sink
-from radixlm.runtime.engine_process.messages import Chunk, EngineError, EngineInfo, Rerun
+from radixlm.runtime.engine_process.client import EngineCallError, Rerun, Sink
+from radixlm.runtime.engine_process.messages import Chunk, EngineError, EngineInfo
 from radixlm.runtime.replicas.replica_client import (
     ReplicaClient,
     ReplicaLost,

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from radixlm.runtime.config.sampling_params import SamplingParams
-from radixlm.runtime.engine_process.messages import Chunk, EngineError, LogprobEntry, Rerun
+from radixlm.runtime.engine_process.client import Rerun
+from radixlm.runtime.engine_process.messages import Chunk, EngineError, LogprobEntry
 from radixlm.runtime.grammar.spec import GRAMMAR_FIELDS
 from radixlm.runtime.protocol.fields import ApiError
 from radixlm.runtime.server import access_log

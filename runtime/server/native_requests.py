@@ -10,7 +10,7 @@ from typing import Any
 from radixlm.runtime.config.sampling_params import SamplingParams
 from radixlm.runtime.engine_process.messages import LogprobEntry
 from radixlm.runtime.protocol.fields import Fields, bad, is_id_list, token_ids
-from radixlm.runtime.protocol.sampling import sampling_params
+from radixlm.runtime.protocol.sampling_fields import sampling_params
 from radixlm.runtime.server.generation import Sample
 
 GENERATE_FIELDS = ("text", "input_ids", "sampling_params", "stream", "return_logprob",

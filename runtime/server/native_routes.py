@@ -12,7 +12,7 @@ from aiohttp import web
 
 from radixlm.runtime.engine_process.client import EngineCallError
 from radixlm.runtime.protocol.fields import ApiError, Fields, bad
-from radixlm.runtime.protocol.sampling import check_prompt_len, fit_context
+from radixlm.runtime.protocol.sampling_fields import check_prompt_len, fit_context
 from radixlm.runtime.protocol.tool_requests import for_template
 from radixlm.runtime.server import native_requests as native
 from radixlm.runtime.server.generation import HttpGeneration, abort_error, check_samples

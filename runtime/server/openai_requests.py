@@ -14,7 +14,7 @@ from typing import Any
 from radixlm.runtime.config.sampling_params import SamplingParams
 from radixlm.runtime.grammar.spec import choices_regex
 from radixlm.runtime.protocol.fields import Fields, bad, is_id_list, token_ids
-from radixlm.runtime.protocol.sampling import MAX_TOP_LOGPROBS, sampling_params
+from radixlm.runtime.protocol.sampling_fields import MAX_TOP_LOGPROBS, sampling_params
 from radixlm.runtime.protocol.tool_requests import ToolRequest, assistant_calls, parse_tools
 
 # Request field -> SamplingParams field, for the fields that map one to one.

@@ -11,7 +11,7 @@ from aiohttp import web
 from radixlm.runtime.engine_process.messages import LogprobEntry
 from radixlm.runtime.protocol import reasoning, tool_formats, tool_requests
 from radixlm.runtime.protocol.fields import ApiError, bad
-from radixlm.runtime.protocol.sampling import fit_context
+from radixlm.runtime.protocol.sampling_fields import fit_context
 from radixlm.runtime.server.generation import HttpGeneration, Sample, abort_error
 from radixlm.runtime.server.openai_requests import OpenAIRequest, parse_chat, parse_completion
 from radixlm.runtime.server.state import ServerState
@@ -62,7 +62,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = parse_chat(await read_json(request))
     assert req.messages is not None
     plan = tool_requests.plan(state.codec.chat_template, req.messages, req.tools,
-                             state.config.tool_call_parser)
+                              state.config.tool_call_parser)
     text = await state.codec.render_chat(plan.messages, add_generation_prompt=True,
                                          tools=plan.template_tools,
                                          template_kwargs=req.template_kwargs)

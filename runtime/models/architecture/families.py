@@ -2,8 +2,8 @@
 
 Each entry says which class builds the model and the switches `ModelConfig` reads for it. The
 class is named, not imported (the loader imports it), so that reading a config never imports
-every family's code. To
-add a family: write its module under models/, add its architectures here (docs/models.md).
+every family's code. To add a family: write its module under models/, add its architectures
+here (docs/models.md).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Quantized linears (FP8, INT8, AWQ and GPTQ INT4, GGUF blocks) and our own quantizers (RTN,
-AWQ, GPTQ). On the CPU every format runs through one form (cpu_weights.py).
+"""Quantized linears (FP8, INT8, AWQ and GPTQ INT4, GGUF blocks), and round-to-nearest for the
+formats quantized on load (rtn.py). On the CPU every format runs through one form
+(cpu_weights.py).
 
 `QuantConfig` says how a model's decoder linears are stored; `resolve_quant_config` reads it
 from a checkpoint's config.json or the user's `quantization` option. Each scheme is a linear
