@@ -9,12 +9,11 @@ only validates it, so a typo in a sampling field fails on the line that wrote it
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Sequence, Union
 
 from radixlm.backends.choices import ChoicesMethod, token_length_normalized
-from radixlm.runtime.config.sampling_params import SamplingParams
+from radixlm.runtime.config.sampling_params import FIELD_NAMES, SamplingParams
 from radixlm.runtime.protocol.fields import ApiError, Fields
 
 # Friendlier names users know from the OpenAI API and SGLang's frontend, mapped onto the
@@ -25,7 +24,6 @@ SAMPLING_ALIASES = {
     "return_logprob": "logprobs",
     "grammar": "ebnf",  # a Lark or GBNF grammar
 }
-SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 # SGLang's fields that are not SamplingParams fields: the token text is always in our logprob
 # entries, so asking for it changes nothing.
@@ -157,8 +155,8 @@ def normalize_sampling(kwargs: dict[str, Any], where: str) -> dict[str, Any]:
         if value is None or key in LANGUAGE_ONLY_FIELDS:
             continue
         name = SAMPLING_ALIASES.get(key, key)
-        if name not in SAMPLING_FIELDS:
-            known = sorted(SAMPLING_FIELDS | set(SAMPLING_ALIASES))
+        if name not in FIELD_NAMES:
+            known = sorted(FIELD_NAMES | set(SAMPLING_ALIASES))
             raise TypeError(f"{where}: unknown sampling field {key!r}; known fields are "
                             f"{', '.join(known)}")
         if name in out:

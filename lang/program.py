@@ -24,9 +24,9 @@ from tqdm.auto import tqdm
 from radixlm.backends.backend import Backend, Prompt, resolve_backend
 from radixlm.backends.choices import ChoiceScores
 from radixlm.expr import (
+    FIELD_NAMES,
     LANGUAGE_ONLY_FIELDS,
     SAMPLING_ALIASES,
-    SAMPLING_FIELDS,
     normalize_sampling,
 )
 from radixlm.runtime.config.sampling_params import SamplingParams
@@ -147,7 +147,7 @@ class Program:
         for key, value in kwargs.items():
             if key in self.arg_names:
                 program[key] = value
-            elif key in SAMPLING_FIELDS or key in SAMPLING_ALIASES or key in LANGUAGE_ONLY_FIELDS:
+            elif key in FIELD_NAMES or key in SAMPLING_ALIASES or key in LANGUAGE_ONLY_FIELDS:
                 sampling[key] = value
             else:
                 raise TypeError(f"{self.fn.__name__}() got an unexpected argument {key!r}: "

@@ -114,6 +114,14 @@ def cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def test_imports_are_absolute():
+    """Relative imports would hide from the checks below (and DESIGN.md asks for absolute)."""
+    relative = [str(path.relative_to(ROOT)) for path in modules().values()
+                if any(isinstance(node, ast.ImportFrom) and node.level
+                       for node in ast.walk(ast.parse(path.read_text())))]
+    assert not relative, f"relative imports in {relative}"
+
+
 def test_the_layer_table_points_down():
     order = list(LAYERS)
     for layer, allowed in LAYERS.items():

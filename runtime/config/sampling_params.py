@@ -178,7 +178,7 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "SamplingParams":
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = FIELD_NAMES
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(

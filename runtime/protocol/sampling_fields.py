@@ -5,11 +5,10 @@ naming the request field.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from typing import Any, Mapping
 
-from radixlm.runtime.config.sampling_params import SamplingParams
+from radixlm.runtime.config.sampling_params import FIELD_NAMES, SamplingParams
 from radixlm.runtime.protocol.fields import bad
 
 # Server-side bounds on top of SamplingParams' own checks: hostile values that are valid
@@ -24,7 +23,6 @@ MAX_SEED = 2**63 - 1 - MAX_N  # the engine seeds sample i with seed + i; torch t
 
 # -- sampling parameters ----------------------------------------------------------------------
 
-SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 def sampling_params(values: Mapping[str, Any], names: Mapping[str, str],
@@ -51,7 +49,7 @@ def _param_of(message: str, names: Mapping[str, str], prefix: str) -> str | None
     field = re.match(r"unknown sampling field\(s\): (\w+)", message)
     if field is None:
         field = re.match(r"(\w+)", message)
-        if field is None or field.group(1) not in SAMPLING_FIELDS:
+        if field is None or field.group(1) not in FIELD_NAMES:
             return None
     return names.get(field.group(1), prefix + field.group(1))
 
