@@ -1,30 +1,48 @@
 """Building and loading the CPU decode kernel (cpu_decode.cpp), a C++ extension compiled on
 first use with this machine's compiler and cached.
 
-The build takes ~20 s on 2 cores, once per machine and torch version: it lands in
-$RADIXLM_CACHE_DIR/kernels (default ~/.cache/radixlm/kernels), keyed by the source, the torch
-version and the CPU's features (it is compiled for this CPU). Without a C++ compiler (or with
-RADIXLM_CPU_KERNEL=0) `load()` returns None and callers keep the eager path.
+The build takes ~20-60 s on 2 cores, once per machine, compiler, torch and Python: it lands in
+$RADIXLM_CACHE_DIR/kernels (default ~/.cache/radixlm/kernels), in a folder keyed by
+everything that changes the build (`build_key`), compiled from a copy of the source inside
+that folder, so checkouts and venvs with the same bytes share it and no checkout's path is in
+it. kernels/build_cache.py builds it under a lock that dies with its owner and renames it into
+place when done. Without a C++ compiler (or with RADIXLM_CPU_KERNEL=0) `load()` returns None
+and callers keep the eager path.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import json
 import logging
 import os
 import platform
 import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from radixlm.kernels.build_cache import BuildError, cached_build
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
+
+# Run by the build's own process, in the build folder: torch compiles the copy of the source
+# there with ninja and imports the result (a library that does not load fails the build).
+_BUILD = """import json, sys
+from torch.utils.cpp_extension import load
+args = json.loads(sys.argv[1])
+load(args["name"], ["cpu_decode.cpp"], build_directory=".", extra_cflags=args["cflags"],
+     extra_ldflags=args["ldflags"], verbose=True)
+"""
 
 
 def load() -> ModuleType | None:
@@ -35,6 +53,12 @@ def load() -> ModuleType | None:
         return _loaded["module"]
 
 
+def cache_root() -> Path:
+    """Where the kernel's builds are kept: $RADIXLM_CACHE_DIR/kernels or ~/.cache/radixlm/..."""
+    root = Path(os.environ.get("RADIXLM_CACHE_DIR") or Path.home() / ".cache/radixlm")
+    return root.expanduser() / "kernels"
+
+
 def _build() -> ModuleType | None:
     if os.environ.get("RADIXLM_CPU_KERNEL", "1") == "0":
         return None
@@ -42,30 +66,69 @@ def _build() -> ModuleType | None:
     if shutil.which(compiler) is None:
         log.warning("no C++ compiler (%s): CPU decode steps run the eager path", compiler)
         return None
+    cflags, ldflags = _flags()
+    key = build_key(SOURCE, cflags, ldflags, compiler)
+    name = f"radixlm_cpu_decode_{key}"
+
+    def prepare(folder: Path) -> list[str]:
+        shutil.copyfile(SOURCE, folder / "cpu_decode.cpp")
+        args = {"name": name, "cflags": cflags, "ldflags": ldflags}
+        return [sys.executable, "-c", _BUILD, json.dumps(args)]
+
+    try:
+        folder = cached_build(cache_root(), "cpu_decode", key, prepare,
+                              "the CPU decode kernel")
+        spec = importlib.util.spec_from_file_location(name, folder / f"{name}.so")
+        if spec is None or spec.loader is None:
+            raise ImportError(f"no {name}.so in {folder}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except (BuildError, OSError, ImportError) as exc:  # a compiler that fails, no ninja...
+        lines = str(exc).strip().splitlines()
+        log.warning("the CPU decode kernel did not build (%s): CPU decode steps run the eager "
+                    "path", lines[-1] if lines else type(exc).__name__)
+        return None
+
+
+def _flags() -> tuple[list[str], list[str]]:
     # The kernel's loops run on torch's own OpenMP threads (ATen's parallel_for compiles to
     # OpenMP directives): linked against the very runtime torch loaded, so that the process
     # keeps one thread pool. Where that runtime is not found, the loops run on one thread.
     runtime = _openmp_runtime()
     cflags = ["-O3", "-march=native"] + (["-fopenmp"] if runtime else [])
-    ldflags = [runtime] if runtime else []
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()
-                         + _cpu_features().encode() + " ".join(cflags + ldflags).encode()
-                         ).hexdigest()[:12]
-    root = Path(os.environ.get("RADIXLM_CACHE_DIR") or Path.home() / ".cache/radixlm")
-    folder = root.expanduser() / "kernels" / f"cpu_decode-{key}"
-    folder.mkdir(parents=True, exist_ok=True)
-    from torch.utils.cpp_extension import load as load_extension
+    return cflags, [runtime] if runtime else []
 
-    name = f"radixlm_cpu_decode_{key}"
-    if not any(folder.glob(f"{name}*.so")):
-        log.info("compiling the CPU decode kernel (once, ~20 s) in %s", folder)
+
+def build_key(source: Path, cflags: list[str], ldflags: list[str], compiler: str) -> str:
+    """The cache folder's key: everything that changes the build and nothing that names where
+    it was asked from (the source's bytes, not its path; a library by its file name, which the
+    link records, not by the venv that holds it)."""
+    flags = cflags + [os.path.basename(f) if os.path.isabs(f) else f for f in ldflags]
+    parts = [
+        source.read_bytes(),
+        "\0".join(flags),
+        torch.__version__, str(getattr(torch.version, "git_version", "")),
+        str(torch.compiled_with_cxx11_abi()),
+        sys.version, sys.implementation.cache_tag or "", platform.machine(),
+        _cpu_features(),  # -march=native compiles for this CPU
+        _compiler_identity(compiler),
+    ]
+    digest = hashlib.sha256()
+    for part in parts:
+        data = part if isinstance(part, bytes) else part.encode()
+        digest.update(len(data).to_bytes(8, "little") + data)
+    return digest.hexdigest()[:16]
+
+
+def _compiler_identity(compiler: str) -> str:
+    """What `compiler --version` says (its version and target), else its name."""
     try:
-        return load_extension(name, [str(SOURCE)], build_directory=str(folder),
-                              extra_cflags=cflags, extra_ldflags=ldflags, verbose=False)
-    except Exception as exc:  # a compiler that fails, a missing ninja...
-        log.warning("the CPU decode kernel did not build (%s): CPU decode steps run the eager "
-                    "path", str(exc).splitlines()[-1] if str(exc) else type(exc).__name__)
-        return None
+        done = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                              timeout=30, stdin=subprocess.DEVNULL)
+        return done.stdout.strip() or compiler
+    except (OSError, subprocess.SubprocessError):
+        return compiler
 
 
 def _openmp_runtime() -> str | None:

@@ -8,6 +8,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import time
 from pathlib import Path
 
@@ -57,10 +59,18 @@ def run_quantize(args: argparse.Namespace) -> int:
     device = torch.device(args.device if args.device != "auto" else
                           "cuda" if torch.cuda.is_available() else "cpu")
     folder = resolve_model(args.model)
+    declared = _declared_method(folder)
+    if declared not in (None, "gguf"):
+        raise ValueError(f"{folder} is already quantized ({declared}); quantize its float "
+                         f"checkpoint instead")
+    if declared == "gguf":
+        # A GGUF file's blocks dequantize to float weights (the embedded default is one):
+        # quantizing those adds this method's error to the file's own.
+        print(f"note: {folder.name} comes from a GGUF file; quantizing the float weights its "
+              f"blocks dequantize to (start from the original float checkpoint where you "
+              f"have it: the two roundings add up)", file=sys.stderr)
     # Quantize from float32 weights: the searches and Hessians want the precision.
-    loaded = load_model(str(folder), "auto", torch.float32, device)
-    if loaded.config.raw.get("quantization_config"):
-        raise ValueError(f"{folder} is already quantized")
+    loaded = load_model(str(folder), "auto", torch.float32, device, quantization="none")
     calibration = None
     if args.method != "rtn":
         if loaded.tokenizer is None:
@@ -73,3 +83,14 @@ def run_quantize(args: argparse.Namespace) -> int:
     print(f"wrote {args.method} {args.bits}-bit (group {args.group_size}) in the {fmt} format "
           f"to {out} in {time.perf_counter() - start:.1f} s")
     return 0
+
+
+def _declared_method(folder: Path) -> str | None:
+    """The quantization a checkpoint's config.json declares (`quant_method`), or None."""
+    config = folder / "config.json"
+    if not config.is_file():
+        return None
+    declared = json.loads(config.read_text()).get("quantization_config")
+    if not declared:
+        return None
+    return str(declared.get("quant_method") or declared.get("format") or "unknown")
