@@ -3,7 +3,10 @@
 Two phases of equal length with the same good traffic (a fixed number of clients sending
 native, OpenAI, chat, streamed and JSON-schema requests back to back): first alone (the
 baseline), then next to hostile clients that disconnect mid-stream, send malformed, oversized,
-cross-origin or non-JSON requests, and open connections that never finish their head.
+cross-origin or non-JSON requests, attack the chat template (their own Jinja: a nested loop
+that never ends, a 400 MB string; apply_chat_template's own parameters) and the tool schemas
+(40,000 tools, an 8,000-item draft-04 `enum`, `parameters` nested 200 deep), and open
+connections that never finish their head.
 
 Reported per phase: good requests completed and lost (an exception, a timeout, a non-200 or
 an invalid result), 5xx answers to anyone, p50/p99 latency of the good requests, and the
@@ -66,7 +69,41 @@ def bad_requests() -> list[tuple[str, bytes, dict[str, str]]]:
         ("/v1/completions", json.dumps({"model": "m", "prompt": "hi", "stop_token_ids":
                                         list(range(1000))}).encode(), j),
         ("/score", json.dumps({"prefix": "a", "continuations": ["b"] * 5000}).encode(), j),
+        *template_attacks(), *tool_attacks(),
     ]
+
+
+def _chat(**fields: Any) -> bytes:
+    return json.dumps({"model": "m", "max_tokens": 4,
+                       "messages": [{"role": "user", "content": "hi"}], **fields}).encode()
+
+
+def template_attacks() -> list[tuple[str, bytes, dict[str, str]]]:
+    """A client's own chat template (refused unless the server trusts client templates; then
+    bounded in time and memory) and apply_chat_template's parameters as template variables."""
+    loop = ("{% for a in range(100000) %}{% for b in range(100000) %}{{ '' }}{% endfor %}"
+            "{% endfor %}")
+    return [("/v1/chat/completions", _chat(chat_template_kwargs={"chat_template": t}),
+             JSON_HEADERS) for t in (loop, "{{ 'A' * 400000000 }}")] + [
+        ("/v1/chat/completions", _chat(chat_template_kwargs={name: True}), JSON_HEADERS)
+        for name in ("tokenize", "return_dict", "continue_final_message")]
+
+
+def tool_attacks() -> list[tuple[str, bytes, dict[str, str]]]:
+    """Tool lists too many, too large, too deep, or slow to check (draft-04's `uniqueItems`
+    on a large `enum` is quadratic)."""
+    def tool(name: str, parameters: dict) -> dict:
+        return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+    nested: dict = {"type": "object"}
+    for _ in range(200):
+        nested = {"type": "object", "properties": {"a": nested}}
+    slow = {"$schema": "http://json-schema.org/draft-04/schema#", "type": "object",
+            "properties": {"x": {"enum": [{"k": i} for i in range(8000)]}}}
+    many = [tool(f"f{i}", {"type": "object", "properties": {"a": {"type": "string"}}})
+            for i in range(40_000)]
+    return [("/v1/chat/completions", _chat(tools=t), JSON_HEADERS)
+            for t in (many, [tool("slow", slow)], [tool("deep", nested)])]
 
 
 class Soak:

@@ -93,6 +93,8 @@ class Gen(Expr):
     # Sampling fields the program set (SamplingParams names); run() defaults fill the rest.
     sampling: dict[str, Any] = field(default_factory=dict)
     dtype: type | None = None  # the variable's Python type (int, float, bool, str)
+    # False: the variable keeps the constrained text, as SGLang's frontend stores it.
+    convert: bool = True
 
     def params(self, defaults: dict[str, Any]) -> SamplingParams:
         return SamplingParams.from_dict({**defaults, **self.sampling})

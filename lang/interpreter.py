@@ -224,7 +224,8 @@ class Interpreter:
         self._append(text[len(done):], expr.name, result.meta)
         if expr.name is not None:
             self.meta[expr.name] = result.meta
-            self.set_var(expr.name, _convert(text, expr.dtype, expr.name))
+            self.set_var(expr.name, _convert(text, expr.dtype, expr.name) if expr.convert
+                         else text)
 
     def _select(self, expr: Select) -> None:
         # Score "The answer is" + " yes", not "The answer is " + "yes": BPE vocabularies

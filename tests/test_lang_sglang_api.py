@@ -42,6 +42,22 @@ def test_numbers_end_at_a_space_or_newline_the_model_prefers():
     assert state["n"] == 24 and state.text() == "n=24;"
 
 
+def test_compat_typed_gens_keep_their_text_as_sglang_does():
+    @sgl.function
+    def typed(s):
+        s += "n=" + sgl.gen("n", dtype=int) + ";" + sgl.gen_int("m") + ";"
+
+    state = typed.run(backend=FakeBackend(answers={"n=": "24\n", ";": "7"}))
+    assert state["n"] == "24" and state["m"] == "7"  # SGLang: int(state["n"]) is the caller's
+
+    @rl.function
+    def ours(s):
+        s += "n=" + rl.gen("n", dtype=int) + ";" + rl.gen_int("m") + ";"
+
+    state = ours.run(backend=FakeBackend(answers={"n=": "24\n", ";": "7"}))
+    assert state["n"] == 24 and state["m"] == 7  # radixlm converts
+
+
 def test_state_items_contains_and_role_markers():
     @rl.function
     def chat(s):

@@ -152,3 +152,19 @@ def test_runtime_starts_a_server_and_is_its_endpoint(tiny_model):
     finally:
         runtime.shutdown()
     assert runtime.server.proc.poll() is not None
+
+
+def test_sglangs_frontend_needs_one_argument_for_smollm2s_chat_format(server):
+    """SGLang's frontend renders roles itself, with a template it picks by the name in
+    /get_model_info's model_path; it has none for SmolLM2 (ChatML) and falls back to
+    `USER:` / `ASSISTANT:`. docs/sglang.md gives the one-argument fix checked here."""
+
+    @sglang.function
+    def chat(s):
+        s += sglang.user("Hi there")
+        s += sglang.assistant(sglang.gen("reply", max_tokens=2, temperature=0))
+
+    plain = chat.run(backend=sglang.RuntimeEndpoint(server.url))
+    assert plain.text().startswith("USER:Hi there\n")  # SGLang's fallback, not ChatML
+    fixed = chat.run(backend=sglang.RuntimeEndpoint(server.url, chat_template_name="chatml"))
+    assert fixed.text().startswith("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")

@@ -14,24 +14,23 @@ program with no other change.
 radixlm's own language is a superset of SGLang's; what this module adds is SGLang's meaning
 where the two differ: an exception the program's own code raises propagates out of `run()`
 (radixlm records it in the state), `sgl.user()` with no content is an empty message (in
-radixlm it opens the role), `global_config.default_backend`, and SGLang's backend
-constructors' arguments.
+radixlm it opens the role), a `gen(dtype=int)` variable holds its text (radixlm converts it),
+`global_config.default_backend`, and SGLang's backend constructors' arguments.
 docs/sglang.md lists what is not supported.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+import radixlm
 from radixlm import (
     ForkGroup,
     ProgramState,
     assistant_begin,
     assistant_end,
     flush_cache,
-    gen,
-    gen_int,
-    gen_string,
     get_server_info,
     greedy_token_selection,
     image,
@@ -47,7 +46,7 @@ from radixlm import (
     video,
 )
 from radixlm.backends import backend
-from radixlm.expr import Expr, Role, RoleBegin, RoleEnd, to_expr
+from radixlm.expr import Expr, Gen, Role, RoleBegin, RoleEnd, Select, to_expr
 from radixlm.program import sglang_function as function
 
 __all__ = [
@@ -58,6 +57,24 @@ __all__ = [
     "token_length_normalized", "unconditional_likelihood_normalized", "user", "user_begin",
     "user_end", "video",
 ]
+
+
+def gen(*args: Any, **kwargs: Any) -> Gen | Select:
+    """SGLang's `gen`: radixlm's, except that a `dtype=` variable holds the constrained text
+    (`"1969"`), as SGLang stores it; radixlm converts it (`1969`)."""
+    return _as_text(radixlm.gen(*args, **kwargs))
+
+
+def gen_int(*args: Any, **kwargs: Any) -> Gen:
+    return _as_text(radixlm.gen_int(*args, **kwargs))
+
+
+def gen_string(*args: Any, **kwargs: Any) -> Gen:
+    return _as_text(radixlm.gen_string(*args, **kwargs))
+
+
+def _as_text(expr: Any) -> Any:
+    return dataclasses.replace(expr, convert=False) if isinstance(expr, Gen) else expr
 
 
 def _message(role: str, content: Any) -> Expr:

@@ -14,12 +14,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-import jsonschema
-
 from radixlm.runtime.protocol import tool_formats
 from radixlm.runtime.protocol.fields import Fields, bad
 
+# Checked before any tool is looked at: how many, and how much JSON they are in all.
 MAX_TOOLS = 128
+MAX_TOOLS_CHARS = 1 << 20  # characters of JSON text (about bytes), all tools together
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 NO_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -30,6 +30,9 @@ class ToolRequest:
     choice: str = "none"  # "none" | "auto" | "required" | "function" (the one named)
     forced: str | None = None  # the function tool_choice names
     parallel: bool = True
+    # (field, schema) of each `parameters` given: checked against its JSON Schema draft's
+    # meta-schema in the server's sandbox, off the event loop, with a time bound.
+    schemas: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
     @property
     def active(self) -> bool:
@@ -48,10 +51,15 @@ class ToolRequest:
 
 
 def parse_tools(f: Fields) -> ToolRequest:
-    raw = f.get("tools", (list,))
-    tools = [] if raw is None else [_tool(t, i) for i, t in enumerate(raw)]
-    if len(tools) > MAX_TOOLS:
-        raise bad(f"tools: at most {MAX_TOOLS} tools, got {len(tools)}", "tools")
+    """The request's tools, their shapes checked: counts and sizes first, then each tool.
+    What is inside `parameters` is left to the caller (`ToolRequest.schemas`): its depth is the
+    grammar layer's rule, and its JSON Schema validity a check that can take long."""
+    raw = f.get("tools", (list,)) or []
+    if len(raw) > MAX_TOOLS:
+        raise bad(f"tools: at most {MAX_TOOLS} tools, got {len(raw)}", "tools")
+    if _json_chars_over(raw, MAX_TOOLS_CHARS):
+        raise bad(f"tools: at most {MAX_TOOLS_CHARS} characters of JSON in all", "tools")
+    tools = [_tool(t, i) for i, t in enumerate(raw)]
     names = [t["name"] for t in tools]
     duplicate = next((n for n in names if names.count(n) > 1), None)
     if duplicate is not None:
@@ -60,7 +68,30 @@ def parse_tools(f: Fields) -> ToolRequest:
     parallel = f.boolean("parallel_tool_calls", True)
     if forced is not None:
         parallel = False  # a named choice is one call of that function
-    return ToolRequest(tools, choice, forced, parallel)
+    schemas = [(f"tools[{i}].function.parameters", t["function"]["parameters"])
+               for i, t in enumerate(raw) if t["function"].get("parameters") is not None]
+    return ToolRequest(tools, choice, forced, parallel, schemas)
+
+
+def _json_chars_over(value: Any, limit: int) -> bool:
+    """Is `value` more than `limit` characters as JSON text (counted roughly: strings and
+    keys by length, other scalars as 8)? Iterative, and stops at the limit: its cost is
+    bounded by the limit, not by the input."""
+    stack = [value]
+    chars = 0
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            chars += 2 + sum(len(k) + 4 for k in item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            chars += 2 + len(item)
+            stack.extend(item)
+        else:
+            chars += len(item) + 2 if isinstance(item, str) else 8
+        if chars > limit:
+            return True
+    return False
 
 
 def _tool(value: Any, i: int) -> dict[str, Any]:
@@ -84,11 +115,6 @@ def _tool(value: Any, i: int) -> dict[str, Any]:
     parameters = f.object("parameters")
     if parameters is None:
         parameters = NO_PARAMETERS
-    try:
-        jsonschema.validators.validator_for(parameters).check_schema(parameters)
-    except jsonschema.SchemaError as exc:
-        raise bad(f"{where}.function.parameters is not a valid JSON Schema: {exc.message}",
-                  f"{where}.function.parameters", "invalid_value") from None
     tool = {"name": name, "parameters": parameters}
     if description is not None:
         tool["description"] = description

@@ -64,6 +64,12 @@ class ServerConfig:
     # Split the thinking of reasoning models from their answer (qwen3, deepseek_r1); None:
     # replies are returned whole.
     reasoning_parser: str | None = None
+    # Let clients replace the chat template (chat_template_kwargs.chat_template on
+    # /v1/chat/completions); refused with 400 otherwise. Any template renders in a sandbox.
+    trust_request_chat_template: bool = False
+    # Seconds a chat template may take to render one request; longer is a 400 (and its worker
+    # process is killed).
+    chat_template_timeout: float = 10.0
     # Engine replicas behind this server (data parallelism on Ray; see docs/distributed.md).
     # 1: one engine process, no Ray.
     dp_size: int = 1
@@ -79,6 +85,9 @@ class ServerConfig:
                      "keep_alive_timeout", "body_timeout", "watchdog_timeout"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.chat_template_timeout <= 0:
+            raise ValueError(f"chat_template_timeout must be > 0, got "
+                             f"{self.chat_template_timeout}")
         if self.max_samples_per_request < 1:
             raise ValueError(f"max_samples_per_request must be >= 1, got "
                              f"{self.max_samples_per_request}")
@@ -142,6 +151,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                         help="return the thinking of reasoning models as reasoning_content, "
                              "apart from the answer (default: replies whole)")
+    server.add_argument("--trust-request-chat-template", action="store_true",
+                        help="let clients send their own chat template "
+                             "(chat_template_kwargs.chat_template); without it they get 400. "
+                             "Only for trusted clients: a template is a program (it still "
+                             "renders in a sandbox, bounded by --chat-template-timeout)")
+    server.add_argument("--chat-template-timeout", type=float,
+                        default=ServerConfig.chat_template_timeout,
+                        help="seconds a chat template may take to render a request; longer "
+                             "gets 400")
     dp = parser.add_argument_group("data parallelism (see docs/distributed.md)")
     dp.add_argument("--dp", "--dp-size", "--data-parallel-size", type=int,
                     default=ServerConfig.dp_size, dest="dp_size",
@@ -152,6 +170,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     dp.add_argument("--ray-address", default=None,
                     help="join this Ray cluster (e.g. 10.0.0.1:6379; default: RAY_ADDRESS, "
                          "else start a local one)")
+    dp.add_argument("--ray-host", default=None,
+                    help="this node's address in the Ray cluster, where Ray listens (default: "
+                         "127.0.0.1 for a local cluster; Ray's pick when joining one)")
     add_engine_args(parser.add_argument_group("engine (see docs/engine.md)"))
 
 

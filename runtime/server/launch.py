@@ -28,6 +28,7 @@ from radixlm.runtime.engine_process.client import EngineClient
 from radixlm.runtime.server.access_log import log_engine_stats
 from radixlm.runtime.server.app import build_app
 from radixlm.runtime.server.args import ServerConfig, add_serve_args, engine_options, server_config
+from radixlm.runtime.server.sandbox import check_template, read_template
 from radixlm.runtime.server.state import ServerState
 from radixlm.runtime.server.text_codec import TextCodec
 
@@ -52,6 +53,8 @@ def serve(args: argparse.Namespace) -> int:
         config = server_config(args, os.environ.get("RADIXLM_API_KEY"))
         options = engine_options(args)
         EngineConfig.from_kwargs(**options)  # a bad flag fails now, not in the engine process
+        if options.get("chat_template") is not None:  # not a 400 on every chat request later
+            check_template(read_template(options["chat_template"]))
     except ValueError as exc:
         print(f"radixlm serve: error: {exc}", file=sys.stderr)
         return 2
@@ -82,7 +85,7 @@ async def _serve(config: ServerConfig, options: dict[str, Any]) -> int:
 
     model = options.get("model")
     state = ServerState(config=config, engine=_engine_handle(config, options),
-                        codec=TextCodec(None),
+                        codec=TextCodec(None, render_timeout=config.chat_template_timeout),
                         model_name=config.served_model_name or model or DEFAULT_MODEL,
                         model_path=model)
     # keepalive_timeout also bounds how long a connection may take to send a request head:
@@ -155,6 +158,8 @@ async def _start_engine(state: ServerState, options: dict[str, Any]) -> None:
     tokenizer = loop.run_in_executor(None, _load_tokenizer, folder, options)
     info = await state.engine.start()
     await loop.run_in_executor(None, state.codec.configure, await tokenizer, info.max_model_len)
+    if state.codec.sandbox is not None:
+        state.codec.sandbox.warm()
     state.info = info  # from here on the routes serve
 
 

@@ -7,11 +7,14 @@ fields are in tool_requests.py."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import json
 from dataclasses import dataclass
 from typing import Any
 
 from radixlm.runtime.config.sampling_params import SamplingParams
+from radixlm.runtime.grammar.schema_check import check_schema_shape
 from radixlm.runtime.grammar.spec import choices_regex
 from radixlm.runtime.protocol.fields import Fields, bad, is_id_list, token_ids
 from radixlm.runtime.protocol.sampling_fields import MAX_TOP_LOGPROBS, sampling_params
@@ -34,9 +37,13 @@ COMPLETION_FIELDS = (*_COMMON, "prompt", "logprobs", "echo", "best_of", "suffix"
 CHAT_FIELDS = (*_COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs",
                "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
                "separate_reasoning")
-# chat_template_kwargs may not replace what the server passes the template itself.
+# chat_template_kwargs may not replace what the server passes the template itself (the
+# variables below), nor set apply_chat_template's own parameters (see _reserved_kwargs).
 _RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt", "tokenize",
                              "conversation", "documents"}
+# The client's own Jinja in place of the server's: refused unless the operator trusts clients
+# (--trust-request-chat-template); even then it renders in the sandbox (sandbox.py).
+TEMPLATE_PARAM = "chat_template_kwargs.chat_template"
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
          "tool": "tool"}
 # Message fields besides role and content, per role.
@@ -57,6 +64,7 @@ class OpenAIRequest:
     messages: list[dict[str, Any]] | None = None  # chat
     tools: ToolRequest = dataclasses.field(default_factory=ToolRequest)  # chat
     template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # chat
+    chat_template: str | None = None  # chat: the client's template (when trusted)
     separate_reasoning: bool = True  # chat: with a reasoning parser, split the thinking out
 
 
@@ -78,10 +86,17 @@ def parse_completion(body: dict[str, Any], vocab_size: int) -> OpenAIRequest:
     return req
 
 
-def parse_chat(body: dict[str, Any]) -> OpenAIRequest:
+def parse_chat(body: dict[str, Any], trust_template: bool = False) -> OpenAIRequest:
+    """`trust_template`: a client may send its own chat template (chat_template_kwargs)."""
     f = Fields(body)
     f.only(CHAT_FIELDS)
     tools = parse_tools(f)
+    for where, schema in tools.schemas:  # the same bounds as response_format's schemas
+        try:
+            check_schema_shape(schema)
+        except ValueError as exc:
+            raise bad(f"{where}: {exc}".replace(": json_schema ", ": the schema "), where,
+                      "invalid_value") from None
     values, names = _common(f)
     max_param = "max_tokens"
     if f.has("max_completion_tokens"):  # the newer name wins when both are given
@@ -100,6 +115,14 @@ def parse_chat(body: dict[str, Any]) -> OpenAIRequest:
     req.messages = parse_messages(body.get("messages"))
     req.tools = tools
     req.template_kwargs = _template_kwargs(f)
+    req.chat_template = req.template_kwargs.pop("chat_template", None)
+    if req.chat_template is not None and not trust_template:
+        raise bad(f"{TEMPLATE_PARAM}: this server renders chats with its own template; a "
+                  "client's template is refused unless the server is started with "
+                  "--trust-request-chat-template", TEMPLATE_PARAM, "not_supported")
+    if req.chat_template is not None and not isinstance(req.chat_template, str):
+        raise bad(f"{TEMPLATE_PARAM} must be a string (a Jinja template)", TEMPLATE_PARAM,
+                  "invalid_type")
     req.separate_reasoning = f.boolean("separate_reasoning", True)
     return req
 
@@ -108,11 +131,28 @@ def _template_kwargs(f: Fields) -> dict[str, Any]:
     """`chat_template_kwargs` (e.g. {"enable_thinking": false} for Qwen3): extra variables for
     the chat template."""
     kwargs = f.object("chat_template_kwargs") or {}
-    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs))
+    reserved = sorted((reserved_template_kwargs() - {"chat_template"}) & set(kwargs))
     if reserved:
         raise bad(f"chat_template_kwargs may not set {', '.join(reserved)}",
                   "chat_template_kwargs")
     return dict(kwargs)
+
+
+@functools.cache
+def reserved_template_kwargs() -> frozenset[str]:
+    """Names a client's template variables may not take: what the server passes the template
+    itself, and every parameter of transformers' apply_chat_template and of the render it calls
+    (tokenize, return_tensors, continue_final_message, ...), read from their signatures so a
+    new transformers release's parameters are reserved too. `chat_template` is among them (it
+    is refused on its own, with the reason)."""
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    names = set(_RESERVED_TEMPLATE_KWARGS)
+    for fn in (PreTrainedTokenizerBase.apply_chat_template, render_jinja_template):
+        names.update(p.name for p in inspect.signature(fn).parameters.values()
+                     if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+    return frozenset(names)
 
 
 def _common(f: Fields) -> tuple[dict[str, Any], dict[str, str]]:

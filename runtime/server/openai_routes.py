@@ -59,13 +59,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     state.require_engine()
-    req = parse_chat(await read_json(request))
+    req = parse_chat(await read_json(request), state.config.trust_request_chat_template)
     assert req.messages is not None
-    plan = tool_requests.plan(state.codec.chat_template, req.messages, req.tools,
-                              state.config.tool_call_parser)
+    await state.codec.check_tool_schemas(req.tools.schemas)
+    plan = tool_requests.plan(req.chat_template or state.codec.chat_template, req.messages,
+                              req.tools, state.config.tool_call_parser)
     text = await state.codec.render_chat(plan.messages, add_generation_prompt=True,
                                          tools=plan.template_tools,
-                                         template_kwargs=req.template_kwargs)
+                                         template_kwargs=req.template_kwargs,
+                                         template=req.chat_template)
     if plan.grammar is not None:
         if req.params.constrained:
             raise bad("tool_choice 'required' or a named function constrains the reply to tool "

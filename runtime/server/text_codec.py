@@ -6,6 +6,9 @@ streaming other responses. Texts longer than LONG_TEXT_CHARS go to a lane of the
 megabyte prompt never holds up a two-token one. Each lane has its own copy of the tokenizer:
 a Hugging Face fast tokenizer shared between threads can fail with "Already borrowed".
 
+Chat templates are programs: they run in the killable worker processes of sandbox.py, bounded
+in time, memory and output (never on these threads, where a Jinja loop could not be stopped).
+
 A text is refused before tokenization when it is longer than the context could hold even if
 every token were the vocabulary's longest (max_model_len x that many characters).
 
@@ -17,17 +20,24 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from radixlm.runtime.engine.tokenization import encode_prompt
 from radixlm.runtime.protocol.fields import ApiError, bad
+from radixlm.runtime.server.sandbox import RENDER_TIMEOUT, Sandbox, SandboxError, check_template
+
+log = logging.getLogger("radixlm.server")
 
 LONG_TEXT_CHARS = 16_384
 
 
 class TextCodec:
-    def __init__(self, tokenizer: Any | None, max_model_len: int | None = None) -> None:
+    def __init__(self, tokenizer: Any | None, max_model_len: int | None = None,
+                 render_timeout: float = RENDER_TIMEOUT) -> None:
+        self.render_timeout = render_timeout
+        self.sandbox: Sandbox | None = None
         self._short = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
         self._long = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer-long")
         self._token_text: dict[int, str] = {}
@@ -42,6 +52,22 @@ class TextCodec:
             pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
             longest = max((len(p) for p in pieces if isinstance(p, str)), default=1)
             self.max_text_chars = max_model_len * max(longest, 1)
+        if self.sandbox is not None:
+            self.sandbox.close()
+        self.sandbox = None
+        self.template_error: str | None = None
+        if tokenizer is not None:
+            special = {k: str(v) if not isinstance(v, (str, list)) else v
+                       for k, v in getattr(tokenizer, "special_tokens_map", {}).items()}
+            self.sandbox = Sandbox(self.chat_template, special, self.max_text_chars,
+                                   self.render_timeout)
+        if self.has_chat_template:
+            try:
+                check_template(self.chat_template, "the model's chat template")
+            except ValueError as exc:  # the operator's own was checked before start-up
+                self.template_error = str(exc)
+                log.warning("%s; chat requests will fail (replace it with --chat-template)",
+                            exc)
 
     @property
     def has_chat_template(self) -> bool:
@@ -52,6 +78,8 @@ class TextCodec:
         return getattr(self.tokenizer, "chat_template", None)
 
     def close(self) -> None:
+        if self.sandbox is not None:
+            self.sandbox.close()
         for lane in (self._short, self._long):
             lane.shutdown(wait=False, cancel_futures=True)
 
@@ -99,25 +127,42 @@ class TextCodec:
     async def render_chat(self, messages: list[dict[str, Any]],
                           add_generation_prompt: bool = True,
                           tools: list[dict[str, Any]] | None = None,
-                          template_kwargs: dict[str, Any] | None = None) -> str:
+                          template_kwargs: dict[str, Any] | None = None,
+                          template: str | None = None) -> str:
         """The conversation rendered by the model's chat template (with `tools` in OpenAI's
-        shape, for templates that take them, and extra template variables)."""
+        shape, for templates that take them, and extra template variables), or by `template`:
+        a client's (chat_template_kwargs.chat_template), where the operator trusts them."""
         self._need_tokenizer("messages")
-        if not self.has_chat_template:
+        if template is None and not self.has_chat_template:
             raise bad("messages: this model has no chat template; use /v1/completions",
                       "messages", "no_chat_template")
         chars = sum(len(m.get("content") or "") for m in messages) + len(str(tools or ""))
         self.check_length(chars, "messages")
-
-        def render(tokenizer: Any) -> str:
-            return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt,
-                                                 **(template_kwargs or {}))
+        param = "messages" if template is None else "chat_template_kwargs.chat_template"
+        if template is None and self.template_error is not None:
+            raise bad(f"messages cannot be rendered: {self.template_error}", "messages",
+                      "invalid_chat_template")
+        assert self.sandbox is not None
         try:
-            return await self._run(render, chars)
-        except Exception as exc:  # templates raise on e.g. roles that do not alternate
-            raise bad(f"messages could not be rendered by the chat template: {exc}",
-                      "messages") from None
+            return await self.sandbox.render(messages, add_generation_prompt, tools or None,
+                                             template_kwargs or {}, template)
+        except SandboxError as exc:
+            raise _render_error(exc, param, self.sandbox.timeout) from None
+
+    async def check_tool_schemas(self, schemas: list[tuple[str, Any]]) -> None:
+        """400 naming the field of the first tool `parameters` that is not a valid JSON
+        Schema; checked in the sandbox (a large `enum` makes `uniqueItems` quadratic)."""
+        if not schemas:
+            return
+        if self.sandbox is None:  # no tokenizer, so no chat: nothing will use the tools
+            self.sandbox = Sandbox(None, {}, timeout=self.render_timeout)
+        try:
+            await self.sandbox.check_schemas(schemas)
+        except SandboxError as exc:
+            if exc.kind == "schema":
+                raise bad(exc.message, exc.where, "invalid_value") from None
+            raise bad(f"tools: checking the parameter schemas took too long or too much "
+                      f"memory ({exc.message}); simplify them", "tools") from None
 
     async def token_texts(self, ids: list[int]) -> list[str]:
         """Each token's own text (for logprobs), cached per id."""
@@ -129,3 +174,19 @@ class TextCodec:
                 texts = await self._run(lambda tok: [tok.decode([t]) for t in missing])
             self._token_text.update(zip(missing, texts))
         return [self._token_text[t] for t in ids]
+
+
+def _render_error(exc: SandboxError, param: str, timeout: float) -> ApiError:
+    if exc.kind == "syntax":
+        return bad(f"{param} is not a valid Jinja template: {exc.message}", param,
+                   "invalid_chat_template")
+    if exc.kind == "timeout":
+        return bad(f"{param}: the chat template took more than {timeout:g} s to render", param,
+                   "chat_template_timeout")
+    if exc.kind == "too_large":
+        return bad(f"{param}: {exc.message}", param, "context_length_exceeded")
+    if exc.kind in ("memory", "crashed"):
+        return bad(f"{param}: rendering the chat template {exc.message}", param,
+                   "chat_template_limit")
+    # templates raise on e.g. roles that do not alternate
+    return bad(f"messages could not be rendered by the chat template: {exc.message}", param)
