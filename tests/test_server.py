@@ -678,3 +678,24 @@ def running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_the_sdk_fields_clients_send_routinely_are_accepted(client):
+    """Fields the OpenAI SDK and agent frameworks send that change nothing here are checked
+    and ignored; one that would change the output is refused by name."""
+    messages = [{"role": "user", "content": "Hi"}]
+    out = client.chat.completions.create(
+        model="m", messages=messages, max_tokens=2, store=False, metadata={"run": "7"},
+        service_tier="auto", reasoning_effort="low", user="u1",
+        prediction={"type": "content", "content": "Hello"}, modalities=["text"],
+        extra_body={"prompt_cache_key": "k", "safety_identifier": "s"})
+    assert out.choices[0].message.content is not None
+    text = client.completions.create(model="m", prompt="Hi", max_tokens=2, user="u1",
+                                     extra_body={"store": True, "service_tier": "auto"})
+    assert text.choices[0].text is not None
+    with pytest.raises(openai.BadRequestError, match="modalities"):
+        client.chat.completions.create(model="m", messages=messages, max_tokens=2,
+                                       modalities=["text", "audio"])
+    with pytest.raises(openai.BadRequestError, match="metadata"):
+        client.chat.completions.create(model="m", messages=messages, max_tokens=2,
+                                       metadata={"k": 1})

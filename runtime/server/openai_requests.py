@@ -31,10 +31,16 @@ _DIRECT = {"n": "n", "stop": "stop", "temperature": "temperature", "top_p": "top
            "regex": "regex", "ebnf": "ebnf"}
 # vLLM's names for structured output (the SDK's extra_body), and SGLang's json_schema.
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "json_schema")
-_COMMON = (*_DIRECT, *GUIDED, "model", "stream", "stream_options", "max_tokens", "user",
+# Fields the OpenAI SDK and agent frameworks send routinely that change nothing about the
+# output here: checked for their type and otherwise ignored (_sdk_fields).
+SDK_FIELDS = ("user", "store", "metadata", "service_tier", "prompt_cache_key",
+              "safety_identifier")
+CHAT_SDK_FIELDS = ("reasoning_effort", "prediction", "modalities")
+_COMMON = (*_DIRECT, *GUIDED, *SDK_FIELDS, "model", "stream", "stream_options", "max_tokens",
            "response_format", "cache_salt", "spaces_between_special_tokens", "no_stop_trim")
 COMPLETION_FIELDS = (*_COMMON, "prompt", "logprobs", "echo", "best_of", "suffix")
-CHAT_FIELDS = (*_COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs",
+CHAT_FIELDS = (*_COMMON, *CHAT_SDK_FIELDS, "messages", "max_completion_tokens", "logprobs",
+               "top_logprobs",
                "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
                "separate_reasoning")
 # chat_template_kwargs may not replace what the server passes the template itself (the
@@ -97,6 +103,7 @@ def parse_chat(body: dict[str, Any], trust_template: bool = False) -> OpenAIRequ
         except ValueError as exc:
             raise bad(f"{where}: {exc}".replace(": json_schema ", ": the schema "), where,
                       "invalid_value") from None
+    _chat_sdk_fields(f)
     values, names = _common(f)
     max_param = "max_tokens"
     if f.has("max_completion_tokens"):  # the newer name wins when both are given
@@ -155,9 +162,44 @@ def reserved_template_kwargs() -> frozenset[str]:
     return frozenset(names)
 
 
+def _sdk_fields(f: Fields) -> None:
+    """The SDK fields that do not change the output: right types, else ignored. `store` and
+    `metadata` ask OpenAI to keep the completion (nothing is kept here), `service_tier` and
+    the cache and safety keys route or bill it there."""
+    for name in ("user", "service_tier", "prompt_cache_key", "safety_identifier"):
+        f.string(name)
+    f.boolean("store")
+    metadata = f.object("metadata")
+    if metadata is not None and (len(metadata) > 16 or not all(
+            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
+            for k, v in metadata.items())):
+        raise bad("metadata must hold at most 16 string keys (64 characters) and string "
+                  "values (512 characters)", "metadata")
+
+
+def _chat_sdk_fields(f: Fields) -> None:
+    """Chat's harmless SDK fields. `reasoning_effort` is a hint to reasoning models (a chat
+    template variable such as Qwen3's enable_thinking is the way to steer ours); a `prediction`
+    only makes OpenAI's decoding faster; `modalities` other than text would change the output,
+    so they are refused."""
+    effort = f.string("reasoning_effort")
+    if effort is not None and effort not in ("none", "minimal", "low", "medium", "high"):
+        raise bad(f"reasoning_effort must be none, minimal, low, medium or high, got "
+                  f"{effort!r}", "reasoning_effort")
+    prediction = f.object("prediction")
+    if prediction is not None and (prediction.get("type") != "content"
+                                   or not isinstance(prediction.get("content"), (str, list))):
+        raise bad("prediction must be {\"type\": \"content\", \"content\": ...}",
+                  "prediction")
+    modalities = f.get("modalities", (list,), what="an array")
+    if modalities is not None and modalities != ["text"]:
+        raise bad(f"modalities: only [\"text\"] is supported, got {modalities!r}",
+                  "modalities", "not_supported")
+
+
 def _common(f: Fields) -> tuple[dict[str, Any], dict[str, str]]:
     f.string("model")
-    f.string("user")
+    _sdk_fields(f)
     f.number("temperature", lo=0, hi=2)  # OpenAI's range (SamplingParams allows more)
     values = {engine: f.body[name] for name, engine in _DIRECT.items() if f.has(name)}
     names = {engine: name for name, engine in _DIRECT.items()}
