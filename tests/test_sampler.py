@@ -430,6 +430,7 @@ def test_logit_bias_adds_per_row_and_leaves_the_input_alone() -> None:
 @pytest.mark.parametrize("bias, message", [
     ({"x": 1}, "keys must be token ids"), ({"3": 101}, "[-100, 100]"),
     ({"3": float("nan")}, "[-100, 100]"), ([1, 2], "map token ids"),
+    ({"\u0661\u0662": 1}, "keys must be token ids"),  # Arabic-Indic digits: not an id
     ({str(i): 1 for i in range(1025)}, "at most 1024"),
 ])
 def test_logit_bias_is_checked(bias, message) -> None:

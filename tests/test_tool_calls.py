@@ -264,6 +264,16 @@ def test_a_two_turn_tool_conversation(client):
     assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
+def test_a_tool_name_must_be_the_whole_string():
+    from radixlm.runtime.protocol.fields import ApiError, Fields
+    from radixlm.runtime.protocol.tool_requests import parse_tools
+
+    for name in ("get_weather\n", "get weather", "", "x" * 65):
+        with pytest.raises(ApiError) as caught:
+            parse_tools(Fields({"tools": [{"type": "function", "function": {"name": name}}]}))
+        assert caught.value.param == "tools[0].function.name"
+
+
 def test_bad_tool_requests_are_400_naming_the_field(client):
     cases = [
         ({"tools": [{"type": "function", "function": {"name": "bad name"}}]},

@@ -243,7 +243,8 @@ def _bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
                          f"{len(items)}")
     pairs: dict[int, float] = {}
     for token, bias in items:
-        if isinstance(token, str) and token.isdigit():
+        # ASCII digits only: str.isdigit() and int() also take other scripts' digits ("١٢").
+        if isinstance(token, str) and token.isascii() and token.isdigit():
             token = int(token)
         if isinstance(token, bool) or not isinstance(token, int) or token < 0:
             raise ValueError(f"logit_bias: keys must be token ids, got {token!r}")

@@ -20,7 +20,7 @@ from radixlm.runtime.protocol.fields import Fields, bad
 # Checked before any tool is looked at: how many, and how much JSON they are in all.
 MAX_TOOLS = 128
 MAX_TOOLS_CHARS = 1 << 20  # characters of JSON text (about bytes), all tools together
-_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # fullmatch: `$` would let "name\n" through
 NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
@@ -107,7 +107,7 @@ def _tool(value: Any, i: int) -> dict[str, Any]:
     f = Fields(fn, f"{where}.function.")
     f.only(("name", "description", "parameters", "strict"))
     name = f.string("name", required=True)
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):
         raise bad(f"{where}.function.name must be 1-64 letters, digits, '_', '.' or '-'",
                   f"{where}.function.name", "invalid_value")
     description = f.string("description")
