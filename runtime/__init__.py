@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Engine", "EngineConfig", "Output", "SamplingParams"]
+__all__ = ["Engine", "EngineClosedError", "EngineConfig", "Output", "SamplingParams"]
 
 _EXPORTS = {
     "Engine": "radixlm.runtime.engine.engine",
+    "EngineClosedError": "radixlm.runtime.engine.engine_thread",
     "EngineConfig": "radixlm.runtime.config.engine_config",
     "Output": "radixlm.runtime.scheduling.request",
     "SamplingParams": "radixlm.runtime.config.sampling_params",

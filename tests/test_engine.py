@@ -372,3 +372,24 @@ def test_a_closed_engine_is_freed_without_a_garbage_collection(tiny_chat_model):
         assert core() is None and kv_cache() is None
     finally:
         gc.enable()
+
+
+def test_an_explicit_max_new_tokens_beyond_the_context_is_refused(tiny_chat_model):
+    """As the server answers 400: the prompt plus an explicit max_new_tokens must fit the
+    context; a default max_new_tokens is clipped to what is left."""
+    with Engine(str(tiny_chat_model), max_total_tokens=2048, max_model_len=64) as eng:
+        prompt = list(range(10, 50))  # 40 tokens: 24 positions left
+        for params in ({"max_new_tokens": 100, "temperature": 0},
+                       SamplingParams(max_new_tokens=25, temperature=0)):
+            with pytest.raises(ValueError, match=r"max_new_tokens.*\(40 tokens\).*64"):
+                eng.generate(input_ids=prompt, sampling_params=params)
+        with pytest.raises(ValueError, match="max_new_tokens"):  # one of a batch
+            eng.generate(input_ids=[[5, 6], prompt],
+                         sampling_params={"max_new_tokens": 30, "temperature": 0})
+        assert eng.stats()["requests_finished"] == 0  # nothing was queued
+        fits = eng.generate(input_ids=prompt, sampling_params={
+            "max_new_tokens": 24, "temperature": 0, "ignore_eos": True})
+        clipped = eng.generate(input_ids=prompt, sampling_params={
+            "temperature": 0, "ignore_eos": True, "min_new_tokens": 100})  # the default: 128
+        assert fits.completion_tokens == clipped.completion_tokens == 24
+        assert clipped.finish_reason == "length"

@@ -323,3 +323,60 @@ def test_unpermute_inverts_llama_cpp_rotary_layout():
                 stored[h * head_dim + 2 * i + s] = hf[h * head_dim + s * head_dim // 2 + i]
     np.testing.assert_array_equal(gguf_loader._unpermute_rotary_rows(stored, heads), hf)
     np.testing.assert_array_equal(gguf_loader._unpermute_rotary_rows(stored[:, 0], heads), hf[:, 0])
+
+
+def _tiny_qwen2_gguf(path: pathlib.Path, layers: int = 2, **meta: int) -> None:
+    """A random Qwen2 GGUF of `layers` layers; `meta` replaces its metadata values."""
+    rng = np.random.default_rng(0)
+    hidden, heads, kv_heads, head_dim, ffn, vocab = 16, 4, 2, 4, 24, 40
+    shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
+    for i in range(layers):
+        shapes |= {
+            f"blk.{i}.attn_norm.weight": (hidden,),
+            f"blk.{i}.attn_q.weight": (heads * head_dim, hidden),
+            f"blk.{i}.attn_q.bias": (heads * head_dim,),
+            f"blk.{i}.attn_k.weight": (kv_heads * head_dim, hidden),
+            f"blk.{i}.attn_k.bias": (kv_heads * head_dim,),
+            f"blk.{i}.attn_v.weight": (kv_heads * head_dim, hidden),
+            f"blk.{i}.attn_v.bias": (kv_heads * head_dim,),
+            f"blk.{i}.attn_output.weight": (hidden, heads * head_dim),
+            f"blk.{i}.ffn_norm.weight": (hidden,),
+            f"blk.{i}.ffn_gate.weight": (ffn, hidden),
+            f"blk.{i}.ffn_up.weight": (ffn, hidden),
+            f"blk.{i}.ffn_down.weight": (hidden, ffn),
+        }
+    arrays = {name: rng.standard_normal(shape, dtype=np.float32) for name, shape in shapes.items()}
+    values = {"block_count": layers, "embedding_length": hidden, "feed_forward_length": ffn,
+              "attention.head_count": heads, "attention.head_count_kv": kv_heads,
+              "attention.layer_norm_rms_epsilon": 1e-6, "context_length": 64} | meta
+    _write_gguf(path, "qwen2", arrays, **values)
+
+
+@pytest.mark.parametrize("meta,message", [
+    ({"block_count": 10**9}, r"qwen2\.block_count is 1000000000.*2 layers"),
+    ({"block_count": 3}, r"qwen2\.block_count is 3.*2 layers"),
+    ({"attention.head_count": 0}, r"qwen2\.attention\.head_count must be"),
+    ({"attention.head_count_kv": 0}, r"qwen2\.attention\.head_count_kv must be"),
+    ({"embedding_length": 0}, r"qwen2\.embedding_length must be"),
+    ({"attention.head_count": 3}, r"embedding_length \(16\) does not split"),
+])
+def test_sizes_the_tensors_contradict_are_refused_naming_the_key(tmp_path, monkeypatch, meta,
+                                                                message):
+    monkeypatch.setattr(gguf_loader, "_save_tokenizer", lambda *args: None)
+    path = tmp_path / "bad.gguf"
+    _tiny_qwen2_gguf(path, **meta)
+    with pytest.raises(ValueError, match=message):
+        convert_gguf(path, tmp_path / "cache")
+    assert not any((tmp_path / "cache" / "gguf").iterdir())  # nothing half-converted kept
+    _tiny_qwen2_gguf(path)  # the same file with consistent metadata converts
+    assert (convert_gguf(path, tmp_path / "cache") / "config.json").is_file()
+
+
+def test_a_missing_size_key_is_named(tmp_path, monkeypatch):
+    monkeypatch.setattr(gguf_loader, "_save_tokenizer", lambda *args: None)
+    path = tmp_path / "bad.gguf"
+    arrays = {"token_embd.weight": np.zeros((8, 4), np.float32),
+              "blk.0.attn_norm.weight": np.ones(4, np.float32)}
+    _write_gguf(path, "qwen2", arrays, block_count=1, embedding_length=4, feed_forward_length=8)
+    with pytest.raises(ValueError, match=r"lacks qwen2\.attention\.head_count"):
+        convert_gguf(path, tmp_path / "cache")

@@ -602,6 +602,9 @@ def test_api_key_is_required_except_for_health(server):
 
 def test_unknown_route_is_404_in_the_same_shape(http):
     assert error_of(http.get("/nope"), 404)["code"] == "not_found"
+    # An OpenAI client whose base_url lacks /v1 is told so.
+    assert "/v1/chat/completions" in error_of(http.post("/chat/completions", json={}),
+                                              404)["message"]
     assert error_of(http.get("/generate"), 405)["code"] == "method_not_allowed"
 
 

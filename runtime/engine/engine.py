@@ -4,13 +4,21 @@ The engine core runs in a background thread of the caller's process (see engine_
 validate and tokenize in the caller's thread (so bad input raises before anything is queued),
 hand requests to that thread's loop through its inbox, and wait for results (or stream them to
 an asyncio loop).
+
+An engine left open is closed at interpreter exit (an atexit hook that holds it weakly): its
+thread must not be running a step while the interpreter tears itself down, which aborts the
+process ("terminate called without an active exception"). Closing fails the calls waiting on
+the engine with EngineClosedError, from whichever thread it comes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import logging
 import queue
 import sys
+import weakref
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 from tqdm.auto import tqdm
@@ -18,14 +26,18 @@ from tqdm.auto import tqdm
 from radixlm.runtime.config.engine_config import EngineConfig
 from radixlm.runtime.config.sampling_params import SamplingParams
 from radixlm.runtime.engine.engine_core import EngineCore
-from radixlm.runtime.engine.engine_thread import EngineThread
+from radixlm.runtime.engine.engine_thread import CLOSED, EngineClosedError, EngineThread
 from radixlm.runtime.engine.model_loading import load_engine_models
 from radixlm.runtime.engine.request_factory import RequestFactory
 from radixlm.runtime.models.loader import declared_quantization
 from radixlm.runtime.parallel.sharded import TensorParallelGroup
 from radixlm.runtime.scheduling.request import Output, Request
 
+log = logging.getLogger(__name__)
+
 ParamsArg = SamplingParams | Mapping[str, Any] | None
+
+__all__ = ["Engine", "EngineClosedError"]
 
 
 class Engine:
@@ -57,6 +69,7 @@ class Engine:
         self._factory = RequestFactory(self.tokenizer, self.model_config.vocab_size,
                                        frozenset(self._eos_ids()), self.max_model_len,
                                        self.device, self.config.seed)
+        _open_engines.add(self)
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -96,6 +109,8 @@ class Engine:
             while remaining:
                 out = await chunks.get()
                 remaining -= out.finished
+                if _closed_under(out):
+                    raise EngineClosedError("the engine was closed during generate_stream")
                 yield out
         finally:
             if remaining:  # the consumer stopped early
@@ -223,8 +238,10 @@ class Engine:
         return self._engine_thread.rounds
 
     def close(self) -> None:
-        if not self._engine_thread.stopped:
-            self._engine_thread.stop()
+        """Stop the engine thread and free what it holds. Safe from any thread and more than
+        once; calls waiting on the engine raise EngineClosedError, and so do later calls."""
+        _open_engines.discard(self)
+        if self._engine_thread.stop():
             self.core.shutdown()
             if self._tp is not None:
                 self._tp.shutdown()
@@ -282,6 +299,8 @@ class Engine:
             for request in requests:
                 self.abort(request.request_id)
             raise
+        if any(_closed_under(out) for out in outputs.values()):
+            raise EngineClosedError("the engine was closed while a call waited on it")
         return [outputs[r.request_id] for r in requests]
 
     def _call(self, fn: Callable[[EngineCore], Any]) -> Any:
@@ -296,9 +315,30 @@ def _ignore(_: Output) -> None:
     pass
 
 
+def _closed_under(out: Output) -> bool:
+    """Whether the request was failed by the engine closing (engine_thread.CLOSED)."""
+    return out.finish_reason == "abort" and out.error == CLOSED
+
+
 def _threadsafe_put(loop: asyncio.AbstractEventLoop,
                     chunks: asyncio.Queue[Output]) -> Callable[[Output], None]:
     def put(out: Output) -> None:
-        if not loop.is_closed():  # a consumer that went away needs no more chunks
+        try:
             loop.call_soon_threadsafe(chunks.put_nowait, out)
+        except RuntimeError:  # the loop is closed: a consumer that went away needs no more
+            pass
     return put
+
+
+# Engines not closed yet, held weakly: the hook below closes them at interpreter exit, and a
+# dropped engine is still freed at once (no reference keeps it alive until then).
+_open_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_engines() -> None:
+    for engine in list(_open_engines):
+        try:
+            engine.close()
+        except Exception:  # one engine failing to close must not keep the others open
+            log.exception("closing an engine at exit failed")

@@ -1,7 +1,8 @@
 """The engine thread: the one thread that builds an EngineCore and drives it. Other threads
 reach the core only through the thread's inbox: add requests, abort one, call a function on
 the core, stop. The loop blocks on the inbox only when the core is idle; otherwise it takes
-what arrived and steps.
+what arrived and steps. Stopping fails whatever is still in flight (each request finishes
+with finish_reason "abort" and error CLOSED), so that no caller waits on a loop that is gone.
 """
 
 from __future__ import annotations
@@ -18,6 +19,12 @@ from radixlm.runtime.scheduling.request import Request
 log = logging.getLogger(__name__)
 
 _STOP = object()
+# The error of the requests a close found in flight (Output.error).
+CLOSED = "the engine was closed"
+
+
+class EngineClosedError(RuntimeError):
+    """A call on a closed engine, or one that was waiting when the engine was closed."""
 
 
 class EngineThread:
@@ -30,6 +37,9 @@ class EngineThread:
         self._tp = tp
         self._tp_timeout = tp_timeout
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # Held while checking `stopped` and queueing: nothing can be queued behind _STOP,
+        # where the loop would never see it and its caller would wait forever.
+        self._closing = threading.Lock()
         self.stopped = False
         # Rounds of the engine loop so far: a watchdog on another thread reads it (with
         # has_work) to tell a busy engine from a stalled one.
@@ -54,9 +64,7 @@ class EngineThread:
     # -- from any thread ----------------------------------------------------------------------
 
     def submit(self, requests: list[Request]) -> None:
-        if self.stopped:
-            raise RuntimeError("the engine is closed")
-        self._inbox.put(("add", requests))
+        self._put(("add", requests))
 
     def abort(self, request_id: str) -> None:
         """Abort the request, or every sample "<request_id>#<i>" of it."""
@@ -65,20 +73,32 @@ class EngineThread:
     def call(self, fn: Callable[[EngineCore], Any]) -> Any:
         """Run fn(core) on the engine thread (the core is not thread-safe); return its result
         or raise its exception here."""
-        if self.stopped:
-            raise RuntimeError("the engine is closed")
         reply: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
-        self._inbox.put(("call", (fn, reply)))
+        self._put(("call", (fn, reply)))
         ok, value = reply.get()
         if not ok:
             raise value
         return value
 
-    def stop(self, timeout: float = 30) -> None:
-        """Stop the loop once it has handled what is in the inbox before this."""
-        self.stopped = True
-        self._inbox.put(_STOP)
-        self._thread.join(timeout=timeout)
+    def stop(self, timeout: float = 30) -> bool:
+        """Stop the loop once it has handled what is in the inbox before this, failing the
+        requests still in flight; later calls raise EngineClosedError. Waits up to `timeout`
+        seconds for the loop to end (not when called from the engine thread itself, e.g. an
+        on_output callback). False when the thread was already stopping."""
+        with self._closing:
+            if self.stopped:
+                return False
+            self.stopped = True
+            self._inbox.put(_STOP)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=timeout)
+        return True
+
+    def _put(self, message: tuple[str, Any]) -> None:
+        with self._closing:
+            if self.stopped:
+                raise EngineClosedError("the engine is closed")
+            self._inbox.put(message)
 
     # -- on the engine thread -----------------------------------------------------------------
 
@@ -107,6 +127,7 @@ class EngineThread:
                 self._tp.heartbeat(beat)
             while message is not None:
                 if message is _STOP:
+                    self._fail_in_flight()
                     return
                 self._handle(message)
                 try:
@@ -122,6 +143,15 @@ class EngineThread:
                     log.exception("engine step failed")
                     for rid in list(core.requests):
                         core.abort(rid, error=f"internal error: {exc}")
+
+    def _fail_in_flight(self) -> None:
+        """Finish every request still waiting or running with error CLOSED: its caller gets
+        a last Output instead of waiting for one that would never come."""
+        for rid in list(self.core.requests):
+            try:
+                self.core.abort(rid, error=CLOSED)
+            except Exception:  # e.g. a callback that raises: the others still get theirs
+                log.exception("failing request %s at close", rid)
 
     def _handle(self, message: tuple[str, Any]) -> None:
         kind, payload = message

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 import uuid
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -81,6 +81,7 @@ class RequestFactory:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         params = _params_per_prompt(sampling_params, len(prompts))
+        explicit = _explicit_max(sampling_params, len(prompts))
         ids = _request_ids(request_id, len(prompts))
         constrained = next((p for p in params if p.constrained), None)
         if constrained is not None and self.tokenizer is None:
@@ -93,10 +94,9 @@ class RequestFactory:
                 raise ValueError(f"logit_bias: token id {p.logit_bias[-1][0]} is outside the "
                                  f"vocabulary [0, {self.vocab_size})")
         requests = []
+        params = [self._fit_context(p, len(ids), chosen)
+                  for p, ids, chosen in zip(params, prompts, explicit)]
         for prompt_ids, p, rid in zip(prompts, params, ids):
-            if len(prompt_ids) >= self.max_model_len:
-                raise ValueError(f"prompt is {len(prompt_ids)} tokens; the context holds "
-                                 f"{self.max_model_len} (max_model_len), prompt included")
             for index in range(p.n):
                 requests.append(Request(
                     request_id=rid if p.n == 1 else f"{rid}#{index}",
@@ -112,6 +112,22 @@ class RequestFactory:
                     queue_rank=0 if first_rank is None else first_rank + len(requests),
                 ))
         return requests
+
+    def _fit_context(self, p: SamplingParams, prompt_len: int, explicit: bool) -> SamplingParams:
+        """The server's rule (protocol.sampling_fields.fit_context): refuse a prompt, or a
+        prompt plus an explicit max_new_tokens, beyond the context; clip a default
+        max_new_tokens to what is left."""
+        if prompt_len >= self.max_model_len:
+            raise ValueError(f"prompt is {prompt_len} tokens; the context holds "
+                             f"{self.max_model_len} (max_model_len), prompt included")
+        allowed = p.remaining_new_tokens(0, prompt_len, self.max_model_len)
+        if allowed == p.max_new_tokens:
+            return p
+        if explicit:
+            raise ValueError(f"max_new_tokens: the prompt ({prompt_len} tokens) plus "
+                             f"max_new_tokens ({p.max_new_tokens}) exceeds the context of "
+                             f"{self.max_model_len} tokens (max_model_len)")
+        return p.replace(max_new_tokens=allowed, min_new_tokens=min(p.min_new_tokens, allowed))
 
     def _detokenizer(self, prompt_ids: list[int], p: SamplingParams) -> Any:
         if self.tokenizer is None:
@@ -133,6 +149,15 @@ def _params_per_prompt(value: Any, count: int) -> list[SamplingParams]:
             raise ValueError(f"sampling_params: got {len(value)} for {count} prompts")
         return [SamplingParams.coerce(v) for v in value]
     return [SamplingParams.coerce(value)] * count
+
+
+def _explicit_max(value: Any, count: int) -> list[bool]:
+    """Per prompt, whether its caller chose max_new_tokens (a mapping that names it, or
+    SamplingParams with other than the default) rather than taking the default."""
+    default = SamplingParams.__dataclass_fields__["max_new_tokens"].default
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * count
+    return [("max_new_tokens" in v) if isinstance(v, Mapping) else
+            isinstance(v, SamplingParams) and v.max_new_tokens != default for v in values]
 
 
 def _request_ids(value: Any, count: int) -> list[str]:

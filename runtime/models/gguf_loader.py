@@ -26,6 +26,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from radixlm.runtime.models import gguf_cache, gguf_families, gguf_moe
+from radixlm.runtime.models.architecture.model_config import SIZE_LIMITS, check_fields
 from radixlm.runtime.models.quantization.gguf_blocks import BLOCK_TYPES, NATIVE_TYPES, type_id
 
 logger = logging.getLogger(__name__)
@@ -155,8 +156,9 @@ def _build_config(reader: Any, arch: str) -> dict[str, Any]:
     def meta(key: str, default: Any = None) -> Any:
         return _field(reader, f"{arch}.{key}", default)
 
-    hidden, heads = int(meta("embedding_length")), int(meta("attention.head_count"))
     shapes = {t.name: [int(n) for n in t.shape] for t in reader.tensors}
+    _check_sizes(arch, meta, shapes)
+    hidden, heads = int(meta("embedding_length")), int(meta("attention.head_count"))
     # Without metadata, the embedding's row count (GGUF lists it last) is what the weights need;
     # the token list can be shorter when the embedding was padded.
     vocab_size = meta("vocab_size") or shapes["token_embd.weight"][-1]
@@ -207,7 +209,46 @@ def _build_config(reader: Any, arch: str) -> dict[str, Any]:
         if original is not None:
             scaling["original_max_position_embeddings"] = int(original)
         config["rope_scaling"] = scaling
+    check_fields(config)
     return config
+
+
+# GGUF size keys -> the config.json field each becomes (whose bound applies); optional ones
+# have defaults.
+_SIZE_KEYS = {"block_count": "num_hidden_layers", "embedding_length": "hidden_size",
+              "feed_forward_length": "intermediate_size",
+              "attention.head_count": "num_attention_heads"}
+_OPTIONAL_SIZE_KEYS = {"attention.head_count_kv": "num_key_value_heads",
+                       "attention.key_length": "head_dim",
+                       "context_length": "max_position_embeddings"}
+
+
+def _check_sizes(arch: str, meta: Any, shapes: dict[str, list[int]]) -> None:
+    """Refuse missing or absurd sizes, naming the GGUF key, before any is used: a head count
+    of 0 must not be a ZeroDivisionError, nor a block_count of 10^9 a billion layers built
+    later. block_count must be the number of layers the file's tensors hold."""
+    layers = {int(m["layer"]) for name in shapes
+              if (m := _TENSOR_NAME.fullmatch(name)) and m["layer"] is not None}
+    found = max(layers) + 1 if layers else 0
+    blocks = meta("block_count")
+    if isinstance(blocks, int) and blocks != found:
+        raise ValueError(f"{arch}.block_count is {blocks}, but the file's tensors hold {found} "
+                         f"layers" + (f" (blk.0 to blk.{found - 1})" if found else ""))
+    for key, field in [*_SIZE_KEYS.items(), *_OPTIONAL_SIZE_KEYS.items()]:
+        value = meta(key)
+        if value is None and key in _OPTIONAL_SIZE_KEYS:
+            continue
+        if value is None:
+            raise ValueError(f"the GGUF file lacks {arch}.{key}")
+        if isinstance(value, bool) or not isinstance(value, int) or not (
+                1 <= value <= SIZE_LIMITS[field]):
+            raise ValueError(f"{arch}.{key} must be an integer in [1, {SIZE_LIMITS[field]}], "
+                             f"got {value!r}")
+    hidden, heads = meta("embedding_length"), meta("attention.head_count")
+    if meta("attention.key_length") is None and hidden % heads:
+        raise ValueError(f"{arch}.embedding_length ({hidden}) does not split into "
+                         f"{arch}.attention.head_count ({heads}) heads, and there is no "
+                         f"{arch}.attention.key_length")
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:

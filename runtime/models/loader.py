@@ -13,7 +13,7 @@ import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, NoReturn
 
 import torch
 from torch import nn
@@ -21,6 +21,7 @@ from torch import nn
 from radixlm.runtime.distributed.groups import TPInfo
 from radixlm.runtime.models.architecture.families import FAMILIES
 from radixlm.runtime.models.architecture.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+from radixlm.runtime.models.architecture.model_size import check_checkpoint_shapes, check_fits
 from radixlm.runtime.models.gguf_loader import TYPES_METADATA
 from radixlm.runtime.models.layers.linear import Linear, use_small_batch_gemv
 from radixlm.runtime.models.layers.moe import FusedMoE
@@ -170,6 +171,14 @@ def load_model(model: str | None, load_format: str, dtype: torch.dtype,
     quant = resolve_quant_config(quantization, config.raw, dummy=load_format == "dummy",
                                  gguf_packable=packable)
     positions = max_positions or config.max_position_embeddings
+    # Checked before a layer is built: a config stating a billion layers (or more weights
+    # than memory holds) must be refused, not built until memory runs out.
+    if folder is not None and load_format != "dummy":
+        check_checkpoint_shapes(config, *_checkpoint_shapes(folder))
+    # A lower bound on what the weights take: 4-bit where the run quantizes.
+    check_fits(config, 0.5 if quant is not None else dtype.itemsize, positions,
+               available_memory(device), f"the {device.type} device",
+               1 if tp is None else tp.size)
     with torch.device(device):
         net = model_class(config.architecture)(config, dtype, positions, quant, tp)
     if load_format == "dummy":
@@ -224,11 +233,24 @@ def load_tokenizer(folder: Path | None, tokenizer: str | None = None,
     return tok
 
 
-def _checkpoint_tensors(folder: Path, lazy: bool = False) -> Iterator[tuple[str, Any]]:
-    """(name, tensor) for every checkpoint tensor. `lazy`: a safetensors slice instead, from
-    which each layer reads only its own shard (a rank never holds the whole model)."""
-    from safetensors import safe_open
+def available_memory(device: torch.device) -> int | None:
+    """Bytes free for weights on `device` now (None where it cannot be told): free memory of
+    a CUDA device, MemAvailable of the host for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
+
+def _checkpoint_files(folder: Path) -> list[str]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -236,7 +258,46 @@ def _checkpoint_tensors(folder: Path, lazy: bool = False) -> Iterator[tuple[str,
         files = sorted(p.name for p in folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {folder}")
-    for filename in files:
+    return files
+
+
+def _checkpoint_shapes(folder: Path) -> tuple[dict[str, tuple[int, ...]], frozenset[str]]:
+    """Every checkpoint tensor's shape, from the files' headers (no data is read), and the
+    names of those stored as GGUF blocks ([rows, bytes per row])."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    packed: set[str] = set()
+    for filename in _checkpoint_files(folder):
+        path = folder / filename
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                packed.update(json.loads((f.metadata() or {}).get(TYPES_METADATA, "{}")))
+                for key in f.keys():
+                    shapes[key] = tuple(f.get_slice(key).get_shape())
+        except Exception as exc:
+            _raise_unreadable(path, filename, folder, exc)
+    return shapes, frozenset(packed)
+
+
+def _raise_unreadable(path: Path, filename: str, folder: Path, exc: Exception) -> NoReturn:
+    if isinstance(exc, FileNotFoundError):
+        raise FileNotFoundError(f"the checkpoint names {filename}, which is not in "
+                                f"{folder}") from None
+    # safetensors' own errors: a truncated or corrupt file
+    if isinstance(exc, (ValueError, RuntimeError, OSError)) or "Safetensor" in type(
+            exc).__name__:
+        raise ValueError(f"{path} is not a readable safetensors file (truncated or "
+                         f"corrupt?): {exc}") from None
+    raise exc
+
+
+def _checkpoint_tensors(folder: Path, lazy: bool = False) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) for every checkpoint tensor. `lazy`: a safetensors slice instead, from
+    which each layer reads only its own shard (a rank never holds the whole model)."""
+    from safetensors import safe_open
+
+    for filename in _checkpoint_files(folder):
         path = folder / filename
         try:
             with safe_open(str(path), framework="pt") as f:
@@ -247,15 +308,8 @@ def _checkpoint_tensors(folder: Path, lazy: bool = False) -> Iterator[tuple[str,
                         yield key, GGUFBlocks.from_rows(block_types[key], data)
                     else:
                         yield key, f.get_slice(key) if lazy else f.get_tensor(key)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"the checkpoint names {filename}, which is not in "
-                                    f"{folder}") from None
-        except Exception as exc:  # safetensors' own errors: a truncated or corrupt file
-            if isinstance(exc, (ValueError, RuntimeError, OSError)) or "Safetensor" in type(
-                    exc).__name__:
-                raise ValueError(f"{path} is not a readable safetensors file (truncated or "
-                                 f"corrupt?): {exc}") from None
-            raise
+        except Exception as exc:
+            _raise_unreadable(path, filename, folder, exc)
 
 
 def _log_block_fp8(fmt: BlockFp8, dtype: torch.dtype, quant: QuantConfig | None) -> None:

@@ -81,6 +81,17 @@ async def _metrics(request: web.Request, handler: Handler) -> web.StreamResponse
                 state.heap.trim_soon()  # its parsed body is garbage now
 
 
+# OpenAI routes asked for without their /v1 prefix: an SDK whose base_url lacks "/v1".
+_OPENAI_PATHS = ("/chat/completions", "/completions", "/models", "/embeddings", "/responses")
+
+
+def _route_hint(request: web.Request, status: int) -> str:
+    if status == 404 and request.path.rstrip("/").startswith(_OPENAI_PATHS):
+        return (f"; the OpenAI routes are under /v1 (did you mean /v1{request.path}? an "
+                f"OpenAI client's base_url ends in /v1)")
+    return ""
+
+
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
@@ -94,7 +105,8 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status)
         _note(exc.reason)
         return error_response(ApiError(exc.status, f"{request.method} {request.path}: "
-                                       f"{exc.reason}", code=code))
+                                       f"{exc.reason}{_route_hint(request, exc.status)}",
+                                       code=code))
     except ConnectionResetError:  # the client went away while we answered
         raise
     except Exception as exc:

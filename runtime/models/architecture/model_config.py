@@ -7,6 +7,7 @@ spellings (`rope_scaling` vs `rope_parameters`) both work and unsupported featur
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,29 @@ from radixlm.runtime.models.architecture.families import FAMILIES
 SUPPORTED_ARCHITECTURES = FAMILIES
 # rope_parameters keyed by layer type (Gemma 3): the global layers' entry is the model's rope.
 _GLOBAL_ROPE = "full_attention"
+# Bounds on the sizes a config may state: well above every public model (the largest have
+# ~130 layers, 128 heads, a 16k hidden size, 262k-token vocabularies, 10M positions), far
+# below what would exhaust memory by the count alone (a billion layers built one by one).
+SIZE_LIMITS = {
+    "vocab_size": 1 << 24,
+    "hidden_size": 1 << 17,
+    "intermediate_size": 1 << 20,
+    "num_hidden_layers": 1024,
+    "num_attention_heads": 1024,
+    "num_key_value_heads": 1024,
+    "head_dim": 1024,
+    "max_position_embeddings": 1 << 24,
+}
+# Sizes with a default (derived from the others, or 4096 positions).
+_OPTIONAL = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+# Mixture-of-experts sizes, checked where a config states them (0: no experts).
+MOE_LIMITS = {
+    "num_local_experts": 4096,
+    "num_experts": 4096,
+    "num_experts_per_tok": 4096,
+    "moe_intermediate_size": 1 << 20,
+    "shared_expert_intermediate_size": 1 << 20,
+}
 
 
 @dataclass(frozen=True)
@@ -59,6 +83,7 @@ class ModelConfig:
         if act not in family.activations:
             raise ValueError(f"unsupported hidden_act {act!r} for {arch}; supported: "
                              f"{', '.join(family.activations)}")
+        check_fields(cfg)
         num_heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_parameters") or {}
         if isinstance(rope.get(_GLOBAL_ROPE), dict):
@@ -81,6 +106,10 @@ class ModelConfig:
         layer_windows = None
         if family.sliding_layers is not None:
             types = cfg.get("layer_types")
+            if types and (not isinstance(types, list) or len(types) != cfg["num_hidden_layers"]):
+                raise ValueError(f"layer_types must list one type per layer "
+                                 f"({cfg['num_hidden_layers']}, num_hidden_layers), got "
+                                 f"{len(types) if isinstance(types, list) else repr(types)}")
             sliding = ([t == "sliding_attention" for t in types] if types else
                        [family.sliding_layers(i, cfg) for i in range(cfg["num_hidden_layers"])])
             layer_windows = tuple(window if s else None for s in sliding)
@@ -115,3 +144,43 @@ class ModelConfig:
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in model folder {folder}")
         return cls.from_dict(json.loads(path.read_text()))
+
+
+def check_fields(cfg: dict[str, Any]) -> None:
+    """Refuse sizes that are missing, not positive integers, beyond SIZE_LIMITS or
+    inconsistent with each other, naming the config.json field: a bad value must fail here,
+    not as a ZeroDivisionError or an allocation that exhausts memory."""
+    for name, limit in SIZE_LIMITS.items():
+        if name in _OPTIONAL and cfg.get(name) is None:
+            continue
+        if name not in cfg:
+            raise ValueError(f"config.json lacks {name}")
+        _check_int(name, cfg[name], 1, limit)
+    for name, limit in MOE_LIMITS.items():
+        if cfg.get(name) is not None:
+            _check_int(name, cfg[name], 0, limit)
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or 0
+    head_dim = cfg.get("head_dim")
+    if head_dim is None and cfg["hidden_size"] % heads:
+        raise ValueError(f"hidden_size ({cfg['hidden_size']}) does not split into "
+                         f"num_attention_heads ({heads}) heads, and there is no head_dim")
+    if (head_dim or cfg["hidden_size"] // heads) % 2:
+        raise ValueError(f"head_dim ({head_dim or cfg['hidden_size'] // heads}) must be even "
+                         f"(rotary embeddings rotate pairs of channels)")
+    if kv_heads and heads % kv_heads:
+        raise ValueError(f"num_key_value_heads ({kv_heads}) must divide num_attention_heads "
+                         f"({heads})")
+    for name in ("rms_norm_eps", "rope_theta"):
+        value = cfg.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 0):
+            raise ValueError(f"{name} must be a positive number, got {value!r}")
+    window = cfg.get("sliding_window")
+    if window:  # None and 0 both mean no window
+        _check_int("sliding_window", window, 1, 1 << 31)
+
+
+def _check_int(name: str, value: Any, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r} "
+                         f"(config.json)")
