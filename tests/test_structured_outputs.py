@@ -84,3 +84,10 @@ def test_short_regexes_on_the_real_model(engine):
     ask = [{"role": "user", "content": "Name a fruit."}]
     out = engine.chat(ask, {"regex": r"[^\n]*", "temperature": 0, "max_new_tokens": 16})
     assert "\n" not in out.text and out.text
+
+
+def test_structured_mds_grammar_example_ends_where_it_says(engine):
+    """docs/structured.md's GBNF example, as printed there: bounded digits end in "C"."""
+    grammar = 'root ::= ("sunny" | "rainy") ", " [0-9]{1,2} "C"'
+    out = engine.generate("Weather:", {"ebnf": grammar, "temperature": 0})
+    assert out.finish_reason == "stop" and out.text == "sunny, 20C"
