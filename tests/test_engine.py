@@ -314,6 +314,7 @@ def test_non_finite_sampling_values_are_refused(field):
 
 
 def test_remaining_new_tokens_is_one_rule_for_max_new_tokens_and_the_context():
+    from radixlm.runtime.protocol.fields import ApiError
     from radixlm.runtime.protocol.sampling_fields import fit_context
     from radixlm.runtime.scheduling.request import Request
 
@@ -332,9 +333,14 @@ def test_remaining_new_tokens_is_one_rule_for_max_new_tokens_and_the_context():
     request.token_ids.append(8)
     assert request.remaining_new_tokens == 0
     # The server's context fit is the same rule before anything is generated.
-    assert fit_context(params, 3, 100, True, "prompt", "max_tokens") is params
-    clipped = fit_context(params, 97, 100, False, "prompt", "max_tokens")
-    assert (clipped.max_new_tokens, clipped.min_new_tokens) == (3, 3)
+    assert fit_context(params, 3, 100, True, "prompt", "max_tokens", "min_tokens") is params
+    clipped = fit_context(params.replace(min_new_tokens=2), 97, 100, False, "prompt",
+                          "max_tokens", "min_tokens")
+    assert (clipped.max_new_tokens, clipped.min_new_tokens) == (3, 2)
+    # A minimum that cannot fit is refused by name, never cut (the server and Engine alike).
+    with pytest.raises(ApiError, match="min_tokens") as refused:
+        fit_context(params, 97, 100, False, "prompt", "max_tokens", "min_tokens")
+    assert refused.value.param == "min_tokens"
 
 
 def test_replace_checks_only_the_changed_fields(monkeypatch):
@@ -390,6 +396,8 @@ def test_an_explicit_max_new_tokens_beyond_the_context_is_refused(tiny_chat_mode
         fits = eng.generate(input_ids=prompt, sampling_params={
             "max_new_tokens": 24, "temperature": 0, "ignore_eos": True})
         clipped = eng.generate(input_ids=prompt, sampling_params={
-            "temperature": 0, "ignore_eos": True, "min_new_tokens": 100})  # the default: 128
+            "temperature": 0, "ignore_eos": True, "min_new_tokens": 10})  # the default: 128
         assert fits.completion_tokens == clipped.completion_tokens == 24
+        with pytest.raises(ValueError, match=r"min_new_tokens.*\(40 tokens\).*64"):
+            eng.generate(input_ids=prompt, sampling_params={"min_new_tokens": 100})
         assert clipped.finish_reason == "length"

@@ -548,6 +548,15 @@ def test_context_overflow_is_400(http, offline):
     long_chat = [{"role": "user", "content": "word " * limit}]
     error = error_of(http.post("/v1/chat/completions", json={"messages": long_chat}), 400)
     assert error["param"] == "messages"
+    # A minimum that cannot fit is refused by name on every route, never cut.
+    chat = [{"role": "user", "content": "hi"}]
+    error = error_of(http.post("/v1/chat/completions", json={
+        "messages": chat, "min_tokens": limit}), 400)
+    assert error["param"] == "min_tokens" and error["code"] == "context_length_exceeded"
+    error = error_of(http.post("/generate", json={"input_ids": [5] * (limit - 8),
+                                                  "sampling_params": {"min_new_tokens": 9}}),
+                     400)
+    assert error["param"] == "sampling_params.min_new_tokens"
     # Without max_tokens the completion just gets what room is left.
     ok = http.post("/generate", json={"input_ids": [5] * (limit - 3),
                                       "sampling_params": {"ignore_eos": True}})

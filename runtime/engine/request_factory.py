@@ -127,7 +127,11 @@ class RequestFactory:
             raise ValueError(f"max_new_tokens: the prompt ({prompt_len} tokens) plus "
                              f"max_new_tokens ({p.max_new_tokens}) exceeds the context of "
                              f"{self.max_model_len} tokens (max_model_len)")
-        return p.replace(max_new_tokens=allowed, min_new_tokens=min(p.min_new_tokens, allowed))
+        if p.min_new_tokens > allowed:  # a minimum is asked for explicitly, always
+            raise ValueError(f"min_new_tokens: the prompt ({prompt_len} tokens) plus "
+                             f"min_new_tokens ({p.min_new_tokens}) exceeds the context of "
+                             f"{self.max_model_len} tokens (max_model_len)")
+        return p.replace(max_new_tokens=allowed)
 
     def _detokenizer(self, prompt_ids: list[int], p: SamplingParams) -> Any:
         if self.tokenizer is None:

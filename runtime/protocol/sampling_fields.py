@@ -74,9 +74,10 @@ def check_limits(p: SamplingParams, names: Mapping[str, str], prefix: str = "") 
 
 
 def fit_context(params: SamplingParams, prompt_len: int, max_model_len: int,
-                explicit_max: bool, prompt_param: str, max_param: str) -> SamplingParams:
-    """Refuse a prompt (or prompt + explicit max tokens) beyond the context; clip a default
-    max_new_tokens to what is left."""
+                explicit_max: bool, prompt_param: str, max_param: str,
+                min_param: str) -> SamplingParams:
+    """Refuse a prompt (or prompt + explicit max tokens, or + min tokens) beyond the context;
+    clip a default max_new_tokens to what is left."""
     check_prompt_len(prompt_len, max_model_len, prompt_param)
     allowed = params.remaining_new_tokens(0, prompt_len, max_model_len)
     if allowed == params.max_new_tokens:
@@ -85,8 +86,11 @@ def fit_context(params: SamplingParams, prompt_len: int, max_model_len: int,
         raise bad(f"the prompt ({prompt_len} tokens) plus {max_param} "
                   f"({params.max_new_tokens}) exceeds this model's context of {max_model_len} "
                   f"tokens", max_param, "context_length_exceeded")
-    return params.replace(max_new_tokens=allowed,
-                          min_new_tokens=min(params.min_new_tokens, allowed))
+    if params.min_new_tokens > allowed:  # a minimum is asked for explicitly, always
+        raise bad(f"the prompt ({prompt_len} tokens) plus {min_param} "
+                  f"({params.min_new_tokens}) exceeds this model's context of {max_model_len} "
+                  f"tokens", min_param, "context_length_exceeded")
+    return params.replace(max_new_tokens=allowed)
 
 
 def check_prompt_len(prompt_len: int, max_model_len: int, param: str) -> None:

@@ -64,7 +64,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     assert req.input_ids is not None
     prompt_param = "text" if req.texts is not None else "input_ids"
     req.params = [fit_context(p, len(ids), info.max_model_len, explicit, prompt_param,
-                              "sampling_params.max_new_tokens")
+                              "sampling_params.max_new_tokens",
+                              "sampling_params.min_new_tokens")
                   for p, ids, explicit in zip(req.params, req.input_ids, req.explicit_max)]
     gen = HttpGeneration(state, req.input_ids, req.params, req.keys, req.cache_salt)
     if req.stream:

@@ -87,7 +87,7 @@ async def _respond(request: web.Request, state: ServerState, req: OpenAIRequest,
     info = state.require_engine()
     prompt_param = "prompt" if kind == "text_completion" else "messages"
     params = [fit_context(req.params, len(ids), info.max_model_len, req.explicit_max,
-                          prompt_param, req.max_param) for ids in prompts]
+                          prompt_param, req.max_param, "min_tokens") for ids in prompts]
     rid = f"{prefix}-{uuid.uuid4().hex}"
     keys = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
     gen = HttpGeneration(state, prompts, params, keys, req.cache_salt, group=rid)
