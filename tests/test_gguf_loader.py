@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import pathlib
 import shutil
@@ -380,3 +381,16 @@ def test_a_missing_size_key_is_named(tmp_path, monkeypatch):
     _write_gguf(path, "qwen2", arrays, block_count=1, embedding_length=4, feed_forward_length=8)
     with pytest.raises(ValueError, match=r"lacks qwen2\.attention\.head_count"):
         convert_gguf(path, tmp_path / "cache")
+
+
+def test_a_first_conversion_says_what_it_is_doing(tmp_path, monkeypatch, caplog):
+    """The first run converts the GGUF file: a warning (shown by default) says so, once."""
+    source, cache = tmp_path / "tiny.gguf", tmp_path / "cache"
+    source.write_bytes(b"GGUF" + bytes(range(256)) * 4000)
+    monkeypatch.setattr(gguf_loader, "_convert",
+                        lambda path, out: (out / "config.json").write_text("{}"))
+    with caplog.at_level(logging.WARNING, logger=gguf_cache.logger.name):
+        folder = convert_gguf(source, cache)
+        convert_gguf(source, cache)
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(said) == 1 and "converting tiny.gguf" in said[0] and str(folder) in said[0]

@@ -63,6 +63,9 @@ def converted_folder(gguf_path: str | os.PathLike,
     final.parent.mkdir(parents=True, exist_ok=True)
     # A sibling on the same filesystem: os.replace is then atomic.
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    # Said by default (a warning): the first run is otherwise silent for this long.
+    logger.warning("converting %s (%.0f MB) into a Hugging Face folder in %s (first use "
+                   "only)", path.name, path.stat().st_size / 1e6, final)
     start = time.perf_counter()
     try:
         convert(path, tmp)
