@@ -18,20 +18,10 @@ SGLang's exact names. The runtime itself is `radixlm.runtime`.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
-# In a source checkout this package is lang/, beside kernels/ and runtime/ (pyproject maps
-# them to radixlm.kernels and radixlm.runtime). Run from the checkout's root (`python -m`),
-# the root is on sys.path, and kernels/ would be importable as a top-level `kernels` that
-# shadows the Hugging Face package of that name, which transformers imports. Nothing at the
-# root is meant to be imported from there: take it off the path. (An installed package sits in
-# a folder named radixlm, and nothing is changed.)
-if Path(__file__).parent.name == "lang":
-    _root = Path(__file__).resolve().parent.parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _root]
-
+# First: a source checkout's root comes off sys.path before anything can import from it.
+import radixlm.source_checkout  # noqa: F401  (sorted first: keep it so)
 from radixlm.backends.backend import (
     Backend,
     BackendError,

@@ -11,8 +11,9 @@ import torch
 
 # With the repository root on sys.path (`python -m pytest` from it puts it there), kernels/
 # would be importable as a top-level `kernels` and shadow the Hugging Face package of that name
-# that transformers imports. Importing radixlm takes the root off the path (lang/__init__.py),
-# as it does in the servers the tests start (`python -m radixlm...` imports radixlm first).
+# that transformers imports. Importing radixlm takes the root off the path
+# (lang/source_checkout.py), as it does in the servers the tests start (`python -m radixlm...`
+# imports radixlm first).
 import radixlm  # noqa: F401  (before any test imports transformers)
 
 # Tests are CPU tests unless marked `gpu`; keep the thread count modest and deterministic.

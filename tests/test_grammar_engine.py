@@ -379,7 +379,7 @@ def test_a_grammar_outgrowing_the_matcher_limits_fails_alone_as_invalid(tiny_cha
     with Engine(str(tiny_chat_model), max_total_tokens=8192, grammar_backend="llguidance",
                 grammar_compile_max_memory_gb=1e-6) as eng:
         outs = eng.generate(["x", "y"], [
-            {"regex": "(a|b)*a(a|b){16}", "temperature": 1.0, "max_new_tokens": 2000,
+            {"regex": "(a|b)*a(a|b){16}", "temperature": 1.0, "max_new_tokens": 1000,
              "ignore_eos": True},
             {"regex": "[a-z]{3}", **SAMPLE}])
         assert outs[0].finish_reason == "abort" and outs[0].error_invalid

@@ -9,6 +9,8 @@ replicas run one request at a time, so a killed replica has requests waiting too
 
 from __future__ import annotations
 
+import argparse
+import ipaddress
 import json
 import os
 import re
@@ -79,6 +81,124 @@ def test_replicas_match_a_single_engine(server, tiny_chat_model):
     assert got == [o.token_ids for o in outs]
     # Distinct short prompts spread over both replicas.
     assert all(r["requests_finished"] > 0 for r in _replica_stats(server))
+
+
+def _process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants (Linux: read from /proc)."""
+    found, todo = [], [pid]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        try:
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    todo += [int(child) for child in f.read().split()]
+        except OSError:  # exited meanwhile
+            pass
+    return found
+
+
+def _listening(pids: list[int]) -> list[tuple[str, int]]:
+    """The TCP addresses and ports these processes listen on (Linux: read from /proc)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            continue
+        inodes |= {link[len("socket:["):-1] for link in links if link.startswith("socket:[")}
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in list(f)[1:]:
+                fields = line.split()
+                if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                    continue
+                host, port = fields[1].split(":")
+                raw = bytes.fromhex(host)  # 32-bit words, each in the machine's byte order
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                address = ipaddress.ip_address(raw)
+                if address.version == 6 and address.ipv4_mapped:
+                    address = address.ipv4_mapped
+                found.append((str(address), int(port, 16)))
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's /proc")
+def test_ray_listens_on_loopback_only(server):
+    """The server was given --host 127.0.0.1: its local Ray cluster (control store, node
+    manager, object manager, workers, metrics) listens on loopback alone too."""
+    listening = _listening(_process_tree(server.proc.pid))
+    assert len(listening) > 3, listening  # the HTTP server, Ray's servers, the replicas
+    public = [(a, p) for a, p in listening if not ipaddress.ip_address(a).is_loopback]
+    assert not public, f"listening beyond loopback: {public}"
+    assert "on the Ray cluster at 127.0.0.1:" in server.log_text()
+
+
+def test_ray_init_arguments(monkeypatch):
+    """What connect() asks of ray.init: the node's address, no dashboard, and while a loopback
+    node starts, Ray's switch that keeps it on loopback."""
+    import ray
+    from ray._private import ray_constants
+
+    from radixlm.runtime.replicas import ray_actors
+
+    calls = []
+
+    def init(**kwargs):
+        calls.append((kwargs, ray_constants.ENABLE_RAY_CLUSTER,
+                      os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")))
+
+    class Context:
+        gcs_address = "here:1"
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: Context())
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)
+    switch = ray_constants.ENABLE_RAY_CLUSTER
+    assert ray_actors.connect(None, 4) == "here:1"  # a local cluster: loopback
+    ray_actors.connect(None, 4, "10.1.2.3")  # told otherwise
+    ray_actors.connect("10.0.0.1:6379")  # joining a cluster: Ray's pick
+    ray_actors.connect("10.0.0.1:6379", None, "localhost")
+    (local, *during), (other, *plain), (joined, *_), (joined_here, *during_here) = calls
+    assert local["_node_ip_address"] == "127.0.0.1" and local["num_cpus"] == 4
+    assert local["include_dashboard"] is False
+    assert during == [False, "0"] and during_here == [False, "0"]
+    assert other["_node_ip_address"] == "10.1.2.3" and plain == [switch, None]
+    assert "_node_ip_address" not in joined and joined["address"] == "10.0.0.1:6379"
+    assert joined_here["_node_ip_address"] == "localhost"
+    # Put back after each start.
+    assert ray_constants.ENABLE_RAY_CLUSTER == switch
+    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in os.environ
+    with pytest.raises(ValueError, match="0.0.0.0"):
+        ray_actors.connect(None, 4, "0.0.0.0")
+
+
+def test_replica_set_passes_its_ray_host(monkeypatch):
+    import asyncio
+
+    from radixlm.runtime.replicas import ray_actors
+    from radixlm.runtime.replicas.replica_set import ReplicaSet
+    from radixlm.runtime.server.args import add_serve_args
+
+    seen = []
+
+    def connect(address, num_cpus, host=None):
+        seen.append((address, host))
+        raise ConnectionError("no cluster here")
+
+    monkeypatch.setattr(ray_actors, "connect", connect)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for host in (None, "10.1.2.3"):
+        with pytest.raises(ConnectionError):
+            asyncio.run(ReplicaSet({}, dp_size=2, ray_host=host).start())
+    assert seen == [(None, None), (None, "10.1.2.3")]
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    assert parser.parse_args(["--dp", "2", "--ray-host", "10.1.2.3"]).ray_host == "10.1.2.3"
+    assert parser.parse_args([]).ray_host is None
 
 
 def test_requests_sharing_a_prefix_land_where_it_is_cached(server):

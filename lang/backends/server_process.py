@@ -25,13 +25,17 @@ _LISTENING = re.compile(r"listening on (http://\S+)")
 class ServerProcess:
     def __init__(self, args: Sequence[str], startup_timeout: float = 300.0,
                  env: dict[str, str] | None = None,
-                 command: Sequence[str] | None = None) -> None:
+                 command: Sequence[str] | None = None,
+                 cwd: str | Path | None = None) -> None:
         """`command` starts the server (default: this Python's `-m radixlm.runtime.server`;
-        e.g. `["radixlm", "serve"]`); `args` are its flags, to which --host/--port are added."""
+        e.g. `["radixlm", "serve"]`); `args` are its flags, to which --host/--port are added.
+        `env` is added to this process's environment; `cwd` is the server's working directory
+        (default: this process's)."""
         self.command = list(command or [sys.executable, "-m", "radixlm.runtime.server"])
         self.args = list(args)
         self.startup_timeout = startup_timeout
         self.env = env
+        self.cwd = cwd
         self.url = ""
         self.proc: subprocess.Popen | None = None
         self._log = tempfile.NamedTemporaryFile("w+", prefix="radixlm-server-", suffix=".log",
@@ -49,7 +53,7 @@ class ServerProcess:
         # no window in which another process can take a port we picked.
         command = [*self.command, "--host", "127.0.0.1", "--port", "0", *self.args]
         self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(self.env or {})})
+                                     env={**os.environ, **(self.env or {})}, cwd=self.cwd)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -84,12 +84,17 @@ class ReplicaSet:
     """N replicas behind one front end, with EngineClient's interface (see its docstrings)."""
 
     def __init__(self, options: dict[str, Any], log_level: str = "info", *, dp_size: int,
-                 policy: str = "cache_aware", ray_address: str | None = None) -> None:
+                 policy: str = "cache_aware", ray_address: str | None = None,
+                 ray_host: str | None = None) -> None:
+        """`ray_address`: the Ray cluster to join (default: RAY_ADDRESS, else a local one);
+        `ray_host`: this node's address in it, where Ray listens (default: 127.0.0.1 for a
+        local cluster, Ray's pick when joining one; see ray_actors.connect)."""
         self.options = options
         self.log_level = log_level
         self.dp_size = dp_size
         self.policy = policy
         self.ray_address = ray_address
+        self.ray_host = ray_host
         self.router = make_router(policy, dp_size)
         self.replicas: list[ReplicaClient] = []
         self.info: EngineInfo | None = None
@@ -107,7 +112,8 @@ class ReplicaSet:
         local = not (self.ray_address or os.environ.get("RAY_ADDRESS"))
         cpus = os.cpu_count() or 1
         where = await loop.run_in_executor(None, partial(
-            ray_actors.connect, self.ray_address, max(cpus, self.dp_size) if local else None))
+            ray_actors.connect, self.ray_address, max(cpus, self.dp_size) if local else None,
+            self.ray_host))
         device = str(self.options.get("device") or "auto")
         gpus = (self.options.get("tp_size", 1) if device.startswith("cuda") or (
             device == "auto" and _cluster_gpus() > 0) else 0)

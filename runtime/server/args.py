@@ -77,6 +77,8 @@ class ServerConfig:
     router: str = "cache_aware"
     # The Ray cluster the replicas join (default: RAY_ADDRESS, else a local cluster).
     ray_address: str | None = None
+    # Where Ray listens on this node (default: 127.0.0.1 for a local cluster).
+    ray_host: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

@@ -144,7 +144,7 @@ def _engine_handle(config: ServerConfig, options: dict[str, Any]) -> Any:
     from radixlm.runtime.replicas.replica_set import ReplicaSet
 
     return ReplicaSet(options, config.log_level, dp_size=config.dp_size, policy=config.router,
-                      ray_address=config.ray_address)
+                      ray_address=config.ray_address, ray_host=config.ray_host)
 
 
 async def _start_engine(state: ServerState, options: dict[str, Any]) -> None:

@@ -1,10 +1,11 @@
 """A grammar compile worker: a child process that turns a grammar (a regex, or a JSON schema
 expanded into one here) into an outlines-core index.
 
-Run as a script (`python compile_worker.py <memory limit in bytes>`), so it imports nothing
-from the engine but the grammar package's pure-Python schema code. Compiling runs in its own process
-so that one that takes too long or too much memory can be killed (or dies alone) without
-touching the engine.
+Run as a module (`python -m radixlm.runtime.grammar.outlines.compile_worker <memory limit in
+bytes>`; as a script, its own folder would go first on sys.path and its siblings would be
+importable as top-level modules). It imports nothing from the engine but the grammar package's
+pure-Python schema code. Compiling runs in its own process so that one that takes too long or
+too much memory can be killed (or dies alone) without touching the engine.
 
 Protocol over stdin/stdout, frames of a 4-byte little-endian length and a pickle:
     parent -> ("vocab", eos_id, {bytes: [token ids]})      once, first

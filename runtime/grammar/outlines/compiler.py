@@ -149,8 +149,10 @@ class _WorkerProcess:
     """One compile child process; used by one pool thread at a time."""
 
     def __init__(self, eos: int, byte_map: dict[bytes, list[int]], memory_limit: int) -> None:
+        # As a module, not by its file: a script's own folder would go first on the child's
+        # sys.path, its sibling modules importable as top-level names.
         self.proc = subprocess.Popen(
-            [sys.executable, compile_worker.__file__, str(memory_limit)],
+            [sys.executable, "-m", compile_worker.__name__, str(memory_limit)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             close_fds=True)
         compile_worker.write_frame(self.proc.stdin, ("vocab", eos, byte_map))
