@@ -37,8 +37,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                         help="dummy: random weights (with a model folder or a preset shape)")
     parser.add_argument("--dtype", default="auto", type=str.lower,
-                        choices=["auto", *DTYPES, *DTYPE_ALIASES])
-    parser.add_argument("--device", default="auto")
+                        choices=["auto", *DTYPES, *DTYPE_ALIASES],
+                        help="activations (auto: bfloat16 on CUDA, and on CPU for quantized "
+                             "weights such as the default GGUF model; else float32)")
+    parser.add_argument("--device", default="auto", help="cpu, cuda[:N], or auto")
     parser.add_argument("--max-total-tokens", type=int, default=None,
                         help="KV pool size in tokens (default: sized from free memory)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
@@ -58,6 +60,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from radixlm.runtime import Engine, SamplingParams
 
+    # The prompts first: nothing to generate is an error before a model loads.
+    texts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not texts:
+        raise ValueError("no prompt: give one as an argument, or one per line on stdin")
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             stop=tuple(args.stop or ()))
@@ -66,7 +72,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         "max_total_tokens", "kv_cache_dtype", "quantization", "speculative", "draft_model",
         "tp_size")}
     with Engine(args.model, **options) as engine:
-        texts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
         # Chat prompts are token ids: the template already holds the special tokens.
         prompts = ([{"input_ids": engine.encode_chat([{"role": "user", "content": t}])}
                     for t in texts] if args.chat else [{"prompt": t} for t in texts])
@@ -76,8 +81,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             return 0
         key = "input_ids" if args.chat else "prompt"
         outputs = engine.generate(sampling_params=params, **{key: [p[key] for p in prompts]})
-        for out in outputs:
-            print(out.text if len(outputs) == 1 else f"[{out.request_id[:8]}] {out.text}")
+        for index, out in enumerate(outputs):  # in the order of the prompts
+            print(out.text if len(outputs) == 1 else f"[{index}] {out.text}")
     return 0
 
 
@@ -133,20 +138,22 @@ def build_parser() -> argparse.ArgumentParser:
     from importlib.metadata import version
 
     from radixlm.runtime.quantize.command import add_quantize_args
-    from radixlm.runtime.server.args import add_serve_args
+    from radixlm.runtime.server.args import CommandParser, add_serve_args
 
-    parser = argparse.ArgumentParser(prog="radixlm", description="radixlm LLM runtime")
+    parser = CommandParser(prog="radixlm", description="radixlm LLM runtime")
     parser.add_argument("--version", action="version", version=f"radixlm {version('radixlm')}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text offline with the local engine")
     gen.add_argument("prompt", nargs="*", help="prompts (default: one per line of stdin)")
     gen.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     gen.add_argument("--stream", action="store_true", help="print tokens as they come")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate, at most")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="0, the default here: greedy, the same text every run (the Engine "
+                          "and the server default to 1.0: sampling)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1: off)")
+    gen.add_argument("--top-k", type=int, default=-1, help="the k likeliest tokens (-1: off)")
+    gen.add_argument("--seed", type=int, default=None, help="seed of the sampling")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     _add_engine_args(gen)
     gen.set_defaults(func=_cmd_generate)
@@ -174,6 +181,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:  # bad input: a message, not a traceback
         print(f"radixlm: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the user knows; no traceback
+        print("radixlm: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import subprocess
 import sys
 
@@ -99,3 +100,58 @@ def test_loader_failures_are_one_clear_line(tiny_chat_model, tmp_path, capsys):
         assert main(["generate", "hi", "--max-total-tokens", "1024", *extra]) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_help_shows_every_default(capsys):
+    for command in (["generate"], ["serve"], ["quantize"]):
+        with pytest.raises(SystemExit):
+            main([*command, "--help"])
+        out = capsys.readouterr().out
+        assert "(default: " in out
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "tokens to generate, at most (default: 128)" in out
+    assert "the Engine and the server default to 1.0" in out  # --temperature says why 0 here
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--port PORT 0 picks a free port (the log says which) (default: 30000)" in out
+    assert "--host HOST the address to listen on" in out
+
+
+def test_a_misspelled_flag_is_named_with_the_closest_one_in_its_commands_usage(capsys):
+    for argv, close, usage in ((["generate", "--max-new-tokns", "4", "hi"], "--max-new-tokens",
+                                "usage: radixlm generate"),
+                               (["serve", "--prot", "1"], "--port", "usage: radixlm serve")):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and usage in err and f"did you mean {close}?" in err
+
+
+def test_generate_without_a_prompt_says_so_before_loading_a_model(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n  \n"))
+    assert main(["generate", "--model", "/nonexistent/model"]) == 2
+    assert "no prompt" in capsys.readouterr().err  # not the missing model: nothing loaded
+
+
+def test_ctrl_c_is_a_line_and_exit_130_not_a_traceback(monkeypatch, capsys):
+    import radixlm.runtime.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    parser = cli.build_parser()
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    parser._subparsers._group_actions[0].choices["generate"].set_defaults(func=interrupted)
+    assert main(["generate", "hi"]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "Traceback" not in err
+
+
+def test_several_prompts_are_labelled_by_their_index(tiny_chat_model, capsys):
+    assert main(["generate", "a", "b", "c", "--model", str(tiny_chat_model),
+                 "--max-new-tokens", "2", "--max-total-tokens", "1024"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line[:3] for line in lines if line.startswith("[")] == ["[0]", "[1]", "[2]"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import inspect
 import re
 import types
@@ -108,6 +109,47 @@ class ServerConfig:
                              f"got {self.tool_call_parser!r}")
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Every flag's default in --help, unless its help already says what the default is (or
+    there is none to say: None, off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_ = action.help or ""
+        if ("default" in help_ or not action.option_strings
+                or action.default in (None, False, argparse.SUPPRESS)):
+            return help_
+        return f"{help_} (default: %(default)s)".strip()
+
+
+class CommandParser(argparse.ArgumentParser):
+    """The parser of our commands (`radixlm ...`, `python -m radixlm.runtime.server`): defaults
+    in --help, and a misspelled flag refused in the usage of the subcommand it was given to,
+    with the closest real flag suggested."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self._refuse(parsed, extras)
+        return parsed
+
+    def _refuse(self, parsed: argparse.Namespace, extras: list[str]) -> None:
+        parser: argparse.ArgumentParser = self
+        for action in self._actions:  # the subcommand given, whose flags these were meant for
+            if isinstance(action, argparse._SubParsersAction):
+                parser = action.choices.get(getattr(parsed, action.dest, None), self)
+        flags = [flag for action in parser._actions for flag in action.option_strings]
+        named = []
+        for arg in extras:
+            close = (difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1)
+                     if arg.startswith("-") else [])
+            named.append(f"{arg} (did you mean {close[0]}?)" if close else arg)
+        parser.error("unrecognized arguments: " + " ".join(named))
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """Add every `radixlm serve` flag to `parser`."""
     parser.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
@@ -116,7 +158,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="model folder, .gguf file, short name or Hub id "
                              "(default: the embedded smollm2-135m-instruct)")
     server = parser.add_argument_group("server")
-    server.add_argument("--host", default=ServerConfig.host)
+    server.add_argument("--host", default=ServerConfig.host,
+                        help="the address to listen on (0.0.0.0: every interface)")
     server.add_argument("--port", type=int, default=ServerConfig.port,
                         help="0 picks a free port (the log says which)")
     server.add_argument("--api-key", default=None,
@@ -146,7 +189,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="model id on the OpenAI routes (default: --model or the default "
                              "model's name)")
     server.add_argument("--log-level", default=ServerConfig.log_level, type=str.lower,
-                        choices=["debug", "info", "warning", "error"])
+                        choices=["debug", "info", "warning", "error"],
+                        help="the server's and the engine's log level")
     server.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_FORMATS,
                         help="how the model writes tool calls (default: picked from its chat "
                              "template; hermes for templates without tools)")

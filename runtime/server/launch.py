@@ -27,7 +27,13 @@ from aiohttp import web
 from radixlm.runtime.engine_process.client import EngineClient
 from radixlm.runtime.server.access_log import log_engine_stats
 from radixlm.runtime.server.app import build_app
-from radixlm.runtime.server.args import ServerConfig, add_serve_args, engine_options, server_config
+from radixlm.runtime.server.args import (
+    CommandParser,
+    ServerConfig,
+    add_serve_args,
+    engine_options,
+    server_config,
+)
 from radixlm.runtime.server.sandbox import check_template, read_template
 from radixlm.runtime.server.state import ServerState
 from radixlm.runtime.server.text_codec import TextCodec
@@ -39,8 +45,8 @@ STATS_LOG_INTERVAL = 10.0  # seconds between engine-stats log lines while there 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m radixlm.runtime.server",
-                                     description="radixlm HTTP server (native + OpenAI API)")
+    parser = CommandParser(prog="python -m radixlm.runtime.server",
+                           description="radixlm HTTP server (native + OpenAI API)")
     add_serve_args(parser)
     return serve(parser.parse_args(argv))
 
