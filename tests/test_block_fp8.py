@@ -135,14 +135,14 @@ def test_dequantize_is_each_weight_times_its_blocks_scale(shape, block):
 def test_pairs_are_found_in_any_order_and_lazily(tmp_path):
     """A scale before its weight (split files) or after it (one file), and safetensors slices
     (tensor-parallel loading reads lazily): the same float weights."""
-    from radixlm.runtime.models.loader import _checkpoint_tensors
+    from radixlm.runtime.models.checkpoint_files import checkpoint_tensors
 
     src = save_tiny_hf_model(tmp_path / "src", "llama")
     fmt = BlockFp8(BLOCK)
     for split, lazy in ((False, False), (True, False), (True, True)):
         fp8, float_dir = save_block_fp8(src, tmp_path / f"{split}{lazy}", split=split)
         out = {name: t[:] if lazy and not isinstance(t, torch.Tensor) else t
-               for name, t in dequantized_tensors(_checkpoint_tensors(fp8, lazy), fmt,
+               for name, t in dequantized_tensors(checkpoint_tensors(fp8, lazy), fmt,
                                                   torch.float32, CPU)}
         want = load_file(str(float_dir / "model.safetensors"))
         assert out.keys() == want.keys()

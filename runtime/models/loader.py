@@ -8,12 +8,11 @@ FP8 checkpoint's weights are dequantized on their way in (quantization/block_fp8
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, NoReturn
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -22,7 +21,7 @@ from radixlm.runtime.distributed.groups import TPInfo
 from radixlm.runtime.models.architecture.families import FAMILIES
 from radixlm.runtime.models.architecture.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from radixlm.runtime.models.architecture.model_size import check_checkpoint_shapes, check_fits
-from radixlm.runtime.models.gguf_loader import TYPES_METADATA
+from radixlm.runtime.models.checkpoint_files import checkpoint_shapes, checkpoint_tensors
 from radixlm.runtime.models.layers.linear import Linear, use_small_batch_gemv
 from radixlm.runtime.models.layers.moe import FusedMoE
 from radixlm.runtime.models.layers.norm import RMSNorm
@@ -174,7 +173,7 @@ def load_model(model: str | None, load_format: str, dtype: torch.dtype,
     # Checked before a layer is built: a config stating a billion layers (or more weights
     # than memory holds) must be refused, not built until memory runs out.
     if folder is not None and load_format != "dummy":
-        check_checkpoint_shapes(config, *_checkpoint_shapes(folder))
+        check_checkpoint_shapes(config, *checkpoint_shapes(folder))
     # A lower bound on what the weights take: 4-bit where the run quantizes.
     check_fits(config, 0.5 if quant is not None else dtype.itemsize, positions,
                available_memory(device), f"the {device.type} device",
@@ -184,7 +183,7 @@ def load_model(model: str | None, load_format: str, dtype: torch.dtype,
     if load_format == "dummy":
         _init_dummy(net, seed)
     else:
-        tensors = _checkpoint_tensors(folder, lazy=net.tp is not None)
+        tensors = checkpoint_tensors(folder, lazy=net.tp is not None)
         block = block_fp8_format(config.raw.get("quantization_config"))
         if block is not None:
             _log_block_fp8(block, dtype, quant)
@@ -248,68 +247,6 @@ def available_memory(device: torch.device) -> int | None:
     except OSError:
         pass
     return None
-
-
-def _checkpoint_files(folder: Path) -> list[str]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {folder}")
-    return files
-
-
-def _checkpoint_shapes(folder: Path) -> tuple[dict[str, tuple[int, ...]], frozenset[str]]:
-    """Every checkpoint tensor's shape, from the files' headers (no data is read), and the
-    names of those stored as GGUF blocks ([rows, bytes per row])."""
-    from safetensors import safe_open
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    packed: set[str] = set()
-    for filename in _checkpoint_files(folder):
-        path = folder / filename
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                packed.update(json.loads((f.metadata() or {}).get(TYPES_METADATA, "{}")))
-                for key in f.keys():
-                    shapes[key] = tuple(f.get_slice(key).get_shape())
-        except Exception as exc:
-            _raise_unreadable(path, filename, folder, exc)
-    return shapes, frozenset(packed)
-
-
-def _raise_unreadable(path: Path, filename: str, folder: Path, exc: Exception) -> NoReturn:
-    if isinstance(exc, FileNotFoundError):
-        raise FileNotFoundError(f"the checkpoint names {filename}, which is not in "
-                                f"{folder}") from None
-    # safetensors' own errors: a truncated or corrupt file
-    if isinstance(exc, (ValueError, RuntimeError, OSError)) or "Safetensor" in type(
-            exc).__name__:
-        raise ValueError(f"{path} is not a readable safetensors file (truncated or "
-                         f"corrupt?): {exc}") from None
-    raise exc
-
-
-def _checkpoint_tensors(folder: Path, lazy: bool = False) -> Iterator[tuple[str, Any]]:
-    """(name, tensor) for every checkpoint tensor. `lazy`: a safetensors slice instead, from
-    which each layer reads only its own shard (a rank never holds the whole model)."""
-    from safetensors import safe_open
-
-    for filename in _checkpoint_files(folder):
-        path = folder / filename
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                block_types = json.loads((f.metadata() or {}).get(TYPES_METADATA, "{}"))
-                for key in f.keys():
-                    if key in block_types:  # GGUF blocks: [rows, bytes per row] uint8
-                        data = f.get_tensor(key)
-                        yield key, GGUFBlocks.from_rows(block_types[key], data)
-                    else:
-                        yield key, f.get_slice(key) if lazy else f.get_tensor(key)
-        except Exception as exc:
-            _raise_unreadable(path, filename, folder, exc)
 
 
 def _log_block_fp8(fmt: BlockFp8, dtype: torch.dtype, quant: QuantConfig | None) -> None:
