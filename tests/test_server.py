@@ -530,6 +530,27 @@ def test_strict_false_approximates_and_reports_what_it_left_out(http, client):
     assert error["code"] == "invalid_grammar"
 
 
+def test_the_sdk_fields_clients_send_routinely_are_accepted(client):
+    """Fields the OpenAI SDK and agent frameworks send that change nothing here are checked
+    and ignored; one that would change the output is refused by name."""
+    messages = [{"role": "user", "content": "Hi"}]
+    out = client.chat.completions.create(
+        model="m", messages=messages, max_tokens=2, store=False, metadata={"run": "7"},
+        service_tier="auto", reasoning_effort="low", user="u1",
+        prediction={"type": "content", "content": "Hello"}, modalities=["text"],
+        extra_body={"prompt_cache_key": "k", "safety_identifier": "s"})
+    assert out.choices[0].message.content is not None
+    text = client.completions.create(model="m", prompt="Hi", max_tokens=2, user="u1",
+                                     extra_body={"store": True, "service_tier": "auto"})
+    assert text.choices[0].text is not None
+    with pytest.raises(openai.BadRequestError, match="modalities"):
+        client.chat.completions.create(model="m", messages=messages, max_tokens=2,
+                                       modalities=["text", "audio"])
+    with pytest.raises(openai.BadRequestError, match="metadata"):
+        client.chat.completions.create(model="m", messages=messages, max_tokens=2,
+                                       metadata={"k": 1})
+
+
 def test_malformed_json_nan_and_non_objects_are_400(http):
     for raw in (b"{not json", b"[1, 2]", b'{"text": "hi", "sampling_params": '
                 b'{"temperature": NaN}}', b'{"text": "hi", "sampling_params": '
@@ -690,24 +711,3 @@ def running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
-
-
-def test_the_sdk_fields_clients_send_routinely_are_accepted(client):
-    """Fields the OpenAI SDK and agent frameworks send that change nothing here are checked
-    and ignored; one that would change the output is refused by name."""
-    messages = [{"role": "user", "content": "Hi"}]
-    out = client.chat.completions.create(
-        model="m", messages=messages, max_tokens=2, store=False, metadata={"run": "7"},
-        service_tier="auto", reasoning_effort="low", user="u1",
-        prediction={"type": "content", "content": "Hello"}, modalities=["text"],
-        extra_body={"prompt_cache_key": "k", "safety_identifier": "s"})
-    assert out.choices[0].message.content is not None
-    text = client.completions.create(model="m", prompt="Hi", max_tokens=2, user="u1",
-                                     extra_body={"store": True, "service_tier": "auto"})
-    assert text.choices[0].text is not None
-    with pytest.raises(openai.BadRequestError, match="modalities"):
-        client.chat.completions.create(model="m", messages=messages, max_tokens=2,
-                                       modalities=["text", "audio"])
-    with pytest.raises(openai.BadRequestError, match="metadata"):
-        client.chat.completions.create(model="m", messages=messages, max_tokens=2,
-                                       metadata={"k": 1})
