@@ -252,6 +252,25 @@ def test_unsupported_architecture(tmp_path):
     assert not any((tmp_path / "cache" / "gguf").iterdir())
 
 
+def _qwen2_layer(i: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
+                 ffn: int) -> dict[str, tuple[int, ...]]:
+    """The tensor shapes of layer `i` of a Qwen2 GGUF file (q/k/v biases included)."""
+    return {
+        f"blk.{i}.attn_norm.weight": (hidden,),
+        f"blk.{i}.attn_q.weight": (heads * head_dim, hidden),
+        f"blk.{i}.attn_q.bias": (heads * head_dim,),
+        f"blk.{i}.attn_k.weight": (kv_heads * head_dim, hidden),
+        f"blk.{i}.attn_k.bias": (kv_heads * head_dim,),
+        f"blk.{i}.attn_v.weight": (kv_heads * head_dim, hidden),
+        f"blk.{i}.attn_v.bias": (kv_heads * head_dim,),
+        f"blk.{i}.attn_output.weight": (hidden, heads * head_dim),
+        f"blk.{i}.ffn_norm.weight": (hidden,),
+        f"blk.{i}.ffn_gate.weight": (ffn, hidden),
+        f"blk.{i}.ffn_up.weight": (ffn, hidden),
+        f"blk.{i}.ffn_down.weight": (hidden, ffn),
+    }
+
+
 def test_qwen2_weights_are_renamed_not_permuted(tmp_path, monkeypatch):
     from safetensors.numpy import load_file
 
@@ -265,20 +284,7 @@ def test_qwen2_weights_are_renamed_not_permuted(tmp_path, monkeypatch):
         "output.weight": (vocab, hidden),
     }
     for i in range(2):
-        tensors |= {
-            f"blk.{i}.attn_norm.weight": (hidden,),
-            f"blk.{i}.attn_q.weight": (heads * head_dim, hidden),
-            f"blk.{i}.attn_q.bias": (heads * head_dim,),
-            f"blk.{i}.attn_k.weight": (kv_heads * head_dim, hidden),
-            f"blk.{i}.attn_k.bias": (kv_heads * head_dim,),
-            f"blk.{i}.attn_v.weight": (kv_heads * head_dim, hidden),
-            f"blk.{i}.attn_v.bias": (kv_heads * head_dim,),
-            f"blk.{i}.attn_output.weight": (hidden, heads * head_dim),
-            f"blk.{i}.ffn_norm.weight": (hidden,),
-            f"blk.{i}.ffn_gate.weight": (ffn, hidden),
-            f"blk.{i}.ffn_up.weight": (ffn, hidden),
-            f"blk.{i}.ffn_down.weight": (hidden, ffn),
-        }
+        tensors |= _qwen2_layer(i, hidden, heads, kv_heads, head_dim, ffn)
     arrays = {name: rng.standard_normal(shape, dtype=np.float32) for name, shape in tensors.items()}
     path = tmp_path / "tiny-qwen2.gguf"
     _write_gguf(
@@ -332,20 +338,7 @@ def _tiny_qwen2_gguf(path: pathlib.Path, layers: int = 2, **meta: int) -> None:
     hidden, heads, kv_heads, head_dim, ffn, vocab = 16, 4, 2, 4, 24, 40
     shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
     for i in range(layers):
-        shapes |= {
-            f"blk.{i}.attn_norm.weight": (hidden,),
-            f"blk.{i}.attn_q.weight": (heads * head_dim, hidden),
-            f"blk.{i}.attn_q.bias": (heads * head_dim,),
-            f"blk.{i}.attn_k.weight": (kv_heads * head_dim, hidden),
-            f"blk.{i}.attn_k.bias": (kv_heads * head_dim,),
-            f"blk.{i}.attn_v.weight": (kv_heads * head_dim, hidden),
-            f"blk.{i}.attn_v.bias": (kv_heads * head_dim,),
-            f"blk.{i}.attn_output.weight": (hidden, heads * head_dim),
-            f"blk.{i}.ffn_norm.weight": (hidden,),
-            f"blk.{i}.ffn_gate.weight": (ffn, hidden),
-            f"blk.{i}.ffn_up.weight": (ffn, hidden),
-            f"blk.{i}.ffn_down.weight": (hidden, ffn),
-        }
+        shapes |= _qwen2_layer(i, hidden, heads, kv_heads, head_dim, ffn)
     arrays = {name: rng.standard_normal(shape, dtype=np.float32) for name, shape in shapes.items()}
     values = {"block_count": layers, "embedding_length": hidden, "feed_forward_length": ffn,
               "attention.head_count": heads, "attention.head_count_kv": kv_heads,
