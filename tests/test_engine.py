@@ -401,3 +401,19 @@ def test_an_explicit_max_new_tokens_beyond_the_context_is_refused(tiny_chat_mode
         with pytest.raises(ValueError, match=r"min_new_tokens.*\(40 tokens\).*64"):
             eng.generate(input_ids=prompt, sampling_params={"min_new_tokens": 100})
         assert clipped.finish_reason == "length"
+
+
+def test_cached_tokens_never_exceed_the_prompt(engine):
+    """Usage's cached_tokens is a part of prompt_tokens, however the prompt was cached: a
+    repeat, a prompt whose length is a whole number of pages, samples of one prompt, a longer
+    turn after a shorter one, a grammar, prompt logprobs."""
+    page = list(range(100, 164))  # 64 tokens: four whole pages
+    cases = [(page, {}), (page, {}), (page, {"n": 3}), (page + [7, 8, 9], {}),
+             (page[:40], {}), (page, {"json_object": True}),
+             (page, {"logprobs": True, "logprob_start_len": 0})]
+    for ids, extra in cases:
+        outs = engine.generate(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 3,
+                                                                **extra})
+        for out in outs if isinstance(outs, list) else [outs]:
+            assert 0 <= out.cached_tokens <= out.prompt_tokens == len(ids), (extra, out)
+    assert_no_leak(engine)
