@@ -76,11 +76,13 @@ class _FileLock:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         start = notice = time.monotonic()
         notice += self.notice_after
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
+        try:  # whatever stops the wait (Ctrl-C in the sleep, too) closes the descriptor
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    pass
                 if time.monotonic() >= notice:
                     holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
                     log.warning("waiting %.0f s so far for another process (pid %s) building "
@@ -88,9 +90,9 @@ class _FileLock:
                                 self.path)
                     notice = time.monotonic() + 60
                 time.sleep(0.1)
-            except BaseException:
-                os.close(fd)
-                raise
+        except BaseException:
+            os.close(fd)
+            raise
         self.fd = fd
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -130,6 +132,9 @@ def run_in_session(command: list[str], cwd: Path, log_path: Path) -> None:
                 [sys.executable, os.path.abspath(__file__), "--watchdog", str(read_end),
                  *command], cwd=cwd, stdin=subprocess.DEVNULL, stdout=out,
                 stderr=subprocess.STDOUT, pass_fds=(read_end,), start_new_session=True)
+    except BaseException:
+        os.close(write_end)
+        raise
     finally:
         os.close(read_end)
     try:

@@ -241,10 +241,7 @@ class Engine:
         """Stop the engine thread and free what it holds. Safe from any thread and more than
         once; calls waiting on the engine raise EngineClosedError, and so do later calls."""
         _open_engines.discard(self)
-        if self._engine_thread.stop():
-            self.core.shutdown()
-            if self._tp is not None:
-                self._tp.shutdown()
+        self._engine_thread.stop()
 
     def __enter__(self) -> "Engine":
         return self

@@ -82,9 +82,11 @@ class EngineThread:
 
     def stop(self, timeout: float = 30) -> bool:
         """Stop the loop once it has handled what is in the inbox before this, failing the
-        requests still in flight; later calls raise EngineClosedError. Waits up to `timeout`
-        seconds for the loop to end (not when called from the engine thread itself, e.g. an
-        on_output callback). False when the thread was already stopping."""
+        requests still in flight, then release the core's workers and the tensor-parallel
+        ranks (on the engine thread, after its last step); later calls raise
+        EngineClosedError. Waits up to `timeout` seconds for the loop to end (not when called
+        from the engine thread itself, e.g. an on_output callback). False when the thread was
+        already stopping."""
         with self._closing:
             if self.stopped:
                 return False
@@ -110,7 +112,14 @@ class EngineThread:
             built.put(exc)
             return
         built.put(None)
-        self._loop()
+        try:
+            self._loop()
+        finally:
+            # Here, on this thread, once no step can be running: the grammar compile workers
+            # and the tensor-parallel ranks are released after the last step, never under one.
+            self.core.shutdown()
+            if self._tp is not None:
+                self._tp.shutdown()
 
     def _loop(self) -> None:
         core = self.core

@@ -22,7 +22,7 @@ import json
 import logging
 import os
 import queue
-import select
+import selectors
 import struct
 import subprocess
 import sys
@@ -78,7 +78,8 @@ class Sandbox:
                      tools: list[dict[str, Any]] | None, kwargs: dict[str, Any],
                      template: str | None = None) -> str:
         """The conversation as the template writes it; `template` overrides the model's."""
-        return await self._call({"op": "render", "template": template or self.template,
+        chosen = self.template if template is None else template
+        return await self._call({"op": "render", "template": chosen,
                                  "special": self.special_tokens, "messages": messages,
                                  "tools": tools, "add_generation_prompt": add_generation_prompt,
                                  "kwargs": kwargs, "max_chars": self.max_chars}, self.timeout)
@@ -105,18 +106,22 @@ class Sandbox:
     def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
         for w in self._workers:
-            w.kill()
+            w.close()
 
 
 class _Worker:
-    """One worker process; used by one thread at a time (the pool's idle queue sees to it)."""
+    """One worker process; used by one thread at a time (the pool's idle queue sees to it),
+    except `close`, which any thread may call: a closed worker starts no successor."""
 
     def __init__(self, memory_bytes: int) -> None:
         self.memory_bytes = memory_bytes
         self.proc: subprocess.Popen | None = None
         self.ready = False
+        self.closed = False
 
     def spawn(self) -> None:
+        if self.closed:
+            raise SandboxError("closed", "the renderer is shut down")
         if self.proc is not None and self.proc.poll() is None:
             return
         self.proc = subprocess.Popen(
@@ -125,58 +130,81 @@ class _Worker:
         self.ready = False
 
     def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            for pipe in (self.proc.stdin, self.proc.stdout):
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+            for pipe in (proc.stdin, proc.stdout):
                 if pipe is not None:
                     pipe.close()
-        self.proc = None
+
+    def close(self) -> None:
+        """Kill the process for good (a call in flight on another thread then fails)."""
+        self.closed = True
+        proc = self.proc
+        if proc is not None:
+            proc.kill()  # a read in flight on another thread fails, which closes the pipes
+            proc.wait()
 
     def restart(self) -> None:
         """Kill the worker and start its successor now: it imports while nobody waits."""
         self.kill()
-        self.spawn()
+        if not self.closed:
+            self.spawn()
 
     def call(self, payload: bytes, timeout: float) -> Any:
         self.spawn()
-        assert self.proc is not None and self.proc.stdin is not None
+        proc = self.proc
+        assert proc is not None and proc.stdin is not None and proc.stdout is not None
         try:
             if not self.ready:  # the import time does not count against the request
-                self._read(time.monotonic() + START_TIMEOUT)
+                self._read(proc, time.monotonic() + START_TIMEOUT, "start")
                 self.ready = True
-            self.proc.stdin.write(_HEADER.pack(len(payload)) + payload)
-            self.proc.stdin.flush()
-            reply = self._read(time.monotonic() + timeout)
+            proc.stdin.write(_HEADER.pack(len(payload)) + payload)
+            proc.stdin.flush()
+            reply = self._read(proc, time.monotonic() + timeout, "timeout")
         except SandboxError:
             self.restart()  # a worker past its time (or dead)
             raise
         except OSError:  # the pipe broke: the worker died (e.g. killed by the OOM killer)
             self.restart()
-            raise SandboxError("crashed", "the renderer's worker process died") from None
+            raise SandboxError("crashed", "died while rendering") from None
+        except BaseException:
+            # Anything else leaves a reply unread in the pipe, which the next caller would
+            # take for its own: never reuse this worker.
+            self.restart()
+            raise
         if "error" in reply:
             if reply["kind"] == "memory":
                 self.restart()  # a fresh worker rather than one with a fragmented heap
             raise SandboxError(reply["kind"], reply["error"], reply.get("where"))
         return reply["ok"]
 
-    def _read(self, deadline: float) -> Any:
-        assert self.proc is not None and self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        header = self._read_exactly(fd, _HEADER.size, deadline)
-        data = self._read_exactly(fd, _HEADER.unpack(header)[0], deadline)
+    @staticmethod
+    def _read(proc: subprocess.Popen, deadline: float, late: str) -> Any:
+        """A reply; SandboxError(`late`) past the deadline."""
+        assert proc.stdout is not None
+        fd = proc.stdout.fileno()
+        # selectors, not select.select: that refuses descriptors past 1023, which a busy
+        # server's restarted worker can get.
+        with selectors.DefaultSelector() as selector:
+            selector.register(fd, selectors.EVENT_READ)
+            header = _Worker._read_exactly(fd, selector, _HEADER.size, deadline, late)
+            data = _Worker._read_exactly(fd, selector, _HEADER.unpack(header)[0], deadline,
+                                         late)
         return json.loads(data.decode("utf-8", "surrogatepass"))
 
     @staticmethod
-    def _read_exactly(fd: int, size: int, deadline: float) -> bytes:
+    def _read_exactly(fd: int, selector: selectors.BaseSelector, size: int, deadline: float,
+                      late: str) -> bytes:
         chunks: list[bytes] = []
         while size:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise SandboxError("timeout", "took too long")
+            if left <= 0 or not selector.select(left):
+                raise SandboxError(late, "took too long")
             chunk = os.read(fd, min(size, 1 << 20))
             if not chunk:
-                raise SandboxError("crashed", "the renderer's worker process died")
+                raise SandboxError("crashed", "died while rendering")
             chunks.append(chunk)
             size -= len(chunk)
         return b"".join(chunks)
@@ -247,6 +275,7 @@ def _worker_main(memory_bytes: int) -> None:
                                             f"more than {request['max_chars']}")
         return text
 
+    _exit_with_parent()
     with open("/proc/self/status") as f:  # what the imports took, plus the budget
         size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
     resource.setrlimit(resource.RLIMIT_AS, (size + memory_bytes, size + memory_bytes))
@@ -278,6 +307,21 @@ def _worker_main(memory_bytes: int) -> None:
             send(reply)
         except MemoryError:
             send({"error": "ran out of memory", "kind": "memory"})
+
+
+def _exit_with_parent() -> None:
+    """A render runs until its parent stops it; a parent that was killed cannot, so a thread
+    ends this process once the parent is gone (its stdin is read only between requests)."""
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 if __name__ == "__main__":

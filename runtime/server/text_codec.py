@@ -177,6 +177,10 @@ class TextCodec:
 
 
 def _render_error(exc: SandboxError, param: str, timeout: float) -> ApiError:
+    if exc.kind in ("start", "closed"):  # the server's state, not the request's fault
+        why = "it did not start in time" if exc.kind == "start" else "it is shut down"
+        return ApiError(503, f"the chat template renderer is not available ({why}); try again",
+                        code="unavailable")
     if exc.kind == "syntax":
         return bad(f"{param} is not a valid Jinja template: {exc.message}", param,
                    "invalid_chat_template")
@@ -186,7 +190,7 @@ def _render_error(exc: SandboxError, param: str, timeout: float) -> ApiError:
     if exc.kind == "too_large":
         return bad(f"{param}: {exc.message}", param, "context_length_exceeded")
     if exc.kind in ("memory", "crashed"):
-        return bad(f"{param}: rendering the chat template {exc.message}", param,
+        return bad(f"{param}: the chat template's worker {exc.message}", param,
                    "chat_template_limit")
     # templates raise on e.g. roles that do not alternate
-    return bad(f"messages could not be rendered by the chat template: {exc.message}", param)
+    return bad(f"{param} could not be rendered by the chat template: {exc.message}", param)
