@@ -1,26 +1,31 @@
-// A decode step of a Llama-style decoder on the CPU in one call: every layer's norm, qkv,
-// rotary, KV store, attention, o, norm, gate_up, SiLU-and-mul and down, then the final norm.
+// A forward step of a Llama-style decoder on the CPU in one call: every layer's norm, qkv,
+// rotary, KV store, attention, o, norm, gate_up, SiLU-and-mul and down, then the final norm,
+// for any mix of rows: decode tokens, prefill chunks, speculative drafts being verified.
 //
 // Why: at batch 1 on a small model each layer is ~40 tensor ops of a few microseconds of work,
 // and from Python each costs several microseconds of dispatch; the matmuls are only a third of
-// the step. Here the matmuls, softmax and SiLU are ATen calls (torch's own kernels and
-// threads), and attention and the small per-row work (norms, rotary, residual adds) are plain
-// loops, spread over torch's threads by at::parallel_for (a batch of one row stays on one).
+// the step. And why every step comes here, not only decode steps: each token row is computed
+// by the same code whatever else is in the step, so a request's tokens and logprobs do not
+// depend on its batch, its chunking or what the prefix cache held (docs/deterministic.md).
+// That takes three things: the linears of cpu_linear.h (each output one fixed sum), per-row
+// loops for everything else (norms, rotary, SiLU, a softmax of the row's own keys), and a
+// token's attention computed from its own sequence's keys in cache order, the same in a
+// prefill chunk as in a decode step.
 //
-// Rounding follows the eager bfloat16 path: the residual stream, the norm's output, q/k/v and
-// the MLP activations are bfloat16; each norm, rotary and SiLU computes in float32 and rounds
-// once. Attention is float32 as in radixlm.runtime.attention.torch_native (scores, softmax,
-// weighted sum of values), summed in another order. The softmax runs over the step's padded
-// context width, so a row's result can differ in the last bits with the batch around it.
+// Rounding: activations are bfloat16 or float32 (the model's dtype, template A). With
+// bfloat16, the residual stream, the norm's output, q/k/v, the attention output and the MLP
+// activations are bfloat16; each norm, rotary and SiLU computes in float32 and rounds once.
+// Attention computes in float32.
 //
-// Inputs (B decode tokens; d hidden; H / Hkv heads of D):
-//   hidden [B, d] bf16: the token embeddings; cos/sin [B, D/2] float32 at their positions;
+// Inputs (T token rows of S sequences; d hidden; H / Hkv heads of D):
+//   hidden [T, d] (A): the token embeddings; cos/sin [T, D/2] float32 at their positions;
 //   layers[i]: {input norm [d], post-attention norm [d], qkv bias ([0] when none), then the
-//     tensors of qkv, o, gate_up and down}; specs[8 i + 2 j] and [8 i + 2 j + 1] say how
-//     linear j is stored: (0, 0): one dense [N, K] bf16 weight; (p, g): p int4 planes of
-//     groups of g inputs, (packed, scales_zeros) each;
-//   k_cache / v_cache [layers, slots, Hkv, D] bf16, out_slots [B], pages [B, P] int64 (page
-//     ids of each sequence's context), kv_lens [B] int64 (its length, this token included).
+//     tensors of qkv, o, gate_up and down}; specs[4 i + j] says how linear j is stored:
+//     0: one dense tile tensor (cpu_linear.h); p > 0: p int4 planes (codes, scales, zeros);
+//     widths[4 i + j]: its output width;
+//   k_cache / v_cache [layers, slots, Hkv, D] (A), out_slots [T], token_seq [T] (the row's
+//   sequence), positions [T] (the row attends to its sequence's positions 0..position),
+//   pages [S, P] int64 (page ids of each sequence's context).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>
@@ -28,7 +33,10 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <cstring>
 #include <vector>
+
+#include "cpu_linear.h"
 
 namespace {
 
@@ -36,75 +44,99 @@ using at::BFloat16;
 using at::Tensor;
 
 inline float to_f(BFloat16 x) { return static_cast<float>(x); }
+inline float to_f(float x) { return x; }
+
+// Store v as an activation of type A (bfloat16: rounded to nearest even).
+template <typename A>
+inline A to_a(float v) { return A(v); }
 
 // Rows of a per-row loop given to one thread at least: a row of a small model is too little
 // work to wake a thread for.
 constexpr int64_t ROWS_PER_TASK = 8;
 
-// y = x @ W.T for one stored linear starting at tensors[first].
-Tensor linear(const Tensor& x, const std::vector<Tensor>& tensors, size_t first,
-              const int64_t* spec) {
-  const int64_t planes = spec[0], group = spec[1];
-  if (planes == 0) return at::linear(x, tensors[first]);
-  Tensor out = at::_weight_int4pack_mm_for_cpu(x, tensors[first], group, tensors[first + 1]);
-  for (int64_t p = 1; p < planes; ++p) {
-    out.add_(at::_weight_int4pack_mm_for_cpu(x, tensors[first + 2 * p], group,
-                                             tensors[first + 2 * p + 1]));
-  }
-  return out;
+// exp(x) for x <= 88, written as plain arithmetic so that the compiler vectorizes loops of it
+// and every lane computes the same thing (a library exp may take another path for a loop's
+// tail than for its vectors). exp(x) = 2^n exp(r), |r| <= ln2 / 2, exp(r) by its Taylor
+// series to r^7 (relative error < 1e-8 before rounding).
+inline float exp_fixed(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = std::floor(x * 1.44269504f + 0.5f);
+  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+  float p = 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
 }
 
-size_t stored_tensors(int64_t planes) { return planes == 0 ? 1 : 2 * planes; }
+// y = x @ W.T for one stored linear starting at tensors[first].
+Tensor linear(const Tensor& x, const std::vector<Tensor>& tensors, size_t first, int64_t planes,
+              int64_t width) {
+  if (planes == 0) return radixlm_cpu::dense_linear(x, tensors[first], width, false);
+  return radixlm_cpu::planes_linear(x, tensors[first], tensors[first + 1], tensors[first + 2],
+                                    width, false);
+}
 
-// out[b] = weight * rms_norm(x[b]) (with x[b] += add[b] first when add is given: the
+size_t stored_tensors(int64_t planes) { return planes == 0 ? 1 : 3; }
+
+// out[r] = weight * rms_norm(x[r]) (with x[r] += add[r] first when add is given: the
 // residual stream then keeps the sum).
+template <typename A>
 void add_rms_norm(Tensor& x, const Tensor* add, const Tensor& weight, Tensor& out, double eps) {
   const int64_t rows = x.size(0), d = x.size(1);
-  auto* xs = x.data_ptr<BFloat16>();
-  auto* ys = out.data_ptr<BFloat16>();
-  const auto* w = weight.data_ptr<BFloat16>();
-  const BFloat16* as = add ? add->data_ptr<BFloat16>() : nullptr;
+  auto* xs = x.data_ptr<A>();
+  auto* ys = out.data_ptr<A>();
+  const auto* w = weight.data_ptr<A>();
+  const A* as = add ? add->data_ptr<A>() : nullptr;
   at::parallel_for(0, rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      BFloat16* xr = xs + r * d;
+      A* xr = xs + r * d;
       float sum = 0.f;
       for (int64_t i = 0; i < d; ++i) {
-        if (as) xr[i] = BFloat16(to_f(xr[i]) + to_f(as[r * d + i]));
+        if (as) xr[i] = to_a<A>(to_f(xr[i]) + to_f(as[r * d + i]));
         const float v = to_f(xr[i]);
         sum += v * v;
       }
       const float inv = 1.f / std::sqrt(sum / static_cast<float>(d) + static_cast<float>(eps));
       for (int64_t i = 0; i < d; ++i) {
-        ys[r * d + i] = BFloat16(to_f(w[i]) * to_f(BFloat16(to_f(xr[i]) * inv)));
+        ys[r * d + i] = to_a<A>(to_f(w[i]) * to_f(to_a<A>(to_f(xr[i]) * inv)));
       }
     }
   });
 }
 
-// Rotate the q and k heads of qkv [B, (H + 2 Hkv) * D] in place (half-split layout), then
+// Rotate the q and k heads of qkv [T, (H + 2 Hkv) * D] in place (half-split layout), then
 // write k and v to their cache slots.
+template <typename A>
 void rotary_and_store(Tensor& qkv, const Tensor& cos, const Tensor& sin, int64_t heads,
                       int64_t kv_heads, int64_t head_dim, Tensor& k_layer, Tensor& v_layer,
                       const Tensor& out_slots) {
   const int64_t rows = qkv.size(0), width = qkv.size(1), half = head_dim / 2;
-  auto* q = qkv.data_ptr<BFloat16>();
+  auto* q = qkv.data_ptr<A>();
   const auto* c = cos.data_ptr<float>();
   const auto* s = sin.data_ptr<float>();
   const auto* slots = out_slots.data_ptr<int64_t>();
-  auto* kc = k_layer.data_ptr<BFloat16>();
-  auto* vc = v_layer.data_ptr<BFloat16>();
+  auto* kc = k_layer.data_ptr<A>();
+  auto* vc = v_layer.data_ptr<A>();
   const int64_t kv_width = kv_heads * head_dim;
   at::parallel_for(0, rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      BFloat16* row = q + r * width;
+      A* row = q + r * width;
       const float* cr = c + r * half;
       const float* sr = s + r * half;
       for (int64_t h = 0; h < heads + kv_heads; ++h) {
-        BFloat16* x = row + h * head_dim;
+        A* x = row + h * head_dim;
         for (int64_t i = 0; i < half; ++i) {
           const float x1 = to_f(x[i]), x2 = to_f(x[i + half]);
-          x[i] = BFloat16(x1 * cr[i] - x2 * sr[i]);
-          x[i + half] = BFloat16(x2 * cr[i] + x1 * sr[i]);
+          x[i] = to_a<A>(x1 * cr[i] - x2 * sr[i]);
+          x[i + half] = to_a<A>(x2 * cr[i] + x1 * sr[i]);
         }
       }
       const int64_t slot = slots[r];
@@ -127,135 +159,192 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-// out [B, H * D] = attention of each row's q (the first H heads of qkv) over its context.
-// Each sequence reads its keys and values straight from their cache slots, once, a whole slot
-// (every KV head) at a time, in float32: no gathered or converted copy of the context. The
-// scores of the whole step go through one softmax over [B, H, P * page] (padding at -inf), as
-// in the eager path.
+// out [T, H * D] = attention of each row's q (the first H heads of qkv) over its sequence's
+// positions 0..position, read straight from their cache slots in position order (rows
+// prefetched ahead: a row is a few cache lines, and waiting for each in turn leaves the loops
+// bound by latency). One task is one row's query heads of one KV head: scores, a softmax over
+// the row's own positions (max, exp_fixed, a sum in 16 lanes by position), then the values
+// weighted in position order. Nothing in it depends on the other rows of the step.
+template <typename A>
 Tensor attention(const Tensor& qkv, const Tensor& k_layer, const Tensor& v_layer,
-                 const Tensor& pages, const Tensor& kv_lens, int64_t page_size, int64_t heads,
-                 int64_t kv_heads, int64_t head_dim, double scale) {
-  const int64_t b = qkv.size(0), width = qkv.size(1), group = heads / kv_heads;
-  const int64_t num_pages = pages.size(1), max_len = num_pages * page_size;
+                 const Tensor& pages, const Tensor& token_seq, const Tensor& positions,
+                 int64_t page_size, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                 double scale) {
+  const int64_t rows = qkv.size(0), width = qkv.size(1), group = heads / kv_heads;
+  const int64_t num_pages = pages.size(1);
   const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
-  const auto* q_all = qkv.data_ptr<BFloat16>();
-  const auto* kc = k_layer.data_ptr<BFloat16>();
-  const auto* vc = v_layer.data_ptr<BFloat16>();
+  const auto* q_all = qkv.data_ptr<A>();
+  const auto* kc = k_layer.data_ptr<A>();
+  const auto* vc = v_layer.data_ptr<A>();
   const auto* page_ids = pages.data_ptr<int64_t>();
-  const auto* lens = kv_lens.data_ptr<int64_t>();
+  const auto* seqs = token_seq.data_ptr<int64_t>();
+  const auto* pos = positions.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
-  // The cache row of sequence s's position j, prefetched `ahead` positions early: a row is a
-  // few cache lines, and waiting for each in turn would leave the loops bound by latency.
   constexpr int64_t ahead = 4;
-  auto row = [&](int64_t s, int64_t j) {
-    return (page_ids[s * num_pages + j / page_size] * page_size + j % page_size) * kv_width;
-  };
-  auto prefetch = [&](const BFloat16* cache, int64_t s, int64_t j, int64_t len) {
-    if (j >= len) return;
-    const char* at = reinterpret_cast<const char*>(cache + row(s, j));
-    for (int64_t off = 0; off < kv_width * 2; off += 64) __builtin_prefetch(at + off);
-  };
-  Tensor scores = at::empty({b, heads, max_len}, qkv.options().dtype(at::kFloat));
-  float* score_all = scores.data_ptr<float>();
-  at::parallel_for(0, b, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(q_width), key(kv_width);
-    for (int64_t s = begin; s < end; ++s) {
-      const int64_t len = lens[s];
-      for (int64_t i = 0; i < q_width; ++i) q[i] = to_f(q_all[s * width + i]);
-      float* sc = score_all + s * heads * max_len;
-      for (int64_t j = 0; j < ahead; ++j) prefetch(kc, s, j, len);
+  Tensor out = at::empty({rows, q_width}, qkv.options());
+  auto* out_all = out.data_ptr<A>();
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(group * head_dim), kv_row(head_dim), acc(group * head_dim);
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t t = task / kv_heads, kvh = task % kv_heads;
+      const int64_t s = seqs[t], len = pos[t] + 1;
+      const int64_t padded = (len + 15) / 16 * 16;
+      auto row = [&](int64_t j) {
+        return (page_ids[s * num_pages + j / page_size] * page_size + j % page_size) *
+                   kv_width + kvh * head_dim;
+      };
+      auto prefetch = [&](const A* cache, int64_t j) {
+        if (j >= len) return;
+        const char* at = reinterpret_cast<const char*>(cache + row(j));
+        for (int64_t off = 0; off < head_dim * static_cast<int64_t>(sizeof(A)); off += 64) {
+          __builtin_prefetch(at + off);
+        }
+      };
+      for (int64_t i = 0; i < group * head_dim; ++i) {
+        q[i] = to_f(q_all[t * width + kvh * group * head_dim + i]);
+      }
+      scores.assign(group * padded, -INFINITY);
+      for (int64_t j = 0; j < ahead; ++j) prefetch(kc, j);
       for (int64_t j = 0; j < len; ++j) {
-        prefetch(kc, s, j + ahead, len);
-        const BFloat16* k = kc + row(s, j);
-        for (int64_t i = 0; i < kv_width; ++i) key[i] = to_f(k[i]);
-        for (int64_t h = 0; h < heads; ++h) {
-          sc[h * max_len + j] =
-              dot(q.data() + h * head_dim, key.data() + h / group * head_dim, head_dim) * fscale;
+        prefetch(kc, j + ahead);
+        const A* k = kc + row(j);
+        for (int64_t i = 0; i < head_dim; ++i) kv_row[i] = to_f(k[i]);
+        for (int64_t h = 0; h < group; ++h) {
+          scores[h * padded + j] = dot(q.data() + h * head_dim, kv_row.data(), head_dim) * fscale;
         }
       }
-      for (int64_t h = 0; h < heads; ++h) {
-        std::fill(sc + h * max_len + len, sc + (h + 1) * max_len, -INFINITY);
+      float inv_sum[64];
+      for (int64_t h = 0; h < group; ++h) {
+        float* sc = scores.data() + h * padded;
+        float top = -INFINITY;
+        for (int64_t j = 0; j < len; ++j) top = std::max(top, sc[j]);
+        float lanes[16] = {};
+        for (int64_t j = 0; j < padded; j += 16) {
+          for (int l = 0; l < 16; ++l) {
+            const float e = j + l < len ? exp_fixed(sc[j + l] - top) : 0.f;
+            sc[j + l] = e;
+            lanes[l] += e;
+          }
+        }
+        float sum = 0.f;
+        for (int l = 0; l < 16; ++l) sum += lanes[l];
+        inv_sum[h] = 1.f / sum;
       }
-    }
-  });
-  const Tensor probs = at::softmax(scores, -1);
-  const float* prob_all = probs.data_ptr<float>();
-  Tensor out = at::empty({b, q_width}, qkv.options());
-  auto* out_all = out.data_ptr<BFloat16>();
-  at::parallel_for(0, b, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(q_width), value(kv_width);
-    for (int64_t s = begin; s < end; ++s) {
-      const int64_t len = lens[s];
-      const float* pr = prob_all + s * heads * max_len;
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < ahead; ++j) prefetch(vc, s, j, len);
+      for (int64_t j = 0; j < ahead; ++j) prefetch(vc, j);
       for (int64_t j = 0; j < len; ++j) {
-        prefetch(vc, s, j + ahead, len);
-        const BFloat16* v = vc + row(s, j);
-        for (int64_t i = 0; i < kv_width; ++i) value[i] = to_f(v[i]);
-        for (int64_t h = 0; h < heads; ++h) {
-          const float p = pr[h * max_len + j];
+        prefetch(vc, j + ahead);
+        const A* v = vc + row(j);
+        for (int64_t i = 0; i < head_dim; ++i) kv_row[i] = to_f(v[i]);
+        for (int64_t h = 0; h < group; ++h) {
+          const float p = scores[h * padded + j];
           // A weight that underflowed (denormal) adds nothing a float32 sum keeps, and
           // denormal arithmetic costs ~100 cycles an operation on x86.
           if (p < FLT_MIN) continue;
           float* a = acc.data() + h * head_dim;
-          const float* val = value.data() + h / group * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * val[d];
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * kv_row[d];
         }
       }
-      for (int64_t i = 0; i < q_width; ++i) out_all[s * q_width + i] = BFloat16(acc[i]);
+      A* o = out_all + t * q_width + kvh * group * head_dim;
+      for (int64_t h = 0; h < group; ++h) {
+        for (int64_t d = 0; d < head_dim; ++d) {
+          o[h * head_dim + d] = to_a<A>(acc[h * head_dim + d] * inv_sum[h]);
+        }
+      }
     }
   });
   return out;
 }
 
-// act [B, I] = silu(gate) * up from gate_up [B, 2 I], as the eager path computes it (ATen's
-// vectorized, threaded kernels; each op rounds to bfloat16 once).
+// act [T, I] = silu(gate) * up from gate_up [T, 2 I], rounding as the eager path does (the
+// SiLU once, the product once).
+template <typename A>
 Tensor silu_and_mul(const Tensor& gate_up) {
-  const int64_t inter = gate_up.size(1) / 2;
-  return at::silu(gate_up.narrow(1, 0, inter)).mul_(gate_up.narrow(1, inter, inter));
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  Tensor out = at::empty({rows, inter}, gate_up.options());
+  const A* in = gate_up.data_ptr<A>();
+  A* o = out.data_ptr<A>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const A* g = in + r * 2 * inter;
+      const A* u = g + inter;
+      for (int64_t i = 0; i < inter; ++i) {
+        const float x = to_f(g[i]);
+        const float silu = to_f(to_a<A>(x / (1.f + exp_fixed(-x))));
+        o[r * inter + i] = to_a<A>(silu * to_f(u[i]));
+      }
+    }
+  });
+  return out;
 }
 
-Tensor decode(Tensor hidden, const Tensor& cos, const Tensor& sin,
-              const std::vector<std::vector<Tensor>>& layers,
-              const std::vector<int64_t>& specs, Tensor k_cache, Tensor v_cache,
-              const Tensor& out_slots, const Tensor& pages, const Tensor& kv_lens,
-              const Tensor& final_norm, int64_t page_size, int64_t heads, int64_t kv_heads,
-              int64_t head_dim, double eps, double scale) {
-  TORCH_CHECK(hidden.scalar_type() == at::kBFloat16 && hidden.is_contiguous(),
-              "hidden must be contiguous bfloat16");
-  TORCH_CHECK(static_cast<int64_t>(specs.size()) == 8 * static_cast<int64_t>(layers.size()),
-              "specs: eight entries per layer");
+template <typename A>
+Tensor forward_rows(Tensor hidden, const Tensor& cos, const Tensor& sin,
+                    const std::vector<std::vector<Tensor>>& layers,
+                    const std::vector<int64_t>& specs, const std::vector<int64_t>& widths,
+                    Tensor k_cache, Tensor v_cache, const Tensor& out_slots,
+                    const Tensor& token_seq, const Tensor& positions, const Tensor& pages,
+                    const Tensor& final_norm, int64_t page_size, int64_t heads,
+                    int64_t kv_heads, int64_t head_dim, double eps, double scale) {
   Tensor h = hidden.clone();
   Tensor x = at::empty_like(h);
   Tensor residual_in;  // the previous layer's MLP output, added to h by the next norm
   for (size_t i = 0; i < layers.size(); ++i) {
     const auto& t = layers[i];
-    const int64_t* p = specs.data() + 8 * i;  // (planes, group) of qkv, o, gate_up, down
-    add_rms_norm(h, residual_in.defined() ? &residual_in : nullptr, t[0], x, eps);
+    const int64_t* p = specs.data() + 4 * i;  // planes of qkv, o, gate_up, down
+    const int64_t* n = widths.data() + 4 * i;
+    add_rms_norm<A>(h, residual_in.defined() ? &residual_in : nullptr, t[0], x, eps);
     size_t at_ = 3;
-    Tensor qkv = linear(x, t, at_, p);
+    Tensor qkv = linear(x, t, at_, p[0], n[0]);
     at_ += stored_tensors(p[0]);
     if (t[2].numel() > 0) qkv.add_(t[2]);
     qkv = qkv.contiguous();
     Tensor k_layer = k_cache[i], v_layer = v_cache[i];
-    rotary_and_store(qkv, cos, sin, heads, kv_heads, head_dim, k_layer, v_layer, out_slots);
-    Tensor attn = attention(qkv, k_layer, v_layer, pages, kv_lens, page_size, heads,
-                            kv_heads, head_dim, scale);
-    Tensor o = linear(attn, t, at_, p + 2);
+    rotary_and_store<A>(qkv, cos, sin, heads, kv_heads, head_dim, k_layer, v_layer, out_slots);
+    Tensor attn = attention<A>(qkv, k_layer, v_layer, pages, token_seq, positions, page_size,
+                               heads, kv_heads, head_dim, scale);
+    Tensor o = linear(attn, t, at_, p[1], n[1]);
+    at_ += stored_tensors(p[1]);
+    add_rms_norm<A>(h, &o, t[1], x, eps);
+    Tensor gate_up = linear(x, t, at_, p[2], n[2]);
     at_ += stored_tensors(p[2]);
-    add_rms_norm(h, &o, t[1], x, eps);
-    Tensor gate_up = linear(x, t, at_, p + 4).contiguous();
-    at_ += stored_tensors(p[4]);
-    residual_in = linear(silu_and_mul(gate_up), t, at_, p + 6).contiguous();
+    residual_in = linear(silu_and_mul<A>(gate_up), t, at_, p[3], n[3]);
   }
   Tensor out = at::empty_like(h);
-  add_rms_norm(h, residual_in.defined() ? &residual_in : nullptr, final_norm, out, eps);
+  add_rms_norm<A>(h, residual_in.defined() ? &residual_in : nullptr, final_norm, out, eps);
   return out;
+}
+
+Tensor forward(Tensor hidden, const Tensor& cos, const Tensor& sin,
+               const std::vector<std::vector<Tensor>>& layers,
+               const std::vector<int64_t>& specs, const std::vector<int64_t>& widths,
+               Tensor k_cache, Tensor v_cache, const Tensor& out_slots,
+               const Tensor& token_seq, const Tensor& positions, const Tensor& pages,
+               const Tensor& final_norm, int64_t page_size, int64_t heads, int64_t kv_heads,
+               int64_t head_dim, double eps, double scale) {
+  TORCH_CHECK(hidden.is_contiguous() && hidden.scalar_type() == k_cache.scalar_type(),
+              "hidden must be contiguous, of the KV cache's dtype");
+  TORCH_CHECK(specs.size() == 4 * layers.size() && widths.size() == specs.size(),
+              "specs and widths: four entries per layer");
+  TORCH_CHECK(heads / kv_heads <= 64, "at most 64 query heads per KV head");
+  if (hidden.scalar_type() == at::kFloat) {
+    return forward_rows<float>(hidden, cos, sin, layers, specs, widths, k_cache, v_cache,
+                               out_slots, token_seq, positions, pages, final_norm, page_size,
+                               heads, kv_heads, head_dim, eps, scale);
+  }
+  TORCH_CHECK(hidden.scalar_type() == at::kBFloat16, "hidden: bfloat16 or float32");
+  return forward_rows<BFloat16>(hidden, cos, sin, layers, specs, widths, k_cache, v_cache,
+                                out_slots, token_seq, positions, pages, final_norm, page_size,
+                                heads, kv_heads, head_dim, eps, scale);
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode", &decode, "One decode step of a Llama-style decoder (see the file's header)");
+  m.def("forward", &forward, "One forward step of a Llama-style decoder (see the file's header)");
+  m.def("planes_linear", &radixlm_cpu::planes_linear,
+        "x @ W.T for int4 planes in tiles (cpu_linear.h)");
+  m.def("dense_linear", &radixlm_cpu::dense_linear,
+        "x @ W.T for dense tiles (cpu_linear.h)");
 }

@@ -24,6 +24,7 @@ import sys
 import threading
 from pathlib import Path
 from types import ModuleType
+from typing import Sequence
 
 import torch
 
@@ -31,7 +32,7 @@ from radixlm.kernels.build_cache import BuildError, cached_build
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_decode.cpp", "cpu_linear.h"))
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
 
@@ -67,11 +68,12 @@ def _build() -> ModuleType | None:
         log.warning("no C++ compiler (%s): CPU decode steps run the eager path", compiler)
         return None
     cflags, ldflags = _flags()
-    key = build_key(SOURCE, cflags, ldflags, compiler)
+    key = build_key(SOURCES, cflags, ldflags, compiler)
     name = f"radixlm_cpu_decode_{key}"
 
     def prepare(folder: Path) -> list[str]:
-        shutil.copyfile(SOURCE, folder / "cpu_decode.cpp")
+        for source in SOURCES:
+            shutil.copyfile(source, folder / source.name)
         args = {"name": name, "cflags": cflags, "ldflags": ldflags}
         return [sys.executable, "-c", _BUILD, json.dumps(args)]
 
@@ -100,13 +102,14 @@ def _flags() -> tuple[list[str], list[str]]:
     return cflags, [runtime] if runtime else []
 
 
-def build_key(source: Path, cflags: list[str], ldflags: list[str], compiler: str) -> str:
+def build_key(sources: Sequence[Path], cflags: list[str], ldflags: list[str],
+              compiler: str) -> str:
     """The cache folder's key: everything that changes the build and nothing that names where
-    it was asked from (the source's bytes, not its path; a library by its file name, which the
-    link records, not by the venv that holds it)."""
+    it was asked from (the sources' bytes, not their paths; a library by its file name, which
+    the link records, not by the venv that holds it)."""
     flags = cflags + [os.path.basename(f) if os.path.isabs(f) else f for f in ldflags]
     parts = [
-        source.read_bytes(),
+        *(source.read_bytes() for source in sources),
         "\0".join(flags),
         torch.__version__, str(getattr(torch.version, "git_version", "")),
         str(torch.compiled_with_cxx11_abi()),

@@ -128,8 +128,8 @@ def test_a_build_killed_part_way_neither_hangs_the_next_nor_leaves_compilers(tmp
         for file in built[0].iterdir():
             if file.suffix in ("", ".ninja", ".log", ".d") or file.name == "build.ninja":
                 text = file.read_text(errors="replace")
-                assert str(kernel_build.SOURCE) not in text, file
-                assert str(kernel_build.SOURCE.parent) + "/" not in text, file
+                assert str(kernel_build.SOURCES[0]) not in text, file
+                assert str(kernel_build.SOURCES[0].parent) + "/" not in text, file
     finally:
         for proc in (first, second):
             if proc is not None and proc.poll() is None:
@@ -140,10 +140,13 @@ def test_a_build_killed_part_way_neither_hangs_the_next_nor_leaves_compilers(tmp
 
 
 def test_build_key_follows_the_build_not_the_checkout(tmp_path):
-    a, b = tmp_path / "a" / "cpu_decode.cpp", tmp_path / "b" / "cpu_decode.cpp"
-    for path in (a, b):
-        path.parent.mkdir()
-        shutil.copyfile(kernel_build.SOURCE, path)
+    checkouts = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        checkouts.append([tmp_path / name / source.name for source in kernel_build.SOURCES])
+        for source, copy in zip(kernel_build.SOURCES, checkouts[-1]):
+            shutil.copyfile(source, copy)
+    a, b = checkouts
     flags = ["-O3", "-march=native", "-fopenmp"]
     key = kernel_build.build_key(a, flags, ["/venv1/torch.libs/libgomp-ab12.so.1"], "c++")
     assert key == kernel_build.build_key(b, flags, ["/venv2/torch.libs/libgomp-ab12.so.1"],
@@ -151,9 +154,12 @@ def test_build_key_follows_the_build_not_the_checkout(tmp_path):
     assert key != kernel_build.build_key(b, ["-O2", "-march=native", "-fopenmp"],
                                          ["/venv1/torch.libs/libgomp-ab12.so.1"], "c++")
     assert key != kernel_build.build_key(b, flags, [], "c++")
-    b.write_bytes(b.read_bytes() + b"\n// changed\n")
-    assert key != kernel_build.build_key(b, flags, ["/venv1/torch.libs/libgomp-ab12.so.1"],
-                                         "c++")
+    for changed in b:  # either source
+        original = changed.read_bytes()
+        changed.write_bytes(original + b"\n// changed\n")
+        assert key != kernel_build.build_key(b, flags, ["/venv1/torch.libs/libgomp-ab12.so.1"],
+                                             "c++")
+        changed.write_bytes(original)
 
 
 # --- the lock and the rename, with a fake build ---------------------------------------------

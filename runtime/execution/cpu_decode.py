@@ -1,13 +1,14 @@
-"""Decode steps on the CPU in one C++ call (radixlm/kernels/cpu_decode.cpp): the CPU's
-counterpart of CUDA graphs.
+"""Forward steps on the CPU in one C++ call (radixlm/kernels/cpu_decode.cpp): the CPU's
+counterpart of CUDA graphs, and what makes the CPU path deterministic.
 
 At batch 1 on a small model a decode step is ~40 tensor ops per layer, most of them a few
 microseconds of work behind several microseconds of Python dispatch; the kernel runs the whole
-layer stack in C++, calling torch's own matmuls (dense bfloat16, or the int4 planes of GGUF
-blocks) and attention products, and does the per-row work (norms, rotary, residual adds, SiLU)
-in plain loops. Steps where every sequence has one new token and no prompt logprobs come here;
-every other step, and every model or setting the kernel does not cover (`unsupported`), runs
-the eager path. The engine turns it off with `disable_cpu_kernel`.
+layer stack in C++. It runs every step of a model it covers (decode, prefill chunks,
+speculative verification, prompt logprobs), each token row by the same code whatever the rest
+of the step holds, so that a request's tokens and logprobs are the same bit for bit whatever
+its batch, chunking, cache hits or speculation (docs/deterministic.md). Models and settings it
+does not cover (`unsupported`) run the eager path, without that guarantee. The engine turns it
+off with `disable_cpu_kernel`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from radixlm.runtime.attention.kv_cache import KVCache
 from radixlm.runtime.attention.torch_native import TorchNativeAttention
 from radixlm.runtime.models.layers.linear import Linear
 from radixlm.runtime.models.llama import LlamaForCausalLM
-from radixlm.runtime.models.quantization.cpu_weights import DENSE_ROWS, CpuWeights
+from radixlm.runtime.models.quantization.cpu_weights import CpuWeights
+
+ACTIVATIONS = (torch.bfloat16, torch.float32)
 
 
 def unsupported(model: torch.nn.Module, attn: AttentionBackend, kv_cache: KVCache) -> str | None:
@@ -30,14 +33,18 @@ def unsupported(model: torch.nn.Module, attn: AttentionBackend, kv_cache: KVCach
         return f"{type(model).__name__} is not a Llama-family decoder"
     if not isinstance(attn, TorchNativeAttention):
         return "the attention backend is not torch"
-    if kv_cache.k.device.type != "cpu" or kv_cache.k.dtype != torch.bfloat16:
-        return "the KV cache is not bfloat16 on the CPU"
+    dtype = model.model.embed_tokens.weight.dtype
+    if (kv_cache.k.device.type != "cpu" or dtype not in ACTIVATIONS
+            or kv_cache.k.dtype != dtype):
+        return "the model and its KV cache are not both bfloat16 or both float32 on the CPU"
     cfg = model.config
     if model.tp is not None or cfg.qk_norm or cfg.mlp_bias or cfg.sliding_window:
         return "tensor parallelism, q/k norms, MLP biases and sliding windows are not covered"
-    if any(_stored(linear) is None for layer in model.model.layers
+    if cfg.num_heads // cfg.num_kv_heads > 64:
+        return "more than 64 query heads per KV head"
+    if any(_tiled(linear, dtype) is None for layer in model.model.layers
            for linear in _linears(layer)):
-        return "a linear layer is neither bfloat16 nor repacked for the CPU (cpu_weights)"
+        return "a linear layer is neither float nor in the CPU kernel's tiles (cpu_weights)"
     return None
 
 
@@ -47,40 +54,37 @@ class CpuDecode:
         self.kv_cache = kv_cache
         self.kernel = kernel
         cfg = model.config
+        dtype = model.model.embed_tokens.weight.dtype
         self.shape = (kv_cache.page_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                       cfg.rms_norm_eps, cfg.head_dim ** -0.5)
-        # (layer tensors, (planes, group) per linear) for steps of few rows, and for batched
-        # steps (the linears' bfloat16 batch copies where they have them).
-        self.weights = {batched: self._gather(batched) for batched in (False, True)}
-
-    def _gather(self, batched: bool) -> tuple[list[list[torch.Tensor]], list[int]]:
-        layers, specs = [], []
-        no_bias = torch.empty(0, dtype=torch.bfloat16)
-        for layer in self.model.model.layers:
+        self.layers, self.specs, self.widths = [], [], []
+        no_bias = torch.empty(0, dtype=dtype)
+        for layer in model.model.layers:
             qkv = layer.self_attn.qkv_proj
             tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                        no_bias if qkv.bias is None else qkv.bias]
             for linear in _linears(layer):
-                planes, group, stored = _stored(linear, batched)
-                specs.extend((planes, group))
+                planes, width, stored = _tiled(linear, dtype)
+                self.specs.append(planes)
+                self.widths.append(width)
                 tensors.extend(stored)
-            layers.append(tensors)
-        return layers, specs
+            self.layers.append(tensors)
+        _tile_head(model, dtype)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Hidden states after the final norm, [B, d], of a step of B one-token sequences."""
+        """Hidden states after the final norm, [T, d], of any step."""
         model, kv = self.model, self.kv_cache
         page = kv.page_size
         hidden = model.model.embed_tokens(batch.input_ids)
         cos, sin = model.rotary.cos[batch.positions], model.rotary.sin[batch.positions]
-        kv_lens = torch.tensor(batch.kv_lens, dtype=torch.int64)
         width = -(-int(max(batch.kv_lens)) // page) * page
-        pages = (batch.slot_table[:, :width:page] // page).contiguous()  # [B, P]
-        layers, specs = self.weights[len(batch.kv_lens) >= DENSE_ROWS]
-        return self.kernel.decode(hidden, cos, sin, layers, specs, kv.k, kv.v,
-                                  batch.out_slots, pages, kv_lens, model.model.norm.weight,
-                                  *self.shape)
+        pages = (batch.slot_table[:, :width:page] // page).contiguous()  # [S, P]
+        token_seq = torch.repeat_interleave(torch.arange(len(batch.q_lens)),
+                                            torch.tensor(batch.q_lens))
+        return self.kernel.forward(hidden, cos, sin, self.layers, self.specs, self.widths,
+                                   kv.k, kv.v, batch.out_slots, token_seq, batch.positions,
+                                   pages, model.model.norm.weight, *self.shape)
 
 
 def _linears(layer: torch.nn.Module) -> list[Linear]:
@@ -88,11 +92,25 @@ def _linears(layer: torch.nn.Module) -> list[Linear]:
             layer.mlp.down_proj]
 
 
-def _stored(linear: Linear, batched: bool = False
-            ) -> tuple[int, int, list[torch.Tensor]] | None:
-    """(planes, group, tensors) as the kernel reads a linear: a dense bfloat16 weight, or a
-    quantized linear's CPU form (quantization.cpu_weights); None for anything else."""
+def _tiled(linear: Linear, dtype: torch.dtype) -> tuple[int, int, list[torch.Tensor]] | None:
+    """(planes, N, tensors) as the kernel reads a linear: a quantized linear's tiles
+    (quantization.cpu_weights), or a float weight of the model's dtype, tiled here once; None
+    for anything else."""
     if linear.quant_method is None:
-        return (0, 0, [linear.weight]) if linear.weight.dtype == torch.bfloat16 else None
+        if linear.weight.dtype != dtype:
+            return None
+        if not hasattr(linear, "cpu_tiles"):
+            linear.cpu_tiles = CpuWeights(dense=linear.weight.detach(),
+                                          float32=dtype == torch.float32)
+        return linear.cpu_tiles.kernel_form()
     cpu = dict(linear.named_children()).get("cpu_weights")
-    return cpu.kernel_form(batched) if isinstance(cpu, CpuWeights) else None
+    return cpu.kernel_form() if isinstance(cpu, CpuWeights) else None
+
+
+def _tile_head(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
+    """Give a float output head the kernel's tiles too: torch's float32 GEMM sums in an order
+    that depends on the number of rows."""
+    head = model._head()
+    if head.packed_logits is None and head.tp is None:
+        head.packed_logits = CpuWeights(dense=head.weight.detach(),
+                                        float32=dtype == torch.float32)

@@ -50,7 +50,7 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.grammar_masks: BatchBitmask | None = None  # allocated on first use
         self.cuda_graphs = None  # a cuda_graph.DecodeGraphs, set by the engine on CUDA
-        self.cpu_decode = None  # a cpu_decode.CpuDecode, set by the engine on CPU
+        self.cpu_decode = None  # a cpu_decode.CpuDecode, set by the engine on CPU: every step
         self.draft = None  # a speculative.DraftModel, set by the engine: it mirrors each step
 
     def execute(self, scheduled: ScheduledBatch) -> StepResult:
@@ -71,8 +71,7 @@ class ModelRunner:
             hidden = graphs.forward(*token_rows, pending)
         else:
             batch = self._device_batch(inputs, pending)
-            if (self.cpu_decode is not None and not prompt_rows
-                    and all(n == 1 for n in inputs.q_lens)):
+            if self.cpu_decode is not None:
                 hidden = self.cpu_decode.forward(batch)
             else:
                 self.attn.plan(batch)

@@ -31,7 +31,7 @@ from radixlm.runtime.models.quantization.block_fp8 import (
     block_fp8_format,
     dequantized_tensors,
 )
-from radixlm.runtime.models.quantization.cpu_weights import CpuWeights, batch_copies_fit
+from radixlm.runtime.models.quantization.cpu_weights import CpuWeights
 from radixlm.runtime.models.quantization.gguf_blocks import GGUFBlocks
 from radixlm.runtime.models.quantization.quant_config import (
     QUANTIZED_LINEARS,
@@ -192,10 +192,6 @@ def load_model(model: str | None, load_format: str, dtype: torch.dtype,
     _process_quantized_weights(net)
     if quant is not None and device.type == "cuda":
         torch.cuda.empty_cache()  # the float weights quantized away: free for the KV pool
-    if batch_copies_fit(net):
-        for module in net.modules():
-            if isinstance(module, CpuWeights):
-                module.add_batch_copy()
     net.eval()
     # Fused Triton norms, activation and rotary, and the small-batch GEMV, on CUDA; CPU keeps
     # the plain torch ops.
@@ -294,10 +290,13 @@ def _pack_output_head(net: nn.Module, heads: dict[str, GGUFBlocks]) -> None:
     name = "lm_head" if untied else "model.embed_tokens"
     blocks = heads.get(f"{name}.weight")
     if blocks is not None and name in modules:
-        head = CpuWeights(blocks.planes())
-        # Batched steps multiply by the dequantized table the embedding holds anyway.
-        head.batch_dense = modules[name].weight.detach()  # the same memory
-        modules[name].packed_logits = head
+        planes = blocks.planes()
+        # An 8-bit head (two planes) runs faster as the bfloat16 table the module holds
+        # anyway (one multiply-add per weight pair instead of two unpacked planes), at one
+        # byte per weight more.
+        modules[name].packed_logits = (
+            CpuWeights(dense=modules[name].weight.detach()) if len(planes) > 1
+            else CpuWeights(planes))
 
 
 def _is_decoder_linear(name: str) -> bool:

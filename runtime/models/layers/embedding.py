@@ -29,8 +29,9 @@ class VocabEmbedding(nn.Module):
         self.num_real = max(0, min(rows, vocab_size - self.start))
         self.weight = nn.Parameter(torch.empty(rows, hidden_size, dtype=dtype),
                                    requires_grad=False)
-        # The same weights packed for the logits matmul (a GGUF model's quantized output
-        # head, radixlm.runtime.models.quantization.cpu_weights.CpuWeights): [N, d] -> [N, V].
+        # The same weights packed for the logits matmul on the CPU (a GGUF model's quantized
+        # output head, or the CPU kernel's tiles of a float one: cpu_weights.CpuWeights):
+        # [N, d] -> [N, V].
         self.packed_logits: nn.Module | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -70,7 +71,7 @@ class VocabEmbedding(nn.Module):
 
     def _shard_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed_logits is not None:
-            return self.packed_logits(hidden.to(torch.bfloat16))
+            return self.packed_logits(hidden, float_out=True)
         return F.linear(hidden, self.weight)
 
     def weight_loader(self, param: nn.Parameter, loaded: Any,

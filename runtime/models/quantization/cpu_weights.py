@@ -1,27 +1,35 @@
-"""What a quantized linear runs on the CPU: int4 planes through torch's CPU int4 kernel, or a
-dense bfloat16 weight.
+"""What a quantized linear runs on the CPU: our batch-invariant kernel over tiles of int4
+planes or of dense bfloat16 weights (kernels/cpu_linear.h), or, where that kernel cannot be
+built (no C++ compiler), torch's CPU int4 kernel.
 
-torch's CPU kernels for packed weights (`_weight_int4pack_mm_for_cpu`) are fast with bfloat16
-activations and read 0.5 bytes per weight plus a (scale, zero) pair per group, so every integer
-format is run through them: 4-bit codes as one plane, 5- to 8-bit codes as two (hi and lo
-nibbles; see gguf_blocks), the plane sum being W = sum_p (q_p - 8) * scale_p + zero_p per group
-of 32-256 inputs. FP8 has no fast CPU matmul (`_scaled_mm` on CPU takes milliseconds per
-linear): it runs as bfloat16 weights, half the bytes of float32. Activations are cast to
-bfloat16 for the matmul and back to the model's dtype.
+Integer formats are held as 4-bit planes: 4-bit codes as one plane, 5- to 8-bit codes as two
+(hi and lo nibbles; see gguf_blocks), the plane sum being W = sum_p (q_p - 8) * scale_p +
+zero_p per group of 32-256 inputs. FP8 has no fast CPU matmul (`_scaled_mm` on CPU takes
+milliseconds per linear): it runs as bfloat16 weights, half the bytes of float32. Activations
+are cast to bfloat16 for the matmul and back to the model's dtype.
+
+Our kernel computes each output with one fixed sequence of float32 multiply-adds whatever the
+number of rows (docs/deterministic.md), and is ~2x faster than torch's int4 kernel at one row
+(which also unpacks the weights again for every row). torch's kernel is the fallback: it
+keeps the planes' scales in bfloat16 and its batched steps are slow.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-KERNEL_GROUPS = (256, 128, 64, 32)  # the group sizes the int4 kernel takes
-# The int4 kernel's time grows with every row (it unpacks the weights for each), while a
-# bfloat16 GEMM reuses them: from this many rows on, a layer with a bfloat16 copy uses it.
-DENSE_ROWS = 8
+from radixlm.kernels import cpu_decode as cpu_kernel
+
+KERNEL_GROUPS = (256, 128, 64, 32)  # the group sizes torch's int4 kernel takes
+LANES = 16  # output channels per tile of our kernel
+# Where input k0 + m of a run of 8 goes in a tile's 32-bit code word: even inputs in the low
+# half, odd ones in the high half (pairs for the bfloat16 dot-product instruction).
+_NIBBLE_SHIFTS = (0, 16, 4, 20, 8, 24, 12, 28)
 
 
 class Plane(NamedTuple):
@@ -33,8 +41,8 @@ class Plane(NamedTuple):
 
 
 def kernel_group(group_size: int, in_features: int) -> int | None:
-    """The largest group the kernel takes that tiles both the format's groups and the input
-    (scales are then repeated); None when there is none."""
+    """The largest group torch's kernel takes that tiles both the format's groups and the
+    input (scales are then repeated); None when there is none."""
     return next((g for g in KERNEL_GROUPS if group_size % g == 0 and in_features % g == 0),
                 None)
 
@@ -68,27 +76,85 @@ def integer_planes(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.T
             Plane((codes & 15).to(torch.uint8), scale, torch.zeros_like(scale))]
 
 
+def tile_planes(planes: list[Plane]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Our kernel's form of planes (kernels/cpu_linear.h): codes int32 [tiles, planes, K / 8,
+    16], scales float32 [tiles, K / group, planes, 16], zeros float32 [tiles, K / group, 16]
+    (the planes' zeros summed). Channels past N (up to a whole tile) have scale and zero 0."""
+    rows, columns = planes[0].codes.shape
+    tiles = -(-rows // LANES)
+    pad = tiles * LANES - rows
+    shifts = torch.tensor(_NIBBLE_SHIFTS, dtype=torch.int64)
+    codes, scales, zeros = [], [], 0
+    for plane in planes:
+        c = F.pad(plane.codes.to(torch.int64), (0, 0, 0, pad), value=8)
+        words = (c.view(tiles, LANES, columns // 8, 8) << shifts).sum(-1)
+        words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+        codes.append(words.transpose(1, 2))
+        scales.append(_lanes_last(plane.scale, pad, tiles))
+        zeros = zeros + _lanes_last(plane.zero, pad, tiles)
+    return (torch.stack(codes, 1).contiguous(), torch.stack(scales, 2).contiguous(),
+            zeros.contiguous())
+
+
+def tile_dense(weight: torch.Tensor) -> torch.Tensor:
+    """Our kernel's form of a dense [N, K] weight: bfloat16 [tiles, K / 2, 32], lane j holding
+    channel j's weights of inputs k and k + 1; float32 [tiles, K, 16]."""
+    rows, columns = weight.shape
+    tiles = -(-rows // LANES)
+    w = F.pad(weight, (0, 0, 0, tiles * LANES - rows))
+    if w.dtype == torch.float32:
+        return w.view(tiles, LANES, columns).transpose(1, 2).contiguous()
+    return (w.to(torch.bfloat16).view(tiles, LANES, columns // 2, 2).transpose(1, 2)
+            .reshape(tiles, columns // 2, 2 * LANES).contiguous())
+
+
+def _lanes_last(per_group: torch.Tensor, pad: int, tiles: int) -> torch.Tensor:
+    """[N, G] -> [tiles, G, 16] float32, padded channels 0."""
+    padded = F.pad(per_group.float(), (0, 0, 0, pad))
+    return padded.view(tiles, LANES, -1).transpose(1, 2)
+
+
+def linear_kernel() -> ModuleType | None:
+    """Our compiled CPU kernels (built on first use), or None where they cannot be built."""
+    return cpu_kernel.load()
+
+
 class CpuWeights(nn.Module):
-    """y = x @ W.T on the CPU for W as int4 planes (`from_planes`) or dense bfloat16
-    (`dense`), with an optional input permutation (GPTQ act-order: x[..., perm])."""
+    """y = x @ W.T on the CPU for W as int4 planes or dense bfloat16 (`dense`; float32 with
+    `float32=True`: then the activations stay float32), with an optional input permutation
+    (GPTQ act-order: x[..., perm]). Held in our kernel's tiles where it builds (`tiled`), else
+    in torch's layouts."""
 
     def __init__(self, planes: list[Plane] | None = None, dense: torch.Tensor | None = None,
-                 perm: torch.Tensor | None = None) -> None:
+                 perm: torch.Tensor | None = None, float32: bool = False) -> None:
         super().__init__()
+        self.kernel = linear_kernel()
+        self.tiled = self.kernel is not None
         self.num_planes = len(planes or [])
+        self.out_features = (planes[0].codes if planes else dense).shape[0]
         self.group = 0
+        self.activations = torch.float32 if float32 else torch.bfloat16
         self.register_buffer("perm", perm)
-        self.register_buffer("dense", None if dense is None else dense.to(torch.bfloat16))
-        self.register_buffer("batch_dense", None)  # add_batch_copy
-        for index, (codes, scale, zero) in enumerate(planes or []):
-            self.group = codes.shape[1] // scale.shape[1]
+        if dense is not None:
+            dense = dense.to(self.activations)
+            self.register_buffer("dense", tile_dense(dense) if self.tiled else dense)
+            self._tensors = [self.dense]
+            return
+        self.dense = None
+        self.group = planes[0].codes.shape[1] // planes[0].scale.shape[1]
+        if self.tiled:
+            for name, tensor in zip(("codes", "scales", "zeros"), tile_planes(planes)):
+                self.register_buffer(name, tensor)
+            self._tensors = [self.codes, self.scales, self.zeros]
+            return
+        for index, (codes, scale, zero) in enumerate(planes):
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 codes.to(torch.int32), 1)
             scales_zeros = torch.stack((scale.t(), zero.t()), dim=-1).to(torch.bfloat16)
             self.register_buffer(f"qweight{index}", packed)
             self.register_buffer(f"scales_zeros{index}", scales_zeros.contiguous())
-        self._pairs = [(getattr(self, f"qweight{i}"), getattr(self, f"scales_zeros{i}"))
-                       for i in range(self.num_planes)]
+        self._tensors = [getattr(self, f"{name}{i}") for i in range(self.num_planes)
+                         for name in ("qweight", "scales_zeros")]
 
     @staticmethod
     def stack(parts: list[list[Plane]], rows: list[int], columns: int) -> "CpuWeights":
@@ -102,58 +168,37 @@ class CpuWeights(nn.Module):
                 for planes, n in zip(parts, rows)))))
             for index in range(count)])
 
-    def add_batch_copy(self) -> None:
-        """Keep a bfloat16 copy of the planes' weights for steps of DENSE_ROWS rows or more
-        (2 bytes per weight more memory; see `batch_copies_fit`). Built by multiplying the
-        identity through the kernel, so it is the planes' weights rounded to bfloat16."""
-        if self.num_planes == 0 or self.batch_dense is not None:
-            return
-        k = self._pairs[0][0].shape[1] * 2
-        eye = torch.eye(k, dtype=torch.bfloat16)
-        w_t = torch.cat([self._planes_matmul(eye[i:i + 256]) for i in range(0, k, 256)])
-        self.batch_dense = w_t.t().contiguous()  # [N, K]
-
-    def kernel_form(self, batched: bool = False) -> tuple[int, int, list[torch.Tensor]] | None:
-        """(planes, group, tensors) as the C++ decode kernel reads them: 0 planes and the
-        dense weight (`batched`: the batch copy, if any), or the (packed, scales_zeros)
-        pairs; None with a permutation."""
-        if self.perm is not None:
+    def kernel_form(self) -> tuple[int, int, list[torch.Tensor]] | None:
+        """(planes, N, tensors) as the C++ forward kernel reads a tiled linear: 0 planes and
+        the dense tiles, or the planes' (codes, scales, zeros); None without tiles or with a
+        permutation."""
+        if not self.tiled or self.perm is not None:
             return None
-        if self.dense is not None:
-            return 0, 0, [self.dense]
-        if batched and self.batch_dense is not None:
-            return 0, 0, [self.batch_dense]
-        return self.num_planes, self.group, [t for pair in self._pairs for t in pair]
+        return self.num_planes, self.out_features, self._tensors
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] -> [..., N] in x's dtype."""
-        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+    def forward(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
+        """x [..., K] -> [..., N] in x's dtype, or float32 with `float_out` (logits: our
+        kernel then does not round them to bfloat16)."""
+        x2 = x.reshape(-1, x.shape[-1]).to(self.activations)
         if self.perm is not None:
             x2 = x2.index_select(1, self.perm)
-        if self.dense is not None:
+        if self.tiled and self.dense is not None:
+            out = self.kernel.dense_linear(x2, self.dense, self.out_features, float_out)
+        elif self.tiled:
+            out = self.kernel.planes_linear(x2, self.codes, self.scales, self.zeros,
+                                            self.out_features, float_out)
+        elif self.dense is not None:
             out = F.linear(x2, self.dense)
-        elif self.batch_dense is not None and x2.shape[0] >= DENSE_ROWS:
-            out = F.linear(x2, self.batch_dense)
         else:
-            out = self._planes_matmul(x2)
-        return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+            out = self._int4_matmul(x2)
+        out = out.view(*x.shape[:-1], out.shape[-1])
+        return out.float() if float_out else out.to(x.dtype)
 
-    def _planes_matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        (first, first_sz), *rest = self._pairs
+    def _int4_matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        pairs = list(zip(self._tensors[::2], self._tensors[1::2]))
+        (first, first_sz), *rest = pairs
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, first, self.group, first_sz)
         for packed, scales_zeros in rest:
             out += torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, self.group,
                                                               scales_zeros)
         return out
-
-
-def batch_copies_fit(model: nn.Module) -> bool:
-    """Whether bfloat16 copies of every int4-plane linear (for batched steps) fit in an
-    eighth of this machine's memory: small models, whose batched steps are compute-bound,
-    get them; a large model keeps its packed weights only."""
-    import os
-
-    extra = sum(2 * m.qweight0.numel() * 2 for m in model.modules()
-                if isinstance(m, CpuWeights) and m.num_planes)
-    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return extra <= memory // 8

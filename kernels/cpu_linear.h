@@ -1,0 +1,395 @@
+// y = x @ W.T on the CPU with a reduction order that does not depend on the number of rows:
+// every output is the same sequence of float32 multiply-adds whether its row is computed
+// alone, as one of 64 decode rows or inside a prefill chunk, and whichever thread computes it.
+// This is what makes the CPU path deterministic (docs/deterministic.md).
+//
+// Why our own: torch's int4 kernel unpacks the weights again for every row (64 rows cost ~26
+// times one), and its bfloat16 and float32 GEMMs choose kernels, and with them summation
+// orders, by the number of rows. Here a tile of 16 output channels is unpacked once per block
+// of rows and multiplied into each: fast at one row and at many, and each output's sum is
+// fixed by the layout alone.
+//
+// Weights are tiles of 16 output channels, one channel per 32-bit lane, inputs in pairs
+// (k, k + 1) for the bfloat16 dot-product instruction:
+//   4-bit planes (the GGUF blocks; W = sum_p (q_p - 8) * scale_p + zero_p per group):
+//     codes  int32 [tiles, planes, K / 8, 16]: lane j holds channel j's codes of inputs
+//            k0..k0+7, the even inputs' in bits 0-15 (k0 + 2i in bits 4i..4i+3), the odd
+//            ones' in bits 16-31;
+//     scales float [tiles, K / group, planes, 16]; zeros float [tiles, K / group, 16] (the
+//            planes' zeros summed).
+//     An output is, per group in order: sum over planes of scale * part, where part sums
+//     (q - 8) * x over the group's input pairs in order, then + zero * (x's sum over the
+//     group, in order).
+//   dense bfloat16: weight [tiles, K / 2, 32] (lane j: channel j's weights of k and k + 1);
+//   dense float32: weight [tiles, K, 16]. An output sums w * x over the inputs (pairs) in
+//     order.
+// x [M, K] is bfloat16 or float32; y [M, N] has x's dtype, rounded once from float32 (or is
+// float32 with float_out: logits). With
+// bfloat16 inputs on a CPU with AVX512-BF16 a pair is one vdpbf16ps step; elsewhere two fused
+// multiply-adds: the results differ between the two kinds of CPU, never between two runs on
+// one.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace radixlm_cpu {
+
+constexpr int LANES = 16;
+// Tiles per unit of work given to a thread.
+constexpr int64_t TILES_PER_TASK = 8;
+
+// ---------------------------------------------------------------------------------------
+// Float32 lanes (float32 inputs, and bfloat16 inputs where the CPU has no AVX512-BF16).
+// With AVX-512 a register; elsewhere an array whose element-wise loops the compiler
+// vectorizes. Each lane is computed with the same fused multiply-adds either way.
+#if defined(__AVX512F__)
+struct Vec {
+  __m512 v;
+  static Vec zero() { return {_mm512_setzero_ps()}; }
+  static Vec fill(float x) { return {_mm512_set1_ps(x)}; }
+  static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  // Channel j's even (low half) or odd (high half) bfloat16 of 32-bit lane j.
+  static Vec bf16_half(const at::BFloat16* p, bool odd) {
+    const __m512i bits = _mm512_loadu_si512(reinterpret_cast<const void*>(p));
+    return {_mm512_castsi512_ps(odd ? _mm512_and_si512(bits, _mm512_set1_epi32(-65536))
+                                    : _mm512_slli_epi32(bits, 16))};
+  }
+  // Nibble at bit `shift` of each lane of codes, as (q - 8).
+  static Vec nibble(const int32_t* codes, int shift) {
+    const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512i bits = _mm512_loadu_si512(reinterpret_cast<const void*>(codes));
+    // vpermps reads the low 4 bits of each index lane: the shifted lane is its own index.
+    return {_mm512_permutexvar_ps(_mm512_srli_epi32(bits, shift), table)};
+  }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+  Vec fma(const Vec& a, const Vec& b) const { return {_mm512_fmadd_ps(a.v, b.v, v)}; }
+};
+#else
+struct Vec {
+  float v[LANES];
+  static Vec zero() { return fill(0.f); }
+  static Vec fill(float x) { Vec r; for (int l = 0; l < LANES; ++l) r.v[l] = x; return r; }
+  static Vec load(const float* p) { Vec r; std::memcpy(r.v, p, sizeof(r.v)); return r; }
+  static Vec bf16_half(const at::BFloat16* p, bool odd) {
+    Vec r;
+    for (int l = 0; l < LANES; ++l) r.v[l] = static_cast<float>(p[2 * l + (odd ? 1 : 0)]);
+    return r;
+  }
+  static Vec nibble(const int32_t* codes, int shift) {
+    Vec r;
+    for (int l = 0; l < LANES; ++l) {
+      r.v[l] = static_cast<float>((static_cast<uint32_t>(codes[l]) >> shift) & 15u) - 8.f;
+    }
+    return r;
+  }
+  void store(float* p) const { std::memcpy(p, v, sizeof(v)); }
+  Vec fma(const Vec& a, const Vec& b) const {
+    Vec r;
+    for (int l = 0; l < LANES; ++l) r.v[l] = std::fma(a.v[l], b.v[l], v[l]);
+    return r;
+  }
+};
+#endif
+
+#if defined(__AVX512BF16__)
+constexpr bool PAIR_INSTRUCTION = true;
+// 32 bfloat16s: entry e is (e mod 16) - 8, so a 16-bit index's 5th bit (the next nibble's
+// lowest) does not matter.
+inline __m512i nibble_table() {
+  alignas(64) uint16_t t[32];
+  for (int e = 0; e < 32; ++e) t[e] = at::BFloat16(static_cast<float>(e % 16 - 8)).x;
+  return _mm512_load_si512(t);
+}
+#else
+constexpr bool PAIR_INSTRUCTION = false;
+#endif
+
+// Where the per-group results go: acc = out (0 before the first group), then
+// acc += part_p * scale_p for each plane, acc += zero * xsum; stored back in out.
+template <int T, int R, int P, typename Part>
+inline void finish_group(int64_t g, const Part& part, const float* scales, const float* zeros,
+                         const float* xsum, int64_t groups, int64_t tile_groups, float* out,
+                         int64_t out_stride) {
+  for (int t = 0; t < T; ++t) {
+    const float* s = scales + (t * tile_groups + g) * P * LANES;
+    const Vec zero = Vec::load(zeros + (t * tile_groups + g) * LANES);
+    for (int r = 0; r < R; ++r) {
+      float* o = out + r * out_stride + t * LANES;
+      Vec acc = g == 0 ? Vec::zero() : Vec::load(o);
+      for (int p = 0; p < P; ++p) acc = acc.fma(part(t, p, r), Vec::load(s + p * LANES));
+      acc.fma(zero, Vec::fill(xsum[r * groups + g])).store(o);
+    }
+  }
+}
+
+// T tiles x R rows of a 4-bit-plane linear, float32 lanes: out[r][t * 16 + lane].
+template <int T, int R, int P>
+void planes_block(const float* x, const float* xsum, int64_t k_in, int64_t group,
+                  const int32_t* codes, const float* scales, const float* zeros,
+                  int64_t tile_codes, int64_t tile_groups, float* out, int64_t out_stride) {
+  const int64_t groups = k_in / group;
+  for (int64_t g = 0; g < groups; ++g) {
+    Vec part[T][P][R];
+    for (int t = 0; t < T; ++t)
+      for (int p = 0; p < P; ++p)
+        for (int r = 0; r < R; ++r) part[t][p][r] = Vec::zero();
+    for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 8) {
+      for (int i = 0; i < 4; ++i) {
+        for (int t = 0; t < T; ++t)
+          for (int p = 0; p < P; ++p) {
+            const int32_t* c = codes + t * tile_codes + (p * (k_in / 8) + k0 / 8) * LANES;
+            const Vec even = Vec::nibble(c, 4 * i), odd = Vec::nibble(c, 16 + 4 * i);
+            for (int r = 0; r < R; ++r) {
+              const float* xr = x + r * k_in + k0 + 2 * i;
+              part[t][p][r] = part[t][p][r].fma(even, Vec::fill(xr[0]))
+                                           .fma(odd, Vec::fill(xr[1]));
+            }
+          }
+      }
+    }
+    finish_group<T, R, P>(g, [&](int t, int p, int r) { return part[t][p][r]; }, scales,
+                          zeros, xsum, groups, tile_groups, out, out_stride);
+  }
+}
+
+// T tiles x R rows of a dense bfloat16 (pairs layout) or float32 linear, float32 lanes.
+template <int T, int R>
+void dense_block(const float* x, int64_t k_in, const at::BFloat16* w_bf16, const float* w_f32,
+                 int64_t tile_stride, float* out, int64_t out_stride) {
+  Vec acc[T][R];
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) acc[t][r] = Vec::zero();
+  for (int64_t k = 0; k < k_in; k += 2) {
+    for (int t = 0; t < T; ++t) {
+      Vec even, odd;
+      if (w_bf16 != nullptr) {
+        const at::BFloat16* w = w_bf16 + t * tile_stride + k * LANES;
+        even = Vec::bf16_half(w, false);
+        odd = Vec::bf16_half(w, true);
+      } else {
+        even = Vec::load(w_f32 + t * tile_stride + k * LANES);
+        odd = Vec::load(w_f32 + t * tile_stride + (k + 1) * LANES);
+      }
+      for (int r = 0; r < R; ++r) {
+        acc[t][r] = acc[t][r].fma(even, Vec::fill(x[r * k_in + k]))
+                             .fma(odd, Vec::fill(x[r * k_in + k + 1]));
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) acc[t][r].store(out + r * out_stride + t * LANES);
+}
+
+#if defined(__AVX512BF16__)
+// The same blocks for bfloat16 inputs, one vdpbf16ps per input pair.
+template <int T, int R, int P>
+void planes_block_pairs(const at::BFloat16* x, const float* xsum, int64_t k_in, int64_t group,
+                        const int32_t* codes, const float* scales, const float* zeros,
+                        int64_t tile_codes, int64_t tile_groups, float* out,
+                        int64_t out_stride) {
+  const int64_t groups = k_in / group;
+  const __m512i table = nibble_table();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 part[T][P][R];
+    for (int t = 0; t < T; ++t)
+      for (int p = 0; p < P; ++p)
+        for (int r = 0; r < R; ++r) part[t][p][r] = _mm512_setzero_ps();
+    for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 8) {
+      __m512i w[T][P];
+      for (int t = 0; t < T; ++t)
+        for (int p = 0; p < P; ++p) {
+          w[t][p] = _mm512_loadu_si512(reinterpret_cast<const void*>(
+              codes + t * tile_codes + (p * (k_in / 8) + k0 / 8) * LANES));
+        }
+      for (int i = 0; i < 4; ++i) {
+        __m512bh q[T][P];
+        for (int t = 0; t < T; ++t)
+          for (int p = 0; p < P; ++p) {
+            const __m512i index = i == 0 ? w[t][p] : _mm512_srli_epi16(w[t][p], 4 * i);
+            q[t][p] = (__m512bh)_mm512_permutexvar_epi16(index, table);
+          }
+        for (int r = 0; r < R; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, x + r * k_in + k0 + 2 * i, sizeof(pair));
+          const __m512bh xs = (__m512bh)_mm512_set1_epi32(pair);
+          for (int t = 0; t < T; ++t)
+            for (int p = 0; p < P; ++p) {
+              part[t][p][r] = _mm512_dpbf16_ps(part[t][p][r], q[t][p], xs);
+            }
+        }
+      }
+    }
+    finish_group<T, R, P>(g, [&](int t, int p, int r) { return Vec{part[t][p][r]}; }, scales,
+                          zeros, xsum, groups, tile_groups, out, out_stride);
+  }
+}
+
+template <int T, int R>
+void dense_block_pairs(const at::BFloat16* x, int64_t k_in, const at::BFloat16* weight,
+                       int64_t tile_stride, float* out, int64_t out_stride) {
+  __m512 acc[T][R];
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_in; k += 2) {
+    __m512bh w[T];
+    for (int t = 0; t < T; ++t) {
+      w[t] = (__m512bh)_mm512_loadu_si512(
+          reinterpret_cast<const void*>(weight + t * tile_stride + k * LANES));
+    }
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * k_in + k, sizeof(pair));
+      const __m512bh xs = (__m512bh)_mm512_set1_epi32(pair);
+      for (int t = 0; t < T; ++t) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], w[t], xs);
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * out_stride + t * LANES, acc[t][r]);
+}
+#endif
+
+// Calls block(T, R, first_tile, first_row) over every tile and row of a product, T and R
+// chosen per block for speed only: how many independent sums are in flight (16 / P) and how
+// often a tile's unpacked weights are reused (R). No output's own sum depends on them.
+template <int P, typename Block>
+void for_each_block(int64_t rows, int64_t tiles, const Block& block) {
+  const int64_t units = (tiles + TILES_PER_TASK - 1) / TILES_PER_TASK;
+  auto tiles_of = [&](auto r_const, int64_t t_begin, int64_t t_end, int64_t r) {
+    constexpr int R = decltype(r_const)::value;
+    constexpr int T = std::max(1, std::min(8, 16 / (R * P)));
+    int64_t t = t_begin;
+    for (; t + T <= t_end; t += T) block(std::integral_constant<int, T>{}, r_const, t, r);
+    for (; t < t_end; ++t) block(std::integral_constant<int, 1>{}, r_const, t, r);
+  };
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    const int64_t t_begin = begin * TILES_PER_TASK;
+    const int64_t t_end = std::min(end * TILES_PER_TASK, tiles);
+    int64_t r = 0;
+    for (; r + 8 <= rows; r += 8) tiles_of(std::integral_constant<int, 8>{}, t_begin, t_end, r);
+    if (r + 4 <= rows) {
+      tiles_of(std::integral_constant<int, 4>{}, t_begin, t_end, r);
+      r += 4;
+    }
+    if (r + 2 <= rows) {
+      tiles_of(std::integral_constant<int, 2>{}, t_begin, t_end, r);
+      r += 2;
+    }
+    if (r < rows) tiles_of(std::integral_constant<int, 1>{}, t_begin, t_end, r);
+  });
+}
+
+inline at::Tensor rounded(std::vector<float>& out, int64_t rows, int64_t width, int64_t n_out,
+                          at::ScalarType dtype) {
+  return at::from_blob(out.data(), {rows, width}, at::kFloat)
+      .narrow(1, 0, n_out)
+      .to(dtype, false, true)
+      .contiguous();
+}
+
+inline std::vector<float> as_float(const at::Tensor& x) {
+  const int64_t n = x.numel();
+  std::vector<float> out(n);
+  if (x.scalar_type() == at::kFloat) {
+    std::memcpy(out.data(), x.data_ptr<float>(), n * sizeof(float));
+  } else {
+    const auto* p = x.data_ptr<at::BFloat16>();
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(p[i]);
+  }
+  return out;
+}
+
+// y [M, N] = x @ W.T for 4-bit planes (see the header); N = n_out, the tiles hold it rounded
+// up to 16.
+inline at::Tensor planes_linear(const at::Tensor& x_in, const at::Tensor& codes,
+                                const at::Tensor& scales, const at::Tensor& zeros,
+                                int64_t n_out, bool float_out) {
+  const at::Tensor x = x_in.contiguous();
+  const int64_t rows = x.size(0), k_in = x.size(1);
+  const int64_t tiles = codes.size(0), planes = codes.size(1);
+  const int64_t groups = scales.size(1), group = k_in / groups;
+  TORCH_CHECK(codes.size(2) * 8 == k_in && group % 8 == 0 && groups * group == k_in,
+              "planes_linear: shapes");
+  TORCH_CHECK(planes == 1 || planes == 2, "planes_linear: one or two planes");
+  const std::vector<float> xf = as_float(x);
+  std::vector<float> xsum(rows * groups);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.f;
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) s += xf[r * k_in + k];
+      xsum[r * groups + g] = s;
+    }
+  const int64_t width = tiles * LANES, tile_codes = planes * (k_in / 8) * LANES;
+  std::vector<float> out(rows * width);
+  const int32_t* c = codes.data_ptr<int32_t>();
+  const float* s = scales.data_ptr<float>();
+  const float* z = zeros.data_ptr<float>();
+  const bool pairs = PAIR_INSTRUCTION && x.scalar_type() == at::kBFloat16;
+  auto run = [&](auto p_const) {
+    constexpr int P = decltype(p_const)::value;
+    for_each_block<P>(rows, tiles, [&](auto t_const, auto r_const, int64_t t0, int64_t r0) {
+      constexpr int T = decltype(t_const)::value, R = decltype(r_const)::value;
+      float* o = out.data() + r0 * width + t0 * LANES;
+#if defined(__AVX512BF16__)
+      if (pairs) {
+        planes_block_pairs<T, R, P>(x.data_ptr<at::BFloat16>() + r0 * k_in,
+                                    xsum.data() + r0 * groups, k_in, group,
+                                    c + t0 * tile_codes, s + t0 * groups * P * LANES,
+                                    z + t0 * groups * LANES, tile_codes, groups, o, width);
+        return;
+      }
+#endif
+      planes_block<T, R, P>(xf.data() + r0 * k_in, xsum.data() + r0 * groups, k_in, group,
+                            c + t0 * tile_codes, s + t0 * groups * P * LANES,
+                            z + t0 * groups * LANES, tile_codes, groups, o, width);
+    });
+  };
+  if (planes == 1) {
+    run(std::integral_constant<int, 1>{});
+  } else {
+    run(std::integral_constant<int, 2>{});
+  }
+  return rounded(out, rows, width, n_out, float_out ? at::kFloat : x.scalar_type());
+}
+
+// y [M, N] = x @ W.T for dense tiles: bfloat16 [tiles, K / 2, 32] or float32 [tiles, K, 16].
+inline at::Tensor dense_linear(const at::Tensor& x_in, const at::Tensor& weight,
+                               int64_t n_out, bool float_out) {
+  const at::Tensor x = x_in.contiguous();
+  const int64_t rows = x.size(0), k_in = x.size(1), tiles = weight.size(0);
+  TORCH_CHECK(weight.numel() == tiles * k_in * LANES && k_in % 2 == 0, "dense_linear: shapes");
+  const bool bf16 = weight.scalar_type() == at::kBFloat16;
+  const int64_t width = tiles * LANES, tile_stride = k_in * LANES;
+  std::vector<float> out(rows * width);
+  const bool pairs = PAIR_INSTRUCTION && bf16 && x.scalar_type() == at::kBFloat16;
+  const std::vector<float> xf = pairs ? std::vector<float>() : as_float(x);
+  for_each_block<1>(rows, tiles, [&](auto t_const, auto r_const, int64_t t0, int64_t r0) {
+    constexpr int T = decltype(t_const)::value, R = decltype(r_const)::value;
+    float* o = out.data() + r0 * width + t0 * LANES;
+#if defined(__AVX512BF16__)
+    if (pairs) {
+      dense_block_pairs<T, R>(x.data_ptr<at::BFloat16>() + r0 * k_in, k_in,
+                              weight.data_ptr<at::BFloat16>() + t0 * tile_stride, tile_stride,
+                              o, width);
+      return;
+    }
+#endif
+    dense_block<T, R>(xf.data() + r0 * k_in, k_in,
+                      bf16 ? weight.data_ptr<at::BFloat16>() + t0 * tile_stride : nullptr,
+                      bf16 ? nullptr : weight.data_ptr<float>() + t0 * tile_stride,
+                      tile_stride, o, width);
+  });
+  return rounded(out, rows, width, n_out, float_out ? at::kFloat : x.scalar_type());
+}
+
+}  // namespace radixlm_cpu
