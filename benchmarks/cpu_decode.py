@@ -79,10 +79,10 @@ def bandwidth_gb_s(mib: int = 256) -> float:
 
 def step_bytes(model: Any) -> int:
     """Bytes a batch-1 decode step reads: every parameter and buffer once (packed quantized
-    weights are buffers), but not the bfloat16 copies kept for batched steps, and of the
-    embedding table one row, unless it is also the float head."""
+    weights and the CPU kernel's tiles are buffers), and of the embedding table one row,
+    unless it is also the float head."""
     named = [*model.named_parameters(), *model.named_buffers()]
-    tensors = {t.data_ptr(): t for name, t in named if not name.endswith("batch_dense")}
+    tensors = {t.data_ptr(): t for _, t in named}
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     table = model.model.embed_tokens
     if model.lm_head is not None or table.packed_logits is not None:

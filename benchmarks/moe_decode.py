@@ -144,7 +144,7 @@ def active_bytes_per_token(model: torch.nn.Module) -> int:
     for module in model.modules():
         tensors = list(module.parameters(recurse=False))
         if isinstance(module, CpuWeights):
-            tensors += [b for n, b in module.named_buffers(recurse=False) if n != "batch_dense"]
+            tensors += list(module.buffers(recurse=False))
         for param in tensors:
             size = param.numel() * param.element_size()
             if param is embed and not tied:

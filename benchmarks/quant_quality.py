@@ -83,11 +83,9 @@ KV_CACHE = {"fp32, fp8_e4m3 KV": torch.float8_e4m3fn, "fp32, fp8_e5m2 KV": torch
 
 
 def linear_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the decoder linears' weights (a CPU form's packed planes are buffers; the
-    bfloat16 copies kept for batched steps are left out)."""
+    """Bytes of the decoder linears' weights (a CPU form's packed planes are buffers)."""
     return sum(t.numel() * t.element_size() for m in model.modules() if isinstance(m, Linear)
-               for name, t in [*m.named_parameters(), *m.named_buffers()]
-               if not name.endswith("batch_dense"))
+               for t in [*m.parameters(), *m.buffers()])
 
 
 def build(name: str, folder: Path, calibration: torch.Tensor, work: Path,

@@ -130,3 +130,107 @@ def test_engine_decodes_through_the_kernel(kernel):
     deltas = [abs(a - b) for w, g in zip(want, got) for a, b in zip(w, g)]
     # Measured 0.026 for the kernel, 0.029 for the eager bfloat16 path (docs/performance.md).
     assert statistics.mean(deltas) < 0.06, statistics.mean(deltas)
+
+
+# --- determinism: each row's result is the same whatever else the step holds -----------------
+
+@pytest.mark.parametrize("planes, group, rows", [(1, 32, 70), (2, 32, 40), (1, 64, 33)])
+def test_linear_rows_do_not_depend_on_the_batch(kernel, planes, group, rows):
+    from radixlm.runtime.models.quantization.cpu_weights import (
+        Plane,
+        dequantize_planes,
+        tile_planes,
+    )
+
+    gen = torch.Generator().manual_seed(planes * group)
+    n, k = 37, 128  # n: not a whole number of 16-channel tiles
+    parts = [Plane(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8),
+                   torch.rand(n, k // group, generator=gen) * 0.02,
+                   torch.randn(n, k // group, generator=gen) * 0.01) for _ in range(planes)]
+    tiles = tile_planes(parts)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        full = kernel.planes_linear(x, *tiles, n, True)
+        want = x.double() @ dequantize_planes(parts).double().t()
+        assert (full.double() - want).abs().max() <= 1e-5 * want.abs().max()
+        for start, stop in [(0, 1), (5, 6), (0, 3), (2, 9), (7, rows)]:
+            assert torch.equal(kernel.planes_linear(x[start:stop], *tiles, n, True),
+                               full[start:stop])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dense_rows_do_not_depend_on_the_batch(kernel, dtype):
+    from radixlm.runtime.models.quantization.cpu_weights import tile_dense
+
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(45, 96, generator=gen).to(dtype)
+    x = torch.randn(21, 96, generator=gen).to(dtype)
+    full = kernel.dense_linear(x, tile_dense(weight), 45, False)
+    want = x.double() @ weight.double().t()
+    assert full.dtype == dtype
+    assert (full.double() - want).abs().max() <= 0.01 * want.abs().max()
+    for start, stop in [(0, 1), (3, 4), (1, 8), (4, 21)]:
+        assert torch.equal(kernel.dense_linear(x[start:stop], tile_dense(weight), 45, False),
+                           full[start:stop])
+
+
+def _rows_of(model, kernel, steps: list[list[tuple[int, int]]], ids: list[torch.Tensor],
+             dtype: torch.dtype) -> dict[tuple[int, int], torch.Tensor]:
+    """Run `steps` through the kernel on one cache: each step is (sequence, tokens) chunks,
+    taken in order from each sequence's ids. The hidden row of every (sequence, position)."""
+    cfg = model.config
+    page, per_seq = 4, 64
+    kv = KVCache(cfg.num_layers, len(ids) * per_seq, cfg.num_kv_heads, cfg.head_dim, dtype,
+                 torch.device("cpu"), page_size=page)
+    # Sequence s owns pages in reverse order from a block of its own.
+    tables = [torch.tensor([p * page + o for p in reversed(range(s * per_seq // page,
+                                                                  (s + 1) * per_seq // page))
+                            for o in range(page)]) for s in range(len(ids))]
+    done = [0] * len(ids)
+    rows: dict[tuple[int, int], torch.Tensor] = {}
+    runner = CpuDecode(model, kv, kernel)
+    for step in steps:
+        positions = torch.cat([torch.arange(done[s], done[s] + n) for s, n in step])
+        kv_lens = [done[s] + n for s, n in step]
+        batch = ForwardBatch(
+            input_ids=torch.cat([ids[s][done[s]:done[s] + n] for s, n in step]),
+            positions=positions, q_lens=[n for _, n in step], kv_lens=kv_lens,
+            out_slots=torch.cat([tables[s][done[s]:done[s] + n] for s, n in step]),
+            slot_table=torch.stack([tables[s][:max(kv_lens)] for s, _ in step]), kv_cache=kv)
+        hidden = runner.forward(batch)
+        row = 0
+        for s, n in step:
+            for position in range(done[s], done[s] + n):
+                rows[(s, position)] = hidden[row]
+                row += 1
+            done[s] += n
+    return rows
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_rows_hidden_state_does_not_depend_on_its_step(kernel, tiny_gguf, monkeypatch,
+                                                         tmp_path, dtype):
+    """The same tokens prefilled whole, in chunks of any size, decoded one at a time, or
+    beside other sequences: bit-identical hidden states (the CPU path's determinism)."""
+    from radixlm.runtime.models import gguf_loader
+
+    monkeypatch.setattr(gguf_loader, "_save_tokenizer", lambda *args: None)
+    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path))
+    model = load_model(tiny_gguf, "auto", dtype, torch.device("cpu")).model
+    assert unsupported(model, TorchNativeAttention(0.1), KVCache(
+        1, 8, 2, 16, dtype, torch.device("cpu"), page_size=4)) is None
+    gen = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, model.config.vocab_size, (40,), generator=gen) for _ in range(3)]
+    alone = _rows_of(model, kernel, [[(0, 40)]], ids[:1], dtype)
+    layouts = [
+        [[(0, 7)], [(0, 13)], [(0, 20)]],  # chunked prefill
+        [[(0, 30)]] + [[(0, 1)]] * 10,  # prefill, then decode steps
+        [[(1, 25), (0, 10)], [(0, 30), (1, 1), (2, 40)]],  # beside other sequences' chunks
+        # decoded in a batch of others, at different places in it
+        [[(2, 9), (1, 3), (0, 1)]] + [[(0, 1), (2, 1)]] * 31 + [[(1, 1), (0, 1)]] * 8,
+    ]
+    for steps in layouts:
+        rows = _rows_of(model, kernel, steps, ids, dtype)
+        for position in range(40):
+            if (0, position) in rows:
+                assert torch.equal(rows[(0, position)], alone[(0, position)]), (steps, position)

@@ -42,8 +42,8 @@ def unsupported(model: torch.nn.Module, attn: AttentionBackend, kv_cache: KVCach
         return "tensor parallelism, q/k norms, MLP biases and sliding windows are not covered"
     if cfg.num_heads // cfg.num_kv_heads > 64:
         return "more than 64 query heads per KV head"
-    if any(_tiled(linear, dtype) is None for layer in model.model.layers
-           for linear in _linears(layer)):
+    if not all(_coverable(linear, dtype) for layer in model.model.layers
+               for linear in _linears(layer)):
         return "a linear layer is neither float nor in the CPU kernel's tiles (cpu_weights)"
     return None
 
@@ -92,19 +92,26 @@ def _linears(layer: torch.nn.Module) -> list[Linear]:
             layer.mlp.down_proj]
 
 
-def _tiled(linear: Linear, dtype: torch.dtype) -> tuple[int, int, list[torch.Tensor]] | None:
-    """(planes, N, tensors) as the kernel reads a linear: a quantized linear's tiles
-    (quantization.cpu_weights), or a float weight of the model's dtype, tiled here once; None
-    for anything else."""
+def _coverable(linear: Linear, dtype: torch.dtype) -> bool:
     if linear.quant_method is None:
-        if linear.weight.dtype != dtype:
-            return None
+        return hasattr(linear, "cpu_tiles") or linear.weight.dtype == dtype
+    cpu = dict(linear.named_children()).get("cpu_weights")
+    return isinstance(cpu, CpuWeights) and cpu.kernel_form() is not None
+
+
+def _tiled(linear: Linear, dtype: torch.dtype) -> tuple[int, int, list[torch.Tensor]]:
+    """(planes, N, tensors) as the kernel reads a linear (one `_coverable`): a quantized
+    linear's tiles (quantization.cpu_weights), or a float weight of the model's dtype, tiled
+    here once."""
+    if linear.quant_method is None:
         if not hasattr(linear, "cpu_tiles"):
             linear.cpu_tiles = CpuWeights(dense=linear.weight.detach(),
                                           float32=dtype == torch.float32)
+            # The kernel runs every step of this model from now on: the eager layout's copy
+            # of the weights would only double the model's memory.
+            linear.weight = torch.nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
         return linear.cpu_tiles.kernel_form()
-    cpu = dict(linear.named_children()).get("cpu_weights")
-    return cpu.kernel_form() if isinstance(cpu, CpuWeights) else None
+    return dict(linear.named_children())["cpu_weights"].kernel_form()
 
 
 def _tile_head(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
