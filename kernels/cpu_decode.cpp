@@ -146,25 +146,18 @@ void rotary_and_store(Tensor& qkv, const Tensor& cos, const Tensor& sin, int64_t
   });
 }
 
-// Dot product of two float rows; sixteen running sums, so that the compiler vectorizes it.
-inline float dot(const float* a, const float* b, int64_t n) {
-  float lanes[16] = {};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    for (int l = 0; l < 16; ++l) lanes[l] += a[i + l] * b[i + l];
-  }
-  float sum = 0.f;
-  for (int l = 0; l < 16; ++l) sum += lanes[l];
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
-
 // out [T, H * D] = attention of each row's q (the first H heads of qkv) over its sequence's
-// positions 0..position, read straight from their cache slots in position order (rows
-// prefetched ahead: a row is a few cache lines, and waiting for each in turn leaves the loops
-// bound by latency). One task is one row's query heads of one KV head: scores, a softmax over
-// the row's own positions (max, exp_fixed, a sum in 16 lanes by position), then the values
-// weighted in position order. Nothing in it depends on the other rows of the step.
+// positions 0..position, read straight from their cache slots in position order.
+//
+// A task is a block of up to QUERY_BLOCK consecutive rows of one sequence (a prefill chunk's
+// rows share their keys) and one KV head. Keys are taken 16 positions at a time, converted to
+// float32 and transposed (one position per lane), and each row's scores for them are one
+// fused multiply-add per dimension in order: score(row, position) is the same sum whatever
+// block the row is in. Then each row's softmax over its own positions (max, exp_fixed, a sum
+// in 16 lanes by position) and its values weighted in position order. Nothing depends on the
+// other rows of the step or on how rows were blocked.
+constexpr int64_t QUERY_BLOCK = 8;
+
 template <typename A>
 Tensor attention(const Tensor& qkv, const Tensor& k_layer, const Tensor& v_layer,
                  const Tensor& pages, const Tensor& token_seq, const Tensor& positions,
@@ -180,76 +173,115 @@ Tensor attention(const Tensor& qkv, const Tensor& k_layer, const Tensor& v_layer
   const auto* seqs = token_seq.data_ptr<int64_t>();
   const auto* pos = positions.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
-  constexpr int64_t ahead = 4;
+  // Row blocks: consecutive rows of one sequence (a step lists each sequence's rows together,
+  // in position order).
+  std::vector<int64_t> starts;
+  for (int64_t t = 0; t < rows; ++t) {
+    if (t == 0 || seqs[t] != seqs[t - 1] || t - starts.back() == QUERY_BLOCK) {
+      starts.push_back(t);
+    }
+  }
+  const int64_t blocks = static_cast<int64_t>(starts.size());
+  starts.push_back(rows);
   Tensor out = at::empty({rows, q_width}, qkv.options());
   auto* out_all = out.data_ptr<A>();
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * head_dim), kv_row(head_dim), acc(group * head_dim);
-    std::vector<float> scores;
+  constexpr int64_t ahead = 4;  // positions prefetched ahead (a row is a few cache lines)
+  at::parallel_for(0, blocks * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q, scores, acc, keys(head_dim * 16), value(head_dim);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t t = task / kv_heads, kvh = task % kv_heads;
-      const int64_t s = seqs[t], len = pos[t] + 1;
-      const int64_t padded = (len + 15) / 16 * 16;
+      const int64_t block = task / kv_heads, kvh = task % kv_heads;
+      const int64_t r0 = starts[block], n = starts[block + 1] - r0, s = seqs[r0];
+      const int64_t longest = pos[r0 + n - 1] + 1;
+      const int64_t padded = (longest + 15) / 16 * 16;
       auto row = [&](int64_t j) {
         return (page_ids[s * num_pages + j / page_size] * page_size + j % page_size) *
                    kv_width + kvh * head_dim;
       };
       auto prefetch = [&](const A* cache, int64_t j) {
-        if (j >= len) return;
+        if (j >= longest) return;
         const char* at = reinterpret_cast<const char*>(cache + row(j));
         for (int64_t off = 0; off < head_dim * static_cast<int64_t>(sizeof(A)); off += 64) {
           __builtin_prefetch(at + off);
         }
       };
-      for (int64_t i = 0; i < group * head_dim; ++i) {
-        q[i] = to_f(q_all[t * width + kvh * group * head_dim + i]);
-      }
-      scores.assign(group * padded, -INFINITY);
-      for (int64_t j = 0; j < ahead; ++j) prefetch(kc, j);
-      for (int64_t j = 0; j < len; ++j) {
-        prefetch(kc, j + ahead);
-        const A* k = kc + row(j);
-        for (int64_t i = 0; i < head_dim; ++i) kv_row[i] = to_f(k[i]);
-        for (int64_t h = 0; h < group; ++h) {
-          scores[h * padded + j] = dot(q.data() + h * head_dim, kv_row.data(), head_dim) * fscale;
+      q.resize(n * group * head_dim);
+      for (int64_t r = 0; r < n; ++r) {
+        const A* qr = q_all + (r0 + r) * width + kvh * group * head_dim;
+        for (int64_t i = 0; i < group * head_dim; ++i) {
+          q[r * group * head_dim + i] = to_f(qr[i]);
         }
       }
-      float inv_sum[64];
-      for (int64_t h = 0; h < group; ++h) {
-        float* sc = scores.data() + h * padded;
-        float top = -INFINITY;
-        for (int64_t j = 0; j < len; ++j) top = std::max(top, sc[j]);
-        float lanes[16] = {};
-        for (int64_t j = 0; j < padded; j += 16) {
-          for (int l = 0; l < 16; ++l) {
-            const float e = j + l < len ? exp_fixed(sc[j + l] - top) : 0.f;
-            sc[j + l] = e;
-            lanes[l] += e;
+      scores.assign(n * group * padded, 0.f);
+      for (int64_t j0 = 0; j0 < longest; j0 += 16) {
+        const int64_t count = std::min<int64_t>(16, longest - j0);
+        for (int64_t l = 0; l < 16; ++l) {
+          if (l < count) {
+            prefetch(kc, j0 + l + ahead);
+            const A* k = kc + row(j0 + l);
+            for (int64_t d = 0; d < head_dim; ++d) keys[d * 16 + l] = to_f(k[d]);
+          } else {
+            for (int64_t d = 0; d < head_dim; ++d) keys[d * 16 + l] = 0.f;
           }
         }
-        float sum = 0.f;
-        for (int l = 0; l < 16; ++l) sum += lanes[l];
-        inv_sum[h] = 1.f / sum;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < ahead; ++j) prefetch(vc, j);
-      for (int64_t j = 0; j < len; ++j) {
-        prefetch(vc, j + ahead);
-        const A* v = vc + row(j);
-        for (int64_t i = 0; i < head_dim; ++i) kv_row[i] = to_f(v[i]);
-        for (int64_t h = 0; h < group; ++h) {
-          const float p = scores[h * padded + j];
-          // A weight that underflowed (denormal) adds nothing a float32 sum keeps, and
-          // denormal arithmetic costs ~100 cycles an operation on x86.
-          if (p < FLT_MIN) continue;
-          float* a = acc.data() + h * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * kv_row[d];
+        for (int64_t r = 0; r < n; ++r) {
+          if (pos[r0 + r] < j0) continue;  // none of these positions is in its context
+          for (int64_t h = 0; h < group; ++h) {
+            const float* qh = q.data() + (r * group + h) * head_dim;
+            float lanes[16] = {};
+            for (int64_t d = 0; d < head_dim; ++d) {
+              for (int l = 0; l < 16; ++l) {
+                lanes[l] = std::fma(qh[d], keys[d * 16 + l], lanes[l]);
+              }
+            }
+            float* sc = scores.data() + (r * group + h) * padded + j0;
+            for (int l = 0; l < 16; ++l) sc[l] = lanes[l] * fscale;
+          }
         }
       }
-      A* o = out_all + t * q_width + kvh * group * head_dim;
-      for (int64_t h = 0; h < group; ++h) {
-        for (int64_t d = 0; d < head_dim; ++d) {
-          o[h * head_dim + d] = to_a<A>(acc[h * head_dim + d] * inv_sum[h]);
+      acc.assign(n * group * head_dim, 0.f);
+      float inv_sum[QUERY_BLOCK * 64];
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t len = pos[r0 + r] + 1;
+        for (int64_t h = 0; h < group; ++h) {
+          float* sc = scores.data() + (r * group + h) * padded;
+          float top = -INFINITY;
+          for (int64_t j = 0; j < len; ++j) top = std::max(top, sc[j]);
+          float lanes[16] = {};
+          for (int64_t j = 0; j < padded; j += 16) {
+            for (int l = 0; l < 16; ++l) {
+              const float e = j + l < len ? exp_fixed(sc[j + l] - top) : 0.f;
+              sc[j + l] = e;
+              lanes[l] += e;
+            }
+          }
+          float sum = 0.f;
+          for (int l = 0; l < 16; ++l) sum += lanes[l];
+          inv_sum[r * group + h] = 1.f / sum;
+        }
+      }
+      for (int64_t j = 0; j < ahead; ++j) prefetch(vc, j);
+      for (int64_t j = 0; j < longest; ++j) {
+        prefetch(vc, j + ahead);
+        const A* v = vc + row(j);
+        for (int64_t d = 0; d < head_dim; ++d) value[d] = to_f(v[d]);
+        for (int64_t r = 0; r < n; ++r) {
+          for (int64_t h = 0; h < group; ++h) {
+            // Past the row's own positions the weight is 0. A weight that underflowed
+            // (denormal) adds nothing a float32 sum keeps, and denormal arithmetic costs
+            // ~100 cycles an operation on x86.
+            const float p = scores[(r * group + h) * padded + j];
+            if (p < FLT_MIN) continue;
+            float* a = acc.data() + (r * group + h) * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) a[d] = std::fma(p, value[d], a[d]);
+          }
+        }
+      }
+      for (int64_t r = 0; r < n; ++r) {
+        A* o = out_all + (r0 + r) * q_width + kvh * group * head_dim;
+        for (int64_t h = 0; h < group; ++h) {
+          const float* a = acc.data() + (r * group + h) * head_dim;
+          const float inv = inv_sum[r * group + h];
+          for (int64_t d = 0; d < head_dim; ++d) o[h * head_dim + d] = to_a<A>(a[d] * inv);
         }
       }
     }
@@ -327,7 +359,7 @@ Tensor forward(Tensor hidden, const Tensor& cos, const Tensor& sin,
               "hidden must be contiguous, of the KV cache's dtype");
   TORCH_CHECK(specs.size() == 4 * layers.size() && widths.size() == specs.size(),
               "specs and widths: four entries per layer");
-  TORCH_CHECK(heads / kv_heads <= 64, "at most 64 query heads per KV head");
+  TORCH_CHECK(heads / kv_heads <= 64, "at most 64 query heads per KV head");  // inv_sum
   if (hidden.scalar_type() == at::kFloat) {
     return forward_rows<float>(hidden, cos, sin, layers, specs, widths, k_cache, v_cache,
                                out_slots, token_seq, positions, pages, final_norm, page_size,
