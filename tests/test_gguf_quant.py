@@ -27,10 +27,11 @@ def _random_blocks(name: str, rows: int, columns: int, seed: int = 0) -> GGUFBlo
     rng = np.random.default_rng(seed)
     _, per_block, size = next(v for v in BLOCK_TYPES.values() if v[0] == name)
     raw = rng.integers(0, 256, (rows, columns // per_block, size), dtype=np.uint8)
-    halves = 1 if name in ("Q4_0", "Q5_0", "Q8_0") else 2  # d, or d and m / dmin
+    halves = 1 if name in ("Q4_0", "Q5_0", "Q8_0", "Q6_K") else 2  # d, or d and m / dmin
+    at = size - 2 if name == "Q6_K" else 0  # Q6_K keeps its d last
     for i in range(halves):
         values = rng.normal(0, 0.01, raw.shape[:2]).astype(np.float16)
-        raw[..., 2 * i: 2 * i + 2] = values[..., None].view(np.uint8)
+        raw[..., at + 2 * i: at + 2 * i + 2] = values[..., None].view(np.uint8)
     return GGUFBlocks.from_rows(name, torch.from_numpy(raw.reshape(rows, -1)))
 
 
@@ -48,10 +49,11 @@ def test_planes_are_exactly_the_reference_dequantization(name):
 def test_int4_planes_matmul_matches_float_over_mixed_parts():
     # A merged layer whose parts have one and two planes: the one-plane part gets an empty
     # second plane that must add exactly nothing.
+    # Q6_K's groups of 16 inputs beside the others' 32: theirs are split in two.
     parts = [_random_blocks("Q4_K", 64, 256, 1), _random_blocks("Q8_0", 32, 256, 2),
-             _random_blocks("Q5_1", 48, 256, 3)]
-    planes = CpuWeights.stack([p.planes() for p in parts], [64, 32, 48], 256)
-    weight = torch.cat([p.dequantize() for p in parts])  # [144, 256]
+             _random_blocks("Q5_1", 48, 256, 3), _random_blocks("Q6_K", 16, 256, 4)]
+    planes = CpuWeights.stack([p.planes() for p in parts], [64, 32, 48, 16], 256)
+    weight = torch.cat([p.dequantize() for p in parts])  # [160, 256]
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0)).bfloat16()
     got = planes(x).float()
     want = x.float() @ weight.t()

@@ -76,6 +76,15 @@ def integer_planes(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.T
             Plane((codes & 15).to(torch.uint8), scale, torch.zeros_like(scale))]
 
 
+def regrouped(plane: Plane, group: int) -> Plane:
+    """The same weights with a scale and zero per `group` inputs (a divisor of its own)."""
+    repeat = plane.codes.shape[1] // plane.scale.shape[1] // group
+    if repeat == 1:
+        return plane
+    return Plane(plane.codes, plane.scale.repeat_interleave(repeat, dim=1),
+                 plane.zero.repeat_interleave(repeat, dim=1))
+
+
 def tile_planes(planes: list[Plane]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Our kernel's form of planes (kernels/cpu_linear.h): codes int32 [tiles, planes, K / 8,
     16], scales float32 [tiles, K / group, planes, 16], zeros float32 [tiles, K / group, 16]
@@ -142,6 +151,11 @@ class CpuWeights(nn.Module):
             return
         self.dense = None
         self.group = planes[0].codes.shape[1] // planes[0].scale.shape[1]
+        if not self.tiled and kernel_group(self.group, planes[0].codes.shape[1]) != self.group:
+            # torch's int4 kernel takes groups of 32 to 256 inputs only (not Q6_K's 16)
+            self.dense = dequantize_planes(planes).to(torch.bfloat16)
+            self._tensors = [self.dense]
+            return
         if self.tiled:
             for name, tensor in zip(("codes", "scales", "zeros"), tile_planes(planes)):
                 self.register_buffer(name, tensor)
@@ -159,9 +173,11 @@ class CpuWeights(nn.Module):
     @staticmethod
     def stack(parts: list[list[Plane]], rows: list[int], columns: int) -> "CpuWeights":
         """Planes of several parts stacked along the rows (a merged layer's parts); a part
-        with fewer planes gets planes that add nothing. All parts share one group size."""
+        with fewer planes gets planes that add nothing, and parts with coarser groups than
+        the finest (Q4_K's 32 beside Q6_K's 16) repeat their scales over its groups."""
         count = max(len(planes) for planes in parts)
-        group = columns // parts[0][0].scale.shape[1]
+        group = min(columns // planes[0].scale.shape[1] for planes in parts)
+        parts = [[regrouped(plane, group) for plane in planes] for planes in parts]
         return CpuWeights([
             Plane(*(torch.cat(t) for t in zip(*(
                 planes[index] if index < len(planes) else empty_plane(n, columns, group)

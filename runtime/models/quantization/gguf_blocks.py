@@ -1,16 +1,15 @@
 """GGUF's quantized blocks, kept as they are, and their decoding into 4-bit planes.
 
-A GGUF weight of type Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K or Q5_K is stored row by row in
+A GGUF weight of type Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K is stored row by row in
 blocks: each block holds 32 (or 256) codes and the scales that turn them into weights. Every one
-of these types has a scale (and an offset) per 32 consecutive inputs, so each can be written
-exactly as one or two *planes* of the form torch's CPU int4 kernel computes,
+of these types has a scale (and an offset) per 16 or 32 consecutive inputs, so each can be
+written exactly as one or two *planes* of the form our CPU kernel computes (cpu_weights),
 
-    W[n, k] = sum over planes p of  (q_p[n, k] - 8) * scale_p[n, k // 32] + zero_p[n, k // 32]
+    W[n, k] = sum over planes p of  (q_p[n, k] - 8) * scale_p[n, k // g] + zero_p[n, k // g]
 
-with 4-bit codes q_p in [0, 15]: 4-bit types are one plane; 5- and 8-bit codes u are split into
-u = 16 * hi + lo, a plane for hi (scale 16 * s) and one for lo (scale s), the constant folded
-into the zeros. Q6_K, Q3_K and Q2_K scale every 16 inputs, finer than the kernel's smallest
-group (32): those are dequantized to float instead (see `NATIVE_TYPES`).
+with 4-bit codes q_p in [0, 15]: 4-bit types are one plane; 5-, 6- and 8-bit codes u are split
+into u = 16 * hi + lo, a plane for hi (scale 16 * s) and one for lo (scale s), the constant
+folded into the zeros. Q3_K and Q2_K are dequantized to float instead (see `NATIVE_TYPES`).
 
 Layouts (ggml's, little-endian; d, m, dmin float16):
     Q4_0  [d | 16 bytes of nibbles]                 w = (q - 8) * d
@@ -20,8 +19,13 @@ Layouts (ggml's, little-endian; d, m, dmin float16):
     Q8_0  [d | 32 int8]                             w = q * d
     Q4_K  [d | dmin | 12 bytes of 6-bit scales, mins | 128 bytes]   w = d*sc*q - dmin*m (per 32)
     Q5_K  [d | dmin | 12 bytes | 32 bytes high bits | 128 bytes of nibbles]
-In the 32-blocks, byte j holds code j in its low nibble and code j + 16 in its high one. In the
-K-types, 64 codes at a time share 32 bytes: low nibbles are the first 32, high nibbles the next.
+    Q6_K  [128 bytes of low nibbles | 64 bytes of high 2 bits | 16 int8 scales | d]
+                                                    w = d * sc * (q - 32) (per 16)
+In the 32-blocks, byte j holds code j in its low nibble and code j + 16 in its high one. In
+Q4_K/Q5_K, 64 codes at a time share 32 bytes: low nibbles are the first 32, high nibbles the
+next. Q6_K is two halves of 128 codes: code 32 m + l of a half takes its low 4 bits from byte
+l (m = 0, 2) or l + 32 (m = 1, 3) of the half's 64 (low nibble for m < 2, high for m >= 2) and
+its top 2 bits from bits 2m, 2m + 1 of byte l of the half's 32.
 """
 
 from __future__ import annotations
@@ -33,11 +37,10 @@ import torch
 
 from radixlm.runtime.models.quantization.cpu_weights import Plane
 
-GROUP = 32  # inputs per scale in every plane
 # ggml type id -> (name, codes per block, bytes per block)
 BLOCK_TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
                7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144),
-               13: ("Q5_K", 256, 176)}
+               13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
 NATIVE_TYPES = frozenset(name for name, _, _ in BLOCK_TYPES.values())
 _TYPE_IDS = {name: type_id for type_id, (name, _, _) in BLOCK_TYPES.items()}
 
@@ -115,7 +118,7 @@ def _plane(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Plan
 
 
 def _split(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> list[Plane]:
-    """Weights w = codes * scale + offset (codes up to 8 bits, per-32 scale/offset) as two
+    """Weights w = codes * scale + offset (codes up to 8 bits, per-group scale/offset) as two
     planes: codes = 16 * hi + lo, so w = 16s(hi - 8) + s(lo - 8) + (136 s + offset)."""
     group_shape = scale.shape
     hi, lo = codes >> 4, codes & 15
@@ -195,5 +198,16 @@ def _q5_k(data: torch.Tensor, columns: int) -> list[Plane]:
     return _split(codes, scale, -minimum)
 
 
+def _q6_k(data: torch.Tensor, columns: int) -> list[Plane]:
+    b = _blocks(data, columns, 256, 210)
+    low = b[..., :128].reshape(*b.shape[:-1], 2, 2, 32)  # [N, B, half, byte l or l + 32, l]
+    high = b[..., 128:192].reshape(*b.shape[:-1], 2, 1, 32)
+    lo = torch.cat((low & 15, low >> 4), dim=-2)  # m = 0..3
+    hi = (high >> (2 * torch.arange(4, dtype=torch.uint8))[:, None]) & 3
+    codes = (lo | (hi << 4)).reshape(*b.shape[:-1], 256)  # in [0, 63]
+    scale = _f16(b, 208)[..., None] * b[..., 192:208].view(torch.int8).float()  # [N, B, 16]
+    return _split(codes, scale, -32 * scale)
+
+
 _DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
-             "Q4_K": _q4_k, "Q5_K": _q5_k}
+             "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
