@@ -13,7 +13,7 @@ weights. Per row:
   the step reads, at the card's measured copy bandwidth.
 
     python benchmarks/one_batch.py [--batch-sizes 1 8 32 128 256] [--attention-backend triton]
-        [--kv-cache-dtype fp8_e4m3] [--quantization fp8] [--profile]
+        [--kv-cache-dtype fp8_e4m3] [--quantization fp8] [--profile] [--deterministic]
 """
 
 from __future__ import annotations
@@ -203,6 +203,8 @@ def main() -> None:
                         help="quantized decoder linears (fp8: W8A8); the floor counts their "
                              "stored bytes")
     parser.add_argument("--overlap-schedule", default="auto", choices=["auto", "on", "off"])
+    parser.add_argument("--deterministic", action="store_true",
+                        help="batch-invariant kernels (EngineConfig.deterministic)")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of the script")
     parser.add_argument("--profile", action="store_true",
                         help="break one decode step per batch size down by kernel kind")
@@ -219,7 +221,8 @@ def main() -> None:
                     overlap_schedule=args.overlap_schedule, kv_cache_dtype=args.kv_cache_dtype,
                     quantization=args.quantization, max_total_tokens=max_bs * ctx + 4096,
                     max_num_batched_tokens=16384,
-                    chunked_prefill_size=args.input_len, disable_radix_cache=True)
+                    chunked_prefill_size=args.input_len, disable_radix_cache=True,
+                    deterministic=args.deterministic)
     costs = model_costs(engine)
     weight_bytes, kv_per_token = costs["weight_bytes"], costs["kv_bytes_per_token"]
     # Warm-up: enough prompts that prefill chunks share steps with 15..75 decode rows, so the
@@ -263,7 +266,7 @@ def main() -> None:
     print(f"\n{args.model}, bf16, weights {args.quantization or 'bf16'}, {attn}, "
           f"input {args.input_len}, output {args.output_len}, "
           f"graphs {'off' if args.disable_cuda_graph else 'on'}, "
-          f"overlap {overlap}, {card}")
+          f"overlap {overlap}, deterministic {args.deterministic}, {card}")
     print(f"{'batch':>5} {'prefill ms':>11} {'TFLOP/s':>8} {'decode ms':>10} {'GPU ms':>7} "
           f"{'tok/s':>8} {'floor ms':>9} {'x floor':>8} {'GPU x floor':>12}")
     for row in rows:
@@ -286,7 +289,7 @@ def main() -> None:
                    "cuda_graphs": not args.disable_cuda_graph, "overlap": overlap,
                    "kv_cache_dtype": args.kv_cache_dtype, "quantization": args.quantization,
                    "input_len": args.input_len,
-                   "output_len": args.output_len},
+                   "output_len": args.output_len, "deterministic": args.deterministic},
         "floor": {**costs, "copy_bandwidth": COPY_BANDWIDTH, "gemm_rate": GEMM_RATE},
         "rows": rows,
     }

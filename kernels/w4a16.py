@@ -253,6 +253,14 @@ def pick_config(m: int, n: int, k: int, group_size: int, bits: int,
     return dict(cfg, SPLIT_K=split)
 
 
+def invariant_config(group_size: int) -> dict:
+    """Deterministic inference: the tensor-core kernel with one tiling for every row count and
+    K never split, so an output's sum over K runs in the same order whatever M is (slower
+    than the GEMVs at a few rows)."""
+    return dict(KERNEL="dot", BLOCK_M=64, BLOCK_N=64, BLOCK_K=min(block_k_for(group_size), 64),
+                num_warps=4, num_stages=4, SPLIT_K=1)
+
+
 def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                  zeros: torch.Tensor, group_size: int, bits: int = 4,
                  config: dict | None = None) -> torch.Tensor:

@@ -45,12 +45,21 @@ def _importable(module: str) -> bool:
 
 
 def create_backend(name: str, scale: float, device: torch.device | None = None,
-                   dtype: torch.dtype | None = None,
-                   head_dim: int | None = None) -> AttentionBackend:
+                   dtype: torch.dtype | None = None, head_dim: int | None = None,
+                   deterministic: bool = False) -> AttentionBackend:
+    """deterministic: batch-invariant attention (EngineConfig.deterministic, CUDA): only
+    the Triton backend has it; asking another is a ValueError naming attention_backend."""
     name = resolve_backend(name, device, dtype, head_dim)
     if name not in BACKENDS:
         raise ValueError(f"unknown attention_backend {name!r}; available: auto, "
                          f"{', '.join(BACKENDS)}")
+    if deterministic and name != "triton":
+        raise ValueError(
+            f"deterministic=True on CUDA needs attention_backend 'triton' (or 'auto'), not "
+            f"{name!r}: only our Triton kernels reduce a query's keys the same way in every "
+            "batch, chunk and decode step")
     module, cls = BACKENDS[name]
-    backend: AttentionBackend = getattr(importlib.import_module(module), cls)(scale)
+    backend_cls = getattr(importlib.import_module(module), cls)
+    backend: AttentionBackend = (backend_cls(scale, deterministic=True) if deterministic
+                                 else backend_cls(scale))
     return backend

@@ -13,6 +13,12 @@ In a CUDA graph (decode steps padded to fixed batch sizes) the grid must not cha
 capture and replay: the split count is fixed per batch size from the longest context the
 engine allows (the kernel reads each sequence's real length from the device, so any count is
 correct), and the per-step lengths come from a buffer the graph runner refills in place.
+
+`deterministic=True` runs both decode and extend through the batch-invariant kernel
+(radixlm.kernels.invariant_attention): keys reduced in fixed 256-token splits, one tile shape
+for every step, so a query's output does not depend on its batch, its chunk or whether it is a
+decode step. What varies with the batch is only how many programs share a sequence's splits
+(`workers`), which changes where partial results are added, never how.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from radixlm.runtime.attention.backend import (
 from radixlm.runtime.attention.kv_cache import KVCache
 
 try:
+    from radixlm.kernels import invariant_attention as ia
     from radixlm.kernels import triton_attention as ta
 except ImportError as exc:  # triton missing: say what to install, not a bare ImportError
     _IMPORT_ERROR: ImportError | None = exc
@@ -41,9 +48,11 @@ class TritonAttention(AttentionBackend):
 
     def __init__(self, scale: float, num_splits: int | None = None,
                  decode_config: ta.DecodeConfig | None = None,
-                 extend_config: ta.ExtendConfig | None = None) -> None:
+                 extend_config: ta.ExtendConfig | None = None,
+                 deterministic: bool = False) -> None:
         """num_splits fixes the decode KV split count, and the configs the kernels' tiles
-        (tests, tuning); None picks them per step from the shapes."""
+        (tests, tuning); None picks them per step from the shapes. In deterministic mode
+        num_splits fixes the decode workers per sequence instead (tests)."""
         if _IMPORT_ERROR is not None:
             raise ImportError("attention_backend='triton' needs the triton package "
                               f"(pip install triton): {_IMPORT_ERROR}") from _IMPORT_ERROR
@@ -51,6 +60,8 @@ class TritonAttention(AttentionBackend):
         self.fixed_splits = num_splits
         self.fixed_decode_cfg = decode_config
         self.fixed_extend_cfg = extend_config
+        self.deterministic = deterministic
+        self.max_splits = 1  # deterministic decode: the workspace's splits per sequence
         self._num_sms: dict[torch.device, int] = {}
 
     def plan(self, batch: ForwardBatch) -> None:
@@ -65,12 +76,15 @@ class TritonAttention(AttentionBackend):
         extend = [i for i, n in enumerate(q_lens) if n > 1]
         self.decode_cfg = self.fixed_decode_cfg or ta.decode_config(dtype, head_dim)
         self.extend_cfg = self.fixed_extend_cfg or ta.extend_config(dtype, head_dim)
-        block_rows, block_m0 = ta.extend_blocks(q_lens, extend, self.extend_cfg.block_m)
+        block_m = ia.BLOCK_TOKENS if self.deterministic else self.extend_cfg.block_m
+        block_rows, block_m0 = ta.extend_blocks(q_lens, extend, block_m)
         self.num_splits = 1
         if decode:
             max_kv = max(kv_lens[i] for i in decode)
-            self.num_splits = self.fixed_splits or ta.choose_num_splits(
+            choose = ia.decode_workers if self.deterministic else ta.choose_num_splits
+            self.num_splits = self.fixed_splits or choose(
                 len(decode), num_kv_heads, max_kv, self._sm_count(device))
+            self.max_splits = -(-max_kv // ia.SPLIT)
 
         # One host->device copy: [q_starts | q_lens | kv_lens | decode rows | decode token
         # rows | extend block rows | extend block first queries], then views into it. Each part
@@ -97,6 +111,14 @@ class TritonAttention(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         scale = self.scale if layer.scale is None else layer.scale
         window, softcap = layer.sliding_window, layer.logit_softcap
+        if self.deterministic:
+            ia.invariant_decode(q, k_cache, v_cache, out, batch.slot_table, self.kv_lens,
+                                self.decode_rows, self.decode_q_rows, scale, self.num_splits,
+                                self.max_splits, window, softcap, k_scale, v_scale)
+            ia.invariant_extend(q, k_cache, v_cache, out, batch.slot_table, self.q_starts,
+                                self.q_lens, self.kv_lens, self.block_rows, self.block_m0,
+                                scale, window, softcap, k_scale, v_scale)
+            return out
         ta.decode_attention(q, k_cache, v_cache, out, batch.slot_table, self.kv_lens,
                             self.decode_rows, self.decode_q_rows, scale, self.num_splits,
                             self.decode_cfg, window, softcap, k_scale, v_scale)
@@ -110,9 +132,12 @@ class TritonAttention(AttentionBackend):
         device = kv_cache.k.device
         num_kv_heads = kv_cache.k.shape[2]
         sms = self._sm_count(device)
+        choose = ia.decode_workers if self.deterministic else ta.choose_num_splits
         self._graph_splits = {
-            bs: self.fixed_splits or ta.choose_num_splits(bs, num_kv_heads, max_len, sms)
+            bs: self.fixed_splits or choose(bs, num_kv_heads, max_len, sms)
             for bs in batch_sizes}
+        # Deterministic decode: workspace for the longest context a graph may replay.
+        self._graph_max_splits = -(-max_len // ia.SPLIT)
         # Decode sequence i is batch row i and token row i: one arange serves both maps.
         self._graph_rows = torch.arange(max(batch_sizes), dtype=torch.int64, device=device)
         self._graph_none = torch.zeros(0, dtype=torch.int64, device=device)
@@ -123,6 +148,7 @@ class TritonAttention(AttentionBackend):
         self.decode_cfg = self.fixed_decode_cfg or ta.decode_config(dtype, head_dim)
         self.extend_cfg = self.fixed_extend_cfg or ta.extend_config(dtype, head_dim)
         self.num_splits = self._graph_splits[num]
+        self.max_splits = self._graph_max_splits
         self.kv_lens = kv_lens
         self.decode_rows = self.decode_q_rows = self._graph_rows[:num]
         # No extend blocks: extend_attention returns before launching anything.

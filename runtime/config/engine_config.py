@@ -127,6 +127,12 @@ class EngineConfig:
     # one, which runs the whole batch without its graph (an H200 at batch 64 ran constrained
     # decoding at 0.59x of unconstrained with it, 0.96x without).
     enable_jump_forward: bool | None = None
+    # Deterministic inference: on CUDA a request's greedy tokens and logprobs (and a seeded
+    # request's samples) are the same bits whatever else shares its steps, however its prompt
+    # is chunked and whatever the prefix cache holds: batch-invariant matmuls and attention,
+    # at some cost in speed (docs/deterministic.md). Needs the triton attention backend and
+    # tp_size 1. On CPU it changes nothing: the CPU path is deterministic already.
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -148,7 +154,8 @@ class EngineConfig:
                 or not self.tp_timeout > 0):
             raise ValueError(f"tp_timeout must be a positive number of seconds, "
                              f"got {self.tp_timeout!r}")
-        for name in ("disable_radix_cache", "disable_cuda_graph", "disable_cpu_kernel"):
+        for name in ("disable_radix_cache", "disable_cuda_graph", "disable_cpu_kernel",
+                     "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
@@ -166,6 +173,10 @@ class EngineConfig:
             raise ValueError("lease_memory_fraction must be in [0, 1], "
                              f"got {self.lease_memory_fraction}")
         self._check_grammar_options()
+        if self.deterministic and self.attention_backend == "flashinfer":
+            raise ValueError("attention_backend 'flashinfer' cannot run deterministic=True: its "
+                             "kernels split a query's keys by batch and chunk; use 'triton' "
+                             "(or 'auto')")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(f"max_total_tokens ({self.max_total_tokens}) must hold at least one "
                              f"page of {self.page_size} tokens")

@@ -18,7 +18,7 @@ import torch
 
 from radixlm.runtime.attention import create_backend
 from radixlm.runtime.config.engine_config import EngineConfig
-from radixlm.runtime.engine.execution_setup import ExecutionSetup
+from radixlm.runtime.engine.execution_setup import ExecutionSetup, deterministic_on
 from radixlm.runtime.engine.kv_sizing import max_model_len, pool_pages
 from radixlm.runtime.engine.overlap import follow_up_batch
 from radixlm.runtime.engine.structured_output import Compiled, StructuredOutput
@@ -51,7 +51,8 @@ class EngineCore:
         num_pages = pool_pages(config, [mc] + ([draft.config] if draft else []), dtype, device)
         self.max_model_len = max_model_len(config, mc, num_pages * config.page_size)
         attn = create_backend(config.attention_backend, scale=mc.head_dim ** -0.5,
-                              device=device, dtype=dtype, head_dim=mc.head_dim)
+                              device=device, dtype=dtype, head_dim=mc.head_dim,
+                              deterministic=deterministic_on(config, device))
         graphs = uses_decode_graphs(config, device, attn)
         setup = ExecutionSetup(config, loaded, device, dtype, num_pages, self.max_model_len,
                                graphs)

@@ -33,6 +33,13 @@ from radixlm.runtime.scheduling.pages import ReqToTokenTable
 log = logging.getLogger(__name__)
 
 
+def deterministic_on(config: EngineConfig, device: torch.device) -> bool:
+    """Whether this engine runs the batch-invariant kernels: deterministic=True on CUDA. On
+    the CPU the option is accepted and changes nothing (its kernels already compute a row the
+    same way in every batch)."""
+    return config.deterministic and device.type == "cuda"
+
+
 class ExecutionSetup:
     """The start-up decisions for a target model with `num_pages` KV pages and contexts of up
     to `max_len` tokens; `graphs`: decode steps replay CUDA graphs. Checks that the
@@ -45,6 +52,14 @@ class ExecutionSetup:
         self.dtype = dtype
         self.num_pages = num_pages
         self.graphs = graphs
+        self.deterministic = deterministic_on(config, device)
+        if self.deterministic:
+            if config.tp_size > 1:
+                raise ValueError("deterministic=True on CUDA needs tp_size 1: the all-reduce "
+                                 "adds the ranks' partial sums in an order that depends on the "
+                                 "batch's size")
+            # Before any graph is captured: graphs keep the kernels they were captured with.
+            loaded.model.use_batch_invariant(True)
         # Tensor parallelism: rank 0's model is the stand-in that sends each call to the other
         # ranks; graphs capture the shard itself, and send each replay (see cuda_graph).
         self.tp_group = loaded.model.group if isinstance(loaded.model, ShardedModel) else None
@@ -100,7 +115,10 @@ class ExecutionSetup:
         if draft is not None:
             dc = draft.config
             attn = create_backend(config.attention_backend, scale=dc.head_dim ** -0.5,
-                                  device=device, dtype=dtype, head_dim=dc.head_dim)
+                                  device=device, dtype=dtype, head_dim=dc.head_dim,
+                                  deterministic=self.deterministic)
+            if self.deterministic:  # its proposals feed the sampled acceptance rule
+                draft.model.use_batch_invariant(True)
             # Same slots as the target's pool (scratch page included): see draft_model.
             target_kv = runner.kv_cache
             kv_cache = KVCache(dc.num_layers, target_kv.k.shape[1], dc.num_kv_heads,

@@ -11,7 +11,7 @@ reads `config`.
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -20,8 +20,9 @@ from radixlm.runtime.attention.backend import AttentionBackend, ForwardBatch
 from radixlm.runtime.distributed.groups import TPInfo
 from radixlm.runtime.models.architecture.model_config import ModelConfig
 from radixlm.runtime.models.layers.embedding import VocabEmbedding
-from radixlm.runtime.models.layers.linear import Linear, MergedLinear
+from radixlm.runtime.models.layers.linear import Linear, MergedLinear, use_batch_invariant_linears
 from radixlm.runtime.models.layers.moe import FusedMoE
+from radixlm.runtime.models.layers.norm import OffsetRMSNorm, RMSNorm
 from radixlm.runtime.models.quantization.quant_config import QuantConfig
 
 # A checkpoint tensor as the loader routes it: (our parameter name, shard id, tensor).
@@ -58,6 +59,9 @@ class CausalLM(nn.Module):
         self.lm_head: VocabEmbedding | None = None
         # {layer: {"k_scale": s, "v_scale": s}} from the checkpoint, if it has any
         self.checkpoint_kv_scales: dict[int, dict[str, float]] = {}
+        # Deterministic inference: (hidden, weight, out dtype) -> logits through a
+        # batch-invariant matmul (use_batch_invariant); None: the head's own matmul.
+        self.invariant_head: Callable[..., torch.Tensor] | None = None
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden_size]."""
@@ -73,13 +77,36 @@ class CausalLM(nn.Module):
             if isinstance(module, FusedMoE):
                 module.kernel = kernel
 
+    def use_batch_invariant(self, enabled: bool) -> None:
+        """Deterministic inference on CUDA (EngineConfig.deterministic): the decoder's linears,
+        the output head and the plain RMSNorms through kernels that compute each row the same
+        way whatever the number of rows (radixlm.kernels.invariant_matmul, fused.rms_norm).
+        Switch before CUDA graphs are captured; they keep the path they were captured with."""
+        if enabled and self.tp is not None:
+            raise ValueError("batch-invariant kernels need tp_size 1: the all-reduce of a "
+                             "sharded layer adds the ranks' sums in an order NCCL picks by size")
+        use_batch_invariant_linears(self, enabled)
+        matmul = norm = None
+        if enabled:
+            from radixlm.kernels.fused import rms_norm as norm
+            from radixlm.kernels.invariant_matmul import invariant_matmul as matmul
+        self.invariant_head = matmul
+        for module in self.modules():
+            if isinstance(module, RMSNorm) and not isinstance(module, OffsetRMSNorm):
+                module.kernel = norm
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, d] -> [N, vocab] float32 logits (gathered from every rank's vocab shard)."""
+        if self.invariant_head is not None:  # float32 out: no rounding to the weights' dtype
+            return self.final_logits(self.invariant_head(hidden, self._head().weight,
+                                                         torch.float32))
         return self.final_logits(self._head().logits(hidden))
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, d] -> [N] int64: the argmax of `compute_logits(hidden)` (see
         VocabEmbedding.greedy: with tensor parallelism no [N, vocab] logits are gathered)."""
+        if self.invariant_head is not None:
+            return self.compute_logits(hidden).argmax(dim=-1)
         return self._head().greedy(hidden, self.final_logits)
 
     def final_logits(self, logits: torch.Tensor) -> torch.Tensor:

@@ -85,10 +85,14 @@ class Linear(nn.Module):
         # A GEMV kernel (x, weight) -> x @ weight^T for a few rows, where it beats the
         # library's (set by use_small_batch_gemv on CUDA); None: F.linear always.
         self.small_batch: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        # Deterministic inference (use_batch_invariant_linears): every product, float or
+        # quantized, through a kernel whose reduction over K does not depend on the row count.
+        self.batch_invariant = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         reduce = self.shard is not None and self.shard.in_start is not None
-        if self.quant_method is None and not reduce and self.small_batch is None:
+        if (self.quant_method is None and not reduce and self.small_batch is None
+                and not self.batch_invariant):
             return F.linear(x, self.weight, self.bias)
         out = (self._float_product(x) if self.quant_method is None
                else self.quant_method.apply(self, x))
@@ -97,6 +101,10 @@ class Linear(nn.Module):
         return out if self.bias is None else out + self.bias
 
     def _float_product(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            from radixlm.kernels.invariant_matmul import invariant_matmul
+
+            return invariant_matmul(x, self.weight)
         if (self.small_batch is not None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS
                 and x.stride(-1) == 1):
             return self.small_batch(x, self.weight)
@@ -186,3 +194,15 @@ def use_small_batch_gemv(model: nn.Module, enabled: bool) -> None:
                         and module.weight.dtype in (torch.bfloat16, torch.float16)
                         and module.weight.shape[0] <= kernel.NARROW_MAX_N)
             module.small_batch = kernel.gemv if eligible else None
+
+
+def use_batch_invariant_linears(model: nn.Module, enabled: bool) -> None:
+    """Deterministic inference on CUDA: every Linear's product (and a quantized method's)
+    through a batch-invariant kernel (radixlm.kernels.invariant_matmul; fixed tiles for INT
+    weights), and no small-batch GEMV, whose split of K follows the row count. Off: the
+    library and the GEMVs again (use_small_batch_gemv to turn those back on)."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.batch_invariant = enabled
+            if enabled:
+                module.small_batch = None

@@ -6,6 +6,8 @@ before rounding (where Llama rounds first, then scales by w).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,8 +22,14 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
+        # Deterministic inference on CUDA: radixlm.kernels.fused.rms_norm, one program per
+        # row. torch's reductions may split a row over several blocks when there are few rows,
+        # so a row's sum would depend on how many rows share the call.
+        self.kernel: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x, self.weight, self.eps)
         # rms_norm accumulates in float32 for low-precision inputs, then rounds to x's dtype,
         # as the reference implementation does before applying the weight.
         return self.weight * F.rms_norm(x, self.weight.shape, eps=self.eps)

@@ -65,4 +65,4 @@ class AWQLinearMethod(LinearMethod):
         if self.on_cpu:
             return layer.cpu_weights(x)
         weight = IntWeight(layer.qweight, layer.scales, layer.zeros, 4, self.group)
-        return int_weight_matmul(x, weight)
+        return int_weight_matmul(x, weight, invariant=layer.batch_invariant)

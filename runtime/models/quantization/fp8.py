@@ -48,11 +48,13 @@ def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               use_scaled_mm: bool | None = None) -> torch.Tensor:
+               use_scaled_mm: bool | None = None, invariant: bool = False) -> torch.Tensor:
     """x [..., K] (float) times an e4m3 weight [N, K] with per-channel scales [N] -> [..., N]
     in x's dtype. use_scaled_mm None: on a device with fp8 tensor cores, the fp8 GEMV for up
     to GEMV_ROWS rows and `_scaled_mm` beyond; True or False forces `_scaled_mm` or the
-    fallback."""
+    fallback. invariant (deterministic inference, CUDA): one batch-invariant kernel for every
+    row count instead (radixlm.kernels.invariant_matmul), the activations quantized per row
+    as always."""
     k, n = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, k)
     if x.is_cuda and x2.stride(-1) == 1 and k <= 65536:
@@ -61,6 +63,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         x8, x_scale = per_token_fp8(x2)  # one kernel instead of six
     else:
         x8, x_scale = quantize_fp8_rows(x2)
+    if invariant and x.is_cuda:
+        from radixlm.kernels.invariant_matmul import invariant_matmul
+
+        out = invariant_matmul(x8, weight, x.dtype, x_scale, weight_scale.float())
+        return out.view(*x.shape[:-1], n)
     if use_scaled_mm is None:
         if _use_gemv(x8, weight):
             from radixlm.kernels.fp8 import fp8_gemv
@@ -149,4 +156,5 @@ class Fp8LinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self.on_cpu:
             return layer.cpu_weights(x)
-        return fp8_linear(x, layer.weight, layer.weight_scale)
+        return fp8_linear(x, layer.weight, layer.weight_scale,
+                          invariant=layer.batch_invariant)

@@ -108,4 +108,5 @@ class GPTQLinearMethod(LinearMethod):
             return layer.cpu_weights(x)
         weight = IntWeight(layer.qweight, layer.scales, layer.zeros, self.config.bits,
                            self.group)
-        return int_weight_matmul(x, weight, layer.perm if self.has_perm else None)
+        return int_weight_matmul(x, weight, layer.perm if self.has_perm else None,
+                                 layer.batch_invariant)

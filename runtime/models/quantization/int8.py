@@ -54,4 +54,4 @@ class Int8LinearMethod(LinearMethod):
         if self.on_cpu:
             return layer.cpu_weights(x)
         weight = IntWeight(layer.qweight, layer.scales, layer.zeros, 8, self.in_features)
-        return int_weight_matmul(x, weight)
+        return int_weight_matmul(x, weight, invariant=layer.batch_invariant)

@@ -77,9 +77,10 @@ def attach_cpu_weights(layer: torch.nn.Module, weight: IntWeight, params_dtype: 
     return True
 
 
-def int_weight_matmul(x: torch.Tensor, weight: IntWeight,
-                      perm: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ W -> [..., N] in x's dtype."""
+def int_weight_matmul(x: torch.Tensor, weight: IntWeight, perm: torch.Tensor | None = None,
+                      invariant: bool = False) -> torch.Tensor:
+    """x [..., K] @ W -> [..., N] in x's dtype. invariant (deterministic inference): the
+    tensor-core kernel with one tiling and no K split for every row count."""
     if perm is not None:
         x = x.index_select(-1, perm)
     k, n = x.shape[-1], weight.scales.shape[1]
@@ -88,8 +89,9 @@ def int_weight_matmul(x: torch.Tensor, weight: IntWeight,
         from radixlm.kernels import w4a16
 
         if w4a16.supports(x2, weight.qweight, weight.group_size, weight.bits):
+            config = w4a16.invariant_config(weight.group_size) if invariant else None
             out = w4a16.w4a16_matmul(x2, weight.qweight, weight.scales, weight.zeros,
-                                     weight.group_size, weight.bits)
+                                     weight.group_size, weight.bits, config)
             return out.view(*x.shape[:-1], n)
     w = dequantize(weight)
     return (x2 @ w.to(x.dtype)).view(*x.shape[:-1], n)

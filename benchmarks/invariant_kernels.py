@@ -1,0 +1,135 @@
+"""The batch-invariant kernels of deterministic inference against the default ones, alone, at
+Llama-3-8B's shapes (bf16, CUDA-graph timed):
+
+- each decoder linear and the output head at 1 to 16384 rows: the default product (the GEMV
+  for o / down up to 16 rows, else cuBLAS) against kernels/invariant_matmul.py;
+- decode attention at batch 1 and 256 and a prefill of 16 x 1024 tokens: the default Triton
+  kernels against kernels/invariant_attention.py.
+
+    python benchmarks/invariant_kernels.py [--out benchmarks/results/NAME.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from radixlm.kernels import invariant_attention as ia
+from radixlm.kernels import triton_attention as ta
+from radixlm.kernels.gemv import NARROW_MAX_N, gemv
+from radixlm.kernels.invariant_matmul import invariant_matmul, segments_for
+
+from gpu_timing import capture, median_replay_ms
+from results_dir import results_dir
+
+LINEARS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+           "down": (4096, 14336), "head": (128256, 4096)}
+ROWS = [1, 8, 64, 256, 2048, 16384]
+
+
+def time_us(fn: Callable[[], object], calls: int = 10) -> float:
+    graph = capture(fn, calls)
+    return 1e3 * median_replay_ms(graph, 20) / calls
+
+
+def default_linear(x: torch.Tensor, w: torch.Tensor, head: bool) -> torch.Tensor:
+    if not head and x.shape[0] <= 16 and w.shape[0] <= NARROW_MAX_N:
+        return gemv(x, w)
+    return F.linear(x, w)
+
+
+def linears() -> list[dict]:
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name, (n, k) in LINEARS.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) / k ** 0.5
+        for m in ROWS:
+            if name == "head" and m > 256:
+                continue  # the head sees sampled rows only
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+            calls = 10 if m <= 256 else 2
+            out_dtype = torch.float32 if name == "head" else None
+            base = time_us(lambda: default_linear(x, w, name == "head"), calls)
+            ours = time_us(lambda: invariant_matmul(x, w, out_dtype), calls)
+            rows.append({"linear": name, "n": n, "k": k, "rows": m, "default_us": base,
+                         "invariant_us": ours, "ratio": ours / base,
+                         "segments": segments_for(n, k, x.device)[1]})
+            print(f"{name:>8} {m:>6} rows: default {base:9.1f} us, invariant {ours:9.1f} us "
+                  f"({ours / base:.2f}x)")
+    return rows
+
+
+def attention() -> list[dict]:
+    heads, kv_heads, dim = 32, 8, 128
+    results = []
+    for kind, batch, ctx in (("decode", 1, 1088), ("decode", 64, 1536),
+                             ("decode", 256, 1536), ("prefill", 16, 1024)):
+        slots = batch * ctx
+        k_cache = torch.randn(slots, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+        v_cache = torch.randn_like(k_cache)
+        table = torch.randperm(slots, device="cuda").view(batch, ctx)
+        kv_lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int64)
+        rows = torch.arange(batch, device="cuda")
+        scale = dim ** -0.5
+        if kind == "decode":
+            q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty_like(q)
+            sms = torch.cuda.get_device_properties(0).multi_processor_count
+            splits = ta.choose_num_splits(batch, kv_heads, ctx, sms)
+            workers = ia.decode_workers(batch, kv_heads, ctx, sms)
+
+            def base() -> None:
+                ta.decode_attention(q, k_cache, v_cache, out, table, kv_lens, rows, rows,
+                                    scale, splits)
+
+            def ours() -> None:
+                ia.invariant_decode(q, k_cache, v_cache, out, table, kv_lens, rows, rows,
+                                    scale, workers, -(-ctx // ia.SPLIT))
+        else:
+            q = torch.randn(slots, heads, dim, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty_like(q)
+            q_lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int64)
+            q_starts = rows * ctx
+            plans = {}
+            for label, block in (("default", ta.extend_config(q.dtype, dim).block_m),
+                                 ("invariant", ia.BLOCK_TOKENS)):
+                b_rows, b_m0 = ta.extend_blocks([ctx] * batch, list(range(batch)), block)
+                plans[label] = (torch.tensor(b_rows, device="cuda"),
+                                torch.tensor(b_m0, device="cuda"))
+
+            def base() -> None:
+                ta.extend_attention(q, k_cache, v_cache, out, table, q_starts, q_lens, kv_lens,
+                                    *plans["default"], scale)
+
+            def ours() -> None:
+                ia.invariant_extend(q, k_cache, v_cache, out, table, q_starts, q_lens,
+                                    kv_lens, *plans["invariant"], scale)
+        a, b = time_us(base, 5), time_us(ours, 5)
+        results.append({"kind": kind, "batch": batch, "context": ctx, "default_us": a,
+                        "invariant_us": b, "ratio": b / a})
+        print(f"{kind:>8} batch {batch:>3} ctx {ctx}: default {a:9.1f} us, invariant "
+              f"{b:9.1f} us ({b / a:.2f}x)")
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    record = {"benchmark": "invariant_kernels", "date": datetime.date.today().isoformat(),
+              "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__},
+              "linears": linears(), "attention": attention()}
+    out = Path(args.out or results_dir() / f"invariant_kernels_h200_{record['date']}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""A batch-invariant matmul in Triton: y = x @ W^T (W [N, K] as torch's Linear stores it),
+where every output element is computed by the same float operations in the same order
+whatever the number of rows M. Deterministic inference (EngineConfig.deterministic) runs the
+decoder linears and the output head through it, so that a token's logits do not depend on how
+many other tokens share its step.
+
+The reduction over K is fixed by (N, K) and the device, never by M:
+
+    K is cut into `num_segs` segments of seg_len (a whole number of BLOCK_K tiles);
+    segment s is accumulated from zero over its BLOCK_K tiles by tl.dot, with one tile shape
+    (BLOCK_M x BLOCK_N x BLOCK_K, one warp count) for every M;
+    y = (((0 + seg_0) + seg_1) + ...) in float32, then rounded (fp8: times the row and
+    column scales first).
+
+Only the distribution of that work changes with M. Many rows: one program per output tile
+walks every segment and adds them in registers. A few rows (one BLOCK_M tile, the decode
+steps, where there are too few tiles to keep the GPU's loads in flight): one program per
+(tile, segment) writes its segment's float32 sum to a workspace, and the last program of the
+tile to finish (a ticket, as in split_k.py) adds them in segment order. Both orders of work
+give the same bits, because both add the same float32 values in the same order.
+
+Why segments at all: at batch 1 an 8B model's o and down projections have 32 column tiles,
+which cannot stream their weights at the card's bandwidth; splitting K gives the GPU enough
+programs. The segment count is chosen for the one-row case (`segments_for`) and then kept
+for every M, so prefill pays a little for it (a pipeline restart per segment).
+
+The tile shape is the same for every M because the tensor-core instruction Triton picks
+follows the tile shape, and two instructions need not add a dot's products in the same order.
+BLOCK_M = 64 is the smallest tile that still gets Hopper's warpgroup MMA for prefill; at one
+row it multiplies 63 rows of zeros, which costs tensor-core time but no memory traffic.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from radixlm.kernels.split_k import num_sms, split_k_buffers
+
+
+@dataclass(frozen=True)
+class InvariantConfig:
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 4
+    group_m: int = 8  # tiles of GROUP_M row blocks share a column block in L2 (prefill)
+    # Segments: enough programs for two per SM at one row, at most max_segs, and none shorter
+    # than min_seg_blocks K tiles (shorter ones spend more on the pipeline's restart).
+    max_segs: int = 16
+    min_seg_blocks: int = 4
+
+
+DEFAULT = InvariantConfig()
+
+
+@triton.jit
+def _segment(x_rows, w_rows, mask_m, mask_n, offs_k, k_lo, k_hi, K, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """sum over k in [k_lo, k_hi) of x[:, k] * w[:, k]^T, from zero: [BLOCK_M, BLOCK_N]."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k = k0 + offs_k
+        in_k = k < K
+        x = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & in_k[None, :], other=0.0)
+        w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & in_k[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)  # [M, K] x [K, N]: W read K-major, as stored
+    return acc
+
+
+@triton.jit
+def _store_tile(out_ptr, x_scale_ptr, w_scale_ptr, total, offs_m, offs_n, mask_m, mask_n,
+                stride_om, SCALED: tl.constexpr):
+    if SCALED:  # fp8: row scale, then column scale (one order for both paths)
+        xs = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=1.0)
+        ws = tl.load(w_scale_ptr + offs_n, mask=mask_n, other=1.0)
+        total = total * xs[:, None]
+        total = total * ws[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+             total.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _invariant_mm_kernel(x_ptr, w_ptr, out_ptr, x_scale_ptr, w_scale_ptr, partials_ptr,
+                         counters_ptr, M, N, K, seg_len, num_segs,
+                         stride_xm, stride_wn, stride_om,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr, SPLIT: tl.constexpr, SCALED: tl.constexpr):
+    # M is not specialized: a separate compile for M == 1 would be a second kernel, and the
+    # point of this one is that every M runs the same code.
+    if SPLIT:  # grid (column tiles, segments); one row tile
+        pid_m = 0
+        pid_n = tl.program_id(0)
+    else:  # grid (row tiles * column tiles), grouped so neighbours share W tiles in L2
+        pid = tl.program_id(0)
+        tiles_m = tl.cdiv(M, BLOCK_M)
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        per_group = GROUP_M * tiles_n
+        first_m = (pid // per_group) * GROUP_M
+        group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % group_rows
+        pid_n = (pid % per_group) // group_rows
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    w_rows = w_ptr + offs_n[:, None] * stride_wn
+    if SPLIT:
+        seg = tl.program_id(1)
+        k_lo = seg * seg_len
+        acc = _segment(x_rows, w_rows, mask_m, mask_n, offs_k, k_lo,
+                       tl.minimum(k_lo + seg_len, K), K, BLOCK_M, BLOCK_N, BLOCK_K)
+        # workspace [column tiles, segments, M, BLOCK_N] float32
+        cols = tl.arange(0, BLOCK_N)
+        tile_ptr = partials_ptr + pid_n * num_segs * M * BLOCK_N
+        tl.store(tile_ptr + (seg * M + offs_m[:, None]) * BLOCK_N + cols[None, :], acc,
+                 mask=mask_m[:, None])
+        # Every thread's partial before the ticket; the ticket releases them, and the last
+        # program acquires everyone's through its own (see split_k.py).
+        tl.debug_barrier()
+        ticket = tl.atomic_add(counters_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if ticket == num_segs - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(0, num_segs):
+                total += tl.load(tile_ptr + (s * M + offs_m[:, None]) * BLOCK_N + cols[None, :],
+                                 mask=mask_m[:, None], other=0.0, cache_modifier=".cg")
+            _store_tile(out_ptr, x_scale_ptr, w_scale_ptr, total, offs_m, offs_n, mask_m,
+                        mask_n, stride_om, SCALED)
+            tl.atomic_xchg(counters_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+    else:
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for seg in range(0, num_segs):
+            k_lo = seg * seg_len
+            total += _segment(x_rows, w_rows, mask_m, mask_n, offs_k, k_lo,
+                              tl.minimum(k_lo + seg_len, K), K, BLOCK_M, BLOCK_N, BLOCK_K)
+        _store_tile(out_ptr, x_scale_ptr, w_scale_ptr, total, offs_m, offs_n, mask_m, mask_n,
+                    stride_om, SCALED)
+
+
+def segments_for(n: int, k: int, device: torch.device,
+                 config: InvariantConfig = DEFAULT) -> tuple[int, int]:
+    """(seg_len, num_segs) for a [N, K] weight: a function of the shape and the device only."""
+    return _segments(n, k, num_sms(device), config)
+
+
+@functools.lru_cache(maxsize=None)
+def _segments(n: int, k: int, sms: int, config: InvariantConfig) -> tuple[int, int]:
+    tiles = triton.cdiv(n, config.block_n)
+    blocks = triton.cdiv(k, config.block_k)
+    segs = 1
+    while (tiles * segs < 2 * sms and segs < config.max_segs
+           and blocks // (2 * segs) >= config.min_seg_blocks):
+        segs *= 2
+    seg_len = triton.cdiv(blocks, segs) * config.block_k
+    return seg_len, triton.cdiv(k, seg_len)
+
+
+def invariant_matmul(x: torch.Tensor, weight: torch.Tensor,
+                     out_dtype: torch.dtype | None = None,
+                     x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
+                     config: InvariantConfig = DEFAULT) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T -> [..., N] in out_dtype (default x's dtype). With float8
+    operands, x_scale ([M] or [M, 1] float32, one per row) and w_scale ([N] float32) scale
+    the float32 product before rounding (W8A8); out_dtype is then required."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if weight.stride(-1) != 1:
+        raise ValueError("invariant_matmul needs the weight's K axis to be contiguous")
+    scaled = x_scale is not None
+    if scaled != (w_scale is not None):
+        raise ValueError("x_scale and w_scale go together")
+    if out_dtype is None:
+        if scaled:
+            raise ValueError("float8 operands need an out_dtype")
+        out_dtype = x.dtype
+    m = x2.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out.view(*x.shape[:-1], n)
+    seg_len, num_segs = segments_for(n, k, x.device, config)
+    tiles_n = triton.cdiv(n, config.block_n)
+    split = num_segs > 1 and m <= config.block_m
+    if split:
+        # Sized for a full row tile, whatever m: one workspace per weight shape for every
+        # decode batch (CUDA graphs keep its address), not one per row count.
+        partials, counters = split_k_buffers(x.device, tiles_n, num_segs, config.block_m,
+                                             config.block_n)
+        grid: tuple[int, ...] = (tiles_n, num_segs)
+    else:
+        partials = counters = out  # never read: SPLIT is off
+        grid = (triton.cdiv(m, config.block_m) * tiles_n,)
+    xs = x_scale.reshape(-1) if scaled else out
+    ws = w_scale.reshape(-1) if scaled else out
+    _invariant_mm_kernel[grid](
+        x2, weight, out, xs, ws, partials, counters, m, n, k, seg_len, num_segs,
+        x2.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        GROUP_M=config.group_m, SPLIT=split, SCALED=scaled, num_warps=config.num_warps,
+        num_stages=config.num_stages)
+    return out.view(*x.shape[:-1], n)

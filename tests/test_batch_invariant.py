@@ -1,0 +1,261 @@
+"""Deterministic inference (`deterministic=True`) on the CPU: the option's plumbing, and the
+batch-invariant kernels under the Triton interpreter.
+
+On the CPU the option is accepted and changes nothing. The GPU's batch-invariant kernels
+(kernels/invariant_matmul.py, kernels/invariant_attention.py) are checked here in float32
+under the interpreter, for their logic: a row's result must be the same bits whatever the
+row count, the chunking of a prompt, or whether a query is a decode step. Whether the GPU's
+tensor cores keep that promise is tests/test_gpu_deterministic.py's job.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from interpreter_cases import collect_cases, main, results_under_interpreter
+
+# -- configuration and command line (plain CPU tests) -----------------------------------------
+
+
+def test_config_accepts_deterministic_and_refuses_flashinfer():
+    from radixlm.runtime.config.engine_config import EngineConfig
+
+    assert EngineConfig(deterministic=True).deterministic
+    assert not EngineConfig().deterministic
+    with pytest.raises(ValueError, match="attention_backend"):
+        EngineConfig(deterministic=True, attention_backend="flashinfer")
+    with pytest.raises(ValueError, match="deterministic must be a bool"):
+        EngineConfig(deterministic="yes")
+    assert EngineConfig.from_kwargs(None, deterministic=True).deterministic
+
+
+def test_flags_of_serve_and_generate():
+    from radixlm.runtime.cli import build_parser
+    from radixlm.runtime.server.args import engine_options
+
+    parser = build_parser()
+    serve = parser.parse_args(["serve", "--deterministic"])
+    assert engine_options(serve)["deterministic"] is True
+    assert engine_options(parser.parse_args(["serve"]))["deterministic"] is False
+    assert parser.parse_args(["generate", "hi", "--deterministic"]).deterministic is True
+    assert parser.parse_args(["generate", "hi"]).deterministic is False
+
+
+def test_cuda_only_switches():
+    from radixlm.runtime.attention import create_backend
+    from radixlm.runtime.config.engine_config import EngineConfig
+    from radixlm.runtime.engine.execution_setup import deterministic_on
+
+    config = EngineConfig(deterministic=True)
+    assert not deterministic_on(config, torch.device("cpu"))
+    assert deterministic_on(config, torch.device("cuda"))
+    assert not deterministic_on(EngineConfig(), torch.device("cuda"))
+    with pytest.raises(ValueError, match="attention_backend"):
+        create_backend("torch", 0.125, torch.device("cpu"), deterministic=True)
+
+
+def test_deterministic_is_a_no_op_on_cpu(tmp_path):
+    from radixlm.runtime import Engine
+
+    from conftest import save_tiny_hf_model
+
+    folder = save_tiny_hf_model(tmp_path, "llama")
+    prompts = [[5 + i, 17, 99, 3 + i * 7] * (i + 2) for i in range(4)]
+    params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True, "logprobs": True}
+    runs = []
+    for deterministic in (False, True):
+        with Engine(str(folder), device="cpu", max_total_tokens=512, page_size=4,
+                    chunked_prefill_size=8, deterministic=deterministic) as engine:
+            model = engine.core.runner.model
+            assert model.invariant_head is None  # no GPU kernels switched on
+            outs = engine.generate(input_ids=prompts, sampling_params=params)
+            runs.append([(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs])
+    assert runs[0] == runs[1]
+
+
+# -- the kernels under the Triton interpreter (cases run in a subprocess) --------------------
+
+
+def case_matmul_rows_do_not_depend_on_m():
+    """Split path (<= 64 rows: one program per segment, ticket sum) and one-program path
+    (more rows) give each row the same bits, at any offset in the batch."""
+    from radixlm.kernels.invariant_matmul import invariant_matmul, segments_for
+
+    gen = torch.Generator().manual_seed(0)
+    n, k = 256, 1000
+    weight = torch.randn(n, k, generator=gen) / k ** 0.5
+    x = torch.randn(150, k, generator=gen)
+    seg_len, segs = segments_for(n, k, torch.device("cpu"))
+    assert segs > 1, "the case must exercise segments"
+    full = invariant_matmul(x, weight)
+    err = ((full - x @ weight.T).norm() / (x @ weight.T).norm()).item()
+    assert err < 1e-6, err
+    for lo, hi in ((0, 1), (0, 3), (7, 20), (0, 64), (10, 75)):
+        assert torch.equal(invariant_matmul(x[lo:hi].clone(), weight), full[lo:hi]), (lo, hi)
+    head = invariant_matmul(x[:5], weight, torch.float32)
+    assert head.dtype == torch.float32
+    return f"{segs} segments of {seg_len}; rel err {err:.1e}"
+
+
+def case_int4_rows_do_not_depend_on_m():
+    """INT4 weights through the w4a16 kernel with deterministic inference's fixed tiling."""
+    from radixlm.kernels.reference import w4a16_matmul_reference
+    from radixlm.kernels.w4a16 import invariant_config, w4a16_matmul
+    from radixlm.runtime.models.quantization.packing import pack_gptq_weight
+
+    gen = torch.Generator().manual_seed(0)
+    n, k, group = 128, 256, 128
+    q = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.int32)
+    qweight = pack_gptq_weight(q, 4)
+    scales = torch.rand(k // group, n, generator=gen) * 0.02 + 0.001
+    zeros = torch.randint(0, 16, (k // group, n), generator=gen).to(torch.uint8)
+    x = torch.randn(100, k, generator=gen)
+
+    def product(rows: torch.Tensor) -> torch.Tensor:
+        return w4a16_matmul(rows, qweight, scales, zeros, group, 4, invariant_config(group))
+
+    full = product(x)
+    err = (full - w4a16_matmul_reference(x, qweight, scales, zeros, group)).abs().max().item()
+    assert err < 1e-4, err
+    for m in (1, 5, 64, 70):
+        assert torch.equal(product(x[3:3 + m].clone()), full[3:3 + m]), m
+    return f"max abs err {err:.1e}"
+
+
+def attention_invariance(layer_kwargs: dict, device: str = "cpu",
+                         dtype: torch.dtype = torch.float32, heads: int = 8, kv_heads: int = 2,
+                         dim: int = 32, length: int = 600,
+                         storage: torch.dtype | None = None,
+                         chunks: tuple[tuple[int, int], ...] = ((0, 97), (97, 256), (256, 257),
+                                                                 (257, 531), (531, 600)),
+                         positions: tuple[int, ...] = (0, 256, 300, 599),
+                         workers: tuple[int | None, ...] = (None, 3),
+                         tol: float = 1e-5) -> str:
+    """One sequence of `length` tokens (several 256-key splits): every query's output,
+    computed as one prefill, as chunks beside other sequences, and as a decode step alone or
+    in a batch with one program per sequence or several (partials and a merge), is the same
+    bits; and the prefill is close to the reference. (Also run on the GPU at the 8B shape.)"""
+    from radixlm.kernels.reference import paged_attention_reference
+    from radixlm.runtime.attention.backend import ForwardBatch, LayerAttention
+    from radixlm.runtime.attention.kv_cache import KVCache
+    from radixlm.runtime.attention.triton_backend import TritonAttention
+
+    page = 16
+    gen = torch.Generator().manual_seed(0)
+    num_pages = 3 * length // page + 16
+    cache = KVCache(1, num_pages * page, kv_heads, dim, dtype, torch.device(device), page,
+                    storage)
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=gen))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=gen))
+    free = torch.randperm(num_pages, generator=gen).tolist()
+
+    def slots(n: int) -> torch.Tensor:
+        pages = torch.tensor([free.pop() for _ in range(-(-n // page))])
+        return (pages[:, None] * page + torch.arange(page)).flatten()[:n]
+
+    seqs = {"main": slots(length), "a": slots(300), "b": slots(77)}
+    queries = {name: torch.randn(len(s), heads, dim, generator=gen).to(device, dtype)
+               for name, s in seqs.items()}
+    layer = LayerAttention(**layer_kwargs)
+    scale = dim ** -0.5
+
+    def run(parts: list[tuple[str, int, int]], num_workers: int | None = None):
+        """parts: (sequence, first query, end) -> the step's output rows."""
+        kv_lens = [end for _, _, end in parts]
+        table = torch.zeros(len(parts), max(kv_lens), dtype=torch.int64)
+        for i, (name, _, end) in enumerate(parts):
+            table[i, :end] = seqs[name][:end]
+        q = torch.cat([queries[name][lo:end] for name, lo, end in parts])
+        zeros = torch.zeros(q.shape[0], dtype=torch.int64, device=device)
+        batch = ForwardBatch(input_ids=zeros, positions=zeros,
+                             q_lens=[end - lo for _, lo, end in parts], kv_lens=kv_lens,
+                             out_slots=zeros, slot_table=table.to(device), kv_cache=cache)
+        backend = TritonAttention(scale, num_splits=num_workers, deterministic=True)
+        backend.plan(batch)
+        return backend.forward(q, q[:, :kv_heads], q[:, :kv_heads], 0, batch, layer,
+                               kv_stored=True), batch, q
+
+    full, batch, q = run([("main", 0, length)])
+    ref = paged_attention_reference(q, cache.k[0].to(dtype), cache.v[0].to(dtype),
+                                    batch.slot_table, batch.q_lens, batch.kv_lens, scale,
+                                    layer.sliding_window, layer.logit_softcap)
+    err = ((full.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert err < tol, err
+    for lo, end in chunks:
+        out = run([("a", 0, 50), ("main", lo, end), ("b", 76, 77)])[0]
+        assert torch.equal(out[50:50 + end - lo], full[lo:end]), ("chunk", lo, end)
+    for pos in positions:
+        for num in workers:
+            alone = run([("main", pos, pos + 1)], num)[0]
+            assert torch.equal(alone[0], full[pos]), ("decode", pos, num)
+            mixed = run([("a", 5, 6), ("main", pos, pos + 1), ("b", 0, 20)], num)[0]
+            assert torch.equal(mixed[1], full[pos]), ("decode in a batch", pos, num)
+    return f"rel err {err:.1e}"
+
+
+def case_attention_invariant_full():
+    return attention_invariance({})
+
+
+def case_attention_invariant_window_and_softcap():
+    return attention_invariance({"sliding_window": 300, "logit_softcap": 20.0})
+
+
+def case_engine_tokens_do_not_depend_on_the_batch():
+    """The engine with the batch-invariant kernels switched on by hand on the CPU (the GPU's
+    deterministic mode): a prompt alone, and beside others with another chunk size after a
+    request that warmed the prefix cache with its first half, gets the same tokens and the
+    same logprobs, bit for bit."""
+    from radixlm.runtime import Engine
+
+    from test_triton_kernels import save_llama
+
+    folder = save_llama(Path(tempfile.mkdtemp()), head_dim=32)
+    target = [(7 * i) % 500 + 3 for i in range(40)]
+    others = [[(11 * i + j) % 500 + 3 for i in range(9 + 5 * j)] for j in range(4)]
+    params = {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True, "logprobs": True,
+              "top_logprobs_num": 3}
+
+    def deterministic(engine) -> None:
+        core = engine.core
+        core.runner.model.use_fused_kernels(True)
+        core.runner.model.use_batch_invariant(True)
+        core.runner.attn.deterministic = True
+
+    def run(chunk: int, batch: list[list[int]], warm: list[int] | None):
+        with Engine(str(folder), device="cpu", dtype="float32", max_total_tokens=1024,
+                    chunked_prefill_size=chunk, page_size=4,
+                    attention_backend="triton") as engine:
+            deterministic(engine)
+            if warm is not None:
+                engine.generate(input_ids=[warm], sampling_params=params)
+            outs = engine.generate(input_ids=batch, sampling_params=params)
+            out = outs[batch.index(target)]
+            return out.token_ids, [(lp.logprob, lp.top) for lp in out.logprobs]
+
+    alone = run(16, [target], None)
+    mixed = run(7, others[:2] + [target] + others[2:], target[:21] + [1, 2])
+    assert mixed == alone, (mixed, alone)
+    return f"tokens {alone[0]}"
+
+
+CASES = collect_cases(globals())
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict[str, dict]:
+    return results_under_interpreter(__file__)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_under_interpreter(interpreter_results, case):
+    result = interpreter_results[case]
+    assert result["ok"], result["detail"]
+
+
+if __name__ == "__main__":
+    main(globals())
