@@ -15,11 +15,15 @@ machine's measured memory bandwidth.
 
     python benchmarks/cpu_decode.py [--threads 2] [--tokens 128] [--repeats 3]
         [--formats gguf,float32,bfloat16,int8] [--batch 64] [--batch-tokens 64]
+        [--requantize Q4_K_M,Q5_K_M,Q6_K,Q8_0]
 
 Formats: gguf is the default CPU path for a GGUF model (its blocks packed, bfloat16
 activations); float32 and bfloat16 dequantize the blocks (quantization="none"); int8 and fp8
 quantize those float weights on load. llama-cpp-python is not a dependency (building it takes
 a few minutes on 2 cores); without it the llama.cpp rows are left out and the JSON says so.
+`--requantize` (needs llama-cpp-python) also writes the embedded file in other GGUF types with
+llama.cpp's own quantizer (from its Q4_1 blocks: the speed of each type's kernels, not its
+quality) and measures batch 1 on each, ours beside llama.cpp on the same file.
 """
 
 from __future__ import annotations
@@ -90,10 +94,43 @@ def step_bytes(model: Any) -> int:
     return total
 
 
-def ours(fmt: str) -> tuple[dict[str, Callable], int]:
+def requantized(type_name: str, threads: int) -> Path:
+    """The embedded model written in GGUF type `type_name` (e.g. Q4_K_M) by llama.cpp's
+    quantizer, cached next to the results."""
+    import llama_cpp
+
+    from radixlm.runtime.models.loader import embedded_model_file
+
+    source = embedded_model_file()
+    path = results_dir() / "ggufs" / f"{source.stem.rsplit('.', 1)[0]}.{type_name}.gguf"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{type_name}")
+    params.allow_requantize, params.nthread = True, threads
+    partial = path.with_suffix(".partial")
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(partial).encode(),
+                                      params) != 0:
+        raise RuntimeError(f"llama.cpp could not write {type_name}")
+    partial.rename(path)  # a killed run leaves no half file under the final name
+    return path
+
+
+def file_label(system: str) -> str:
+    """The GGUF a system runs: 'Q4_1' (the embedded file) or a --requantize type."""
+    words = system.split()
+    if words[0] == "llama.cpp":
+        return words[1]
+    return words[2] if len(words) > 2 else "Q4_1"
+
+
+def ours(fmt: str, path: Path | None = None) -> tuple[dict[str, Callable], int]:
     from radixlm.runtime import Engine
 
     options: dict[str, Any] = {"max_total_tokens": 16384, "max_running_requests": 128}
+    if path is not None:
+        options["model"] = str(path)
     if fmt in ("float32", "bfloat16"):
         options |= {"dtype": fmt, "quantization": "none"}
     elif fmt in ("int8", "fp8"):
@@ -167,12 +204,12 @@ def hf() -> tuple[dict[str, Callable], int]:
     return {"batch1": batch1, "batched": batched}, weights
 
 
-def llama_cpp(threads: int) -> tuple[dict[str, Callable], int]:
+def llama_cpp(threads: int, path: Path | None = None) -> tuple[dict[str, Callable], int]:
     import llama_cpp
 
     from radixlm.runtime.models.loader import embedded_model_file
 
-    path = embedded_model_file()
+    path = path or embedded_model_file()
     llm = llama_cpp.Llama(model_path=str(path), n_threads=threads, n_ctx=2048, verbose=False)
     messages = [{"role": "user", "content": PROMPT}]
     eos = llm.token_eos()
@@ -245,17 +282,17 @@ def llama_cpp_batched(llm: Any, threads: int) -> Callable[[int, int], float]:
     return batched
 
 
-def worker(system: str, threads: int, conn: Any) -> None:
+def worker(system: str, threads: int, path: Path | None, conn: Any) -> None:
     """One system in this process: build it, then run what the parent asks, one at a time."""
     import torch
 
     torch.set_num_threads(threads)
     if system.startswith("radixlm "):
-        runs, weights = ours(system.split()[1])
+        runs, weights = ours(system.split()[1], path)
     elif system == "transformers float32":
         runs, weights = hf()
     else:
-        runs, weights = llama_cpp(threads)
+        runs, weights = llama_cpp(threads, path)
     conn.send(("ready", weights, sorted(runs)))
     while True:
         message = conn.recv()
@@ -273,6 +310,9 @@ def main() -> None:
     parser.add_argument("--formats", default="gguf,float32,bfloat16,int8")
     parser.add_argument("--batch", type=int, default=64, help="0: skip the batched runs")
     parser.add_argument("--batch-tokens", type=int, default=64)
+    parser.add_argument("--requantize", default="",
+                        help="GGUF types to also measure at batch 1 (ours and llama.cpp on "
+                             "the same file), e.g. Q4_K_M,Q5_K_M,Q6_K,Q8_0")
     parser.add_argument("--out", default=None, help="JSON file (default: a dated file in "
                         "$RADIXLM_RESULTS_DIR or ~/.cache/radixlm/benchmarks)")
     args = parser.parse_args()
@@ -280,11 +320,19 @@ def main() -> None:
     has_llama = importlib.util.find_spec("llama_cpp") is not None
     if has_llama:
         systems.append("llama.cpp Q4_1")
+    files: dict[str, Path | None] = {name: None for name in systems}
+    for type_name in filter(None, args.requantize.split(",")):
+        if not has_llama:
+            raise SystemExit("--requantize needs llama-cpp-python")
+        path = requantized(type_name, args.threads)
+        files[f"radixlm gguf {type_name}"] = files[f"llama.cpp {type_name}"] = path
+    systems = list(files)
     ctx = mp.get_context("spawn")
     pipes, procs, weights, kinds = {}, [], {}, {}
     for name in systems:  # one at a time: loading is not what is measured
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=worker, args=(name, args.threads, child), daemon=True)
+        proc = ctx.Process(target=worker, args=(name, args.threads, files[name], child),
+                           daemon=True)
         proc.start()
         _, weights[name], kinds[name] = parent.recv()
         pipes[name] = parent
@@ -297,7 +345,9 @@ def main() -> None:
     for name in systems:
         call(name, "batch1", 8)  # warm-up
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in systems}
-    batched: dict[str, list[float]] = {name: [] for name in systems if "batched" in kinds[name]}
+    # Batched runs on the embedded file only: the other types are there for batch-1 speed.
+    batched: dict[str, list[float]] = {name: [] for name in systems
+                                       if "batched" in kinds[name] and files[name] is None}
     for _ in range(args.repeats):  # interleaved: drift on a shared machine hits all alike
         for name in systems:
             samples[name].append(call(name, "batch1", args.tokens))
@@ -316,8 +366,12 @@ def main() -> None:
         if batched.get(name):
             row["batched_tokens_per_s"] = statistics.median(batched[name])
         rows.append(row)
-    peer = next((r for r in rows if r["system"].startswith("llama.cpp")), None)
+    peers = {file_label(r["system"]): r for r in rows if r["system"].startswith("llama.cpp")}
     hf_row = next(r for r in rows if r["system"].startswith("transformers"))
+    for r in rows:  # each beside llama.cpp on the same file
+        peer = peers.get(file_label(r["system"]))
+        if peer is not None:
+            r["vs_llama_cpp"] = r["decode_tokens_per_s"] / peer["decode_tokens_per_s"]
     def times(value: float | None, base: dict | None, key: str) -> str:
         return f"{value / base[key]:.2f}x" if value and base and base.get(key) else "-"
 
@@ -325,6 +379,7 @@ def main() -> None:
           f"{'vs llama.cpp':>14}{'batched tok/s':>15}{'vs HF':>8}{'vs llama.cpp':>14}")
     for r in rows:
         b = r.get("batched_tokens_per_s")
+        peer = peers.get(file_label(r["system"]))
         print(f"{r['system']:<24}{r['ttft_ms']:>9.0f}{r['decode_tokens_per_s']:>14.1f}"
               f"{r['step_mb']:>9.0f}{r['floor_tokens_per_s']:>13.0f}"
               f"{times(r['decode_tokens_per_s'], peer, 'decode_tokens_per_s'):>14}"
@@ -340,7 +395,8 @@ def main() -> None:
         "date": today, "machine": machine(),
         "threads": args.threads, "tokens": args.tokens, "repeats": args.repeats,
         "batch": args.batch, "batch_tokens": args.batch_tokens, "bandwidth_gb_s": gbs,
-        "llama_cpp": has_llama, "torch": torch.__version__, "rows": rows}, indent=2) + "\n")
+        "llama_cpp": has_llama, "requantized": args.requantize, "torch": torch.__version__,
+        "rows": rows}, indent=2) + "\n")
     print(f"wrote {out}")
     plot(rows, out.with_suffix(".png"), args)
 
