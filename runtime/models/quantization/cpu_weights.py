@@ -139,6 +139,11 @@ class CpuWeights(nn.Module):
         super().__init__()
         self.kernel = linear_kernel()
         self.tiled = self.kernel is not None
+        if planes and not self.tiled:
+            group = planes[0].codes.shape[1] // planes[0].scale.shape[1]
+            if kernel_group(group, planes[0].codes.shape[1]) != group:
+                # torch's int4 kernel takes groups of 32 to 256 inputs only (not Q6_K's 16)
+                planes, dense = None, dequantize_planes(planes)
         self.num_planes = len(planes or [])
         self.out_features = (planes[0].codes if planes else dense).shape[0]
         self.group = 0
@@ -151,11 +156,6 @@ class CpuWeights(nn.Module):
             return
         self.dense = None
         self.group = planes[0].codes.shape[1] // planes[0].scale.shape[1]
-        if not self.tiled and kernel_group(self.group, planes[0].codes.shape[1]) != self.group:
-            # torch's int4 kernel takes groups of 32 to 256 inputs only (not Q6_K's 16)
-            self.dense = dequantize_planes(planes).to(torch.bfloat16)
-            self._tensors = [self.dense]
-            return
         if self.tiled:
             for name, tensor in zip(("codes", "scales", "zeros"), tile_planes(planes)):
                 self.register_buffer(name, tensor)
