@@ -289,12 +289,10 @@ void for_each_block(int64_t rows, int64_t tiles, const Block& block) {
   });
 }
 
-inline at::Tensor rounded(std::vector<float>& out, int64_t rows, int64_t width, int64_t n_out,
-                          at::ScalarType dtype) {
-  return at::from_blob(out.data(), {rows, width}, at::kFloat)
-      .narrow(1, 0, n_out)
-      .to(dtype, false, true)
-      .contiguous();
+// The product's float32 [rows, width] as [rows, n_out] of dtype (rounded once).
+inline at::Tensor rounded(const at::Tensor& out, int64_t n_out, at::ScalarType dtype) {
+  if (dtype == at::kFloat && out.size(1) == n_out) return out;
+  return out.narrow(1, 0, n_out).to(dtype, false, true).contiguous();
 }
 
 inline std::vector<float> as_float(const at::Tensor& x) {
@@ -330,7 +328,9 @@ inline at::Tensor planes_linear(const at::Tensor& x_in, const at::Tensor& codes,
       xsum[r * groups + g] = s;
     }
   const int64_t width = tiles * LANES, tile_codes = planes * (k_in / 8) * LANES;
-  std::vector<float> out(rows * width);
+  // Not zeroed: every block writes its outputs before it reads them.
+  const at::Tensor out_t = at::empty({rows, width}, at::kFloat);
+  float* out = out_t.data_ptr<float>();
   const int32_t* c = codes.data_ptr<int32_t>();
   const float* s = scales.data_ptr<float>();
   const float* z = zeros.data_ptr<float>();
@@ -339,7 +339,7 @@ inline at::Tensor planes_linear(const at::Tensor& x_in, const at::Tensor& codes,
     constexpr int P = decltype(p_const)::value;
     for_each_block<P>(rows, tiles, [&](auto t_const, auto r_const, int64_t t0, int64_t r0) {
       constexpr int T = decltype(t_const)::value, R = decltype(r_const)::value;
-      float* o = out.data() + r0 * width + t0 * LANES;
+      float* o = out + r0 * width + t0 * LANES;
 #if defined(__AVX512BF16__)
       if (pairs) {
         planes_block_pairs<T, R, P>(x.data_ptr<at::BFloat16>() + r0 * k_in,
@@ -359,7 +359,7 @@ inline at::Tensor planes_linear(const at::Tensor& x_in, const at::Tensor& codes,
   } else {
     run(std::integral_constant<int, 2>{});
   }
-  return rounded(out, rows, width, n_out, float_out ? at::kFloat : x.scalar_type());
+  return rounded(out_t, n_out, float_out ? at::kFloat : x.scalar_type());
 }
 
 // y [M, N] = x @ W.T for dense tiles: bfloat16 [tiles, K / 2, 32] or float32 [tiles, K, 16].
@@ -370,12 +370,14 @@ inline at::Tensor dense_linear(const at::Tensor& x_in, const at::Tensor& weight,
   TORCH_CHECK(weight.numel() == tiles * k_in * LANES && k_in % 2 == 0, "dense_linear: shapes");
   const bool bf16 = weight.scalar_type() == at::kBFloat16;
   const int64_t width = tiles * LANES, tile_stride = k_in * LANES;
-  std::vector<float> out(rows * width);
+  // Not zeroed: every block writes its outputs before it reads them.
+  const at::Tensor out_t = at::empty({rows, width}, at::kFloat);
+  float* out = out_t.data_ptr<float>();
   const bool pairs = PAIR_INSTRUCTION && bf16 && x.scalar_type() == at::kBFloat16;
   const std::vector<float> xf = pairs ? std::vector<float>() : as_float(x);
   for_each_block<1>(rows, tiles, [&](auto t_const, auto r_const, int64_t t0, int64_t r0) {
     constexpr int T = decltype(t_const)::value, R = decltype(r_const)::value;
-    float* o = out.data() + r0 * width + t0 * LANES;
+    float* o = out + r0 * width + t0 * LANES;
 #if defined(__AVX512BF16__)
     if (pairs) {
       dense_block_pairs<T, R>(x.data_ptr<at::BFloat16>() + r0 * k_in, k_in,
@@ -389,7 +391,7 @@ inline at::Tensor dense_linear(const at::Tensor& x_in, const at::Tensor& weight,
                       bf16 ? nullptr : weight.data_ptr<float>() + t0 * tile_stride,
                       tile_stride, o, width);
   });
-  return rounded(out, rows, width, n_out, float_out ? at::kFloat : x.scalar_type());
+  return rounded(out_t, n_out, float_out ? at::kFloat : x.scalar_type());
 }
 
 }  // namespace radixlm_cpu
