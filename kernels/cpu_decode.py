@@ -65,7 +65,8 @@ def _build() -> ModuleType | None:
         return None
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
-        log.warning("no C++ compiler (%s): CPU decode steps run the eager path", compiler)
+        log.warning("no C++ compiler (%s): CPU steps run the eager path (not deterministic)",
+                    compiler)
         return None
     cflags, ldflags = _flags()
     key = build_key(SOURCES, cflags, ldflags, compiler)
@@ -88,7 +89,7 @@ def _build() -> ModuleType | None:
         return module
     except (BuildError, OSError, ImportError) as exc:  # a compiler that fails, no ninja...
         lines = str(exc).strip().splitlines()
-        log.warning("the CPU decode kernel did not build (%s): CPU decode steps run the eager "
+        log.warning("the CPU decode kernel did not build (%s): CPU steps run the eager "
                     "path", lines[-1] if lines else type(exc).__name__)
         return None
 

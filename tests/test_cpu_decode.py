@@ -1,7 +1,9 @@
 """The CPU decode kernel (kernels/cpu_decode.cpp through runtime/execution/cpu_decode.py):
-a decode step in one C++ call gives the eager bfloat16 path's hidden states, on dense and
-GGUF-block weights, for ragged batches; the engine uses it where it applies and keeps its
-pages; its decode is as close to the float32 reference as the eager path is."""
+a step in one C++ call gives the eager bfloat16 path's hidden states, on dense and GGUF-block
+weights, for ragged batches; the engine uses it where it applies and keeps its pages; its
+decode is as close to the float32 reference as the eager path is; and a row's result is the
+same bits whatever else its step holds (its linears, and its hidden state whether prefilled
+whole, chunked or decoded)."""
 
 from __future__ import annotations
 
