@@ -32,7 +32,6 @@ import datetime
 import json
 import multiprocessing as mp
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -41,6 +40,8 @@ import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+from cpu_decode import machine as cpu_machine
 
 from results_dir import results_dir
 
@@ -52,19 +53,12 @@ PATHS: dict[str, dict[str, Any]] = {"default": {}, "float32": {"dtype": "float32
 
 
 def machine(device: str) -> str:
-    """The CPU's model name and core count, or the GPU's name."""
+    """The CPU's model name and core count (cpu_decode.machine), or the GPU's name."""
     if device.startswith("cuda"):
         import torch
 
         return f"{torch.cuda.get_device_name()}, {torch.cuda.device_count()} visible"
-    name = platform.processor() or platform.machine()
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        name = next(line.split(":", 1)[1].strip() for line in lines
-                    if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{name}, {os.cpu_count()} logical cores"
+    return cpu_machine()
 
 
 def revision() -> str | None:
