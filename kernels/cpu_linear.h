@@ -48,6 +48,11 @@ namespace radixlm_cpu {
 constexpr int LANES = 16;
 // Tiles per unit of work given to a thread.
 constexpr int64_t TILES_PER_TASK = 8;
+// Inputs per chunk when many rows share a tile's weights (for_each_block).
+constexpr int64_t CHUNK_INPUTS = 128;
+
+template <int N>
+using Int = std::integral_constant<int, N>;
 
 // ---------------------------------------------------------------------------------------
 // Float32 lanes (float32 inputs, and bfloat16 inputs where the CPU has no AVX512-BF16).
@@ -115,20 +120,34 @@ inline __m512i nibble_table() {
 constexpr bool PAIR_INSTRUCTION = false;
 #endif
 
-// Where the per-group results go: acc = out (0 before the first group), then
-// acc += part_p * scale_p for each plane, acc += zero * xsum; stored back in out.
+// A block's running sums stay in registers over its inputs: loaded from out (0 at the first
+// input), stored back at the end.
+template <int T, int R>
+inline void load_sums(Vec (&acc)[T][R], bool first, const float* out, int64_t out_stride) {
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) {
+      acc[t][r] = first ? Vec::zero() : Vec::load(out + r * out_stride + t * LANES);
+    }
+}
+
+template <int T, int R>
+inline void store_sums(const Vec (&acc)[T][R], float* out, int64_t out_stride) {
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) acc[t][r].store(out + r * out_stride + t * LANES);
+}
+
+// Adds group g's results to the sums: acc += part_p * scale_p for each plane, then
+// acc += zero * xsum.
 template <int T, int R, int P, typename Part>
-inline void finish_group(int64_t g, const Part& part, const float* scales, const float* zeros,
-                         const float* xsum, int64_t groups, int64_t tile_groups, float* out,
-                         int64_t out_stride) {
+inline void add_group(Vec (&acc)[T][R], int64_t g, const Part& part, const float* scales,
+                      const float* zeros, const float* xsum, int64_t groups,
+                      int64_t tile_groups) {
   for (int t = 0; t < T; ++t) {
     const float* s = scales + (t * tile_groups + g) * P * LANES;
     const Vec zero = Vec::load(zeros + (t * tile_groups + g) * LANES);
     for (int r = 0; r < R; ++r) {
-      float* o = out + r * out_stride + t * LANES;
-      Vec acc = g == 0 ? Vec::zero() : Vec::load(o);
-      for (int p = 0; p < P; ++p) acc = acc.fma(part(t, p, r), Vec::load(s + p * LANES));
-      acc.fma(zero, Vec::fill(xsum[r * groups + g])).store(o);
+      for (int p = 0; p < P; ++p) acc[t][r] = acc[t][r].fma(part(t, p, r), Vec::load(s + p * LANES));
+      acc[t][r] = acc[t][r].fma(zero, Vec::fill(xsum[r * groups + g]));
     }
   }
 }
@@ -136,10 +155,13 @@ inline void finish_group(int64_t g, const Part& part, const float* scales, const
 // T tiles x R rows of a 4-bit-plane linear, float32 lanes: out[r][t * 16 + lane].
 template <int T, int R, int P>
 void planes_block(const float* x, const float* xsum, int64_t k_in, int64_t group,
-                  const int32_t* codes, const float* scales, const float* zeros,
-                  int64_t tile_codes, int64_t tile_groups, float* out, int64_t out_stride) {
+                  int64_t k_begin, int64_t k_end, const int32_t* codes, const float* scales,
+                  const float* zeros, int64_t tile_codes, int64_t tile_groups, float* out,
+                  int64_t out_stride) {
   const int64_t groups = k_in / group;
-  for (int64_t g = 0; g < groups; ++g) {
+  Vec acc[T][R];
+  load_sums(acc, k_begin == 0, out, out_stride);
+  for (int64_t g = k_begin / group; g < k_end / group; ++g) {
     Vec part[T][P][R];
     for (int t = 0; t < T; ++t)
       for (int p = 0; p < P; ++p)
@@ -158,19 +180,20 @@ void planes_block(const float* x, const float* xsum, int64_t k_in, int64_t group
           }
       }
     }
-    finish_group<T, R, P>(g, [&](int t, int p, int r) { return part[t][p][r]; }, scales,
-                          zeros, xsum, groups, tile_groups, out, out_stride);
+    add_group<T, R, P>(acc, g, [&](int t, int p, int r) { return part[t][p][r]; }, scales,
+                       zeros, xsum, groups, tile_groups);
   }
+  store_sums(acc, out, out_stride);
 }
 
 // T tiles x R rows of a dense bfloat16 (pairs layout) or float32 linear, float32 lanes.
 template <int T, int R>
-void dense_block(const float* x, int64_t k_in, const at::BFloat16* w_bf16, const float* w_f32,
-                 int64_t tile_stride, float* out, int64_t out_stride) {
+void dense_block(const float* x, int64_t k_in, int64_t k_begin, int64_t k_end,
+                 const at::BFloat16* w_bf16, const float* w_f32, int64_t tile_stride,
+                 float* out, int64_t out_stride) {
   Vec acc[T][R];
-  for (int t = 0; t < T; ++t)
-    for (int r = 0; r < R; ++r) acc[t][r] = Vec::zero();
-  for (int64_t k = 0; k < k_in; k += 2) {
+  load_sums(acc, k_begin == 0, out, out_stride);
+  for (int64_t k = k_begin; k < k_end; k += 2) {
     for (int t = 0; t < T; ++t) {
       Vec even, odd;
       if (w_bf16 != nullptr) {
@@ -187,20 +210,21 @@ void dense_block(const float* x, int64_t k_in, const at::BFloat16* w_bf16, const
       }
     }
   }
-  for (int t = 0; t < T; ++t)
-    for (int r = 0; r < R; ++r) acc[t][r].store(out + r * out_stride + t * LANES);
+  store_sums(acc, out, out_stride);
 }
 
 #if defined(__AVX512BF16__)
 // The same blocks for bfloat16 inputs, one vdpbf16ps per input pair.
 template <int T, int R, int P>
 void planes_block_pairs(const at::BFloat16* x, const float* xsum, int64_t k_in, int64_t group,
-                        const int32_t* codes, const float* scales, const float* zeros,
-                        int64_t tile_codes, int64_t tile_groups, float* out,
-                        int64_t out_stride) {
+                        int64_t k_begin, int64_t k_end, const int32_t* codes,
+                        const float* scales, const float* zeros, int64_t tile_codes,
+                        int64_t tile_groups, float* out, int64_t out_stride) {
   const int64_t groups = k_in / group;
   const __m512i table = nibble_table();
-  for (int64_t g = 0; g < groups; ++g) {
+  Vec acc[T][R];
+  load_sums(acc, k_begin == 0, out, out_stride);
+  for (int64_t g = k_begin / group; g < k_end / group; ++g) {
     __m512 part[T][P][R];
     for (int t = 0; t < T; ++t)
       for (int p = 0; p < P; ++p)
@@ -230,18 +254,23 @@ void planes_block_pairs(const at::BFloat16* x, const float* xsum, int64_t k_in, 
         }
       }
     }
-    finish_group<T, R, P>(g, [&](int t, int p, int r) { return Vec{part[t][p][r]}; }, scales,
-                          zeros, xsum, groups, tile_groups, out, out_stride);
+    add_group<T, R, P>(acc, g, [&](int t, int p, int r) { return Vec{part[t][p][r]}; },
+                       scales, zeros, xsum, groups, tile_groups);
   }
+  store_sums(acc, out, out_stride);
 }
 
 template <int T, int R>
-void dense_block_pairs(const at::BFloat16* x, int64_t k_in, const at::BFloat16* weight,
-                       int64_t tile_stride, float* out, int64_t out_stride) {
+void dense_block_pairs(const at::BFloat16* x, int64_t k_in, int64_t k_begin, int64_t k_end,
+                       const at::BFloat16* weight, int64_t tile_stride, float* out,
+                       int64_t out_stride) {
   __m512 acc[T][R];
   for (int t = 0; t < T; ++t)
-    for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < k_in; k += 2) {
+    for (int r = 0; r < R; ++r) {
+      acc[t][r] = k_begin == 0 ? _mm512_setzero_ps()
+                               : _mm512_loadu_ps(out + r * out_stride + t * LANES);
+    }
+  for (int64_t k = k_begin; k < k_end; k += 2) {
     __m512bh w[T];
     for (int t = 0; t < T; ++t) {
       w[t] = (__m512bh)_mm512_loadu_si512(
@@ -259,33 +288,61 @@ void dense_block_pairs(const at::BFloat16* x, int64_t k_in, const at::BFloat16* 
 }
 #endif
 
-// Calls block(T, R, first_tile, first_row) over every tile and row of a product, T and R
-// chosen per block for speed only: how many independent sums are in flight (16 / P) and how
-// often a tile's unpacked weights are reused (R). No output's own sum depends on them.
-template <int P, typename Block>
-void for_each_block(int64_t rows, int64_t tiles, const Block& block) {
-  const int64_t units = (tiles + TILES_PER_TASK - 1) / TILES_PER_TASK;
-  auto tiles_of = [&](auto r_const, int64_t t_begin, int64_t t_end, int64_t r) {
-    constexpr int R = decltype(r_const)::value;
-    constexpr int T = std::max(1, std::min(8, 16 / (R * P)));
-    int64_t t = t_begin;
-    for (; t + T <= t_end; t += T) block(std::integral_constant<int, T>{}, r_const, t, r);
-    for (; t < t_end; ++t) block(std::integral_constant<int, 1>{}, r_const, t, r);
-  };
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    const int64_t t_begin = begin * TILES_PER_TASK;
-    const int64_t t_end = std::min(end * TILES_PER_TASK, tiles);
+// Calls block(T, R, first_tile, first_row, k_begin, k_end) over every tile, row and input of
+// a product: the sums of T tiles x R rows over inputs [k_begin, k_end), continuing what the
+// earlier inputs left in the output. T and R are chosen for speed only: how many sums are in
+// flight (tiles_per_block) and how often a tile's unpacked weights are reused (R). With
+// more than one block of rows the inputs go in chunks so that a chunk of the tiles' weights
+// stays in the L1 cache while every row block uses it. No output's own sum depends on any of
+// this: it always runs over the inputs in order.
+// Tiles per block at R rows: as many as the registers hold (R * SUMS running sums and two
+// unpacked weight registers per tile), a power of two so that they divide a task's tiles.
+constexpr int tiles_per_block(int rows, int sums) {
+  const int fit = 28 / (rows * sums + 2);
+  return fit >= 8 ? 8 : fit >= 4 ? 4 : fit >= 2 ? 2 : 1;
+}
+
+template <int SUMS, typename Block>
+void for_each_block(int64_t rows, int64_t tiles, int64_t k_in, int64_t chunk,
+                    const Block& block) {
+  // Many rows: small tasks, since the threads' shares of the tiles then balance better.
+  const int64_t per_task = rows > 8 ? 2 : TILES_PER_TASK;
+  const int64_t units = (tiles + per_task - 1) / per_task;
+  if (rows <= 8) chunk = k_in;
+  auto all_rows = [&](auto t_const, int64_t t, int64_t k_begin, int64_t k_end) {
     int64_t r = 0;
-    for (; r + 8 <= rows; r += 8) tiles_of(std::integral_constant<int, 8>{}, t_begin, t_end, r);
+    for (; r + 8 <= rows; r += 8) block(t_const, Int<8>{}, t, r, k_begin, k_end);
     if (r + 4 <= rows) {
-      tiles_of(std::integral_constant<int, 4>{}, t_begin, t_end, r);
+      block(t_const, Int<4>{}, t, r, k_begin, k_end);
       r += 4;
     }
     if (r + 2 <= rows) {
-      tiles_of(std::integral_constant<int, 2>{}, t_begin, t_end, r);
+      block(t_const, Int<2>{}, t, r, k_begin, k_end);
       r += 2;
     }
-    if (r < rows) tiles_of(std::integral_constant<int, 1>{}, t_begin, t_end, r);
+    if (r < rows) block(t_const, Int<1>{}, t, r, k_begin, k_end);
+  };
+  auto tile_block = [&](auto t_const, int64_t t) {
+    for (int64_t k = 0; k < k_in; k += chunk) all_rows(t_const, t, k, std::min(k + chunk, k_in));
+  };
+  auto tiles_of = [&](auto r_const, int64_t t_begin, int64_t t_end) {
+    constexpr int T = tiles_per_block(decltype(r_const)::value, SUMS);
+    int64_t t = t_begin;
+    for (; t + T <= t_end; t += T) tile_block(Int<T>{}, t);
+    for (; t < t_end; ++t) tile_block(Int<1>{}, t);
+  };
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    const int64_t t_begin = begin * per_task;
+    const int64_t t_end = std::min(end * per_task, tiles);
+    if (rows >= 8) {
+      tiles_of(Int<8>{}, t_begin, t_end);
+    } else if (rows >= 4) {
+      tiles_of(Int<4>{}, t_begin, t_end);
+    } else if (rows >= 2) {
+      tiles_of(Int<2>{}, t_begin, t_end);
+    } else {
+      tiles_of(Int<1>{}, t_begin, t_end);
+    }
   });
 }
 
@@ -337,20 +394,22 @@ inline at::Tensor planes_linear(const at::Tensor& x_in, const at::Tensor& codes,
   const bool pairs = PAIR_INSTRUCTION && x.scalar_type() == at::kBFloat16;
   auto run = [&](auto p_const) {
     constexpr int P = decltype(p_const)::value;
-    for_each_block<P>(rows, tiles, [&](auto t_const, auto r_const, int64_t t0, int64_t r0) {
+    const int64_t chunk = std::max(group, CHUNK_INPUTS / group * group);
+    for_each_block<P + 1>(rows, tiles, k_in, chunk, [&](auto t_const, auto r_const, int64_t t0,
+                                                   int64_t r0, int64_t k0, int64_t k1) {
       constexpr int T = decltype(t_const)::value, R = decltype(r_const)::value;
       float* o = out + r0 * width + t0 * LANES;
 #if defined(__AVX512BF16__)
       if (pairs) {
         planes_block_pairs<T, R, P>(x.data_ptr<at::BFloat16>() + r0 * k_in,
-                                    xsum.data() + r0 * groups, k_in, group,
+                                    xsum.data() + r0 * groups, k_in, group, k0, k1,
                                     c + t0 * tile_codes, s + t0 * groups * P * LANES,
                                     z + t0 * groups * LANES, tile_codes, groups, o, width);
         return;
       }
 #endif
       planes_block<T, R, P>(xf.data() + r0 * k_in, xsum.data() + r0 * groups, k_in, group,
-                            c + t0 * tile_codes, s + t0 * groups * P * LANES,
+                            k0, k1, c + t0 * tile_codes, s + t0 * groups * P * LANES,
                             z + t0 * groups * LANES, tile_codes, groups, o, width);
     });
   };
@@ -375,18 +434,20 @@ inline at::Tensor dense_linear(const at::Tensor& x_in, const at::Tensor& weight,
   float* out = out_t.data_ptr<float>();
   const bool pairs = PAIR_INSTRUCTION && bf16 && x.scalar_type() == at::kBFloat16;
   const std::vector<float> xf = pairs ? std::vector<float>() : as_float(x);
-  for_each_block<1>(rows, tiles, [&](auto t_const, auto r_const, int64_t t0, int64_t r0) {
+  for_each_block<1>(rows, tiles, k_in, CHUNK_INPUTS, [&](auto t_const, auto r_const,
+                                                         int64_t t0, int64_t r0, int64_t k0,
+                                                         int64_t k1) {
     constexpr int T = decltype(t_const)::value, R = decltype(r_const)::value;
     float* o = out + r0 * width + t0 * LANES;
 #if defined(__AVX512BF16__)
     if (pairs) {
-      dense_block_pairs<T, R>(x.data_ptr<at::BFloat16>() + r0 * k_in, k_in,
+      dense_block_pairs<T, R>(x.data_ptr<at::BFloat16>() + r0 * k_in, k_in, k0, k1,
                               weight.data_ptr<at::BFloat16>() + t0 * tile_stride, tile_stride,
                               o, width);
       return;
     }
 #endif
-    dense_block<T, R>(xf.data() + r0 * k_in, k_in,
+    dense_block<T, R>(xf.data() + r0 * k_in, k_in, k0, k1,
                       bf16 ? weight.data_ptr<at::BFloat16>() + t0 * tile_stride : nullptr,
                       bf16 ? nullptr : weight.data_ptr<float>() + t0 * tile_stride,
                       tile_stride, o, width);
