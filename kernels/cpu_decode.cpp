@@ -150,19 +150,145 @@ void rotary_and_store(Tensor& qkv, const Tensor& cos, const Tensor& sin, int64_t
 // positions 0..position, read straight from their cache slots in position order.
 //
 // A task is a block of up to QUERY_BLOCK consecutive rows of one sequence (a prefill chunk's
-// rows share their keys) and one KV head. Keys are taken 16 positions at a time, converted to
-// float32 and transposed (one position per lane), and each row's scores for them are one
-// fused multiply-add per dimension in order: score(row, position) is the same sum whatever
-// block the row is in. Then each row's softmax over its own positions (max, exp_fixed, a sum
-// in 16 lanes by position) and its values weighted in position order. Nothing depends on the
-// other rows of the step or on how rows were blocked.
+// rows share their keys) and one KV head; its queries are the rows' heads of that KV head.
+// Keys are taken 16 positions at a time, converted to float32 and transposed (one position per
+// lane), and each query's scores for them are one fused multiply-add per dimension in order:
+// score(row, position) is the same sum whatever block the row is in. Then each query's softmax
+// over its own positions (max, exp_fixed, a sum in 16 lanes by position) and its values
+// weighted in position order. Nothing depends on the other rows of the step or on how rows
+// were blocked; the blocking of queries into registers only changes how many independent sums
+// are in flight.
 constexpr int64_t QUERY_BLOCK = 8;
+
+// keys[d * 16 + l] = float32 of dimension d of the key at element offset rows[l] of cache
+// (l < count; 0 for the other lanes): 16 positions' keys transposed, one position per lane.
+template <typename A>
+void transposed_keys(const A* cache, const int64_t* rows, int64_t count, int64_t head_dim,
+                     bool offsets_fit_int32, float* keys) {
+#if defined(__AVX512F__)
+  if (offsets_fit_int32) {
+    // One gather per 32-bit word of the 16 rows: a bfloat16 pair (d, d + 1) or a float.
+    alignas(64) int32_t offsets[16] = {};
+    for (int64_t l = 0; l < count; ++l) offsets[l] = static_cast<int32_t>(rows[l]);
+    const __m512i index = _mm512_load_si512(offsets);
+    const __mmask16 live = static_cast<__mmask16>((1u << count) - 1u);
+    const __m512i none = _mm512_setzero_si512();
+    if constexpr (sizeof(A) == 2) {
+      const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+      for (int64_t d = 0; d < head_dim; d += 2) {
+        const __m512i pair = _mm512_mask_i32gather_epi32(
+            none, live, _mm512_add_epi32(index, _mm512_set1_epi32(static_cast<int32_t>(d))),
+            cache, 2);
+        _mm512_storeu_ps(keys + d * 16, _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)));
+        _mm512_storeu_ps(keys + (d + 1) * 16,
+                         _mm512_castsi512_ps(_mm512_and_si512(pair, high)));
+      }
+    } else {
+      for (int64_t d = 0; d < head_dim; ++d) {
+        const __m512i word = _mm512_mask_i32gather_epi32(
+            none, live, _mm512_add_epi32(index, _mm512_set1_epi32(static_cast<int32_t>(d))),
+            cache, 4);
+        _mm512_storeu_ps(keys + d * 16, _mm512_castsi512_ps(word));
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t l = 0; l < 16; ++l) {
+    for (int64_t d = 0; d < head_dim; ++d) {
+      keys[d * 16 + l] = l < count ? to_f(cache[rows[l] + d]) : 0.f;
+    }
+  }
+}
+
+// 16 activations as float32 lanes.
+inline radixlm_cpu::Vec load16(const float* p) { return radixlm_cpu::Vec::load(p); }
+inline radixlm_cpu::Vec load16(const BFloat16* p) {
+#if defined(__AVX512F__)
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16))};
+#else
+  float f[16];
+  for (int l = 0; l < 16; ++l) f[l] = to_f(p[l]);
+  return radixlm_cpu::Vec::load(f);
+#endif
+}
+
+// Calls f(Int<C>{}, first) over 0..count in chunks of at most C_MAX (a compile-time C, so
+// that a chunk's sums live in registers).
+template <int C_MAX, typename F>
+void in_chunks(int64_t count, const F& f) {
+  int64_t i = 0;
+  for (; i + C_MAX <= count; i += C_MAX) f(std::integral_constant<int, C_MAX>{}, i);
+  if constexpr (C_MAX > 1) {
+    if (i < count) {
+      in_chunks<C_MAX / 2>(count - i, [&](auto c, int64_t j) { f(c, i + j); });
+    }
+  }
+}
+
+// scores[query][j0 + l] for l < 16 of the queries listed: one chain of fused multiply-adds
+// over the dimensions per score, C queries at a time.
+template <int C>
+void score_chunk(const float* q, const int64_t* queries, const float* keys, int64_t head_dim,
+                 float scale, float* scores, int64_t padded, int64_t j0) {
+  using radixlm_cpu::Vec;
+  Vec lanes[C];
+  const float* qs[C];
+  for (int c = 0; c < C; ++c) {
+    lanes[c] = Vec::zero();
+    qs[c] = q + queries[c] * head_dim;
+  }
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const Vec k = Vec::load(keys + d * 16);
+    for (int c = 0; c < C; ++c) lanes[c] = lanes[c].fma(Vec::fill(qs[c][d]), k);
+  }
+  for (int c = 0; c < C; ++c) {
+    float out[16];
+    lanes[c].store(out);
+    float* sc = scores + queries[c] * padded + j0;
+    for (int l = 0; l < 16; ++l) sc[l] = out[l] * scale;
+  }
+}
+
+// out[query][d0 .. d0 + 16 V) = (sum over positions j in order of p[query][j] * value[j])
+// times inv_sum[query], for C queries: C x V sums in registers. A weight below FLT_MIN (0
+// past the query's own positions, or an exp that underflowed) adds nothing a float32 sum
+// keeps, and denormal arithmetic costs ~100 cycles an operation on x86: it is skipped.
+template <typename A, int C, int V>
+void value_chunk(const float* scores, int64_t padded, const int64_t* queries,
+                 const float* inv_sum, const A* values, const int64_t* value_rows,
+                 int64_t longest, int64_t d0, A* const* outs) {
+  using radixlm_cpu::Vec;
+  Vec acc[C][V];
+  for (int c = 0; c < C; ++c)
+    for (int v = 0; v < V; ++v) acc[c][v] = Vec::zero();
+  for (int64_t j = 0; j < longest; ++j) {
+    const A* row = values + value_rows[j] + d0;
+    Vec value[V];
+    for (int v = 0; v < V; ++v) value[v] = load16(row + 16 * v);
+    for (int c = 0; c < C; ++c) {
+      const float p = scores[queries[c] * padded + j];
+      if (p < FLT_MIN) continue;
+      const Vec weight = Vec::fill(p);
+      for (int v = 0; v < V; ++v) acc[c][v] = acc[c][v].fma(weight, value[v]);
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    float out[16 * V];
+    const float inv = inv_sum[queries[c]];
+    for (int v = 0; v < V; ++v) acc[c][v].store(out + 16 * v);
+    A* o = outs[c] + d0;
+    for (int64_t d = 0; d < 16 * V; ++d) o[d] = to_a<A>(out[d] * inv);
+  }
+}
 
 template <typename A>
 Tensor attention(const Tensor& qkv, const Tensor& k_layer, const Tensor& v_layer,
                  const Tensor& pages, const Tensor& token_seq, const Tensor& positions,
                  int64_t page_size, int64_t heads, int64_t kv_heads, int64_t head_dim,
                  double scale) {
+  TORCH_CHECK(head_dim % 16 == 0, "head_dim: a multiple of 16");
   const int64_t rows = qkv.size(0), width = qkv.size(1), group = heads / kv_heads;
   const int64_t num_pages = pages.size(1);
   const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
@@ -173,6 +299,7 @@ Tensor attention(const Tensor& qkv, const Tensor& k_layer, const Tensor& v_layer
   const auto* seqs = token_seq.data_ptr<int64_t>();
   const auto* pos = positions.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
+  const bool offsets_fit_int32 = k_layer.numel() + head_dim < (int64_t(1) << 31);
   // Row blocks: consecutive rows of one sequence (a step lists each sequence's rows together,
   // in position order).
   std::vector<int64_t> starts;
@@ -185,61 +312,49 @@ Tensor attention(const Tensor& qkv, const Tensor& k_layer, const Tensor& v_layer
   starts.push_back(rows);
   Tensor out = at::empty({rows, q_width}, qkv.options());
   auto* out_all = out.data_ptr<A>();
-  constexpr int64_t ahead = 4;  // positions prefetched ahead (a row is a few cache lines)
   at::parallel_for(0, blocks * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q, scores, acc, keys(head_dim * 16), value(head_dim);
+    std::vector<float> q, scores, keys(head_dim * 16), inv_sum;
+    std::vector<int64_t> slot_rows, live;
+    std::vector<A*> outs;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t block = task / kv_heads, kvh = task % kv_heads;
       const int64_t r0 = starts[block], n = starts[block + 1] - r0, s = seqs[r0];
       const int64_t longest = pos[r0 + n - 1] + 1;
-      const int64_t padded = (longest + 15) / 16 * 16;
-      auto row = [&](int64_t j) {
-        return (page_ids[s * num_pages + j / page_size] * page_size + j % page_size) *
-                   kv_width + kvh * head_dim;
-      };
-      auto prefetch = [&](const A* cache, int64_t j) {
-        if (j >= longest) return;
-        const char* at = reinterpret_cast<const char*>(cache + row(j));
-        for (int64_t off = 0; off < head_dim * static_cast<int64_t>(sizeof(A)); off += 64) {
-          __builtin_prefetch(at + off);
-        }
-      };
-      q.resize(n * group * head_dim);
+      const int64_t padded = (longest + 15) / 16 * 16, queries = n * group;
+      // Element offset of position j's head kvh in the cache layers.
+      slot_rows.resize(longest);
+      for (int64_t j = 0; j < longest; ++j) {
+        slot_rows[j] = (page_ids[s * num_pages + j / page_size] * page_size + j % page_size) *
+                           kv_width + kvh * head_dim;
+      }
+      // Query r * group + h: row r's head kvh * group + h, as float32.
+      q.resize(queries * head_dim);
+      outs.resize(queries);
       for (int64_t r = 0; r < n; ++r) {
         const A* qr = q_all + (r0 + r) * width + kvh * group * head_dim;
         for (int64_t i = 0; i < group * head_dim; ++i) {
           q[r * group * head_dim + i] = to_f(qr[i]);
         }
+        for (int64_t h = 0; h < group; ++h) {
+          outs[r * group + h] = out_all + (r0 + r) * q_width + (kvh * group + h) * head_dim;
+        }
       }
-      scores.assign(n * group * padded, 0.f);
+      scores.assign(queries * padded, 0.f);
       for (int64_t j0 = 0; j0 < longest; j0 += 16) {
         const int64_t count = std::min<int64_t>(16, longest - j0);
-        for (int64_t l = 0; l < 16; ++l) {
-          if (l < count) {
-            prefetch(kc, j0 + l + ahead);
-            const A* k = kc + row(j0 + l);
-            for (int64_t d = 0; d < head_dim; ++d) keys[d * 16 + l] = to_f(k[d]);
-          } else {
-            for (int64_t d = 0; d < head_dim; ++d) keys[d * 16 + l] = 0.f;
-          }
-        }
+        transposed_keys(kc, slot_rows.data() + j0, count, head_dim, offsets_fit_int32,
+                        keys.data());
+        live.clear();  // queries of the rows whose context reaches these positions
         for (int64_t r = 0; r < n; ++r) {
-          if (pos[r0 + r] < j0) continue;  // none of these positions is in its context
-          for (int64_t h = 0; h < group; ++h) {
-            const float* qh = q.data() + (r * group + h) * head_dim;
-            float lanes[16] = {};
-            for (int64_t d = 0; d < head_dim; ++d) {
-              for (int l = 0; l < 16; ++l) {
-                lanes[l] = std::fma(qh[d], keys[d * 16 + l], lanes[l]);
-              }
-            }
-            float* sc = scores.data() + (r * group + h) * padded + j0;
-            for (int l = 0; l < 16; ++l) sc[l] = lanes[l] * fscale;
-          }
+          if (pos[r0 + r] < j0) continue;
+          for (int64_t h = 0; h < group; ++h) live.push_back(r * group + h);
         }
+        in_chunks<8>(static_cast<int64_t>(live.size()), [&](auto c, int64_t first) {
+          score_chunk<decltype(c)::value>(q.data(), live.data() + first, keys.data(),
+                                          head_dim, fscale, scores.data(), padded, j0);
+        });
       }
-      acc.assign(n * group * head_dim, 0.f);
-      float inv_sum[QUERY_BLOCK * 64];
+      inv_sum.resize(queries);
       for (int64_t r = 0; r < n; ++r) {
         const int64_t len = pos[r0 + r] + 1;
         for (int64_t h = 0; h < group; ++h) {
@@ -259,29 +374,23 @@ Tensor attention(const Tensor& qkv, const Tensor& k_layer, const Tensor& v_layer
           inv_sum[r * group + h] = 1.f / sum;
         }
       }
-      for (int64_t j = 0; j < ahead; ++j) prefetch(vc, j);
-      for (int64_t j = 0; j < longest; ++j) {
-        prefetch(vc, j + ahead);
-        const A* v = vc + row(j);
-        for (int64_t d = 0; d < head_dim; ++d) value[d] = to_f(v[d]);
-        for (int64_t r = 0; r < n; ++r) {
-          for (int64_t h = 0; h < group; ++h) {
-            // Past the row's own positions the weight is 0. A weight that underflowed
-            // (denormal) adds nothing a float32 sum keeps, and denormal arithmetic costs
-            // ~100 cycles an operation on x86.
-            const float p = scores[(r * group + h) * padded + j];
-            if (p < FLT_MIN) continue;
-            float* a = acc.data() + (r * group + h) * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) a[d] = std::fma(p, value[d], a[d]);
-          }
-        }
-      }
-      for (int64_t r = 0; r < n; ++r) {
-        A* o = out_all + (r0 + r) * q_width + kvh * group * head_dim;
-        for (int64_t h = 0; h < group; ++h) {
-          const float* a = acc.data() + (r * group + h) * head_dim;
-          const float inv = inv_sum[r * group + h];
-          for (int64_t d = 0; d < head_dim; ++d) o[h * head_dim + d] = to_a<A>(a[d] * inv);
+      live.resize(queries);
+      for (int64_t i = 0; i < queries; ++i) live[i] = i;
+      // Dimensions in slices of up to 64 (4 vectors), 4 queries at a time: 16 sums.
+      for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
+        auto slice = [&](auto v_const) {
+          constexpr int V = decltype(v_const)::value;
+          in_chunks<16 / V>(queries, [&](auto c, int64_t first) {
+            value_chunk<A, decltype(c)::value, V>(scores.data(), padded, live.data() + first,
+                                                  inv_sum.data(), vc, slot_rows.data(),
+                                                  longest, d0, outs.data() + first);
+          });
+        };
+        switch (std::min<int64_t>(4, (head_dim - d0) / 16)) {
+          case 4: slice(std::integral_constant<int, 4>{}); break;
+          case 3: slice(std::integral_constant<int, 3>{}); break;
+          case 2: slice(std::integral_constant<int, 2>{}); break;
+          default: slice(std::integral_constant<int, 1>{}); break;
         }
       }
     }
