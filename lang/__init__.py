@@ -30,11 +30,6 @@ from radixlm.backends.backend import (
     set_default_backend,
     use_backend,
 )
-from radixlm.backends.choices import (
-    greedy_token_selection,
-    token_length_normalized,
-    unconditional_likelihood_normalized,
-)
 from radixlm.expr import (
     assistant,
     assistant_begin,
@@ -57,6 +52,11 @@ from radixlm.expr import (
 )
 from radixlm.interpreter import ProgramError
 from radixlm.program import Program, function
+from radixlm.runtime.programs.choices import (
+    greedy_token_selection,
+    token_length_normalized,
+    unconditional_likelihood_normalized,
+)
 from radixlm.state import ForkGroup, ProgramState
 
 __version__ = "0.1.0"

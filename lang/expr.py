@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence, Union
 
-from radixlm.backends.choices import ChoicesMethod, token_length_normalized
 from radixlm.runtime.config.sampling_params import FIELD_NAMES, SamplingParams
+from radixlm.runtime.programs.choices import ChoicesMethod, token_length_normalized
 from radixlm.runtime.protocol.fields import ApiError, Fields
 
 # Friendlier names users know from the OpenAI API and SGLang's frontend, mapped onto the

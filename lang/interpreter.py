@@ -16,8 +16,9 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
+from radixlm import segments
 from radixlm.backends.backend import Backend, Prompt
 from radixlm.chat import RoleRenderer
 from radixlm.expr import (
@@ -62,6 +63,12 @@ class Interpreter:
         self.renderer = RoleRenderer(self._render)
         self._cv = threading.Condition()
         self._queue: deque[Expr] = deque()
+        # Expressions at the front of the queue released for execution. A backend that runs
+        # segments waits for a flush (a read, a fork, the program's end) so that everything
+        # queued by then forms segments; any other starts each expression at once.
+        self._ready = 0
+        self._lazy = backend.supports_segments
+        self.flush_group: Callable[[], None] | None = None  # flushes the run's every state
         self._busy = False  # a worker thread is draining the queue
         # Variables that queued expressions will (re)write: a read waits for the newest value.
         self._pending: dict[str, int] = {}
@@ -105,17 +112,36 @@ class Interpreter:
                 name = _produces(leaf)
                 if name is not None:
                     self._pending[name] = self._pending.get(name, 0) + 1
-            if not self._busy:
-                self._busy = True
-                threading.Thread(target=self._drain, name="radixlm-program",
-                                 daemon=True).start()
+            if not self._lazy:
+                self._release()
+
+    def flush(self) -> None:
+        """Release everything queued so far for execution."""
+        with self._cv:
+            self._release()
+
+    def _release(self) -> None:  # with self._cv held
+        self._ready = len(self._queue)
+        if self._ready and not self._busy and self.error is None:
+            self._busy = True
+            threading.Thread(target=self._drain, name="radixlm-program", daemon=True).start()
+
+    def _flush_all(self) -> None:
+        # A read in one branch starts the others' queued work too, so that forks still run
+        # side by side when the program reads them one after another.
+        if self.flush_group is not None:
+            self.flush_group()
+        else:
+            self.flush()
 
     def sync(self) -> None:
         """Wait until everything submitted so far has run (or the state failed)."""
+        self._flush_all()
         with self._cv:
             self._cv.wait_for(lambda: not self._busy)
 
     def get(self, name: str) -> Any:
+        self._flush_all()
         with self._cv:
             self._cv.wait_for(lambda: self.error is not None or not self._busy
                               or (name in self.vars and not self._pending.get(name)))
@@ -138,6 +164,7 @@ class Interpreter:
             if self.error is None:
                 self.error = error
             self._queue.clear()
+            self._ready = 0
             self._pending.clear()
             self._cv.notify_all()
 
@@ -157,21 +184,44 @@ class Interpreter:
     def _drain(self) -> None:
         while True:
             with self._cv:
-                if not self._queue:
+                if not self._ready or not self._queue:
                     self._busy = False
                     self._cv.notify_all()
                     return
-                expr = self._queue.popleft()
-            try:
-                self._execute(expr)
-            except BaseException as exc:  # noqa: BLE001 - any failure ends this state only
-                log.debug("program step %s failed: %s", type(expr).__name__, exc)
-                self.fail(exc)
-            name = _produces(expr)
-            with self._cv:
-                if name is not None and self._pending.get(name):
-                    self._pending[name] -= 1
-                    self._cv.notify_all()
+                batch = [self._queue.popleft() for _ in range(min(self._ready,
+                                                                  len(self._queue)))]
+                self._ready = 0
+            done = 0
+            while done < len(batch) and self.error is None:
+                planned = segments.plan(self, batch[done:]) if self._lazy else None
+                if planned is None:
+                    self._run_one(batch[done])
+                    done += 1
+                    continue
+                count, segment = planned
+                real = self.backend
+                replay = segments.Replay(real, segment, real.start_segment(segment))
+                self.backend = replay
+                try:
+                    for expr in batch[done:done + count]:
+                        if self.error is None:
+                            self._run_one(expr)
+                finally:
+                    self.backend = real
+                    replay.close()
+                done += count
+
+    def _run_one(self, expr: Expr) -> None:
+        try:
+            self._execute(expr)
+        except BaseException as exc:  # noqa: BLE001 - any failure ends this state only
+            log.debug("program step %s failed: %s", type(expr).__name__, exc)
+            self.fail(exc)
+        name = _produces(expr)
+        with self._cv:
+            if name is not None and self._pending.get(name):
+                self._pending[name] -= 1
+                self._cv.notify_all()
 
     def _execute(self, expr: Expr) -> None:
         if isinstance(expr, Text):

@@ -22,7 +22,6 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from tqdm.auto import tqdm
 
 from radixlm.backends.backend import Backend, Prompt, resolve_backend
-from radixlm.backends.choices import ChoiceScores
 from radixlm.expr import (
     FIELD_NAMES,
     LANGUAGE_ONLY_FIELDS,
@@ -30,6 +29,7 @@ from radixlm.expr import (
     normalize_sampling,
 )
 from radixlm.runtime.config.sampling_params import SamplingParams
+from radixlm.runtime.programs.choices import ChoiceScores
 from radixlm.state import ProgramState, Run
 
 log = logging.getLogger(__name__)

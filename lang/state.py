@@ -31,9 +31,17 @@ class Run:
 
     def interpreter(self, parent: Interpreter | None = None) -> Interpreter:
         interp = Interpreter(self.backend, self.defaults, self.stream, parent)
+        interp.flush_group = self.flush
         with self._lock:
             self.interpreters.append(interp)
         return interp
+
+    def flush(self) -> None:
+        """Release every state's queued expressions for execution."""
+        with self._lock:
+            interpreters = list(self.interpreters)
+        for interp in interpreters:
+            interp.flush()
 
     def pin(self, text: str) -> Future | None:
         """Ask the backend to pin `text`, without waiting: the branches go out at once, and the

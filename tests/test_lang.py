@@ -9,8 +9,8 @@ import pytest
 
 import radixlm as rl
 from radixlm.backends.backend import Backend, Generation, Prompt
-from radixlm.backends.choices import ChoiceScores
 from radixlm.expr import DTYPE_REGEX
+from radixlm.runtime.programs.choices import ChoiceScores
 
 
 class FakeBackend(Backend):

@@ -12,10 +12,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-from radixlm.backends.choices import ChoiceScores
 from radixlm.runtime.config.sampling_params import SamplingParams
+from radixlm.runtime.programs.choices import ChoiceScores
+from radixlm.runtime.programs.segment import Segment
+
+if TYPE_CHECKING:
+    from radixlm.segments import SegmentStream
 
 
 class BackendError(RuntimeError):
@@ -44,6 +48,8 @@ class Generation:
 class Backend:
     # True when pin_prefix does something; the interpreter skips tracing work otherwise.
     supports_cache_hints = False
+    # True when start_segment runs a program's segment as one request (radixlm/segments.py).
+    supports_segments = False
 
     def generate(self, prompt: Prompt, params: SamplingParams,
                  on_delta: OnDelta | None = None) -> Generation:
@@ -68,6 +74,11 @@ class Backend:
         given `tools` (a ToolRequest): its text, and in meta["tool_calls"] the calls it made
         in OpenAI's shape with the arguments as an object."""
         raise BackendError("tool_call: this backend does not support tool calling")
+
+    def start_segment(self, segment: Segment) -> SegmentStream:
+        """Start executing a segment (when supports_segments); its events come through the
+        returned stream as the runtime produces them."""
+        raise NotImplementedError
 
     def pin_prefix(self, text: str) -> Any:
         """Keep `text`'s KV cached until `release_prefix(handle)`; None when not pinned."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 from radixlm.backends.backend import (
     Backend,
@@ -14,12 +14,14 @@ from radixlm.backends.backend import (
     Prompt,
     logprob_meta,
 )
-from radixlm.backends.choices import ChoiceScores
 from radixlm.runtime.config.sampling_params import SamplingParams
 from radixlm.runtime.engine.engine import Engine as RuntimeEngine
 from radixlm.runtime.engine.tokenization import encode_prompt
+from radixlm.runtime.programs.choices import ChoiceScores
+from radixlm.runtime.programs.segment import GenPiece, Segment, StepResult
 from radixlm.runtime.protocol import tool_formats, tool_requests
 from radixlm.runtime.scheduling.request import Output, TokenLogprob
+from radixlm.segments import SegmentStream, run_in_thread
 
 # A fork's prefix stays pinned at most this long if the program never joins (e.g. it hangs).
 LEASE_TTL_S = 600.0
@@ -34,6 +36,7 @@ class EngineBackend(Backend):
     """
 
     supports_cache_hints = True
+    supports_segments = True
 
     def __init__(self, model: str | None = None, *, engine: RuntimeEngine | None = None,
                  cache_hints: bool = True, **options: Any) -> None:
@@ -59,14 +62,27 @@ class EngineBackend(Backend):
         return Generation(out.text, self._meta(out))
 
     async def _stream(self, text: str, params: SamplingParams, on_delta: OnDelta) -> Output:
-        last, sent = None, 0  # sent: logprob entries passed on with earlier pieces
-        async for out in self.engine.generate_stream(text, params):
-            if out.delta:
-                on_delta(out.delta, self._meta(out, sent, prompt=sent == 0))
-                sent = len(out.logprobs or ())
+        last = None
+        async for delta, meta, out in self._pieces(text, params):
+            if delta:
+                on_delta(delta, meta)
             last = out
         assert last is not None
         return last
+
+    async def _pieces(self, text: str, params: SamplingParams
+                      ) -> AsyncIterator[tuple[str, dict[str, Any], Output]]:
+        """The generation's new text as it comes, each piece with its meta (the logprobs new
+        since the last piece; the prompt's with the first)."""
+        sent = 0  # logprob entries passed on with earlier pieces
+        async for out in self.engine.generate_stream(text, params):
+            meta = self._meta(out, sent, prompt=sent == 0) if out.delta else {}
+            if out.delta:
+                sent = len(out.logprobs or ())
+            yield out.delta, meta, out
+
+    def start_segment(self, segment: Segment) -> SegmentStream:
+        return run_in_thread(segment, _EngineOps(self))
 
     def _meta(self, out: Output, logprobs_from: int = 0, prompt: bool = True) -> dict[str, Any]:
         meta: dict[str, Any] = {
@@ -171,3 +187,24 @@ class EngineBackend(Backend):
         if self._owns_engine:
             self.engine.close()
 
+
+
+class _EngineOps:
+    """A segment's calls on the in-process engine: the per-call path's own."""
+
+    def __init__(self, backend: EngineBackend) -> None:
+        self.backend = backend
+
+    async def generate(self, text: str, params: SamplingParams) -> AsyncIterator[GenPiece]:
+        last = None
+        async for delta, meta, out in self.backend._pieces(text, params):
+            if delta:
+                yield GenPiece(delta, meta)
+            last = out
+        assert last is not None
+        if last.finish_reason == "abort":
+            raise BackendError(f"the engine aborted the request: {last.error or 'aborted'}")
+        yield GenPiece("", {}, StepResult(last.text, self.backend._meta(last)))
+
+    async def score(self, prefix: str, choices: list[str], unconditional: bool) -> ChoiceScores:
+        return await asyncio.to_thread(self.backend.score, prefix, choices, unconditional)

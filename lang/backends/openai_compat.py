@@ -18,9 +18,9 @@ import os
 from typing import Any, Sequence
 
 from radixlm.backends.backend import Backend, BackendError, Generation, OnDelta, Prompt
-from radixlm.backends.choices import ChoiceScores
 from radixlm.backends.http import HttpClient
 from radixlm.runtime.config.sampling_params import SamplingParams
+from radixlm.runtime.programs.choices import ChoiceScores
 
 # SamplingParams fields with an OpenAI name; the rest go as extra fields (vLLM, SGLang and
 # radixlm servers accept them) only when they differ from the defaults.

@@ -11,10 +11,10 @@ import dataclasses
 from typing import Any, Sequence
 
 from radixlm.backends.backend import Backend, BackendError, Generation, OnDelta, Prompt
-from radixlm.backends.choices import ChoiceScores
 from radixlm.backends.http import HttpClient
 from radixlm.backends.openai_compat import chat_with_tools, request_body
 from radixlm.runtime.config.sampling_params import SamplingParams
+from radixlm.runtime.programs.choices import ChoiceScores
 
 # Meta info lists a streamed /generate event holds only the new entries of.
 INCREMENTAL_META_KEYS = ("output_token_logprobs", "output_top_logprobs")

@@ -89,3 +89,8 @@ class UnconditionalLikelihoodNormalized(ChoicesMethod):
 token_length_normalized = TokenLengthNormalized()
 greedy_token_selection = GreedyTokenSelection()
 unconditional_likelihood_normalized = UnconditionalLikelihoodNormalized()
+
+# The methods a segment executed by the runtime can name (a program's own method runs in the
+# program, outside segments).
+METHODS: dict[str, ChoicesMethod] = {m.name: m for m in (
+    token_length_normalized, greedy_token_selection, unconditional_likelihood_normalized)}

@@ -1,0 +1,261 @@
+"""Segments on the program's side: which queued expressions go to the runtime as one request,
+and how their results come back into the state.
+
+`plan` runs the queued expressions on a copy of the state against a recording backend: each
+`gen` and `select` becomes a step, and the text the state gains between two steps (literal
+text, role openings and closings) becomes the next step's `before`. Model output is unknown
+while planning, so a placeholder stands in for it; the text after it is what the template
+writes whatever the content is, for every template we know. Planning stops before anything a
+segment cannot hold: a tool call, a reasoning split, a select with a method of the program's
+own, an expression that fails.
+
+The interpreter then executes the same expressions for real, against `Replay`: a backend that
+answers each `gen` and `select` with the segment's result for that step, after checking that
+the prompt is, character for character, the text the runtime continued. Where it is not (the
+placeholder was wrong about a template), the rest of the segment is cancelled and the
+remaining calls go to the real backend one by one. Either way every call's answer is the one
+the per-call path would have got.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from radixlm.backends.backend import Backend, Generation, OnDelta, Prompt
+from radixlm.expr import (
+    Expr,
+    Gen,
+    Role,
+    RoleBegin,
+    RoleEnd,
+    Select,
+    Text,
+    VarScopeBegin,
+    VarScopeEnd,
+)
+from radixlm.runtime.config.sampling_params import SamplingParams
+from radixlm.runtime.programs.choices import METHODS, ChoiceScores
+from radixlm.runtime.programs.segment import (
+    MAX_STEPS,
+    GenStep,
+    Segment,
+    SegmentEvent,
+    SegmentOps,
+    SelectStep,
+    Step,
+    run_segment,
+)
+
+if TYPE_CHECKING:
+    from radixlm.interpreter import Interpreter
+
+# What a segment can hold besides gen and select.
+_PLAIN = (Text, RoleBegin, RoleEnd, VarScopeBegin, VarScopeEnd)
+# Stands in for a gen's text while planning, by the gen's dtype.
+_PLACEHOLDER = {int: "0", float: "0", bool: "True", str: '""'}
+_PLACEHOLDER_TEXT = "RadixlmSegmentText"
+
+
+class SegmentStream:
+    """A segment running on a backend: its events in order, and a way to stop it."""
+
+    def __init__(self, events: "queue.SimpleQueue[SegmentEvent | BaseException | None]",
+                 cancel: Callable[[], None]) -> None:
+        self._events = events
+        self.cancel = cancel
+
+    def next(self) -> SegmentEvent | None:
+        """The next event (None: the segment ended); raises what failed the segment."""
+        item = self._events.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+def run_in_thread(segment: Segment, ops: SegmentOps) -> SegmentStream:
+    """Run a segment on an event loop of its own thread (for backends whose calls are
+    asyncio code in this process); cancelling stops the step in flight."""
+    events: queue.SimpleQueue[SegmentEvent | BaseException | None] = queue.SimpleQueue()
+    started = threading.Event()
+    handles: dict[str, Any] = {}
+
+    async def pump() -> None:
+        handles["task"] = asyncio.current_task()
+        handles["loop"] = asyncio.get_running_loop()
+        started.set()
+        try:
+            async for event in run_segment(segment, ops):
+                events.put(event)
+            events.put(None)
+        except asyncio.CancelledError:
+            events.put(None)
+        except BaseException as exc:  # noqa: BLE001 - the replay raises it in the program
+            events.put(exc)
+
+    def cancel() -> None:
+        started.wait()
+        try:
+            handles["loop"].call_soon_threadsafe(handles["task"].cancel)
+        except RuntimeError:  # the loop already finished: nothing runs
+            pass
+
+    threading.Thread(target=asyncio.run, args=(pump(),), name="radixlm-segment",
+                     daemon=True).start()
+    return SegmentStream(events, cancel)
+
+
+def plan(interp: "Interpreter", exprs: Sequence[Expr]) -> tuple[int, Segment] | None:
+    """(how many of `exprs` the segment covers, the segment), or None when fewer than two
+    model steps would be in it (one step gains nothing over a call)."""
+    from radixlm.interpreter import Interpreter
+
+    recorder = _Recorder(interp.backend)
+    shadow = Interpreter(recorder, interp.defaults, parent=interp)
+    recorder.shadow = shadow
+    start_text = shadow.text
+    covered = 0
+    for expr in exprs:
+        if not _plannable(expr) or len(recorder.steps) >= MAX_STEPS - 1 and _is_step(expr):
+            break
+        recorder.expr = expr
+        try:
+            shadow._execute(expr)
+        except Exception:  # noqa: BLE001 - the real run meets the same failure, per call
+            break
+        covered += 1
+        if _is_step(expr):
+            recorder.mark = len(shadow.text)
+    # Steps recorded by an expression that was not covered (it failed after its call) go.
+    steps = recorder.steps[:sum(1 for e in exprs[:covered] if _is_step(e))]
+    if len(steps) < 2:
+        return None
+    return covered, Segment(start_text, tuple(steps))
+
+
+def _is_step(expr: Expr) -> bool:
+    return isinstance(expr, (Gen, Select))
+
+
+def _plannable(expr: Expr) -> bool:
+    if isinstance(expr, Gen):
+        return True
+    if isinstance(expr, Select):
+        return METHODS.get(expr.method.name) is expr.method
+    return isinstance(expr, _PLAIN) or isinstance(expr, Role)
+
+
+class _Recorder(Backend):
+    """The planning backend: records steps, answers with placeholders."""
+
+    def __init__(self, real: Backend) -> None:
+        self.real = real
+        self.steps: list[Step] = []
+        self.shadow: "Interpreter | None" = None
+        self.expr: Expr | None = None
+        self.mark = 0  # where the text after the last step starts
+
+    def _before(self, text: str) -> str:
+        return text[self.mark:]
+
+    def generate(self, prompt: Prompt, params: SamplingParams,
+                 on_delta: OnDelta | None = None) -> Generation:
+        assert isinstance(self.expr, Gen)
+        if params.n != 1:
+            raise ValueError("n: a gen produces one completion")
+        dtype = self.expr.dtype
+        self.steps.append(GenStep(self._before(prompt.text), params,
+                                  number=dtype in (int, float)))
+        return Generation(_PLACEHOLDER.get(dtype, _PLACEHOLDER_TEXT))
+
+    def score(self, prefix: str, choices: Sequence[str], unconditional: bool) -> ChoiceScores:
+        assert isinstance(self.expr, Select) and self.shadow is not None
+        self.steps.append(SelectStep(self._before(self.shadow.text), self.expr.choices,
+                                     self.expr.method.name))
+        return ChoiceScores([[0.0] for _ in choices],
+                            [[0.0] for _ in choices] if unconditional else None)
+
+    def render_chat(self, messages: list[dict[str, Any]],
+                    add_generation_prompt: bool = False) -> str | None:
+        return self.real.render_chat(messages, add_generation_prompt)
+
+
+class Replay(Backend):
+    """Answers a segment's calls from its results, in order, while the prompts match."""
+
+    def __init__(self, real: Backend, segment: Segment, stream: SegmentStream) -> None:
+        self.real = real
+        self.segment = segment
+        self.stream: SegmentStream | None = stream
+        self.next_step = 0
+        self.text = segment.text  # what the runtime continued, up to the last step's result
+
+    def close(self) -> None:
+        """Stop whatever of the segment is still running (the state failed, or is done)."""
+        if self.stream is not None:
+            self.stream.cancel()
+            self.stream = None
+
+    def _take(self, kind: type, prompt_text: str, check: Callable[[Step], bool]) -> Step | None:
+        """The next step if it is this call; else the segment is abandoned (None)."""
+        if self.stream is None or self.next_step >= len(self.segment.steps):
+            self.close()
+            return None
+        step = self.segment.steps[self.next_step]
+        if (not isinstance(step, kind) or prompt_text != self.text + step.before
+                or not check(step)):
+            self.close()
+            return None
+        self.next_step += 1
+        return step
+
+    def _events(self, index: int) -> Any:
+        assert self.stream is not None
+        while True:
+            event = self.stream.next()
+            if event is None:
+                raise RuntimeError(f"the segment ended before its step {index} did")
+            assert event.index == index, (event.index, index)
+            yield event
+            if event.result is not None:
+                return
+
+    def generate(self, prompt: Prompt, params: SamplingParams,
+                 on_delta: OnDelta | None = None) -> Generation:
+        step = self._take(GenStep, prompt.text, lambda s: s.params == params)
+        if step is None:
+            return self.real.generate(prompt, params, on_delta)
+        assert isinstance(step, GenStep)
+        for event in self._events(self.next_step - 1):
+            if event.result is not None:
+                self.text = prompt.text + step.appended(event.result.text)
+                return Generation(event.result.text, event.result.meta)
+            if on_delta is not None:
+                on_delta(event.delta, event.meta)
+        raise AssertionError("unreachable")
+
+    def score(self, prefix: str, choices: Sequence[str], unconditional: bool) -> ChoiceScores:
+        # The interpreter's select scores after its text without the trailing spaces.
+        text = self.text + self._pending_before()
+        step = self._take(SelectStep, text, lambda s: (
+            text.rstrip(" ") == prefix
+            and [text[len(prefix):] + c for c in s.choices] == list(choices)))
+        if step is None:
+            return self.real.score(prefix, choices, unconditional)
+        for event in self._events(self.next_step - 1):
+            if event.result is not None:
+                assert event.result.scores is not None
+                self.text = text + event.result.text
+                return event.result.scores
+        raise AssertionError("unreachable")
+
+    def _pending_before(self) -> str:
+        if self.next_step < len(self.segment.steps):
+            return self.segment.steps[self.next_step].before
+        return ""
+
+    def render_chat(self, messages: list[dict[str, Any]],
+                    add_generation_prompt: bool = False) -> str | None:
+        return self.real.render_chat(messages, add_generation_prompt)
