@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from radixlm.backends.backend import Backend, Generation, OnDelta, Prompt
 from radixlm.expr import (
@@ -104,6 +104,42 @@ def run_in_thread(segment: Segment, ops: SegmentOps) -> SegmentStream:
 
     threading.Thread(target=asyncio.run, args=(pump(),), name="radixlm-segment",
                      daemon=True).start()
+    return SegmentStream(events, cancel)
+
+
+def read_in_thread(http: Any, path: str, body: dict[str, Any],
+                   convert: Callable[[Iterator[dict[str, Any]]], Iterator[SegmentEvent]]
+                   ) -> SegmentStream:
+    """POST a segment to a server route and read its event stream on a thread of its own;
+    cancelling closes the connection, which makes the server stop the step in flight."""
+    events: queue.SimpleQueue[SegmentEvent | BaseException | None] = queue.SimpleQueue()
+    cancelled = threading.Event()
+    opened: dict[str, Any] = {}
+    lock = threading.Lock()
+
+    def read() -> None:
+        try:
+            response = http.open_stream(path, body)
+            with lock:
+                opened["response"] = response
+                if cancelled.is_set():
+                    http.hang_up(response)
+                    return
+            with response:
+                for event in convert(http.events(response, path)):
+                    events.put(event)
+            events.put(None)
+        except BaseException as exc:  # noqa: BLE001 - the replay raises it in the program
+            events.put(None if cancelled.is_set() else exc)
+
+    def cancel() -> None:
+        with lock:
+            cancelled.set()
+            response = opened.get("response")
+        if response is not None:
+            http.hang_up(response)
+
+    threading.Thread(target=read, name="radixlm-segment", daemon=True).start()
     return SegmentStream(events, cancel)
 
 

@@ -3,7 +3,9 @@ a program that talks to a server needs nothing but radixlm."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import urllib.error
 import urllib.request
 from typing import Any, Iterator
@@ -28,17 +30,37 @@ class HttpClient:
     def stream(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """Server-sent events: yield each `data:` payload until `data: [DONE]`."""
         with self._open("POST", path, body) as response:
-            for raw in response:
-                line = raw.decode("utf-8").strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
-                    return
-                event = json.loads(data)
-                if isinstance(event, dict) and "error" in event:
-                    raise BackendError(f"{path}: {_message(event)}")
-                yield event
+            yield from self.events(response, path)
+
+    def open_stream(self, path: str, body: dict[str, Any]) -> Any:
+        """POST and return the open response, for `events`; `hang_up` ends it."""
+        return self._open("POST", path, body)
+
+    @staticmethod
+    def hang_up(response: Any) -> None:
+        """Close a response from another thread: the socket is shut down first, so that a
+        read blocked on it returns now (and the server sees the client go)."""
+        sock = getattr(getattr(getattr(response, "fp", None), "raw", None), "_sock", None)
+        with contextlib.suppress(OSError):
+            if sock is not None:
+                sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(Exception):
+            response.close()
+
+    @staticmethod
+    def events(response: Any, path: str) -> Iterator[dict[str, Any]]:
+        """A response's server-sent events (see `stream`)."""
+        for raw in response:
+            line = raw.decode("utf-8").strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[len("data:"):].strip()
+            if data == "[DONE]":
+                return
+            event = json.loads(data)
+            if isinstance(event, dict) and "error" in event:
+                raise BackendError(f"{path}: {_message(event)}")
+            yield event
 
     def _open(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
         headers = {"Content-Type": "application/json"}

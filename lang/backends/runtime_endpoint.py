@@ -1,20 +1,23 @@
 """`rl.RuntimeEndpoint(url)`: programs on a radixlm server (`radixlm serve`).
 
 It uses the server's native routes, which carry everything a program needs: `/generate`
-with any sampling field, `/score` for select, `/apply_chat_template` for roles, and
-`/pin_prefix` / `/release_prefix` for the cache hints.
+with any sampling field, `/score` for select, `/apply_chat_template` for roles,
+`/pin_prefix` / `/release_prefix` for the cache hints, and `/generate_program` for a
+program's segments (several steps in one request).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from radixlm.backends.backend import Backend, BackendError, Generation, OnDelta, Prompt
 from radixlm.backends.http import HttpClient
 from radixlm.backends.openai_compat import chat_with_tools, request_body
 from radixlm.runtime.config.sampling_params import SamplingParams
 from radixlm.runtime.programs.choices import ChoiceScores
+from radixlm.runtime.programs.segment import GenStep, Segment, SegmentEvent, StepResult
+from radixlm.segments import SegmentStream, read_in_thread
 
 # Meta info lists a streamed /generate event holds only the new entries of.
 INCREMENTAL_META_KEYS = ("output_token_logprobs", "output_top_logprobs")
@@ -26,50 +29,37 @@ class RuntimeEndpoint(Backend):
     supports_cache_hints = True
 
     def __init__(self, base_url: str, api_key: str | None = None, *,
-                 cache_hints: bool = True, timeout: float = 600.0) -> None:
+                 cache_hints: bool = True, segments: bool = True,
+                 timeout: float = 600.0) -> None:
         self.http = HttpClient(base_url, api_key, timeout)
         self.info = self.http.get("/get_model_info")
         self.supports_cache_hints = cache_hints
+        # Servers that predate /generate_program get one call per gen.
+        self.supports_segments = segments and bool(self.info.get("supports_segments"))
 
     def generate(self, prompt: Prompt, params: SamplingParams,
                  on_delta: OnDelta | None = None) -> Generation:
         if params.n != 1:
             raise ValueError("n: a gen produces one completion; use s.fork(n) for several")
-        sampling = _changed_fields(params)
-        body: dict[str, Any] = {"text": prompt.text, "sampling_params": sampling,
-                                "stream": on_delta is not None}
-        if params.wants_logprobs:  # the route takes logprob requests beside sampling_params
-            for name in ("logprobs", "top_logprobs_num", "logprob_start_len"):
-                sampling.pop(name, None)
-            body.update(return_logprob=True, top_logprobs_num=params.top_logprobs_num,
-                        return_text_in_logprobs=True)
-            if params.logprob_start_len is not None:
-                body["logprob_start_len"] = params.logprob_start_len
+        body = {"text": prompt.text, **_generate_fields(params),
+                "stream": on_delta is not None}
         if on_delta is None:
             return _generation(self.http.post("/generate", body))
-        text, last = "", None
-        whole: dict[str, list[Any]] = {key: [] for key in INCREMENTAL_META_KEYS}
-        pending: dict[str, list[Any]] = {key: [] for key in INCREMENTAL_META_KEYS}
+        stream = _GenerateStream()
         for event in self.http.stream("/generate", body):
-            meta = event.get("meta_info", {})
-            for key in INCREMENTAL_META_KEYS:  # events hold only the new logprobs ...
-                whole[key].extend(meta.get(key) or ())
-                pending[key].extend(meta.get(key) or ())
-            new = event["text"]  # ... and the whole text so far
-            if len(new) > len(text):
-                piece = dict(meta)
-                if "output_token_logprobs" in meta:  # a token that added no text passes its
-                    # logprobs on to the next piece
-                    piece.update({k: pending[k] for k in INCREMENTAL_META_KEYS})
-                    pending = {k: [] for k in INCREMENTAL_META_KEYS}
-                on_delta(new[len(text):], piece)
-            text, last = new, event
-        if last is None:
-            raise BackendError("/generate: the stream ended without a result")
-        for key, values in whole.items():
-            if key in last.get("meta_info", {}):
-                last["meta_info"][key] = values
-        return _generation(last)
+            piece = stream.feed(event)
+            if piece is not None:
+                on_delta(*piece)
+        return stream.result()
+
+    def start_segment(self, segment: Segment) -> SegmentStream:
+        steps = [{"before": step.before, "gen": _generate_fields(step.params),
+                  "number": step.number} if isinstance(step, GenStep) else
+                 {"before": step.before, "select": {"choices": list(step.choices),
+                                                    "choices_method": step.method}}
+                 for step in segment.steps]
+        return read_in_thread(self.http, "/generate_program",
+                              {"text": segment.text, "steps": steps}, _segment_events)
 
     def call_tools(self, prompt: Prompt, tools: Any, params: SamplingParams) -> Generation:
         # The server's OpenAI route does it all: the template's tools, the call grammar.
@@ -124,6 +114,78 @@ class RuntimeEndpoint(Backend):
     def get_model_name(self) -> str:
         """The model's path or name, as the server reports it (SGLang's method)."""
         return self.info["model_path"]
+
+
+def _generate_fields(params: SamplingParams) -> dict[str, Any]:
+    """A /generate body's fields but the prompt and `stream`, for these params."""
+    sampling = _changed_fields(params)
+    body: dict[str, Any] = {"sampling_params": sampling}
+    if params.wants_logprobs:  # the route takes logprob requests beside sampling_params
+        for name in ("logprobs", "top_logprobs_num", "logprob_start_len"):
+            sampling.pop(name, None)
+        body.update(return_logprob=True, top_logprobs_num=params.top_logprobs_num,
+                    return_text_in_logprobs=True)
+        if params.logprob_start_len is not None:
+            body["logprob_start_len"] = params.logprob_start_len
+    return body
+
+
+class _GenerateStream:
+    """/generate stream events as a gen's pieces of text with their meta, then its result."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.last: dict[str, Any] | None = None
+        # Meta info lists each event holds only the new entries of: all of them so far, and
+        # those not passed on with a piece yet.
+        self.whole: dict[str, list[Any]] = {key: [] for key in INCREMENTAL_META_KEYS}
+        self.pending: dict[str, list[Any]] = {key: [] for key in INCREMENTAL_META_KEYS}
+
+    def feed(self, event: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+        """The new piece of text and its meta, if the event adds text."""
+        meta = event.get("meta_info", {})
+        for key in INCREMENTAL_META_KEYS:
+            self.whole[key].extend(meta.get(key) or ())
+            self.pending[key].extend(meta.get(key) or ())
+        new = event["text"]  # the whole text so far
+        piece = None
+        if len(new) > len(self.text):
+            piece_meta = dict(meta)
+            if "output_token_logprobs" in meta:  # a token that added no text passes its
+                # logprobs on to the next piece
+                piece_meta.update(self.pending)
+                self.pending = {key: [] for key in INCREMENTAL_META_KEYS}
+            piece = (new[len(self.text):], piece_meta)
+        self.text, self.last = new, event
+        return piece
+
+    def result(self) -> Generation:
+        if self.last is None:
+            raise BackendError("/generate: the stream ended without a result")
+        for key, values in self.whole.items():
+            if key in self.last.get("meta_info", {}):
+                self.last["meta_info"][key] = values
+        return _generation(self.last)
+
+
+def _segment_events(events: Iterator[dict[str, Any]]) -> Iterator[SegmentEvent]:
+    """/generate_program's events as the replay takes them."""
+    streams: dict[int, _GenerateStream] = {}
+    for event in events:
+        index = event["index"]
+        result = event.get("result")
+        if result is not None and "scores" in result:
+            scores = result["scores"]
+            yield SegmentEvent(index, result=StepResult(result["text"], {}, ChoiceScores(
+                scores["conditional"], scores.get("unconditional"))))
+            continue
+        stream = streams.setdefault(index, _GenerateStream())
+        piece = stream.feed(result["event"] if result is not None else event["event"])
+        if piece is not None:
+            yield SegmentEvent(index, *piece)
+        if result is not None:
+            generation = stream.result()
+            yield SegmentEvent(index, result=StepResult(generation.text, generation.meta))
 
 
 def _changed_fields(params: SamplingParams) -> dict[str, Any]:

@@ -57,19 +57,9 @@ async def call_engine(state: ServerState, method: str, *, counted: tuple[str, in
 
 async def generate(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
-    info = state.require_engine()
-    req = native.parse_generate(await read_json(request), info.vocab_size)
-    if req.texts is not None:
-        req.input_ids = [await state.codec.encode_prompt(t, "text") for t in req.texts]
-    assert req.input_ids is not None
-    prompt_param = "text" if req.texts is not None else "input_ids"
-    req.params = [fit_context(p, len(ids), info.max_model_len, explicit, prompt_param,
-                              "sampling_params.max_new_tokens",
-                              "sampling_params.min_new_tokens")
-                  for p, ids, explicit in zip(req.params, req.input_ids, req.explicit_max)]
-    gen = HttpGeneration(state, req.input_ids, req.params, req.keys, req.cache_salt)
+    gen, req = await prepare_generation(state, await read_json(request))
     if req.stream:
-        return await stream_events(request, _events(state, gen, req))
+        return await stream_events(request, generation_events(state, gen, req))
     async with gen:
         await gen.run()
     failure = gen.failure()
@@ -81,8 +71,26 @@ async def generate(request: web.Request) -> web.StreamResponse:
     return json_response(results if req.batch or len(results) > 1 else results[0])
 
 
-async def _events(state: ServerState, gen: HttpGeneration,
-                  req: native.GenerateRequest) -> AsyncIterator[dict[str, Any]]:
+async def prepare_generation(state: ServerState, body: Any
+                             ) -> tuple[HttpGeneration, native.GenerateRequest]:
+    """A /generate body parsed, tokenized and fit to the context, ready to start."""
+    info = state.require_engine()
+    req = native.parse_generate(body, info.vocab_size)
+    if req.texts is not None:
+        req.input_ids = [await state.codec.encode_prompt(t, "text") for t in req.texts]
+    assert req.input_ids is not None
+    prompt_param = "text" if req.texts is not None else "input_ids"
+    req.params = [fit_context(p, len(ids), info.max_model_len, explicit, prompt_param,
+                              "sampling_params.max_new_tokens",
+                              "sampling_params.min_new_tokens")
+                  for p, ids, explicit in zip(req.params, req.input_ids, req.explicit_max)]
+    return HttpGeneration(state, req.input_ids, req.params, req.keys, req.cache_salt), req
+
+
+async def generation_events(state: ServerState, gen: HttpGeneration,
+                            req: native.GenerateRequest) -> AsyncIterator[dict[str, Any]]:
+    """/generate's stream events: each holds the sample's whole text so far and the logprobs
+    new since the last."""
     flat = {id(s): i for i, s in enumerate(gen.samples)}
     sent = dict.fromkeys(flat, 0)  # output logprobs already streamed, per sample
     prompt_sent: set[int] = set()  # samples whose prompt logprobs went out
@@ -193,9 +201,14 @@ async def release_prefix(request: web.Request) -> web.Response:
 
 
 async def score(request: web.Request) -> web.Response:
-    state = state_of(request)
+    return json_response({"logprobs": await score_logprobs(state_of(request),
+                                                           await read_json(request))})
+
+
+async def score_logprobs(state: ServerState, body: Any) -> list[list[float]]:
+    """A /score body's answer: the logprobs of each continuation's tokens."""
     info = state.require_engine()
-    spec = native.parse_score(await read_json(request), info.vocab_size)
+    spec = native.parse_score(body, info.vocab_size)
     param = "continuations" if spec["continuations"] is not None else "continuation_ids"
     count = len(spec["continuations"] or spec["continuation_ids"])
     # One engine request per continuation: bounded and queued like generation's samples.
@@ -216,10 +229,9 @@ async def score(request: web.Request) -> web.Response:
     longest = len(prefix_ids) + max(len(c) for c in continuation_ids)
     check_prompt_len(longest, info.max_model_len, "continuations")
     # Counted in flight, and aborted in the engine if the client leaves.
-    logprobs = await call_engine(state, "score", counted=(f"score-{uuid.uuid4().hex}", count),
-                                 prefix_ids=prefix_ids, continuation_ids=continuation_ids,
-                                 cache_salt=spec["cache_salt"])
-    return json_response({"logprobs": logprobs})
+    return await call_engine(state, "score", counted=(f"score-{uuid.uuid4().hex}", count),
+                             prefix_ids=prefix_ids, continuation_ids=continuation_ids,
+                             cache_salt=spec["cache_salt"])
 
 
 async def apply_chat_template(request: web.Request) -> web.Response:
@@ -251,6 +263,7 @@ async def get_model_info(request: web.Request) -> web.Response:
         "eos_token": getattr(tok, "eos_token", None),
         "eos_token_ids": info.eos_token_ids,
         "is_generation": True,
+        "supports_segments": True,  # /generate_program
     })
 
 
