@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -124,3 +125,52 @@ def test_openai_backend_chat_completion_and_select_error(server_url):
     # error, not a wrong answer.
     error = pick.run(review="Great!", backend=backend).error()
     assert "prompt-token logprobs" in str(error)
+
+
+def test_segments_over_http_give_what_calls_give(server_url):
+    """The segment route's answers are the per-call routes' (tests/test_segments.py has the
+    programs, and the same check in process)."""
+    from test_segments import chat, typed, uncached
+
+    timing = {"id", "e2e_latency"}
+    remote = rl.RuntimeEndpoint(server_url)
+    per_call = rl.RuntimeEndpoint(server_url, segments=False)
+    assert remote.supports_segments and not per_call.supports_segments
+    for program in (chat, typed):
+        want = program.run(backend=per_call, temperature=0)
+        got = program.run(backend=remote, temperature=0)
+        assert got.error() is None and got.text() == want.text()
+        for name in want._interp.meta:
+            strip = lambda meta: {k: v for k, v in uncached(meta).items()  # noqa: E731
+                                  if k not in timing}
+            assert strip(got.get_meta_info(name)) == strip(want.get_meta_info(name)), name
+
+    @rl.function
+    def bad(s):
+        s += "A: " + rl.gen("a", max_tokens=3) + "\nB: " + rl.gen("b", regex="(")
+        s += "\nC: " + rl.gen("c", max_tokens=3)
+
+    want, got = bad.run(backend=per_call, temperature=0), bad.run(backend=remote, temperature=0)
+    assert got["a"] == want["a"] and "regex" in str(got.error()) and "regex" in str(want.error())
+    stats = remote.stats()
+    assert stats["num_running"] == stats["num_waiting"] == 0
+
+
+def test_segment_route_names_the_bad_field(server_url):
+    def post(body):
+        request = urllib.request.Request(server_url + "/generate_program",
+                                         data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(request)
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())["error"]["param"]
+        raise AssertionError("accepted")
+
+    gen = {"before": "x", "gen": {"sampling_params": {"max_new_tokens": 2}}}
+    assert post({"text": "a", "steps": []}) == (400, "steps")
+    assert post({"text": "a", "steps": [gen] * 65}) == (400, "steps")
+    assert post({"steps": [{"before": "x", "gen": {"text": "y"}}]}) == (400, "steps[0].gen.text")
+    assert post({"steps": [gen, {"select": {"choices": ["a"], "choices_method": "mine"}}]}) \
+        == (400, "steps[1].select.choices_method")
+    assert post({"steps": [gen, {"before": "x"}]}) == (400, "steps[1]")
