@@ -1,7 +1,8 @@
-"""Programs on the local engine: the compile hints (fork pins, batch warming) on and off, and
-the radix cache off as the baseline, in one run, on the default model (CPU).
+"""Programs on the default model (CPU): the compile hints, and segments against one call per
+gen, in one run.
 
-Workloads:
+Part `hints`: the local engine with the compile hints (fork pins, batch warming) on and off,
+and the radix cache off as the baseline. Workloads:
   few-shot  a batch of 32 programs sharing a ~280-token few-shot prompt (run_batch)
   fork      8 programs, each a distinct ~300-token document forked into 4 questions, joined
             and summarised
@@ -9,7 +10,13 @@ Each runs with an ample KV pool and a tight one (pressure: cached prefixes get e
 Reported: wall time, programs/s, generated tokens/s, prefill tokens computed against the
 ideal (every distinct prompt token computed once), and the cache hit rate.
 
-    python benchmarks/programs.py [--dtype float32]
+Part `segments`: programs of k steps (k = 2, 4, 8, 16: a short gen each, text between) run
+as segments (radixlm/segments.py) and as one call per gen, on the in-process engine and on
+`radixlm serve` over HTTP, with SGLang's own frontend against the same server as the peer:
+program latency (p50, p99) one program at a time, and programs/s with 64 at once. Every
+system's greedy output is checked against ours per call.
+
+    python benchmarks/programs.py [--part hints|segments] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -18,7 +25,12 @@ import argparse
 import datetime
 import json
 import platform
+import socket
+import statistics
+import subprocess
+import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -135,13 +147,148 @@ def run(engine: Engine, workload: str, cache_hints: bool, max_tokens: int) -> di
             "texts": [s.text() for s in states]}
 
 
+STEP_TOKENS = 6
+STEP_COUNTS = (2, 4, 8, 16)
+LATENCY_RUNS = 8
+BATCH = 64
+TOPICS = ["rivers", "bread", "bicycles", "volcanoes", "libraries", "owls", "glass", "tea",
+          "bridges", "comets", "chess", "salt", "maps", "bees", "clocks", "sails"]
+
+
+@rl.function
+def notes(s, topic, k):
+    s += f"Short notes about {topic}, one line each.\n"
+    for i in range(k):
+        s += f"Note {i + 1}:" + rl.gen(f"note{i}", max_tokens=STEP_TOKENS, stop="\n") + "\n"
+
+
+def sglang_notes() -> Any:
+    """The same program in SGLang's own frontend (None when it is not installed)."""
+    try:
+        import sglang as sgl
+    except ImportError:
+        return None
+
+    @sgl.function
+    def program(s, topic, k):
+        s += f"Short notes about {topic}, one line each.\n"
+        for i in range(k):
+            s += f"Note {i + 1}:" + sgl.gen(f"note{i}", max_tokens=STEP_TOKENS, stop="\n") + "\n"
+
+    return sgl, program
+
+
+def start_server(dtype: str | None) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "radixlm.runtime.server", "--host", "127.0.0.1",
+               "--port", str(port), "--log-level", "warning"]
+    if dtype is not None:
+        command += ["--dtype", dtype]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                return proc, url
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("the server did not start")
+
+
+def run_segments_part(dtype: str | None) -> dict[str, Any]:
+    """{system: {k: figures}} for the k-step programs."""
+    proc, url = start_server(dtype)
+    peer = sglang_notes()
+    results: dict[str, Any] = {}
+    try:
+        with Engine(**({"dtype": dtype} if dtype else {})) as engine:
+            systems: dict[str, Any] = {
+                "in-process, per call": rl.Engine(engine=engine),
+                "in-process, segments": rl.Engine(engine=engine),
+                "HTTP, per call": rl.RuntimeEndpoint(url, segments=False),
+                "HTTP, segments": rl.RuntimeEndpoint(url),
+            }
+            systems["in-process, per call"].supports_segments = False
+            if peer is not None:
+                systems["HTTP, SGLang's frontend"] = peer[0].RuntimeEndpoint(url)
+            texts: dict[tuple[str, int], list[str]] = {}
+            for name, backend in systems.items():
+                results[name] = {}
+                for k in STEP_COUNTS:
+                    results[name][k], texts[name, k] = measure(name, backend, k, peer)
+                    print(f"{name:<26} k={k:<3} p50 {results[name][k]['p50_s'] * 1e3:7.0f} ms"
+                          f"  {results[name][k]['programs_per_s']:6.2f} programs/s")
+            for name in systems:
+                for k in STEP_COUNTS:
+                    base = texts["HTTP, per call" if name.startswith("HTTP")
+                                 else "in-process, per call", k]
+                    results[name][k]["same_as_per_call"] = sum(
+                        a == b for a, b in zip(texts[name, k], base))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    return results
+
+
+def measure(name: str, backend: Any, k: int, peer: Any) -> tuple[dict[str, Any], list[str]]:
+    sglang = name.endswith("SGLang's frontend")
+    program = peer[1] if sglang else notes
+    kwargs = {"temperature": 0}
+    latencies, texts = [], []
+    program.run(topic="warm-up", k=k, backend=backend, **kwargs).text()
+    for topic in TOPICS[:LATENCY_RUNS]:
+        start = time.perf_counter()
+        state = program.run(topic=topic, k=k, backend=backend, **kwargs)
+        texts.append(state.text())
+        latencies.append(time.perf_counter() - start)
+    batch = [{"topic": f"{TOPICS[i % len(TOPICS)]} ({i})", "k": k} for i in range(BATCH)]
+    start = time.perf_counter()
+    if sglang:
+        states = program.run_batch(batch, backend=backend, num_threads=BATCH, **kwargs)
+    else:
+        states = program.run_batch(batch, backend=backend, concurrency=BATCH,
+                                   progress_bar=False, **kwargs)
+    texts += [s.text() for s in states]
+    seconds = time.perf_counter() - start
+    latencies.sort()
+    return {"p50_s": statistics.median(latencies),
+            "p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+            "programs_per_s": BATCH / seconds, "batch_seconds": seconds}, texts
+
+
+def print_segments(results: dict[str, Any]) -> None:
+    print(f"\n{'system':<26}{'k':>4}{'p50 ms':>9}{'p99 ms':>9}{'vs per call':>13}"
+          f"{'programs/s':>12}{'vs per call':>13}{'same':>8}")
+    for name, by_k in results.items():
+        for k, r in by_k.items():
+            base = results["HTTP, per call" if name.startswith("HTTP")
+                           else "in-process, per call"][k]
+            print(f"{name:<26}{k:>4}{r['p50_s'] * 1e3:>9.0f}{r['p99_s'] * 1e3:>9.0f}"
+                  f"{base['p50_s'] / r['p50_s']:>12.2f}x{r['programs_per_s']:>12.2f}"
+                  f"{r['programs_per_s'] / base['programs_per_s']:>12.2f}x"
+                  f"{r['same_as_per_call']:>5}/{LATENCY_RUNS + BATCH}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                        help="default: float32 for the hints part (its baseline run), the "
+                             "engine's default (GGUF blocks) for the segments part")
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--part", choices=["hints", "segments", "all"], default="all")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    segments = run_segments_part(args.dtype) if args.part != "hints" else None
+    if segments is not None:
+        print_segments(segments)
+    if args.part == "segments":
+        write(args, {}, segments)
+        return
 
+    args.dtype = args.dtype or "float32"
     results: dict[str, dict[str, Any]] = {}
     for pool_name, pool in (("ample pool", 65536), ("tight pool", 2048)):
         for setting in ("radix cache off", "hints off", "hints on"):
@@ -166,15 +313,22 @@ def main() -> None:
               f"{r['ideal_prefill_tokens']:>7}{r['prefill_vs_ideal']:>8.2f}"
               f"{r['hit_rate']:>7.0%}{same:>4}/{len(r['texts'])}")
 
+    write(args, results, segments)
+
+
+def write(args: argparse.Namespace, results: dict[str, dict[str, Any]],
+          segments: dict[str, Any] | None) -> None:
     record = {"benchmark": "programs", "date": datetime.date.today().isoformat(),
               "machine": {"processor": platform.processor() or platform.machine(),
                           "threads": torch.get_num_threads(), "torch": torch.__version__},
               "config": {"model": "smollm2-135m-instruct", "dtype": args.dtype,
-                         "max_tokens": args.max_tokens},
+                         "max_tokens": args.max_tokens, "step_tokens": STEP_TOKENS,
+                         "latency_runs": LATENCY_RUNS, "batch": BATCH},
               "results": {k: {f: v for f, v in r.items() if f != "texts"}
-                          for k, r in results.items()}}
+                          for k, r in results.items()},
+              "segments": segments}
     out = Path(args.out or results_dir() /
-               f"programs_cpu_{args.dtype}_{record['date']}.json")
+               f"programs_cpu_{args.dtype or 'default'}_{record['date']}.json")
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}")
 
