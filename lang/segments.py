@@ -168,7 +168,7 @@ def plan(interp: "Interpreter", exprs: Sequence[Expr]) -> tuple[int, Segment] | 
     steps = recorder.steps[:sum(1 for e in exprs[:covered] if _is_step(e))]
     if len(steps) < 2:
         return None
-    return covered, Segment(start_text, tuple(steps))
+    return covered, Segment(start_text, tuple(steps), stream=interp.stream)
 
 
 def _is_step(expr: Expr) -> bool:

@@ -195,12 +195,17 @@ class _EngineOps:
     def __init__(self, backend: EngineBackend) -> None:
         self.backend = backend
 
-    async def generate(self, text: str, params: SamplingParams) -> AsyncIterator[GenPiece]:
+    async def generate(self, text: str, params: SamplingParams,
+                       stream: bool) -> AsyncIterator[GenPiece]:
         last = None
-        async for delta, meta, out in self.backend._pieces(text, params):
-            if delta:
-                yield GenPiece(delta, meta)
-            last = out
+        if stream:
+            async for delta, meta, out in self.backend._pieces(text, params):
+                if delta:
+                    yield GenPiece(delta, meta)
+                last = out
+        else:
+            async for out in self.backend.engine.generate_stream(text, params):
+                last = out
         assert last is not None
         if last.finish_reason == "abort":
             raise BackendError(f"the engine aborted the request: {last.error or 'aborted'}")

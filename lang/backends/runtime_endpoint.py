@@ -59,7 +59,8 @@ class RuntimeEndpoint(Backend):
                                                     "choices_method": step.method}}
                  for step in segment.steps]
         return read_in_thread(self.http, "/generate_program",
-                              {"text": segment.text, "steps": steps}, _segment_events)
+                              {"text": segment.text, "steps": steps,
+                               "stream": segment.stream}, _segment_events)
 
     def call_tools(self, prompt: Prompt, tools: Any, params: SamplingParams) -> Generation:
         # The server's OpenAI route does it all: the template's tools, the call grammar.
@@ -178,6 +179,10 @@ def _segment_events(events: Iterator[dict[str, Any]]) -> Iterator[SegmentEvent]:
             scores = result["scores"]
             yield SegmentEvent(index, result=StepResult(result["text"], {}, ChoiceScores(
                 scores["conditional"], scores.get("unconditional"))))
+            continue
+        if result is not None and "response" in result:  # no stream: /generate's answer
+            generation = _generation(result["response"])
+            yield SegmentEvent(index, result=StepResult(generation.text, generation.meta))
             continue
         stream = streams.setdefault(index, _GenerateStream())
         piece = stream.feed(result["event"] if result is not None else event["event"])

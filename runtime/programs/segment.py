@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Protocol
 
-from radixlm.runtime.config.sampling_params import SamplingParams
 from radixlm.runtime.programs.choices import METHODS, ChoiceScores
 
 MAX_STEPS = 64  # steps in one segment: its cost is bounded before it starts
@@ -27,7 +26,7 @@ MAX_STEPS = 64  # steps in one segment: its cost is bounded before it starts
 @dataclass(frozen=True)
 class GenStep:
     before: str  # text appended to the state before this step
-    params: SamplingParams
+    params: Any  # what the ops generate with: SamplingParams, or on the server a body
     # int and float gens: what the state keeps of the text ends before a trailing space or
     # newline (the regex lets the model end the number with one; see expr.NUMBER_END).
     number: bool = False
@@ -50,6 +49,9 @@ Step = GenStep | SelectStep
 class Segment:
     text: str  # the state's text before the first step
     steps: tuple[Step, ...]
+    # Stream each gen's text as it is generated; without it only step results come, which
+    # costs less (the program streams nothing).
+    stream: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.steps) <= MAX_STEPS:
@@ -94,7 +96,9 @@ class GenPiece:
 class SegmentOps(Protocol):
     """How a segment reaches the model: the same calls the per-call path makes."""
 
-    def generate(self, text: str, params: SamplingParams) -> AsyncIterator[GenPiece]: ...
+    def generate(self, text: str, params: Any, stream: bool) -> AsyncIterator[GenPiece]:
+        """The gen's pieces as they come (only with `stream`), then its result."""
+        ...
 
     async def score(self, prefix: str, choices: list[str],
                     unconditional: bool) -> ChoiceScores: ...
@@ -108,7 +112,7 @@ async def run_segment(segment: Segment, ops: SegmentOps) -> AsyncIterator[Segmen
         text += step.before
         if isinstance(step, GenStep):
             result = None
-            async for piece in ops.generate(text, step.params):
+            async for piece in ops.generate(text, step.params, segment.stream):
                 if piece.result is not None:
                     result = piece.result
                 elif piece.delta:

@@ -60,6 +60,13 @@ async def generate(request: web.Request) -> web.StreamResponse:
     gen, req = await prepare_generation(state, await read_json(request))
     if req.stream:
         return await stream_events(request, generation_events(state, gen, req))
+    results = await generation_results(state, gen, req)
+    return json_response(results if req.batch or len(results) > 1 else results[0])
+
+
+async def generation_results(state: ServerState, gen: HttpGeneration,
+                             req: native.GenerateRequest) -> list[dict[str, Any]]:
+    """/generate's answer without a stream: every sample, finished."""
     async with gen:
         await gen.run()
     failure = gen.failure()
@@ -67,8 +74,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise failure
     texts = await _logprob_texts(state, gen, req)
     latency = time.monotonic() - gen.arrival
-    results = [native.result(s, req, texts, latency) for s in gen.samples]
-    return json_response(results if req.batch or len(results) > 1 else results[0])
+    return [native.result(s, req, texts, latency) for s in gen.samples]
 
 
 async def prepare_generation(state: ServerState, body: Any

@@ -14,8 +14,10 @@ as the per-call routes, so it gets the same answer without a round trip.
 The answer is a stream of server-sent events, in step order: `{"index": i, "event": ...}` for
 each /generate stream event of a running gen but its last, `{"index": i, "result": {"event":
 ...}}` with its last, `{"index": i, "result": {"text": choice, "scores": {"conditional": ...,
-"unconditional": ...}}}` for a select; then `[DONE]`. A failing step ends the stream with an
-error event, as a failing /generate stream does; the steps after it do not run.
+"unconditional": ...}}}` for a select; then `[DONE]`. With `"stream": false` a gen sends only
+`{"index": i, "result": {"response": ...}}`, /generate's answer without a stream. A failing
+step ends the stream with an error event, as a failing /generate stream does; the steps after
+it do not run.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from radixlm.runtime.programs.segment import (
 from radixlm.runtime.protocol.fields import ApiError, Fields, bad
 from radixlm.runtime.server.native_routes import (
     generation_events,
+    generation_results,
     prepare_generation,
     score_logprobs,
 )
@@ -61,12 +64,14 @@ async def generate_program(request: web.Request) -> web.StreamResponse:
 
 def parse_segment(body: Any) -> Segment:
     f = Fields(body)
-    f.only(("text", "steps"))
+    f.only(("text", "steps", "stream"))
     text = f.string("text", "")
+    stream = f.boolean("stream", True)
     steps = f.get("steps", (list,), required=True, what="an array of steps")
     if not 1 <= len(steps) <= MAX_STEPS:
         raise bad(f"steps: a segment has 1 to {MAX_STEPS} steps, got {len(steps)}", "steps")
-    return Segment(text, tuple(_step(raw, f"steps[{i}]") for i, raw in enumerate(steps)))
+    return Segment(text, tuple(_step(raw, f"steps[{i}]") for i, raw in enumerate(steps)),
+                   stream)
 
 
 def _step(raw: Any, where: str) -> Step:
@@ -105,8 +110,8 @@ async def _events(state: ServerState, segment: Segment) -> AsyncIterator[dict[st
             yield {"index": event.index, "result": {"text": result.text, "scores": {
                 "conditional": result.scores.conditional,
                 "unconditional": result.scores.unconditional}}}
-        else:
-            yield {"index": event.index, "result": {"event": result.meta["event"]}}
+        else:  # the gen's last stream event, or without a stream its /generate answer
+            yield {"index": event.index, "result": result.meta}
 
 
 class _ServerOps:
@@ -115,9 +120,14 @@ class _ServerOps:
     def __init__(self, state: ServerState) -> None:
         self.state = state
 
-    async def generate(self, text: str, params: dict[str, Any]) -> AsyncIterator[GenPiece]:
+    async def generate(self, text: str, params: dict[str, Any],
+                       stream: bool) -> AsyncIterator[GenPiece]:
         gen, req = await prepare_generation(self.state, {**params, "text": text,
-                                                         "stream": True})
+                                                         "stream": stream})
+        if not stream:
+            result = (await generation_results(self.state, gen, req))[0]
+            yield GenPiece("", {}, StepResult(result["text"], {"response": result}))
+            return
         # Each event is held back until the next comes, so that the last one is the result.
         held: dict[str, Any] | None = None
         seen = ""
