@@ -215,10 +215,19 @@ def run_segments_part(dtype: str | None) -> dict[str, Any]:
             if peer is not None:
                 systems["HTTP, SGLang's frontend"] = peer[0].RuntimeEndpoint(url)
             texts: dict[tuple[str, int], list[str]] = {}
-            for name, backend in systems.items():
-                results[name] = {}
-                for k in STEP_COUNTS:
-                    results[name][k], texts[name, k] = measure(name, backend, k, peer)
+            for k in STEP_COUNTS:
+                # Latency one program at a time, the systems interleaved (this machine's speed
+                # drifts over minutes); then each system's batch.
+                runs = latency_runs(systems, k, peer)
+                for name, backend in systems.items():
+                    latencies, texts[name, k] = runs[name]
+                    figures, batch_texts = batch_run(name, backend, k, peer)
+                    texts[name, k] += batch_texts
+                    latencies.sort()
+                    results.setdefault(name, {})[k] = {
+                        "p50_s": statistics.median(latencies),
+                        "p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+                        **figures}
                     print(f"{name:<26} k={k:<3} p50 {results[name][k]['p50_s'] * 1e3:7.0f} ms"
                           f"  {results[name][k]['programs_per_s']:6.2f} programs/s")
             for name in systems:
@@ -233,30 +242,38 @@ def run_segments_part(dtype: str | None) -> dict[str, Any]:
     return results
 
 
-def measure(name: str, backend: Any, k: int, peer: Any) -> tuple[dict[str, Any], list[str]]:
-    sglang = name.endswith("SGLang's frontend")
-    program = peer[1] if sglang else notes
-    kwargs = {"temperature": 0}
-    latencies, texts = [], []
-    program.run(topic="warm-up", k=k, backend=backend, **kwargs).text()
+def program_of(name: str, peer: Any) -> Any:
+    return peer[1] if name.endswith("SGLang's frontend") else notes
+
+
+def latency_runs(systems: dict[str, Any], k: int,
+                 peer: Any) -> dict[str, tuple[list[float], list[str]]]:
+    runs: dict[str, tuple[list[float], list[str]]] = {name: ([], []) for name in systems}
+    for name, backend in systems.items():
+        program_of(name, peer).run(topic="warm-up", k=k, backend=backend, temperature=0).text()
     for topic in TOPICS[:LATENCY_RUNS]:
-        start = time.perf_counter()
-        state = program.run(topic=topic, k=k, backend=backend, **kwargs)
-        texts.append(state.text())
-        latencies.append(time.perf_counter() - start)
+        for name, backend in systems.items():
+            start = time.perf_counter()
+            state = program_of(name, peer).run(topic=topic, k=k, backend=backend,
+                                               temperature=0)
+            text = state.text()
+            runs[name][0].append(time.perf_counter() - start)
+            runs[name][1].append(text)
+    return runs
+
+
+def batch_run(name: str, backend: Any, k: int, peer: Any) -> tuple[dict[str, Any], list[str]]:
+    program = program_of(name, peer)
     batch = [{"topic": f"{TOPICS[i % len(TOPICS)]} ({i})", "k": k} for i in range(BATCH)]
     start = time.perf_counter()
-    if sglang:
-        states = program.run_batch(batch, backend=backend, num_threads=BATCH, **kwargs)
+    if name.endswith("SGLang's frontend"):
+        states = program.run_batch(batch, backend=backend, num_threads=BATCH, temperature=0)
     else:
         states = program.run_batch(batch, backend=backend, concurrency=BATCH,
-                                   progress_bar=False, **kwargs)
-    texts += [s.text() for s in states]
+                                   progress_bar=False, temperature=0)
+    texts = [s.text() for s in states]
     seconds = time.perf_counter() - start
-    latencies.sort()
-    return {"p50_s": statistics.median(latencies),
-            "p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
-            "programs_per_s": BATCH / seconds, "batch_seconds": seconds}, texts
+    return {"programs_per_s": BATCH / seconds, "batch_seconds": seconds}, texts
 
 
 def print_segments(results: dict[str, Any]) -> None:
