@@ -28,7 +28,6 @@ from radixlm.backends.backend import Backend, Generation, OnDelta, Prompt
 from radixlm.expr import (
     Expr,
     Gen,
-    Role,
     RoleBegin,
     RoleEnd,
     Select,
@@ -154,7 +153,7 @@ def plan(interp: "Interpreter", exprs: Sequence[Expr]) -> tuple[int, Segment] | 
     start_text = shadow.text
     covered = 0
     for expr in exprs:
-        if not _plannable(expr) or len(recorder.steps) >= MAX_STEPS - 1 and _is_step(expr):
+        if not _plannable(expr) or (_is_step(expr) and len(recorder.steps) == MAX_STEPS):
             break
         recorder.expr = expr
         try:
@@ -176,11 +175,12 @@ def _is_step(expr: Expr) -> bool:
 
 
 def _plannable(expr: Expr) -> bool:
+    """Whether a segment can hold the expression (the queue holds roles as begin and end)."""
     if isinstance(expr, Gen):
         return True
     if isinstance(expr, Select):
         return METHODS.get(expr.method.name) is expr.method
-    return isinstance(expr, _PLAIN) or isinstance(expr, Role)
+    return isinstance(expr, _PLAIN)
 
 
 class _Recorder(Backend):
@@ -193,22 +193,19 @@ class _Recorder(Backend):
         self.expr: Expr | None = None
         self.mark = 0  # where the text after the last step starts
 
-    def _before(self, text: str) -> str:
-        return text[self.mark:]
-
     def generate(self, prompt: Prompt, params: SamplingParams,
                  on_delta: OnDelta | None = None) -> Generation:
         assert isinstance(self.expr, Gen)
         if params.n != 1:
             raise ValueError("n: a gen produces one completion")
         dtype = self.expr.dtype
-        self.steps.append(GenStep(self._before(prompt.text), params,
+        self.steps.append(GenStep(prompt.text[self.mark:], params,
                                   number=dtype in (int, float)))
         return Generation(_PLACEHOLDER.get(dtype, _PLACEHOLDER_TEXT))
 
     def score(self, prefix: str, choices: Sequence[str], unconditional: bool) -> ChoiceScores:
         assert isinstance(self.expr, Select) and self.shadow is not None
-        self.steps.append(SelectStep(self._before(self.shadow.text), self.expr.choices,
+        self.steps.append(SelectStep(self.shadow.text[self.mark:], self.expr.choices,
                                      self.expr.method.name))
         return ChoiceScores([[0.0] for _ in choices],
                             [[0.0] for _ in choices] if unconditional else None)

@@ -188,7 +188,6 @@ class EngineBackend(Backend):
             self.engine.close()
 
 
-
 class _EngineOps:
     """A segment's calls on the in-process engine: the per-call path's own."""
 
