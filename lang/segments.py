@@ -19,10 +19,7 @@ the per-call path would have got.
 
 from __future__ import annotations
 
-import asyncio
-import queue
-import threading
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 from radixlm.backends.backend import Backend, Generation, OnDelta, Prompt
 from radixlm.expr import (
@@ -41,15 +38,10 @@ from radixlm.runtime.programs.segment import (
     MAX_STEPS,
     GenStep,
     Segment,
-    SegmentEvent,
-    SegmentOps,
     SelectStep,
     Step,
-    run_segment,
 )
-
-if TYPE_CHECKING:
-    from radixlm.interpreter import Interpreter
+from radixlm.runtime.programs.stream import SegmentStream
 
 # What a segment can hold besides gen and select.
 _PLAIN = (Text, RoleBegin, RoleEnd, VarScopeBegin, VarScopeEnd)
@@ -58,97 +50,12 @@ _PLACEHOLDER = {int: "0", float: "0", bool: "True", str: '""'}
 _PLACEHOLDER_TEXT = "RadixlmSegmentText"
 
 
-class SegmentStream:
-    """A segment running on a backend: its events in order, and a way to stop it."""
-
-    def __init__(self, events: "queue.SimpleQueue[SegmentEvent | BaseException | None]",
-                 cancel: Callable[[], None]) -> None:
-        self._events = events
-        self.cancel = cancel
-
-    def next(self) -> SegmentEvent | None:
-        """The next event (None: the segment ended); raises what failed the segment."""
-        item = self._events.get()
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-
-def run_in_thread(segment: Segment, ops: SegmentOps) -> SegmentStream:
-    """Run a segment on an event loop of its own thread (for backends whose calls are
-    asyncio code in this process); cancelling stops the step in flight."""
-    events: queue.SimpleQueue[SegmentEvent | BaseException | None] = queue.SimpleQueue()
-    started = threading.Event()
-    handles: dict[str, Any] = {}
-
-    async def pump() -> None:
-        handles["task"] = asyncio.current_task()
-        handles["loop"] = asyncio.get_running_loop()
-        started.set()
-        try:
-            async for event in run_segment(segment, ops):
-                events.put(event)
-            events.put(None)
-        except asyncio.CancelledError:
-            events.put(None)
-        except BaseException as exc:  # noqa: BLE001 - the replay raises it in the program
-            events.put(exc)
-
-    def cancel() -> None:
-        started.wait()
-        try:
-            handles["loop"].call_soon_threadsafe(handles["task"].cancel)
-        except RuntimeError:  # the loop already finished: nothing runs
-            pass
-
-    threading.Thread(target=asyncio.run, args=(pump(),), name="radixlm-segment",
-                     daemon=True).start()
-    return SegmentStream(events, cancel)
-
-
-def read_in_thread(http: Any, path: str, body: dict[str, Any],
-                   convert: Callable[[Iterator[dict[str, Any]]], Iterator[SegmentEvent]]
-                   ) -> SegmentStream:
-    """POST a segment to a server route and read its event stream on a thread of its own;
-    cancelling closes the connection, which makes the server stop the step in flight."""
-    events: queue.SimpleQueue[SegmentEvent | BaseException | None] = queue.SimpleQueue()
-    cancelled = threading.Event()
-    opened: dict[str, Any] = {}
-    lock = threading.Lock()
-
-    def read() -> None:
-        try:
-            response = http.open_stream(path, body)
-            with lock:
-                opened["response"] = response
-                if cancelled.is_set():
-                    http.hang_up(response)
-                    return
-            with response:
-                for event in convert(http.events(response, path)):
-                    events.put(event)
-            events.put(None)
-        except BaseException as exc:  # noqa: BLE001 - the replay raises it in the program
-            events.put(None if cancelled.is_set() else exc)
-
-    def cancel() -> None:
-        with lock:
-            cancelled.set()
-            response = opened.get("response")
-        if response is not None:
-            http.hang_up(response)
-
-    threading.Thread(target=read, name="radixlm-segment", daemon=True).start()
-    return SegmentStream(events, cancel)
-
-
-def plan(interp: "Interpreter", exprs: Sequence[Expr]) -> tuple[int, Segment] | None:
+def plan(interp: Any, exprs: Sequence[Expr]) -> tuple[int, Segment] | None:
     """(how many of `exprs` the segment covers, the segment), or None when fewer than two
-    model steps would be in it (one step gains nothing over a call)."""
-    from radixlm.interpreter import Interpreter
-
+    model steps would be in it (one step gains nothing over a call). `interp` is the
+    Interpreter whose state the segment continues."""
     recorder = _Recorder(interp.backend)
-    shadow = Interpreter(recorder, interp.defaults, parent=interp)
+    shadow = type(interp)(recorder, interp.defaults, parent=interp)  # a copy of the state
     recorder.shadow = shadow
     start_text = shadow.text
     covered = 0
@@ -189,7 +96,7 @@ class _Recorder(Backend):
     def __init__(self, real: Backend) -> None:
         self.real = real
         self.steps: list[Step] = []
-        self.shadow: "Interpreter | None" = None
+        self.shadow: Any = None  # the Interpreter planning runs on
         self.expr: Expr | None = None
         self.mark = 0  # where the text after the last step starts
 

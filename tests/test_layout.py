@@ -16,9 +16,10 @@ FOLDERS = {"lang": "radixlm", "runtime": "radixlm.runtime", "kernels": "radixlm.
 # (`lang` is the language's folder with its backends/ and compat/; `runtime` is the package's own
 # lazy exports, `cli` the one loose module). Every entry may only name layers below it.
 LAYERS: dict[str, set[str]] = {
-    "lang": {"protocol", "engine", "scheduling", "config"},
+    "lang": {"programs", "protocol", "engine", "scheduling", "config"},
     "cli": {"server", "quantize", "runtime", "models", "config"},
-    "server": {"replicas", "engine_process", "engine", "models", "protocol", "config", "grammar"},
+    "server": {"replicas", "engine_process", "engine", "models", "programs", "protocol", "config",
+               "grammar"},
     "replicas": {"engine_process", "engine"},  # routing imports nothing; ray_actors only Ray
     "engine_process": {"engine"},
     "quantize": {"models", "attention"},
@@ -31,6 +32,7 @@ LAYERS: dict[str, set[str]] = {
     "models": {"attention", "distributed", "kernels"},
     "attention": {"kernels"},
     "distributed": {"kernels"},
+    "programs": set(),
     "protocol": {"config"},
     "config": {"grammar"},
     "grammar": set(),

@@ -19,7 +19,7 @@ from radixlm.runtime.programs.choices import ChoiceScores
 from radixlm.runtime.programs.segment import Segment
 
 if TYPE_CHECKING:
-    from radixlm.segments import SegmentStream
+    from radixlm.runtime.programs.stream import SegmentStream
 
 
 class BackendError(RuntimeError):

@@ -19,9 +19,9 @@ from radixlm.runtime.engine.engine import Engine as RuntimeEngine
 from radixlm.runtime.engine.tokenization import encode_prompt
 from radixlm.runtime.programs.choices import ChoiceScores
 from radixlm.runtime.programs.segment import GenPiece, Segment, StepResult
+from radixlm.runtime.programs.stream import SegmentStream, run_in_thread
 from radixlm.runtime.protocol import tool_formats, tool_requests
 from radixlm.runtime.scheduling.request import Output, TokenLogprob
-from radixlm.segments import SegmentStream, run_in_thread
 
 # A fork's prefix stays pinned at most this long if the program never joins (e.g. it hangs).
 LEASE_TTL_S = 600.0

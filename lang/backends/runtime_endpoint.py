@@ -9,7 +9,9 @@ program's segments (several steps in one request).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator, Sequence
+import queue
+import threading
+from typing import Any, Callable, Iterator, Sequence
 
 from radixlm.backends.backend import Backend, BackendError, Generation, OnDelta, Prompt
 from radixlm.backends.http import HttpClient
@@ -17,7 +19,7 @@ from radixlm.backends.openai_compat import chat_with_tools, request_body
 from radixlm.runtime.config.sampling_params import SamplingParams
 from radixlm.runtime.programs.choices import ChoiceScores
 from radixlm.runtime.programs.segment import GenStep, Segment, SegmentEvent, StepResult
-from radixlm.segments import SegmentStream, read_in_thread
+from radixlm.runtime.programs.stream import SegmentStream
 
 # Meta info lists a streamed /generate event holds only the new entries of.
 INCREMENTAL_META_KEYS = ("output_token_logprobs", "output_top_logprobs")
@@ -213,3 +215,39 @@ def _generation(result: dict[str, Any]) -> Generation:
     meta["finish_reason"] = reason
     meta["matched_stop"] = finish.get("matched") if isinstance(finish, dict) else None
     return Generation(result["text"], meta)
+
+
+def read_in_thread(http: Any, path: str, body: dict[str, Any],
+                   convert: Callable[[Iterator[dict[str, Any]]], Iterator[SegmentEvent]]
+                   ) -> SegmentStream:
+    """POST a segment to a server route and read its event stream on a thread of its own;
+    cancelling closes the connection, which makes the server stop the step in flight."""
+    events: queue.SimpleQueue[SegmentEvent | BaseException | None] = queue.SimpleQueue()
+    cancelled = threading.Event()
+    opened: dict[str, Any] = {}
+    lock = threading.Lock()
+
+    def read() -> None:
+        try:
+            response = http.open_stream(path, body)
+            with lock:
+                opened["response"] = response
+                if cancelled.is_set():
+                    http.hang_up(response)
+                    return
+            with response:
+                for event in convert(http.events(response, path)):
+                    events.put(event)
+            events.put(None)
+        except BaseException as exc:  # noqa: BLE001 - the replay raises it in the program
+            events.put(None if cancelled.is_set() else exc)
+
+    def cancel() -> None:
+        with lock:
+            cancelled.set()
+            response = opened.get("response")
+        if response is not None:
+            http.hang_up(response)
+
+    threading.Thread(target=read, name="radixlm-segment", daemon=True).start()
+    return SegmentStream(events, cancel)
