@@ -168,3 +168,41 @@ def test_sglangs_frontend_needs_one_argument_for_smollm2s_chat_format(server):
     assert plain.text().startswith("USER:Hi there\n")  # SGLang's fallback, not ChatML
     fixed = chat.run(backend=sglang.RuntimeEndpoint(server.url, chat_template_name="chatml"))
     assert fixed.text().startswith("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
+
+
+# SGLang's test programs that decode greedily (the others sample without a seed).
+GREEDY = ("select", "decode_json_regex", "tool_use", "parallel_encoding", "regex",
+          "stream_logprobs")
+
+
+def test_greedy_programs_leave_the_same_text_with_segments_and_per_call(server, monkeypatch):
+    """Segments change how a program reaches the server, never what it gets: every state these
+    programs run ends with the same text both ways."""
+    from radixlm.backends.runtime_endpoint import RuntimeEndpoint
+    from radixlm.program import Program
+
+    states: list[Any] = []
+    run, run_batch = Program.run, Program.run_batch
+    monkeypatch.setattr(Program, "run", lambda self, *a, **k: states.append(
+        run(self, *a, **k)) or states[-1])
+    monkeypatch.setattr(Program, "run_batch", lambda self, *a, **k: states.extend(
+        run_batch(self, *a, **k)) or states[-len(a[0]):])
+    started: list[Any] = []
+    start_segment = RuntimeEndpoint.start_segment
+    monkeypatch.setattr(RuntimeEndpoint, "start_segment", lambda self, segment: started.append(
+        segment) or start_segment(self, segment))
+    texts = {}
+    for segments in (False, True):
+        states.clear()
+        compat.set_default_backend(RuntimeEndpoint(server.url, segments=segments))
+        sglang.global_config.default_backend = compat.global_config.default_backend
+        try:
+            module = _programs_on(compat)
+            for name in GREEDY:
+                outcome(module, name)
+        finally:
+            sglang.set_default_backend(None)
+            compat.set_default_backend(None)
+        texts[segments] = [state.text() for state in states]
+    assert len(texts[True]) >= len(GREEDY) and started  # decode_json_regex: one segment
+    assert texts[True] == texts[False]
