@@ -172,7 +172,7 @@ class Replay(Backend):
             if event.result is not None:
                 self.text = prompt.text + step.appended(event.result.text)
                 return Generation(event.result.text, event.result.meta)
-            if on_delta is not None:
+            if on_delta is not None and event.delta:
                 on_delta(event.delta, event.meta)
         raise AssertionError("unreachable")
 

@@ -174,3 +174,20 @@ def test_segment_route_names_the_bad_field(server_url):
     assert post({"steps": [gen, {"select": {"choices": ["a"], "choices_method": "mine"}}]}) \
         == (400, "steps[1].select.choices_method")
     assert post({"steps": [gen, {"before": "x"}]}) == (400, "steps[1]")
+
+
+def test_a_streamed_segment_keeps_every_logprob(server_url):
+    """Streamed over HTTP, a segment's gens carry the same logprobs as streamed calls."""
+
+    @rl.function
+    def two(s):
+        s += "Colors: red," + rl.gen("a", max_tokens=6, return_logprob=True, stop=",")
+        s += ", and" + rl.gen("b", max_tokens=6, return_logprob=True)
+
+    want = two.run(backend=rl.RuntimeEndpoint(server_url, segments=False), temperature=0,
+                   stream=True)
+    got = two.run(backend=rl.RuntimeEndpoint(server_url), temperature=0, stream=True)
+    assert "".join(got.text_iter()) == "".join(want.text_iter())
+    for name in ("a", "b"):
+        key = "output_token_logprobs"
+        assert got.get_meta_info(name)[key] == want.get_meta_info(name)[key]

@@ -115,7 +115,7 @@ async def run_segment(segment: Segment, ops: SegmentOps) -> AsyncIterator[Segmen
             async for piece in ops.generate(text, step.params, segment.stream):
                 if piece.result is not None:
                     result = piece.result
-                elif piece.delta:
+                elif piece.delta or piece.meta:  # meta alone: tokens that added no text
                     yield SegmentEvent(index, piece.delta, piece.meta)
             if result is None:
                 raise RuntimeError(f"step {index}: the generation ended without a result")
