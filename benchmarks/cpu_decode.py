@@ -56,6 +56,14 @@ def batch_prompts(n: int) -> list[str]:
             for i in range(n)]
 
 
+def long_prompt(tokens: int) -> str:
+    """A document of about `tokens` tokens (the long-prompt prefill runs): varied sentences, so
+    that no tokenizer compresses it much."""
+    words = [f"{TOPICS[i % len(TOPICS)]} number {i} is described in sentence {i * 7 % 101}."
+             for i in range(tokens)]
+    return " ".join(words)
+
+
 def machine() -> str:
     """The CPU's model name and core count (platform.processor() is often just the ISA)."""
     name = platform.processor() or platform.machine()
@@ -159,7 +167,15 @@ def ours(fmt: str, path: Path | None = None) -> tuple[dict[str, Callable], int]:
         outs = engine.chat(chats, {"max_new_tokens": tokens, "min_new_tokens": tokens,
                                    "temperature": 0})
         return sum(o.completion_tokens for o in outs) / (time.perf_counter() - start)
-    return {"batch1": batch1, "batched": batched}, step_bytes(engine.core.runner.model)
+    def prefill(tokens: int) -> tuple[int, float]:
+        """(prompt tokens, seconds to the first token) of a long prompt, cold cache."""
+        ids = engine.tokenizer.encode(long_prompt(tokens), add_special_tokens=False)[:tokens]
+        engine.flush_cache()
+        start = time.perf_counter()
+        engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0})
+        return len(ids), time.perf_counter() - start
+    return ({"batch1": batch1, "batched": batched, "prefill": prefill},
+            step_bytes(engine.core.runner.model))
 
 
 def hf() -> tuple[dict[str, Callable], int]:
@@ -210,7 +226,8 @@ def llama_cpp(threads: int, path: Path | None = None) -> tuple[dict[str, Callabl
     from radixlm.runtime.models.loader import embedded_model_file
 
     path = path or embedded_model_file()
-    llm = llama_cpp.Llama(model_path=str(path), n_threads=threads, n_ctx=2048, verbose=False)
+    llm = llama_cpp.Llama(model_path=str(path), n_threads=threads, n_ctx=4096, n_batch=512,
+                          verbose=False)
     messages = [{"role": "user", "content": PROMPT}]
     eos = llm.token_eos()
 
@@ -226,7 +243,14 @@ def llama_cpp(threads: int, path: Path | None = None) -> tuple[dict[str, Callabl
         total = time.perf_counter() - start
         generated = out["usage"]["completion_tokens"]
         return ttft, (generated - 1) / max(total - ttft, 1e-9)
-    return {"batch1": batch1, "batched": llama_cpp_batched(llm, threads)}, path.stat().st_size
+    def prefill(tokens: int) -> tuple[int, float]:
+        ids = llm.tokenize(long_prompt(tokens).encode(), add_bos=False)[:tokens]
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(ids)  # the prompt, logits of its last token (what one token needs)
+        return len(ids), time.perf_counter() - start
+    return ({"batch1": batch1, "batched": llama_cpp_batched(llm, threads), "prefill": prefill},
+            path.stat().st_size)
 
 
 def llama_cpp_batched(llm: Any, threads: int) -> Callable[[int, int], float]:
@@ -310,6 +334,9 @@ def main() -> None:
     parser.add_argument("--formats", default="gguf,float32,bfloat16,int8")
     parser.add_argument("--batch", type=int, default=64, help="0: skip the batched runs")
     parser.add_argument("--batch-tokens", type=int, default=64)
+    parser.add_argument("--long-prompts", default="",
+                        help="prompt lengths whose prefill (time to the first token, cold "
+                             "cache) to measure, ours against llama.cpp, e.g. 512,1024,2048")
     parser.add_argument("--requantize", default="",
                         help="GGUF types to also measure at batch 1 (ours and llama.cpp on "
                              "the same file), e.g. Q4_K_M,Q5_K_M,Q6_K,Q8_0")
@@ -353,6 +380,14 @@ def main() -> None:
             samples[name].append(call(name, "batch1", args.tokens))
         for name in batched if args.batch else ():
             batched[name].append(call(name, "batched", args.batch, args.batch_tokens))
+    lengths = [int(n) for n in filter(None, args.long_prompts.split(","))]
+    prefill: dict[str, dict[int, list[tuple[int, float]]]] = {
+        name: {n: [] for n in lengths} for name in systems
+        if "prefill" in kinds[name] and files[name] is None}
+    for _ in range(args.repeats if lengths else 0):
+        for n in lengths:
+            for name in prefill:
+                prefill[name][n].append(call(name, "prefill", n))
     for name in systems:
         pipes[name].send(None)
     for proc in procs:
@@ -387,6 +422,22 @@ def main() -> None:
               f"{times(b, peer, 'batched_tokens_per_s'):>14}")
     print(f"memory bandwidth {gbs:.1f} GB/s; {args.threads} threads; batch 1: {args.tokens} "
           f"tokens; batched: {args.batch} prompts x {args.batch_tokens} tokens")
+    prefill_rows = []
+    for n in lengths:
+        for name, by_length in prefill.items():
+            tokens = by_length[n][0][0]
+            seconds = statistics.median(t for _, t in by_length[n])
+            prefill_rows.append({"system": name, "length": n, "prompt_tokens": tokens,
+                                 "ttft_ms": seconds * 1e3,
+                                 "prefill_tokens_per_s": tokens / seconds})
+    if prefill_rows:
+        print(f"\n{'long prompt':<24}{'tokens':>8}{'TTFT ms':>10}{'tok/s':>8}{'vs llama.cpp':>14}")
+        for r in prefill_rows:
+            peer = next((p for p in prefill_rows if p["system"].startswith("llama.cpp")
+                         and p["length"] == r["length"]), None)
+            ratio = f"{peer['ttft_ms'] / r['ttft_ms']:.2f}x" if peer else "-"
+            print(f"{r['system']:<24}{r['prompt_tokens']:>8}{r['ttft_ms']:>10.0f}"
+                  f"{r['prefill_tokens_per_s']:>8.0f}{ratio:>14}")
     import torch
 
     today = datetime.date.today().isoformat()
@@ -396,7 +447,7 @@ def main() -> None:
         "threads": args.threads, "tokens": args.tokens, "repeats": args.repeats,
         "batch": args.batch, "batch_tokens": args.batch_tokens, "bandwidth_gb_s": gbs,
         "llama_cpp": has_llama, "requantized": args.requantize, "torch": torch.__version__,
-        "rows": rows}, indent=2) + "\n")
+        "rows": rows, "long_prompts": prefill_rows}, indent=2) + "\n")
     print(f"wrote {out}")
     plot(rows, out.with_suffix(".png"), args)
 
