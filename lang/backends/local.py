@@ -17,7 +17,7 @@ from radixlm.backends.backend import (
 from radixlm.runtime.config.sampling_params import SamplingParams
 from radixlm.runtime.engine.engine import Engine as RuntimeEngine
 from radixlm.runtime.engine.tokenization import encode_prompt
-from radixlm.runtime.programs.choices import ChoiceScores
+from radixlm.runtime.programs.choices import ChoiceScores, document_start
 from radixlm.runtime.programs.segment import GenPiece, Segment, StepResult
 from radixlm.runtime.programs.stream import SegmentStream, run_in_thread
 from radixlm.runtime.protocol import tool_formats, tool_requests
@@ -122,14 +122,7 @@ class EngineBackend(Backend):
         return ChoiceScores(conditional, prior)
 
     def _no_context(self) -> list[int]:
-        # "No context" is a document start: BOS, or EOS for models trained with EOS between
-        # documents and no BOS (GPT-2 style, SmolLM2).
-        tok = self.tokenizer
-        start = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
-        if start is None:
-            raise ValueError("choices_method: the tokenizer has neither BOS nor EOS to score "
-                             "choices without context")
-        return [start]
+        return [document_start(self.tokenizer.bos_token_id, [self.tokenizer.eos_token_id])]
 
     def render_chat(self, messages: list[dict[str, Any]],
                     add_generation_prompt: bool = False) -> str | None:

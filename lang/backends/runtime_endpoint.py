@@ -9,15 +9,14 @@ program's segments (several steps in one request).
 from __future__ import annotations
 
 import dataclasses
-import queue
 import threading
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from radixlm.backends.backend import Backend, BackendError, Generation, OnDelta, Prompt
 from radixlm.backends.http import HttpClient
 from radixlm.backends.openai_compat import chat_with_tools, request_body
 from radixlm.runtime.config.sampling_params import SamplingParams
-from radixlm.runtime.programs.choices import ChoiceScores
+from radixlm.runtime.programs.choices import ChoiceScores, document_start
 from radixlm.runtime.programs.segment import GenStep, Segment, SegmentEvent, StepResult
 from radixlm.runtime.programs.stream import SegmentStream
 
@@ -60,9 +59,8 @@ class RuntimeEndpoint(Backend):
                  {"before": step.before, "select": {"choices": list(step.choices),
                                                     "choices_method": step.method}}
                  for step in segment.steps]
-        return read_in_thread(self.http, "/generate_program",
-                              {"text": segment.text, "steps": steps,
-                               "stream": segment.stream}, _segment_events)
+        return _read_segment(self.http, {"text": segment.text, "steps": steps,
+                                         "stream": segment.stream})
 
     def call_tools(self, prompt: Prompt, tools: Any, params: SamplingParams) -> Generation:
         # The server's OpenAI route does it all: the template's tools, the call grammar.
@@ -80,13 +78,8 @@ class RuntimeEndpoint(Backend):
         return self.http.post("/score", {**prefix, "continuations": list(choices)})["logprobs"]
 
     def _no_context(self) -> list[int]:
-        start = self.info.get("bos_token_id")
-        if start is None and self.info.get("eos_token_ids"):
-            start = self.info["eos_token_ids"][0]
-        if start is None:
-            raise ValueError("choices_method: the model has neither BOS nor EOS to score "
-                             "choices without context")
-        return [start]
+        return [document_start(self.info.get("bos_token_id"),
+                               self.info.get("eos_token_ids") or [])]
 
     def render_chat(self, messages: list[dict[str, str]],
                     add_generation_prompt: bool = False) -> str | None:
@@ -217,30 +210,27 @@ def _generation(result: dict[str, Any]) -> Generation:
     return Generation(result["text"], meta)
 
 
-def read_in_thread(http: Any, path: str, body: dict[str, Any],
-                   convert: Callable[[Iterator[dict[str, Any]]], Iterator[SegmentEvent]]
-                   ) -> SegmentStream:
-    """POST a segment to a server route and read its event stream on a thread of its own;
-    cancelling closes the connection, which makes the server stop the step in flight."""
-    events: queue.SimpleQueue[SegmentEvent | BaseException | None] = queue.SimpleQueue()
+def _read_segment(http: HttpClient, body: dict[str, Any]) -> SegmentStream:
+    """POST a segment to /generate_program and read its events on a thread of its own;
+    cancelling hangs up, which makes the server stop the step in flight."""
     cancelled = threading.Event()
     opened: dict[str, Any] = {}
     lock = threading.Lock()
 
     def read() -> None:
         try:
-            response = http.open_stream(path, body)
+            response = http.open_stream("/generate_program", body)
             with lock:
                 opened["response"] = response
                 if cancelled.is_set():
                     http.hang_up(response)
                     return
             with response:
-                for event in convert(http.events(response, path)):
-                    events.put(event)
-            events.put(None)
+                for event in _segment_events(http.events(response, "/generate_program")):
+                    stream.put(event)
+            stream.put(None)
         except BaseException as exc:  # noqa: BLE001 - the replay raises it in the program
-            events.put(None if cancelled.is_set() else exc)
+            stream.put(None if cancelled.is_set() else exc)
 
     def cancel() -> None:
         with lock:
@@ -249,5 +239,6 @@ def read_in_thread(http: Any, path: str, body: dict[str, Any],
         if response is not None:
             http.hang_up(response)
 
+    stream = SegmentStream(cancel)
     threading.Thread(target=read, name="radixlm-segment", daemon=True).start()
-    return SegmentStream(events, cancel)
+    return stream

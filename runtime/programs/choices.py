@@ -90,6 +90,16 @@ token_length_normalized = TokenLengthNormalized()
 greedy_token_selection = GreedyTokenSelection()
 unconditional_likelihood_normalized = UnconditionalLikelihoodNormalized()
 
+def document_start(bos: int | None, eos: Sequence[int | None]) -> int:
+    """The token choices are scored after "without context": a document start, BOS, or EOS
+    for models trained with EOS between documents and no BOS (GPT-2 style, SmolLM2)."""
+    start = bos if bos is not None else next((e for e in eos if e is not None), None)
+    if start is None:
+        raise ValueError("choices_method: the model has neither BOS nor EOS to score choices "
+                         "without context")
+    return start
+
+
 # The methods a segment executed by the runtime can name (a program's own method runs in the
 # program, outside segments).
 METHODS: dict[str, ChoicesMethod] = {m.name: m for m in (

@@ -14,10 +14,14 @@ from radixlm.runtime.programs.segment import Segment, SegmentEvent, SegmentOps, 
 class SegmentStream:
     """A segment running on a backend: its events in order, and a way to stop it."""
 
-    def __init__(self, events: "queue.SimpleQueue[SegmentEvent | BaseException | None]",
-                 cancel: Callable[[], None]) -> None:
-        self._events = events
+    def __init__(self, cancel: Callable[[], None]) -> None:
+        self._events: queue.SimpleQueue[SegmentEvent | BaseException | None] = (
+            queue.SimpleQueue())
         self.cancel = cancel
+
+    def put(self, item: SegmentEvent | BaseException | None) -> None:
+        """From the producer: an event, the failure that ends the segment, or None (done)."""
+        self._events.put(item)
 
     def next(self) -> SegmentEvent | None:
         """The next event (None: the segment ended); raises what failed the segment."""
@@ -30,7 +34,6 @@ class SegmentStream:
 def run_in_thread(segment: Segment, ops: SegmentOps) -> SegmentStream:
     """Run a segment on an event loop of its own thread (for backends whose calls are
     asyncio code in this process); cancelling stops the step in flight."""
-    events: queue.SimpleQueue[SegmentEvent | BaseException | None] = queue.SimpleQueue()
     started = threading.Event()
     handles: dict[str, Any] = {}
 
@@ -40,12 +43,12 @@ def run_in_thread(segment: Segment, ops: SegmentOps) -> SegmentStream:
         started.set()
         try:
             async for event in run_segment(segment, ops):
-                events.put(event)
-            events.put(None)
+                stream.put(event)
+            stream.put(None)
         except asyncio.CancelledError:
-            events.put(None)
+            stream.put(None)
         except BaseException as exc:  # noqa: BLE001 - the replay raises it in the program
-            events.put(exc)
+            stream.put(exc)
 
     def cancel() -> None:
         started.wait()
@@ -54,6 +57,7 @@ def run_in_thread(segment: Segment, ops: SegmentOps) -> SegmentStream:
         except RuntimeError:  # the loop already finished: nothing runs
             pass
 
+    stream = SegmentStream(cancel)
     threading.Thread(target=asyncio.run, args=(pump(),), name="radixlm-segment",
                      daemon=True).start()
-    return SegmentStream(events, cancel)
+    return stream

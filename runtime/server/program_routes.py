@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator
 
 from aiohttp import web
 
-from radixlm.runtime.programs.choices import METHODS, ChoiceScores
+from radixlm.runtime.programs.choices import METHODS, ChoiceScores, document_start
 from radixlm.runtime.programs.segment import (
     MAX_STEPS,
     GenPiece,
@@ -150,13 +150,9 @@ class _ServerOps:
         return ChoiceScores(conditional, prior)
 
     def _document_start(self) -> int:
-        """BOS, or EOS for models with none (what the language scores "no context" after)."""
-        tok = self.state.codec.tokenizer
-        start = getattr(tok, "bos_token_id", None)
-        eos = self.state.require_engine().eos_token_ids
-        if start is None and eos:
-            start = eos[0]
-        if start is None:
-            raise ApiError(400, "choices_method: the model has neither BOS nor EOS to score "
-                                "choices without context", "choices_method")
-        return start
+        """As rl.RuntimeEndpoint finds it, from what /get_model_info reports."""
+        try:
+            return document_start(getattr(self.state.codec.tokenizer, "bos_token_id", None),
+                                  self.state.require_engine().eos_token_ids)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), "choices_method") from None
