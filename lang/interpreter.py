@@ -198,9 +198,9 @@ class Interpreter:
                     self._run_one(batch[done])
                     done += 1
                     continue
-                count, segment = planned
+                count, segment, renders = planned
                 real = self.backend
-                replay = segments.Replay(real, segment, real.start_segment(segment))
+                replay = segments.Replay(real, segment, real.start_segment(segment), renders)
                 self.backend = replay
                 try:
                     for expr in batch[done:done + count]:

@@ -14,11 +14,13 @@ answers each `gen` and `select` with the segment's result for that step, after c
 the prompt is, character for character, the text the runtime continued. Where it is not (the
 placeholder was wrong about a template), the rest of the segment is cancelled and the
 remaining calls go to the real backend one by one. Either way every call's answer is the one
-the per-call path would have got.
+the per-call path would have got. The chat template's renderings made while planning are
+reused by the replay rather than asked for twice.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Callable, Sequence
 
 from radixlm.backends.backend import Backend, Generation, OnDelta, Prompt
@@ -50,11 +52,26 @@ _PLACEHOLDER = {int: "0", float: "0", bool: "True", str: '""'}
 _PLACEHOLDER_TEXT = "RadixlmSegmentText"
 
 
-def plan(interp: Any, exprs: Sequence[Expr]) -> tuple[int, Segment] | None:
-    """(how many of `exprs` the segment covers, the segment), or None when fewer than two
-    model steps would be in it (one step gains nothing over a call). `interp` is the
-    Interpreter whose state the segment continues."""
-    recorder = _Recorder(interp.backend)
+class Renders:
+    """The chat template's renderings made while planning, reused by the replay, which renders
+    the same messages again (over HTTP each rendering is a request)."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.done: dict[str, str | None] = {}
+
+    def __call__(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str | None:
+        key = json.dumps([messages, add_generation_prompt], sort_keys=True, default=str)
+        if key not in self.done:
+            self.done[key] = self.backend.render_chat(messages, add_generation_prompt)
+        return self.done[key]
+
+
+def plan(interp: Any, exprs: Sequence[Expr]) -> tuple[int, Segment, Renders] | None:
+    """(how many of `exprs` the segment covers, the segment, the renderings planning made),
+    or None when fewer than two model steps would be in it (one step gains nothing over a
+    call). `interp` is the Interpreter whose state the segment continues."""
+    recorder = _Recorder(Renders(interp.backend))
     shadow = type(interp)(recorder, interp.defaults, parent=interp)  # a copy of the state
     recorder.shadow = shadow
     start_text = shadow.text
@@ -74,7 +91,7 @@ def plan(interp: Any, exprs: Sequence[Expr]) -> tuple[int, Segment] | None:
     steps = recorder.steps[:sum(1 for e in exprs[:covered] if _is_step(e))]
     if len(steps) < 2:
         return None
-    return covered, Segment(start_text, tuple(steps), stream=interp.stream)
+    return covered, Segment(start_text, tuple(steps), stream=interp.stream), recorder.render
 
 
 def _is_step(expr: Expr) -> bool:
@@ -93,8 +110,8 @@ def _plannable(expr: Expr) -> bool:
 class _Recorder(Backend):
     """The planning backend: records steps, answers with placeholders."""
 
-    def __init__(self, real: Backend) -> None:
-        self.real = real
+    def __init__(self, render: Renders) -> None:
+        self.render = render
         self.steps: list[Step] = []
         self.shadow: Any = None  # the Interpreter planning runs on
         self.expr: Expr | None = None
@@ -119,14 +136,16 @@ class _Recorder(Backend):
 
     def render_chat(self, messages: list[dict[str, Any]],
                     add_generation_prompt: bool = False) -> str | None:
-        return self.real.render_chat(messages, add_generation_prompt)
+        return self.render(messages, add_generation_prompt)
 
 
 class Replay(Backend):
     """Answers a segment's calls from its results, in order, while the prompts match."""
 
-    def __init__(self, real: Backend, segment: Segment, stream: SegmentStream) -> None:
+    def __init__(self, real: Backend, segment: Segment, stream: SegmentStream,
+                 render: Renders) -> None:
         self.real = real
+        self.render = render
         self.segment = segment
         self.stream: SegmentStream | None = stream
         self.next_step = 0
@@ -198,4 +217,4 @@ class Replay(Backend):
 
     def render_chat(self, messages: list[dict[str, Any]],
                     add_generation_prompt: bool = False) -> str | None:
-        return self.real.render_chat(messages, add_generation_prompt)
+        return self.render(messages, add_generation_prompt)

@@ -122,10 +122,10 @@ def test_a_wrong_plan_falls_back_to_calls(engine, replayed, monkeypatch):
         planned = plan(interp, exprs)
         if planned is None:
             return None
-        count, segment = planned
+        count, segment, renders = planned
         steps = list(segment.steps)
         steps[1] = GenStep("something else" + steps[1].before, steps[1].params)
-        return count, Segment(segment.text, tuple(steps))
+        return count, Segment(segment.text, tuple(steps)), renders
 
     per_call = rl.Engine(engine=engine)
     per_call.supports_segments = False
