@@ -14,46 +14,47 @@ Rendering with the real history keeps whatever the template does around the firs
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 ROLES = ("system", "user", "assistant", "tool")
 # Letters and digits only, so a template that JSON-encodes the content (tool results, in some)
 # writes it unchanged.
 _MARK = "RadixlmContent7f3a9c"
 
-Render = Callable[[list[dict[str, Any]]], "str | None"]
+Render = Callable[[list[dict[str, Any]]], Awaitable["str | None"]]
 
 
 class RoleRenderer:
     def __init__(self, render: Render) -> None:
         self.render = render
 
-    def body(self, history: list[dict[str, Any]], message: dict[str, Any], opening: str,
+    async def body(self, history: list[dict[str, Any]], message: dict[str, Any], opening: str,
              closing: str) -> str | None:
         """The text the template writes for `message` (e.g. an assistant turn that called
         tools) between its opening and its closing; None without a template, or when the
         template opens such a message differently from a plain one."""
-        full = self.render([*history, message])
+        full = await self.render([*history, message])
         if full is None:
             return None
-        before = self.render(history) if history else ""
+        before = await self.render(history) if history else ""
         text = full[len(before or ""):]
         if not text.startswith(opening):
             return None
         text = text[len(opening):]
         return text[:-len(closing)] if closing and text.endswith(closing) else text
-    def delimiters(self, history: list[dict[str, Any]], role: str,
+
+    async def delimiters(self, history: list[dict[str, Any]], role: str,
                    fields: dict[str, Any] | None = None) -> tuple[str, str]:
         """(opening, closing) text of a `role` message (with these other fields, e.g. a tool
         result's tool_call_id) that follows `history`."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}; got {role!r}")
-        full = self.render([*history, {"role": role, "content": _MARK, **(fields or {})}])
+        full = await self.render([*history, {"role": role, "content": _MARK, **(fields or {})}])
         if full is None:
             # No template (e.g. an OpenAI-compatible server, which takes messages): a plain
             # readable form for s.text(); the messages are what such a backend sends.
             return f"{role}: ", "\n"
-        before = self.render(history) if history else ""
+        before = await self.render(history) if history else ""
         if before is None or not full.startswith(before) or _MARK not in full:
             raise ValueError(f"role {role!r}: the chat template does not render messages "
                              f"incrementally; it cannot be used with roles")

@@ -1,8 +1,10 @@
-"""Executes one program state: its expressions, in order, off the program's thread.
+"""Executes one program state: its expressions, in order, as a task of an event loop (the
+background loop for `run`, the caller's own for `arun`).
 
 `s += expr` only queues the expression, so the program's Python code runs ahead until it reads
-a value (`s["name"]`), which waits for it. That is what lets a fork's branches, and the
-programs of a batch, reach the engine at the same time and share one batch.
+a value (`s["name"]`, or `await s.aget("name")` in an async program), which waits for it.
+That is what lets a fork's branches, and the programs of a batch, reach the engine at the same
+time and share one batch.
 
 A failure (a bad request, a backend error) stops the state: the rest of its queue is dropped,
 and every read of a variable it did not produce raises `ProgramError` with the cause. Nothing
@@ -11,6 +13,7 @@ waits forever.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from radixlm import segments
+from radixlm.backends import background
 from radixlm.backends.backend import Backend, Prompt
 from radixlm.chat import RoleRenderer
 from radixlm.expr import (
@@ -55,13 +59,18 @@ class Chunk:
 
 
 class Interpreter:
-    def __init__(self, backend: Backend, defaults: dict[str, Any], stream: bool = False,
+    def __init__(self, backend: Backend, defaults: dict[str, Any],
+                 loop: asyncio.AbstractEventLoop, stream: bool = False,
                  parent: "Interpreter | None" = None) -> None:
         self.backend = backend
         self.defaults = defaults  # run()'s sampling defaults, under every gen's own fields
+        self.loop = loop  # where the state's expressions execute, as one task at a time
         self.stream = stream
         self.renderer = RoleRenderer(self._render)
+        # Guards what the program's side and the executing task share; the program's side
+        # may be another thread (run) or a coroutine on the same loop (arun).
         self._cv = threading.Condition()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self._queue: deque[Expr] = deque()
         # Expressions at the front of the queue released for execution. A backend that runs
         # segments waits for a flush (a read, a fork, the program's end) so that everything
@@ -69,7 +78,8 @@ class Interpreter:
         self._ready = 0
         self._lazy = backend.supports_segments
         self.flush_group: Callable[[], None] | None = None  # flushes the run's every state
-        self._busy = False  # a worker thread is draining the queue
+        self._busy = False  # a task is draining the queue
+        self._task: asyncio.Task[None] | None = None
         # Variables that queued expressions will (re)write: a read waits for the newest value.
         self._pending: dict[str, int] = {}
         self.error: BaseException | None = None
@@ -124,7 +134,15 @@ class Interpreter:
         self._ready = len(self._queue)
         if self._ready and not self._busy and self.error is None:
             self._busy = True
-            threading.Thread(target=self._drain, name="radixlm-program", daemon=True).start()
+            try:
+                self.loop.call_soon_threadsafe(self._start)
+            except RuntimeError:  # the loop is closed (an arun's loop that ended)
+                self._busy = False
+                self._fail_locked(ProgramError(
+                    "the event loop this program ran on is closed; nothing more can run"))
+
+    def _start(self) -> None:
+        self._task = self.loop.create_task(self._drain())
 
     def _flush_all(self) -> None:
         # A read in one branch starts the others' queued work too, so that forks still run
@@ -134,17 +152,35 @@ class Interpreter:
         else:
             self.flush()
 
+    def _idle(self) -> bool:
+        return not self._busy
+
     def sync(self) -> None:
         """Wait until everything submitted so far has run (or the state failed)."""
         self._flush_all()
-        with self._cv:
-            self._cv.wait_for(lambda: not self._busy)
+        self._wait(self._idle, "the program's end")
+
+    async def asynced(self) -> None:
+        """`sync` for coroutines: waits without blocking the loop."""
+        self._flush_all()
+        await self._await(self._idle)
+
+    def _has(self, name: str) -> Callable[[], bool]:
+        return lambda: (self.error is not None or not self._busy
+                        or (name in self.vars and not self._pending.get(name)))
 
     def get(self, name: str) -> Any:
         self._flush_all()
+        self._wait(self._has(name), f"s[{name!r}]")
+        return self._value(name)
+
+    async def aget(self, name: str) -> Any:
+        self._flush_all()
+        await self._await(self._has(name))
+        return self._value(name)
+
+    def _value(self, name: str) -> Any:
         with self._cv:
-            self._cv.wait_for(lambda: self.error is not None or not self._busy
-                              or (name in self.vars and not self._pending.get(name)))
             if name in self.vars:
                 return self.vars[name]
             if self.error is not None:
@@ -153,91 +189,152 @@ class Interpreter:
             known = ", ".join(sorted(self.vars)) or "none"
             raise KeyError(f"no variable {name!r} in this state (variables: {known})")
 
+    def _wait(self, ready: Callable[[], bool], what: str) -> None:
+        """Block this thread until `ready()`. On the state's own event loop that would stop
+        the very task it waits for: an async program awaits instead."""
+        with self._cv:
+            if ready():
+                return
+            if background.running_loop() is self.loop:
+                raise ProgramError(
+                    f"{what} waits for the model, which would block the event loop the program "
+                    f"runs on; in an async program await it (await s.aget(name), "
+                    f"await s.wait(), await s.afork(n), await s.ajoin(forks)), or use run()")
+            self._cv.wait_for(ready)
+
+    async def _await(self, ready: Callable[[], bool]) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._cv:
+                if ready():
+                    return
+                waiter = loop.create_future()
+                self._waiters.append((loop, waiter))
+            await waiter
+
+    def _notify(self) -> None:  # with self._cv held: wake every waiting thread and coroutine
+        self._cv.notify_all()
+        waiters, self._waiters = self._waiters, []
+        for loop, waiter in waiters:
+            try:
+                loop.call_soon_threadsafe(_wake, waiter)
+            except RuntimeError:  # that loop is closed: nobody waits there any more
+                pass
+
     def set_var(self, name: str, value: Any) -> None:
         with self._cv:
             self.vars[name] = value
             self.new_vars.append(name)
-            self._cv.notify_all()
+            self._notify()
 
     def fail(self, error: BaseException) -> None:
         with self._cv:
-            if self.error is None:
-                self.error = error
-            self._queue.clear()
-            self._ready = 0
-            self._pending.clear()
-            self._cv.notify_all()
+            self._fail_locked(error)
+
+    def _fail_locked(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+        self._queue.clear()
+        self._ready = 0
+        self._pending.clear()
+        self._notify()
+
+    def cancel(self, error: BaseException) -> None:
+        """Fail the state and stop what it is executing (its backend call is abandoned)."""
+        self.fail(error)
+        task = self._task
+        if task is not None and not task.done():
+            self.loop.call_soon_threadsafe(task.cancel)
 
     def close(self) -> None:
         with self._cv:
             self.closed = True
-            self._cv.notify_all()
+            self._notify()
+
+    def _chunks_from(self, start: int) -> Callable[[], bool]:
+        return lambda: len(self.chunks) > start or self.closed
 
     def wait_chunks(self, start: int) -> tuple[list[Chunk], bool]:
         """Chunks from index `start` on, waiting for at least one unless the state is done."""
+        self._wait(self._chunks_from(start), "text_iter")
+        return self._chunks_since(start)
+
+    async def await_chunks(self, start: int) -> tuple[list[Chunk], bool]:
+        await self._await(self._chunks_from(start))
+        return self._chunks_since(start)
+
+    def _chunks_since(self, start: int) -> tuple[list[Chunk], bool]:
         with self._cv:
-            self._cv.wait_for(lambda: len(self.chunks) > start or self.closed)
             return self.chunks[start:], self.closed and len(self.chunks) <= start
 
-    # -- the worker thread -------------------------------------------------------------------
+    # -- the executing task ------------------------------------------------------------------
 
-    def _drain(self) -> None:
-        while True:
-            with self._cv:
-                if not self._ready or not self._queue:
-                    self._busy = False
-                    self._cv.notify_all()
-                    return
-                batch = [self._queue.popleft() for _ in range(min(self._ready,
-                                                                  len(self._queue)))]
-                self._ready = 0
-            done = 0
-            while done < len(batch) and self.error is None:
-                planned = segments.plan(self, batch[done:]) if self._lazy else None
-                if planned is None:
-                    self._run_one(batch[done])
-                    done += 1
-                    continue
-                count, segment, renders = planned
-                real = self.backend
-                replay = segments.Replay(real, segment, real.start_segment(segment), renders)
-                self.backend = replay
-                try:
-                    for expr in batch[done:done + count]:
-                        if self.error is None:
-                            self._run_one(expr)
-                finally:
-                    self.backend = real
-                    replay.close()
-                done += count
-
-    def _run_one(self, expr: Expr) -> None:
+    async def _drain(self) -> None:
         try:
-            self._execute(expr)
-        except BaseException as exc:  # noqa: BLE001 - any failure ends this state only
+            while True:
+                with self._cv:
+                    if not self._ready or not self._queue:
+                        self._busy = False
+                        self._notify()
+                        return
+                    count = min(self._ready, len(self._queue))
+                    batch = [self._queue.popleft() for _ in range(count)]
+                    self._ready = 0
+                await self._run_batch(batch)
+        except BaseException as exc:  # cancelled (the run was): nothing more runs
+            with self._cv:
+                self._busy = False
+                self._fail_locked(exc if self.error is None else self.error)
+            raise
+
+    async def _run_batch(self, batch: list[Expr]) -> None:
+        done = 0
+        while done < len(batch) and self.error is None:
+            planned = await segments.plan(self, batch[done:]) if self._lazy else None
+            if planned is None:
+                await self._run_one(batch[done])
+                done += 1
+                continue
+            count, segment, renders = planned
+            real = self.backend
+            replay = segments.Replay(real, segment, real.start_segment(segment), renders)
+            self.backend = replay
+            try:
+                for expr in batch[done:done + count]:
+                    if self.error is None:
+                        await self._run_one(expr)
+            finally:
+                self.backend = real
+                replay.close()
+            done += count
+
+    async def _run_one(self, expr: Expr) -> None:
+        try:
+            await self._execute(expr)
+        except Exception as exc:  # noqa: BLE001 - any failure ends this state only
             log.debug("program step %s failed: %s", type(expr).__name__, exc)
             self.fail(exc)
         name = _produces(expr)
         with self._cv:
             if name is not None and self._pending.get(name):
                 self._pending[name] -= 1
-                self._cv.notify_all()
+                self._notify()
 
-    def _execute(self, expr: Expr) -> None:
+    async def _execute(self, expr: Expr) -> None:
         if isinstance(expr, Text):
             self._append(expr.text)
         elif isinstance(expr, Gen):
-            self._gen(expr)
+            await self._gen(expr)
         elif isinstance(expr, Select):
-            self._select(expr)
+            await self._select(expr)
         elif isinstance(expr, ToolCalls):
-            self._tool_calls(expr)
+            await self._tool_calls(expr)
         elif isinstance(expr, SeparateReasoning):
             self._separate_reasoning(expr)
         elif isinstance(expr, RoleBegin):
-            self._role_begin(expr.role, dict(expr.fields))
+            await self._role_begin(expr.role, dict(expr.fields))
         elif isinstance(expr, RoleEnd):
-            self._role_end(expr.role)
+            await self._role_end(expr.role)
         elif isinstance(expr, VarScopeBegin):
             self.scopes[expr.name] = len(self.text)
         elif isinstance(expr, VarScopeEnd):
@@ -252,9 +349,9 @@ class Interpreter:
         with self._cv:
             self.text += text
             self.chunks.append(Chunk(text, var, meta or {}))
-            self._cv.notify_all()
+            self._notify()
 
-    def _gen(self, expr: Gen) -> None:
+    async def _gen(self, expr: Gen) -> None:
         params = expr.params(self.defaults)
         prompt = Prompt(self.text, self._open_messages(), self.role)
         streamed: list[str] = []
@@ -265,8 +362,8 @@ class Interpreter:
 
         # A number's text is only known once its end is (see expr.NUMBER_END): not streamed.
         number = expr.dtype in (int, float)
-        result = self.backend.generate(prompt, params,
-                                       on_delta if self.stream and not number else None)
+        result = await self.backend.agenerate(prompt, params,
+                                              on_delta if self.stream and not number else None)
         text = result.text.rstrip(" \n") if number else result.text
         done = "".join(streamed)
         if not text.startswith(done):  # never expected; keep the text exact anyway
@@ -277,14 +374,14 @@ class Interpreter:
             self.set_var(expr.name, _convert(text, expr.dtype, expr.name) if expr.convert
                          else text)
 
-    def _select(self, expr: Select) -> None:
+    async def _select(self, expr: Select) -> None:
         # Score "The answer is" + " yes", not "The answer is " + "yes": BPE vocabularies
         # attach a space to the word after it, and a choice scored after a dangling space
         # is an unnatural tokenization the model gives little probability to.
         stem = self.text.rstrip(" ")
         space = self.text[len(stem):]
-        scores = self.backend.score(stem, [space + c for c in expr.choices],
-                                    expr.method.needs_unconditional)
+        scores = await self.backend.ascore(stem, [space + c for c in expr.choices],
+                                           expr.method.needs_unconditional)
         result = expr.method(scores)
         choice = expr.choices[result.index]
         self._append(choice, expr.name)
@@ -294,18 +391,18 @@ class Interpreter:
                                     "unconditional_token_logprobs": scores.unconditional}
             self.set_var(expr.name, choice)
 
-    def _tool_calls(self, expr: ToolCalls) -> None:
+    async def _tool_calls(self, expr: ToolCalls) -> None:
         if self.role != "assistant" or self.text[self.role_start:] or self.role_message:
             raise ValueError("tool_call must be the whole content of an assistant message: "
                              "s += rl.assistant(rl.tool_call(...))")
         prompt = Prompt(self.text, self._open_messages(), self.role)
-        result = self.backend.call_tools(prompt, expr.tools, expr.params(self.defaults))
+        result = await self.backend.acall_tools(prompt, expr.tools, expr.params(self.defaults))
         calls = result.meta.get("tool_calls") or []
         if not calls:  # the model answered with text
             self._append(result.text, expr.name, result.meta)
         else:
             message = {"role": "assistant", "content": result.text, "tool_calls": calls}
-            body = self.renderer.body(self.messages, message, self.role_opening,
+            body = await self.renderer.body(self.messages, message, self.role_opening,
                                       self.role_closing)
             if body is None:  # no template (or an odd one): one JSON call per line
                 body = result.text + "".join(f"\n{json.dumps(c['function'])}" for c in calls)
@@ -325,17 +422,17 @@ class Interpreter:
         self.set_var(f"{expr.name}_reasoning_content", thought)
         self.set_var(expr.name, answer)
 
-    def _role_begin(self, role: str, fields: dict[str, Any] | None = None) -> None:
+    async def _role_begin(self, role: str, fields: dict[str, Any] | None = None) -> None:
         if self.role is not None:
             raise ValueError(f"roles cannot nest: {role!r} opened inside {self.role!r}")
         self.role_fields = fields or {}
-        self.role_opening, self.role_closing = self.renderer.delimiters(
+        self.role_opening, self.role_closing = await self.renderer.delimiters(
             self.messages, role, self.role_fields)
         self._append(self.role_opening)
         self.role, self.role_start = role, len(self.text)
         self.role_message = None
 
-    def _role_end(self, role: str) -> None:
+    async def _role_end(self, role: str) -> None:
         if self.role != role:
             raise ValueError(f"role {role!r} closed but {self.role!r} is open")
         self.messages.append(self.role_message or {
@@ -350,8 +447,13 @@ class Interpreter:
                 "role": self.role, "content": self.text[self.role_start:], **self.role_fields})
         return messages
 
-    def _render(self, messages: list[dict[str, str]]) -> str | None:
-        return self.backend.render_chat(messages, add_generation_prompt=False)
+    async def _render(self, messages: list[dict[str, str]]) -> str | None:
+        return await self.backend.arender_chat(messages, add_generation_prompt=False)
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def _flatten(expr: Expr) -> list[Expr]:

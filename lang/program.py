@@ -12,6 +12,7 @@ and stream on any backend.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import logging
@@ -21,6 +22,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from tqdm.auto import tqdm
 
+from radixlm.backends import background
 from radixlm.backends.backend import Backend, Prompt, resolve_backend
 from radixlm.expr import (
     FIELD_NAMES,
@@ -35,6 +37,8 @@ from radixlm.state import ProgramState, Run
 log = logging.getLogger(__name__)
 
 DEFAULT_CONCURRENCY = 64  # programs of a batch in flight at once
+# Streamed arun bodies still running: the loop only keeps weak references to its tasks.
+_background_tasks: set[asyncio.Task[None]] = set()
 
 
 class Program:
@@ -64,16 +68,39 @@ class Program:
         for every gen in it (e.g. temperature=0, max_tokens=64; a gen's own fields win).
         With stream=True it returns at once; read the output with `state.text_iter()`.
         A failure is recorded in `state.error()` (reading a variable it prevented raises).
-        (`use_thread` is SGLang's; a state always runs its expressions on a worker thread.)"""
+        The program's code runs on this thread (an `async def` program on the background
+        loop); its expressions execute on the background loop. (`use_thread` is SGLang's.)"""
+        if self.is_async:
+            return background.run(self.arun(*args, backend=backend, stream=stream, **kwargs))
         backend = resolve_backend(backend)
         call_args, defaults = self._arguments(args, kwargs)
-        run = Run(backend, defaults, stream)
+        run = Run(backend, defaults, stream, background.loop())
         state = ProgramState(run, run.interpreter())
         if stream:
             threading.Thread(target=self._execute, args=(run, state, call_args),
                              name="radixlm-program-body", daemon=True).start()
         else:
             self._execute(run, state, call_args)
+        return state
+
+    async def arun(self, *args: Any, backend: Backend | None = None, stream: bool = False,
+                   **kwargs: Any) -> ProgramState:
+        """`run` for asyncio code: the program and its expressions run as tasks of the
+        running loop, with no thread of their own. An `async def` program reads values with
+        `await s.aget(name)` (and forks with `await s.afork(n)`, joins with
+        `await s.ajoin(forks)`); a plain `def` program may only append (a read would block
+        the loop, and raises ProgramError). Cancelling the call stops the program's requests.
+        With stream=True it returns at once; read with `state.text_async_iter()`."""
+        backend = resolve_backend(backend)
+        call_args, defaults = self._arguments(args, kwargs)
+        run = Run(backend, defaults, stream, asyncio.get_running_loop())
+        state = ProgramState(run, run.interpreter())
+        if stream:
+            task = asyncio.create_task(self._aexecute(run, state, call_args))
+            _background_tasks.add(task)
+            task.add_done_callback(_background_tasks.discard)
+        else:
+            await self._aexecute(run, state, call_args)
         return state
 
     def run_batch(self, batch_kwargs: Sequence[Mapping[str, Any] | Sequence[Any]], *,
@@ -87,19 +114,39 @@ class Program:
         nothing else); `generator_style=True` yields each as soon as it and those before it
         are done. The prefix all runs share is computed once first and kept cached."""
         backend = resolve_backend(backend)
-        if isinstance(batch_kwargs, Mapping) or not isinstance(batch_kwargs, (list, tuple)):
-            raise TypeError("run_batch: pass a list of dicts (or tuples) of program arguments")
-        if concurrency is None:
-            concurrency = DEFAULT_CONCURRENCY if num_threads == "auto" else num_threads
-        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-            raise ValueError(f"concurrency must be a positive int, got {concurrency!r}")
-        prepared = [self._arguments(*_batch_item(self, item), defaults) for item in batch_kwargs]
+        concurrency = _concurrency(concurrency, num_threads)
+        prepared = self._prepare(batch_kwargs, defaults)
+        if self.is_async:
+            states = background.run(self._arun_all(backend, prepared, concurrency,
+                                                   progress_bar))
+            return iter(states) if generator_style else states
         states = self._run_all(backend, prepared, concurrency, progress_bar)
         return states if generator_style else list(states)
 
+    async def arun_batch(self, batch_kwargs: Sequence[Mapping[str, Any] | Sequence[Any]], *,
+                         backend: Backend | None = None, concurrency: int | None = None,
+                         num_threads: int | str = "auto", progress_bar: bool = True,
+                         **defaults: Any) -> list[ProgramState]:
+        """`run_batch` for asyncio code: every run is a task of the running loop (at most
+        `concurrency` at once), with no thread per program; see `arun`."""
+        backend = resolve_backend(backend)
+        concurrency = _concurrency(concurrency, num_threads)
+        return await self._arun_all(backend, self._prepare(batch_kwargs, defaults),
+                                    concurrency, progress_bar)
+
+    @property
+    def is_async(self) -> bool:
+        """An `async def` program (it awaits its reads)."""
+        return inspect.iscoroutinefunction(self.fn)
+
+    def _prepare(self, batch_kwargs: Any, defaults: Mapping[str, Any]) -> list:
+        if isinstance(batch_kwargs, Mapping) or not isinstance(batch_kwargs, (list, tuple)):
+            raise TypeError("run_batch: pass a list of dicts (or tuples) of program arguments")
+        return [self._arguments(*_batch_item(self, item), defaults) for item in batch_kwargs]
+
     def _run_all(self, backend: Backend, prepared: list, concurrency: int,
                  progress_bar: bool) -> Iterator[ProgramState]:
-        lease = self._warm(backend, prepared)
+        lease = background.run(self._warm(backend, prepared))
         try:
             with ThreadPoolExecutor(max_workers=concurrency,
                                     thread_name_prefix="radixlm-batch") as pool, \
@@ -107,7 +154,7 @@ class Program:
                          desc=self.fn.__name__) as bar:
                 def one(item: tuple[inspect.BoundArguments, dict[str, Any]]) -> ProgramState:
                     call_args, sampling = item
-                    run = Run(backend, sampling, stream=False)
+                    run = Run(backend, sampling, False, background.loop())
                     state = ProgramState(run, run.interpreter())
                     self._execute(run, state, call_args)
                     bar.update(1)
@@ -118,12 +165,34 @@ class Program:
             if lease is not None:
                 backend.release_prefix(lease)
 
+    async def _arun_all(self, backend: Backend, prepared: list, concurrency: int,
+                        progress_bar: bool) -> list[ProgramState]:
+        lease = await self._warm(backend, prepared)
+        slots = asyncio.Semaphore(concurrency)
+        loop = asyncio.get_running_loop()
+        try:
+            with tqdm(total=len(prepared), disable=not progress_bar,
+                      desc=self.fn.__name__) as bar:
+                async def one(call_args: inspect.BoundArguments,
+                              sampling: dict[str, Any]) -> ProgramState:
+                    async with slots:
+                        run = Run(backend, sampling, False, loop)
+                        state = ProgramState(run, run.interpreter())
+                        await self._aexecute(run, state, call_args)
+                        bar.update(1)
+                        return state
+
+                return list(await asyncio.gather(*(one(*item) for item in prepared)))
+        finally:
+            if lease is not None:
+                await backend.arelease_prefix(lease)
+
     def trace(self, *, backend: Backend | None = None, **kwargs: Any) -> str:
         """The text the program builds before its first gen or select, for these arguments
         (with the backend's chat template): the prefix its runs share."""
         backend = resolve_backend(backend)
         call_args, _ = self._arguments((), kwargs)
-        prefix = self._trace(backend, call_args)
+        prefix = background.run(self._trace(backend, call_args))
         return prefix or ""
 
     def cache(self, backend: Backend | None = None, **kwargs: Any) -> str:
@@ -174,33 +243,59 @@ class Program:
             raised = exc
         finally:
             run.finish()
+        self._report(state, raised)
+
+    async def _aexecute(self, run: Run, state: ProgramState,
+                        call_args: inspect.BoundArguments) -> None:
+        raised = None
+        try:
+            body = self.fn(state, *call_args.args[1:], **call_args.kwargs)
+            if inspect.isawaitable(body):
+                await body
+        except asyncio.CancelledError as exc:  # the caller gave up: so does every request
+            run.cancel(exc)
+            raise
+        except BaseException as exc:  # noqa: BLE001 - recorded in the state, see run()
+            state._interp.fail(exc)
+            raised = exc
+        try:
+            await run.afinish()
+        except asyncio.CancelledError as exc:
+            run.cancel(exc)
+            raise
+        self._report(state, raised)
+
+    def _report(self, state: ProgramState, raised: BaseException | None) -> None:
         if raised is not None and self.raise_errors:
             raise raised
         if state._interp.error is not None:
             log.warning("program %s failed: %s", self.fn.__name__, state._interp.error)
 
-    def _warm(self, backend: Backend, prepared: list) -> Any:
+    async def _warm(self, backend: Backend, prepared: list) -> Any:
         """Pin the text every run starts with before its first generation, found by tracing
         the program on each run's arguments."""
         if not backend.supports_cache_hints or len(prepared) < 2:
             return None
-        prefixes = [self._trace(backend, call_args) for call_args, _ in prepared]
+        prefixes = [await self._trace(backend, call_args) for call_args, _ in prepared]
         if any(p is None for p in prefixes):
             return None
         shared = _common_prefix(prefixes)
-        return backend.pin_prefix(shared) if shared else None
+        return await backend.apin_prefix(shared) if shared else None
 
-    def _trace(self, backend: Backend, call_args: inspect.BoundArguments) -> str | None:
+    async def _trace(self, backend: Backend, call_args: inspect.BoundArguments) -> str | None:
         """The prompt of the program's first gen/select: run it against a backend that
-        renders chat roles but stops at the first generation."""
+        renders chat roles but stops at the first generation (a plain program's first read
+        ends it too, as reads cannot wait on the loop)."""
         tracer = _Tracer(backend)
-        run = Run(tracer, {}, stream=False)
+        run = Run(tracer, {}, False, asyncio.get_running_loop())
         interp = run.interpreter()
         try:
-            self.fn(ProgramState(run, interp), *call_args.args[1:], **call_args.kwargs)
-        except BaseException:  # noqa: BLE001 - reading a traced value ends the trace
+            body = self.fn(ProgramState(run, interp), *call_args.args[1:], **call_args.kwargs)
+            if inspect.isawaitable(body):
+                await body
+        except Exception:  # noqa: BLE001 - reading a traced value ends the trace
             pass
-        run.finish()  # runs what was queued up to the first generation, which stops it
+        await run.afinish()  # runs what was queued up to the first generation, which stops it
         return tracer.first_prompt
 
 
@@ -213,15 +308,16 @@ class _Tracer(Backend):
         self.backend = backend
         self.first_prompt: str | None = None
 
-    def generate(self, prompt: Prompt, params: Any, on_delta: Any = None) -> Any:
+    async def agenerate(self, prompt: Prompt, params: Any, on_delta: Any = None) -> Any:
         self._stop(prompt.text)
 
-    def score(self, prefix: str, choices: Sequence[str], unconditional: bool) -> ChoiceScores:
+    async def ascore(self, prefix: str, choices: Sequence[str],
+                     unconditional: bool) -> ChoiceScores:
         self._stop(prefix)
 
-    def render_chat(self, messages: list[dict[str, str]],
-                    add_generation_prompt: bool = False) -> str | None:
-        return self.backend.render_chat(messages, add_generation_prompt)
+    async def arender_chat(self, messages: list[dict[str, str]],
+                           add_generation_prompt: bool = False) -> str | None:
+        return await self.backend.arender_chat(messages, add_generation_prompt)
 
     def _stop(self, text: str) -> Any:
         if self.first_prompt is None:
@@ -235,6 +331,14 @@ def _common_prefix(texts: list[str]) -> str:
     while n < min(len(first), len(last)) and first[n] == last[n]:
         n += 1
     return first[:n]
+
+
+def _concurrency(concurrency: int | None, num_threads: int | str) -> int:
+    if concurrency is None:
+        concurrency = DEFAULT_CONCURRENCY if num_threads == "auto" else num_threads  # type: ignore[assignment]
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise ValueError(f"concurrency must be a positive int, got {concurrency!r}")
+    return concurrency
 
 
 def _batch_item(program: Program, item: Any) -> tuple[tuple, dict[str, Any]]:

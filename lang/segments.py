@@ -21,7 +21,7 @@ reused by the replay rather than asked for twice.
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from radixlm.backends.backend import Backend, Generation, OnDelta, Prompt
 from radixlm.expr import (
@@ -40,6 +40,7 @@ from radixlm.runtime.programs.segment import (
     MAX_STEPS,
     GenStep,
     Segment,
+    SegmentEvent,
     SelectStep,
     Step,
 )
@@ -60,19 +61,20 @@ class Renders:
         self.backend = backend
         self.done: dict[str, str | None] = {}
 
-    def __call__(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str | None:
+    async def __call__(self, messages: list[dict[str, Any]],
+                       add_generation_prompt: bool) -> str | None:
         key = json.dumps([messages, add_generation_prompt], sort_keys=True, default=str)
         if key not in self.done:
-            self.done[key] = self.backend.render_chat(messages, add_generation_prompt)
+            self.done[key] = await self.backend.arender_chat(messages, add_generation_prompt)
         return self.done[key]
 
 
-def plan(interp: Any, exprs: Sequence[Expr]) -> tuple[int, Segment, Renders] | None:
+async def plan(interp: Any, exprs: Sequence[Expr]) -> tuple[int, Segment, Renders] | None:
     """(how many of `exprs` the segment covers, the segment, the renderings planning made),
     or None when fewer than two model steps would be in it (one step gains nothing over a
     call). `interp` is the Interpreter whose state the segment continues."""
     recorder = _Recorder(Renders(interp.backend))
-    shadow = type(interp)(recorder, interp.defaults, parent=interp)  # a copy of the state
+    shadow = type(interp)(recorder, interp.defaults, interp.loop, parent=interp)  # a copy
     recorder.shadow = shadow
     start_text = shadow.text
     covered = 0
@@ -81,7 +83,7 @@ def plan(interp: Any, exprs: Sequence[Expr]) -> tuple[int, Segment, Renders] | N
             break
         recorder.expr = expr
         try:
-            shadow._execute(expr)
+            await shadow._execute(expr)
         except Exception:  # noqa: BLE001 - the real run meets the same failure, per call
             break
         covered += 1
@@ -117,8 +119,8 @@ class _Recorder(Backend):
         self.expr: Expr | None = None
         self.mark = 0  # where the text after the last step starts
 
-    def generate(self, prompt: Prompt, params: SamplingParams,
-                 on_delta: OnDelta | None = None) -> Generation:
+    async def agenerate(self, prompt: Prompt, params: SamplingParams,
+                        on_delta: OnDelta | None = None) -> Generation:
         assert isinstance(self.expr, Gen)
         if params.n != 1:
             raise ValueError("n: a gen produces one completion")
@@ -127,16 +129,17 @@ class _Recorder(Backend):
                                   number=dtype in (int, float)))
         return Generation(_PLACEHOLDER.get(dtype, _PLACEHOLDER_TEXT))
 
-    def score(self, prefix: str, choices: Sequence[str], unconditional: bool) -> ChoiceScores:
+    async def ascore(self, prefix: str, choices: Sequence[str],
+                     unconditional: bool) -> ChoiceScores:
         assert isinstance(self.expr, Select) and self.shadow is not None
         self.steps.append(SelectStep(self.shadow.text[self.mark:], self.expr.choices,
                                      self.expr.method.name))
         return ChoiceScores([[0.0] for _ in choices],
                             [[0.0] for _ in choices] if unconditional else None)
 
-    def render_chat(self, messages: list[dict[str, Any]],
-                    add_generation_prompt: bool = False) -> str | None:
-        return self.render(messages, add_generation_prompt)
+    async def arender_chat(self, messages: list[dict[str, Any]],
+                           add_generation_prompt: bool = False) -> str | None:
+        return await self.render(messages, add_generation_prompt)
 
 
 class Replay(Backend):
@@ -170,10 +173,10 @@ class Replay(Backend):
         self.next_step += 1
         return step
 
-    def _events(self, index: int) -> Any:
+    async def _events(self, index: int) -> AsyncIterator[SegmentEvent]:
         assert self.stream is not None
         while True:
-            event = self.stream.next()
+            event = await self.stream.next()
             if event is None:
                 raise RuntimeError(f"the segment ended before its step {index} did")
             assert event.index == index, (event.index, index)
@@ -181,13 +184,13 @@ class Replay(Backend):
             if event.result is not None:
                 return
 
-    def generate(self, prompt: Prompt, params: SamplingParams,
-                 on_delta: OnDelta | None = None) -> Generation:
+    async def agenerate(self, prompt: Prompt, params: SamplingParams,
+                        on_delta: OnDelta | None = None) -> Generation:
         step = self._take(GenStep, prompt.text, lambda s: s.params == params)
         if step is None:
-            return self.real.generate(prompt, params, on_delta)
+            return await self.real.agenerate(prompt, params, on_delta)
         assert isinstance(step, GenStep)
-        for event in self._events(self.next_step - 1):
+        async for event in self._events(self.next_step - 1):
             if event.result is not None:
                 self.text = prompt.text + step.appended(event.result.text)
                 return Generation(event.result.text, event.result.meta)
@@ -195,15 +198,16 @@ class Replay(Backend):
                 on_delta(event.delta, event.meta)
         raise AssertionError("unreachable")
 
-    def score(self, prefix: str, choices: Sequence[str], unconditional: bool) -> ChoiceScores:
+    async def ascore(self, prefix: str, choices: Sequence[str],
+                     unconditional: bool) -> ChoiceScores:
         # The interpreter's select scores after its text without the trailing spaces.
         text = self.text + self._pending_before()
         step = self._take(SelectStep, text, lambda s: (
             text.rstrip(" ") == prefix
             and [text[len(prefix):] + c for c in s.choices] == list(choices)))
         if step is None:
-            return self.real.score(prefix, choices, unconditional)
-        for event in self._events(self.next_step - 1):
+            return await self.real.ascore(prefix, choices, unconditional)
+        async for event in self._events(self.next_step - 1):
             if event.result is not None:
                 assert event.result.scores is not None
                 self.text = text + event.result.text
@@ -215,6 +219,6 @@ class Replay(Backend):
             return self.segment.steps[self.next_step].before
         return ""
 
-    def render_chat(self, messages: list[dict[str, Any]],
-                    add_generation_prompt: bool = False) -> str | None:
-        return self.render(messages, add_generation_prompt)
+    async def arender_chat(self, messages: list[dict[str, Any]],
+                           add_generation_prompt: bool = False) -> str | None:
+        return await self.render(messages, add_generation_prompt)

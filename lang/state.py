@@ -9,6 +9,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any, AsyncIterator, Iterator, Sequence
 
+from radixlm.backends import background
 from radixlm.expr import Expr, Role, RoleBegin, RoleEnd, VarScopeBegin, VarScopeEnd, to_expr
 from radixlm.interpreter import Interpreter, ProgramError
 
@@ -18,19 +19,23 @@ JOIN_MODES = {"gather_variable": "gather", "concate_and_append": "concat"}  # SG
 
 
 class Run:
-    """What one program run shares across its state and forks: the backend, the leases its
-    forks took (released at join, and at the end of the run whatever happens), its states."""
+    """What one program run shares across its state and forks: the backend, the event loop its
+    states execute on, the leases its forks took (released at join, and at the end of the run
+    whatever happens), its states."""
 
-    def __init__(self, backend: Any, defaults: dict[str, Any], stream: bool) -> None:
+    def __init__(self, backend: Any, defaults: dict[str, Any], stream: bool,
+                 loop: asyncio.AbstractEventLoop) -> None:
         self.backend = backend
         self.defaults = defaults
         self.stream = stream
+        self.loop = loop
         self.interpreters: list[Interpreter] = []
-        self.leases: list[Any] = []
+        self.leases: list[Future] = []
+        self.releases: list[Future] = []  # release calls not known to be done
         self._lock = threading.Lock()
 
     def interpreter(self, parent: Interpreter | None = None) -> Interpreter:
-        interp = Interpreter(self.backend, self.defaults, self.stream, parent)
+        interp = Interpreter(self.backend, self.defaults, self.loop, self.stream, parent)
         interp.flush_group = self.flush
         with self._lock:
             self.interpreters.append(interp)
@@ -48,35 +53,69 @@ class Run:
         engine lets them wait for the prefix's prefill instead of computing it again."""
         if not self.backend.supports_cache_hints or not text:
             return None
-        lease: Future = Future()
-
-        def pin() -> None:
-            try:
-                lease.set_result(self.backend.pin_prefix(text))
-            except BaseException as exc:  # noqa: BLE001 - a failed pin only costs the hint
-                log.warning("prefix pin failed: %s", exc)
-                lease.set_result(None)
-
+        lease = asyncio.run_coroutine_threadsafe(self._pin(text), self.loop)
         with self._lock:
             self.leases.append(lease)
-        threading.Thread(target=pin, name="radixlm-pin", daemon=True).start()
         return lease
 
+    async def _pin(self, text: str) -> Any:
+        try:
+            return await self.backend.apin_prefix(text)
+        except Exception as exc:  # noqa: BLE001 - a failed pin only costs the hint
+            log.warning("prefix pin failed: %s", exc)
+            return None
+
     def release(self, lease: Future | None) -> None:
+        """Release a fork's lease; waits for it, except on the run's own loop (where the end
+        of the run waits)."""
+        future = self._start_release(lease)
+        if future is not None and background.running_loop() is not self.loop:
+            future.result()
+
+    async def arelease(self, lease: Future | None) -> None:
+        future = self._start_release(lease)
+        if future is not None:
+            await asyncio.wrap_future(future)
+
+    def _start_release(self, lease: Future | None) -> Future | None:
         with self._lock:
             if lease is None or lease not in self.leases:
-                return
+                return None
             self.leases.remove(lease)
-        handle = lease.result()
+            future = asyncio.run_coroutine_threadsafe(self._release(lease), self.loop)
+            self.releases.append(future)
+            return future
+
+    async def _release(self, lease: Future) -> None:
+        handle = await asyncio.wrap_future(lease)
         if handle is not None:
-            self.backend.release_prefix(handle)
+            try:
+                await self.backend.arelease_prefix(handle)
+            except Exception as exc:  # noqa: BLE001 - the lease expires by itself
+                log.warning("prefix release failed: %s", exc)
 
     def finish(self) -> None:
         """Wait for every state of the run, release what is still leased, end the streams."""
+        if background.running_loop() is self.loop:
+            raise RuntimeError("Run.finish on the run's own loop: await afinish()")
+        asyncio.run_coroutine_threadsafe(self.afinish(), self.loop).result()
+
+    async def afinish(self) -> None:
         for interp in list(self.interpreters):
-            interp.sync()
+            await interp.asynced()
         for lease in list(self.leases):
-            self.release(lease)
+            await self.arelease(lease)
+        for release in list(self.releases):
+            await asyncio.wrap_future(release)
+        for interp in self.interpreters:
+            interp.close()
+
+    def cancel(self, error: BaseException) -> None:
+        """Stop every state of the run (the caller was cancelled)."""
+        for interp in list(self.interpreters):
+            interp.cancel(error)
+        for lease in list(self.leases):
+            self._start_release(lease)
         for interp in self.interpreters:
             interp.close()
 
@@ -128,11 +167,17 @@ class ProgramState:
     def fork(self, size: int = 1, position_ids_offset: Any = None) -> "ForkGroup":
         """`size` branches that continue from here. Their shared prefix is computed once and
         kept cached until `join` (or the end of the program)."""
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"fork: size must be a positive int, got {size!r}")
-        if position_ids_offset is not None:
-            raise ValueError("fork: position_ids_offset is not supported")
+        _check_fork(size, position_ids_offset)
         self._interp.sync()
+        return self._fork_now(size)
+
+    async def afork(self, size: int = 1, position_ids_offset: Any = None) -> "ForkGroup":
+        """`fork` for async programs: waits for the state without blocking the loop."""
+        _check_fork(size, position_ids_offset)
+        await self._interp.asynced()
+        return self._fork_now(size)
+
+    def _fork_now(self, size: int) -> "ForkGroup":
         self._raise_if_failed()
         lease = self._run.pin(self._interp.text)
         branches = [ProgramState(self._run, self._run.interpreter(self._interp))
@@ -152,21 +197,34 @@ class ProgramState:
         """Wait for the branches. `gather` (SGLang: `gather_variable`) sets (and returns) each
         variable the branches produced as a list over the branches; `concat` (SGLang:
         `concate_and_append`) appends their new text to this state, in branch order."""
-        mode = JOIN_MODES.get(mode, mode)
-        if mode not in ("gather", "concat"):
-            raise ValueError(f"join: mode must be 'gather' or 'concat' (or SGLang's "
-                             f"'gather_variable', 'concate_and_append'), got {mode!r}")
-        if not isinstance(forks, ForkGroup):
-            raise TypeError("join: pass the ForkGroup that fork() returned")
+        mode = _join_mode(forks, mode)
         try:
             for branch in forks:
                 branch._interp.sync()
-            failed = [b._interp.error for b in forks if b._interp.error is not None]
-            if failed:
-                self._interp.fail(failed[0])
-                raise ProgramError(f"a branch failed: {failed[0]}") from failed[0]
+            self._raise_if_branch_failed(forks)
         finally:
             self._run.release(forks.lease)
+        return self._merge(forks, mode)
+
+    async def ajoin(self, forks: "ForkGroup", mode: str = "gather"
+                    ) -> dict[str, list[Any]] | None:
+        """`join` for async programs: waits for the branches without blocking the loop."""
+        mode = _join_mode(forks, mode)
+        try:
+            for branch in forks:
+                await branch._interp.asynced()
+            self._raise_if_branch_failed(forks)
+        finally:
+            await self._run.arelease(forks.lease)
+        return self._merge(forks, mode)
+
+    def _raise_if_branch_failed(self, forks: "ForkGroup") -> None:
+        failed = [b._interp.error for b in forks if b._interp.error is not None]
+        if failed:
+            self._interp.fail(failed[0])
+            raise ProgramError(f"a branch failed: {failed[0]}") from failed[0]
+
+    def _merge(self, forks: "ForkGroup", mode: str) -> dict[str, list[Any]] | None:
         if mode == "concat":
             for branch in forks:
                 self += branch._interp.text[branch._interp.fork_point:]
@@ -193,6 +251,10 @@ class ProgramState:
     def get_var(self, name: str) -> Any:
         return self._interp.get(name)
 
+    async def aget(self, name: str) -> Any:
+        """`s[name]` for async programs: waits for the variable without blocking the loop."""
+        return await self._interp.aget(name)
+
     def set_var(self, name: str, value: Any) -> None:
         self._interp.sync()
         self._interp.set_var(name, value)
@@ -218,6 +280,10 @@ class ProgramState:
     def sync(self) -> None:
         self._interp.sync()
 
+    async def wait(self) -> None:
+        """`sync` for async code: wait until everything appended so far has run."""
+        await self._interp.asynced()
+
     def text_iter(self, var_name: str | None = None) -> Iterator[str]:
         """The text as it is appended (run with stream=True to get gen output token by
         token); with `var_name`, only what gen/select `var_name` produces."""
@@ -233,12 +299,12 @@ class ProgramState:
 
     async def text_async_iter(self, var_name: str | None = None,
                               return_meta_data: bool = False) -> AsyncIterator[Any]:
-        """`text_iter` for asyncio code: waits in a worker thread, never in the event loop.
-        With `return_meta_data`, yields (text, meta info) pairs: the gen's token counts so
-        far and, with return_logprob, the logprobs of the tokens of this piece."""
+        """`text_iter` for asyncio code (it waits without blocking the loop). With
+        `return_meta_data`, yields (text, meta info) pairs: the gen's token counts so far and,
+        with return_logprob, the logprobs of the tokens of this piece."""
         seen = 0
         while True:
-            chunks, done = await asyncio.to_thread(self._interp.wait_chunks, seen)
+            chunks, done = await self._interp.await_chunks(seen)
             if done:
                 return
             seen += len(chunks)
@@ -293,3 +359,23 @@ class ForkGroup(Sequence[ProgramState]):
 
     def join(self, mode: str = "gather") -> dict[str, list[Any]] | None:
         return self.parent.join(self, mode)
+
+    async def ajoin(self, mode: str = "gather") -> dict[str, list[Any]] | None:
+        return await self.parent.ajoin(self, mode)
+
+
+def _check_fork(size: Any, position_ids_offset: Any) -> None:
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"fork: size must be a positive int, got {size!r}")
+    if position_ids_offset is not None:
+        raise ValueError("fork: position_ids_offset is not supported")
+
+
+def _join_mode(forks: Any, mode: str) -> str:
+    mode = JOIN_MODES.get(mode, mode)
+    if mode not in ("gather", "concat"):
+        raise ValueError(f"join: mode must be 'gather' or 'concat' (or SGLang's "
+                         f"'gather_variable', 'concate_and_append'), got {mode!r}")
+    if not isinstance(forks, ForkGroup):
+        raise TypeError("join: pass the ForkGroup that fork() returned")
+    return mode

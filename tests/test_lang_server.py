@@ -3,6 +3,7 @@ OpenAI-compatible routes), against a real `radixlm serve` on the default model."
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import subprocess
@@ -191,3 +192,29 @@ def test_a_streamed_segment_keeps_every_logprob(server_url):
     for name in ("a", "b"):
         key = "output_token_logprobs"
         assert got.get_meta_info(name)[key] == want.get_meta_info(name)[key]
+
+
+def test_async_programs_over_http(server_url):
+    """arun on the server backends (aiohttp, no thread per program) gives what run gives."""
+    from test_lang_async import plan_trip
+
+    remote = rl.RuntimeEndpoint(server_url)
+    openai = rl.OpenAI("default", base_url=server_url + "/v1", api_key="unused")
+    openai.model = remote.get_model_name()
+
+    async def main():
+        trip = await plan_trip.arun(city="Rome", backend=remote, temperature=0)
+        quizzes = await quiz.arun_batch([{"question": "Name a fruit."}] * 2, backend=openai,
+                                        temperature=0, progress_bar=False)
+        streamed = await quiz.arun(question="Name a fruit.", backend=remote, temperature=0,
+                                   stream=True)
+        pieces = [p async for p in streamed.text_async_iter("answer")]
+        return trip, quizzes, streamed, pieces
+
+    trip, quizzes, streamed, pieces = asyncio.run(main())
+    want = plan_trip.run(city="Rome", backend=remote, temperature=0)
+    assert trip.error() is None and trip.text() == want.text()
+    fruit = quiz.run(question="Name a fruit.", backend=openai, temperature=0)
+    assert [q["answer"] for q in quizzes] == [fruit["answer"]] * 2
+    assert "".join(pieces) == streamed["answer"] and len(pieces) > 1
+    assert remote.stats()["leases"] == 0

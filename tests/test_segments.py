@@ -118,8 +118,8 @@ def test_a_wrong_plan_falls_back_to_calls(engine, replayed, monkeypatch):
     guessed wrong) is cancelled at that step; the program continues call by call."""
     plan = segments.plan
 
-    def wrong(interp, exprs):
-        planned = plan(interp, exprs)
+    async def wrong(interp, exprs):
+        planned = await plan(interp, exprs)
         if planned is None:
             return None
         count, segment, renders = planned

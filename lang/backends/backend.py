@@ -1,7 +1,8 @@
 """The one interface between the interpreter and a model.
 
 The interpreter asks for three things: generate text after a prompt, score a list of choices
-after a prompt, and render chat roles. It also passes the program's structure as cache hints
+after a prompt, and render chat roles (and for a segment of a program, when the backend can run
+one). It also passes the program's structure as cache hints
 (`pin_prefix` / `release_prefix`): a backend that has a prefix cache keeps a prefix's KV
 until the hint is released; one that has none ignores the hints. The interpreter knows nothing
 of pages, and the runtime nothing of programs.
@@ -9,11 +10,16 @@ of pages, and the runtime nothing of programs.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
+import functools
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
+from radixlm.backends import background
 from radixlm.runtime.config.sampling_params import SamplingParams
 from radixlm.runtime.programs.choices import ChoiceScores
 from radixlm.runtime.programs.segment import Segment
@@ -46,46 +52,103 @@ class Generation:
 
 
 class Backend:
+    """A backend implements each call either as a coroutine (`agenerate`, `ascore`, ...: the
+    built-in backends, which never block a thread) or as a plain method (`generate`,
+    `score`, ...: simple custom backends). Each form has a default that calls the other: the
+    plain method runs the coroutine on the background loop and waits; the coroutine runs the
+    plain method on a worker thread."""
+
     # True when pin_prefix does something; the interpreter skips tracing work otherwise.
     supports_cache_hints = False
     # True when start_segment runs a program's segment as one request (radixlm/segments.py).
     supports_segments = False
 
-    def generate(self, prompt: Prompt, params: SamplingParams,
-                 on_delta: OnDelta | None = None) -> Generation:
+    async def agenerate(self, prompt: Prompt, params: SamplingParams,
+                        on_delta: OnDelta | None = None) -> Generation:
         """Generate after the prompt. With on_delta, call it with each new, non-empty piece of
         text as it is generated (the pieces add up to the returned text) and that piece's meta
         info (token counts so far; with logprobs, the entries of the tokens new since the last
         piece, see `logprob_meta`)."""
-        raise NotImplementedError
+        return await self._plain("generate", prompt, params, on_delta)
 
-    def score(self, prefix: str, choices: Sequence[str], unconditional: bool) -> ChoiceScores:
+    async def ascore(self, prefix: str, choices: Sequence[str],
+                     unconditional: bool) -> ChoiceScores:
         """Token logprobs of each choice after `prefix` (and with no context when
         `unconditional`), in as few calls as the backend allows."""
-        raise NotImplementedError
+        return await self._plain("score", prefix, choices, unconditional)
 
-    def render_chat(self, messages: list[dict[str, Any]],
-                    add_generation_prompt: bool = False) -> str | None:
+    async def arender_chat(self, messages: list[dict[str, Any]],
+                           add_generation_prompt: bool = False) -> str | None:
         """The model's chat template applied to `messages`; None when there is none."""
-        return None
+        if not _overrides(self, "render_chat"):
+            return None
+        return await self._plain("render_chat", messages, add_generation_prompt)
 
-    def call_tools(self, prompt: Prompt, tools: Any, params: SamplingParams) -> Generation:
+    async def acall_tools(self, prompt: Prompt, tools: Any, params: SamplingParams
+                          ) -> Generation:
         """The model's reply to `prompt.messages` (ending in an open, empty assistant message)
         given `tools` (a ToolRequest): its text, and in meta["tool_calls"] the calls it made
         in OpenAI's shape with the arguments as an object."""
-        raise BackendError("tool_call: this backend does not support tool calling")
+        if not _overrides(self, "call_tools"):
+            raise BackendError("tool_call: this backend does not support tool calling")
+        return await self._plain("call_tools", prompt, tools, params)
+
+    async def apin_prefix(self, text: str) -> Any:
+        """Keep `text`'s KV cached until `release_prefix(handle)`; None when not pinned."""
+        if not _overrides(self, "pin_prefix"):
+            return None
+        return await self._plain("pin_prefix", text)
+
+    async def arelease_prefix(self, handle: Any) -> None:
+        if _overrides(self, "release_prefix"):
+            await self._plain("release_prefix", handle)
 
     def start_segment(self, segment: Segment) -> SegmentStream:
-        """Start executing a segment (when supports_segments); its events come through the
-        returned stream as the runtime produces them."""
+        """Start executing a segment (when supports_segments), as a task of the running
+        loop; its events come through the returned stream as the runtime produces them."""
         raise NotImplementedError
 
+    # The plain forms.
+
+    def generate(self, prompt: Prompt, params: SamplingParams,
+                 on_delta: OnDelta | None = None) -> Generation:
+        return self._coroutine("agenerate", prompt, params, on_delta)
+
+    def score(self, prefix: str, choices: Sequence[str], unconditional: bool) -> ChoiceScores:
+        return self._coroutine("ascore", prefix, choices, unconditional)
+
+    def render_chat(self, messages: list[dict[str, Any]],
+                    add_generation_prompt: bool = False) -> str | None:
+        if not _overrides(self, "arender_chat"):
+            return None
+        return self._coroutine("arender_chat", messages, add_generation_prompt)
+
+    def call_tools(self, prompt: Prompt, tools: Any, params: SamplingParams) -> Generation:
+        if not _overrides(self, "acall_tools"):
+            raise BackendError("tool_call: this backend does not support tool calling")
+        return self._coroutine("acall_tools", prompt, tools, params)
+
     def pin_prefix(self, text: str) -> Any:
-        """Keep `text`'s KV cached until `release_prefix(handle)`; None when not pinned."""
-        return None
+        if not _overrides(self, "apin_prefix"):
+            return None
+        return self._coroutine("apin_prefix", text)
 
     def release_prefix(self, handle: Any) -> None:
-        pass
+        if _overrides(self, "arelease_prefix"):
+            self._coroutine("arelease_prefix", handle)
+
+    def _coroutine(self, name: str, *args: Any) -> Any:
+        if not _overrides(self, name):
+            raise NotImplementedError(f"{type(self).__name__} implements neither "
+                                      f"{name.removeprefix('a')} nor {name}")
+        return background.run(getattr(self, name)(*args))
+
+    async def _plain(self, name: str, *args: Any) -> Any:
+        if not _overrides(self, name):
+            raise NotImplementedError(f"{type(self).__name__} implements neither {name} nor "
+                                      f"a{name}")
+        return await asyncio.get_running_loop().run_in_executor(
+            _plain_calls(), functools.partial(getattr(self, name), *args))
 
     def flush_cache(self) -> bool:
         """Drop the backend's cached prefixes; False when it has no cache to flush."""
@@ -103,6 +166,25 @@ class Backend:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _overrides(backend: Backend, name: str) -> bool:
+    return getattr(type(backend), name) is not getattr(Backend, name)
+
+
+# Plain backend methods block a thread each while they run; the pool is large enough for a
+# batch's programs (run_batch's 64) and their forks to call at once.
+_PLAIN_WORKERS = 256
+_plain_pool: ThreadPoolExecutor | None = None
+_plain_lock = threading.Lock()
+
+
+def _plain_calls() -> ThreadPoolExecutor:
+    global _plain_pool
+    with _plain_lock:
+        if _plain_pool is None:
+            _plain_pool = ThreadPoolExecutor(_PLAIN_WORKERS, thread_name_prefix="radixlm-call")
+        return _plain_pool
 
 
 def logprob_meta(entries: Sequence[tuple[float | None, int, Any]], total: int,

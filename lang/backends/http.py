@@ -1,16 +1,19 @@
-"""JSON over HTTP for the server backends, on the standard library (no client dependency):
-a program that talks to a server needs nothing but radixlm."""
+"""JSON over HTTP for the server backends, on aiohttp: every call is a coroutine, so a
+program waiting on a server holds no thread (the synchronous API runs these on the background
+loop, see background.py)."""
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import json
-import socket
-import urllib.error
-import urllib.request
-from typing import Any, Iterator
+from typing import Any, AsyncIterator
 
 from radixlm.backends.backend import BackendError
+
+# aiohttp sessions, one per event loop that made calls (a session belongs to its loop). Each
+# is closed when its loop shuts down (asyncio.run cancels the task that holds it).
+_sessions: dict[asyncio.AbstractEventLoop, Any] = {}
+_keepers: set[asyncio.Task[None]] = set()
 
 
 class HttpClient:
@@ -19,66 +22,105 @@ class HttpClient:
         self.api_key = api_key
         self.timeout = timeout
 
-    def get(self, path: str) -> Any:
-        with self._open("GET", path, None) as response:
-            return json.load(response)
+    async def get(self, path: str) -> Any:
+        return await self._json("GET", path, None)
 
-    def post(self, path: str, body: dict[str, Any]) -> Any:
-        with self._open("POST", path, body) as response:
-            return json.load(response)
+    async def post(self, path: str, body: dict[str, Any]) -> Any:
+        return await self._json("POST", path, body)
 
-    def stream(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        """Server-sent events: yield each `data:` payload until `data: [DONE]`."""
-        with self._open("POST", path, body) as response:
-            yield from self.events(response, path)
+    async def stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Server-sent events: yield each `data:` payload until `data: [DONE]`. Stopping the
+        iteration (or cancelling its task) closes the connection, which the server sees as
+        the client going away."""
+        async with self._request("POST", path, body) as response:
+            await self._check(response, "POST", path)
+            try:
+                async for raw in response.content:
+                    line = raw.decode("utf-8").strip()
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[len("data:"):].strip()
+                    if data == "[DONE]":
+                        return
+                    event = json.loads(data)
+                    if isinstance(event, dict) and "error" in event:
+                        raise BackendError(f"{path}: {_message(event)}")
+                    yield event
+            except BaseException:
+                response.close()  # not read to the end: the connection cannot be reused
+                raise
 
-    def open_stream(self, path: str, body: dict[str, Any]) -> Any:
-        """POST and return the open response, for `events`; `hang_up` ends it."""
-        return self._open("POST", path, body)
+    async def _json(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
+        async with self._request(method, path, body) as response:
+            await self._check(response, method, path)
+            return json.loads(await response.read())
 
-    @staticmethod
-    def hang_up(response: Any) -> None:
-        """Close a response from another thread: the socket is shut down first, so that a
-        read blocked on it returns now (and the server sees the client go)."""
-        sock = getattr(getattr(getattr(response, "fp", None), "raw", None), "_sock", None)
-        with contextlib.suppress(OSError):
-            if sock is not None:
-                sock.shutdown(socket.SHUT_RDWR)
-        with contextlib.suppress(Exception):
-            response.close()
+    def _request(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
+        import aiohttp
 
-    @staticmethod
-    def events(response: Any, path: str) -> Iterator[dict[str, Any]]:
-        """A response's server-sent events (see `stream`)."""
-        for raw in response:
-            line = raw.decode("utf-8").strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[len("data:"):].strip()
-            if data == "[DONE]":
-                return
-            event = json.loads(data)
-            if isinstance(event, dict) and "error" in event:
-                raise BackendError(f"{path}: {_message(event)}")
-            yield event
-
-    def _open(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         data = None if body is None else json.dumps(body).encode("utf-8")
-        request = urllib.request.Request(self.base_url + path, data=data, headers=headers,
-                                         method=method)
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.timeout,
+                                        sock_read=self.timeout)
+        return _Call(_session().request(method, self.base_url + path, data=data,
+                                        headers=headers, timeout=timeout),
+                     f"{method} {self.base_url}{path}")
+
+    @staticmethod
+    async def _check(response: Any, method: str, path: str) -> None:
+        if response.status < 400:
+            return
+        raw = await response.read()
         try:
-            return urllib.request.urlopen(request, timeout=self.timeout)
-        except urllib.error.HTTPError as exc:
-            try:
-                detail = _message(json.loads(exc.read()))
-            except ValueError:
-                detail = exc.reason
-            raise BackendError(f"{method} {path}: HTTP {exc.code}: {detail}") from None
-        except urllib.error.URLError as exc:
-            raise BackendError(f"{method} {self.base_url}{path}: {exc.reason}") from None
+            detail = _message(json.loads(raw))
+        except ValueError:
+            detail = response.reason
+        raise BackendError(f"{method} {path}: HTTP {response.status}: {detail}")
+
+
+class _Call:
+    """A request's context: a failure to connect becomes a BackendError naming the URL."""
+
+    def __init__(self, request: Any, where: str) -> None:
+        self.request = request
+        self.where = where
+
+    async def __aenter__(self) -> Any:
+        import aiohttp
+
+        try:
+            return await self.request.__aenter__()
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            raise BackendError(f"{self.where}: {exc or type(exc).__name__}") from None
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.request.__aexit__(*exc)
+
+
+def _session() -> Any:
+    import aiohttp
+
+    loop = asyncio.get_running_loop()
+    session = _sessions.get(loop)
+    if session is None or session.closed:
+        for old in [old for old in _sessions if old.is_closed()]:
+            del _sessions[old]
+        session = _sessions[loop] = aiohttp.ClientSession()
+        keeper = loop.create_task(_close_at_shutdown(loop, session))
+        _keepers.add(keeper)
+        keeper.add_done_callback(_keepers.discard)
+    return session
+
+
+async def _close_at_shutdown(loop: asyncio.AbstractEventLoop, session: Any) -> None:
+    try:
+        await asyncio.Event().wait()  # until the loop's shutdown cancels this task
+    finally:
+        if _sessions.get(loop) is session:
+            del _sessions[loop]
+        await session.close()
 
 
 def _message(payload: Any) -> str:

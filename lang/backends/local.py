@@ -18,8 +18,8 @@ from radixlm.runtime.config.sampling_params import SamplingParams
 from radixlm.runtime.engine.engine import Engine as RuntimeEngine
 from radixlm.runtime.engine.tokenization import encode_prompt
 from radixlm.runtime.programs.choices import ChoiceScores, document_start
-from radixlm.runtime.programs.segment import GenPiece, Segment, StepResult
-from radixlm.runtime.programs.stream import SegmentStream, run_in_thread
+from radixlm.runtime.programs.segment import GenPiece, Segment, StepResult, run_segment
+from radixlm.runtime.programs.stream import SegmentStream
 from radixlm.runtime.protocol import tool_formats, tool_requests
 from radixlm.runtime.scheduling.request import Output, TokenLogprob
 
@@ -49,17 +49,16 @@ class EngineBackend(Backend):
         if self.tokenizer is None:
             raise ValueError("model: programs need a model with a tokenizer")
 
-    def generate(self, prompt: Prompt, params: SamplingParams,
-                 on_delta: OnDelta | None = None) -> Generation:
+    async def agenerate(self, prompt: Prompt, params: SamplingParams,
+                        on_delta: OnDelta | None = None) -> Generation:
         if params.n != 1:
             raise ValueError("n: a gen produces one completion; use s.fork(n) for several")
         if on_delta is None:
-            out = self.engine.generate(prompt.text, params)
+            out = await self.engine.async_generate(prompt.text, params)
+            assert not isinstance(out, list)
         else:
-            out = asyncio.run(self._stream(prompt.text, params, on_delta))
-        if out.finish_reason == "abort":
-            raise BackendError(f"the engine aborted the request: {out.error or 'aborted'}")
-        return Generation(out.text, self._meta(out))
+            out = await self._stream(prompt.text, params, on_delta)
+        return Generation(_finished(out).text, self._meta(out))
 
     async def _stream(self, text: str, params: SamplingParams, on_delta: OnDelta) -> Output:
         last = None
@@ -82,7 +81,7 @@ class EngineBackend(Backend):
             yield out.delta, meta, out
 
     def start_segment(self, segment: Segment) -> SegmentStream:
-        return run_in_thread(segment, _EngineOps(self))
+        return SegmentStream(run_segment(segment, _EngineOps(self)))
 
     def _meta(self, out: Output, logprobs_from: int = 0, prompt: bool = True) -> dict[str, Any]:
         meta: dict[str, Any] = {
@@ -111,28 +110,32 @@ class EngineBackend(Backend):
         it = iter(known)
         return [(None, None, None) if e is None else next(it) for e in logprobs]
 
-    def score(self, prefix: str, choices: Sequence[str], unconditional: bool) -> ChoiceScores:
+    async def ascore(self, prefix: str, choices: Sequence[str],
+                     unconditional: bool) -> ChoiceScores:
         choice_ids = [self.tokenizer.encode(c, add_special_tokens=False) for c in choices]
         empty = [c for c, ids in zip(choices, choice_ids) if not ids]
         if empty:
             raise ValueError(f"choices: {empty[0]!r} encodes to no tokens")
         prefix_ids = encode_prompt(self.tokenizer, prefix) if prefix else self._no_context()
-        conditional = self.engine.score(prefix_ids, choice_ids)
-        prior = self.engine.score(self._no_context(), choice_ids) if unconditional else None
+        conditional = await self.engine.async_score(prefix_ids, choice_ids)
+        prior = (await self.engine.async_score(self._no_context(), choice_ids)
+                 if unconditional else None)
         return ChoiceScores(conditional, prior)
 
     def _no_context(self) -> list[int]:
         return [document_start(self.tokenizer.bos_token_id, [self.tokenizer.eos_token_id])]
 
-    def render_chat(self, messages: list[dict[str, Any]],
-                    add_generation_prompt: bool = False) -> str | None:
+    async def arender_chat(self, messages: list[dict[str, Any]],
+                           add_generation_prompt: bool = False) -> str | None:
+        # Rendering a template is quick work in this thread: no need to leave the loop.
         template = getattr(self.tokenizer, "chat_template", None)
         if not template:
             return None
         return self.engine.apply_chat_template(tool_requests.for_template(template, messages),
                                                add_generation_prompt)
 
-    def call_tools(self, prompt: Prompt, tools: Any, params: SamplingParams) -> Generation:
+    async def acall_tools(self, prompt: Prompt, tools: Any, params: SamplingParams
+                          ) -> Generation:
         """As the server's chat route does it: the template's tools (or a system message
         describing them), the call grammar for required and named choices, the reply parsed
         in the template's format."""
@@ -145,9 +148,7 @@ class EngineBackend(Backend):
             params = params.replace(ebnf=plan.grammar)
         if plan.format == "mistral":
             params = params.replace(skip_special_tokens=False)
-        out = self.engine.generate(text, params)
-        if out.finish_reason == "abort":
-            raise BackendError(f"the engine aborted the request: {out.error or 'aborted'}")
+        out = _finished(await self.engine.async_generate(text, params))
         content, calls = (tool_formats.parse(plan.format, out.text,
                                              [t["name"] for t in tools.tools])
                           if plan.format else (out.text, []))
@@ -156,14 +157,14 @@ class EngineBackend(Backend):
              "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
             for c in calls]})
 
-    def pin_prefix(self, text: str) -> Any:
+    async def apin_prefix(self, text: str) -> Any:
         if not self.supports_cache_hints or not text:
             return None
-        return self.engine.pin_prefix(text, ttl=LEASE_TTL_S)
+        return await self.engine.async_pin_prefix(text, ttl=LEASE_TTL_S)
 
-    def release_prefix(self, handle: Any) -> None:
-        if handle is not None:
-            self.engine.release_prefix(handle)
+    async def arelease_prefix(self, handle: Any) -> None:
+        if handle is not None:  # a quick call on the engine thread, waited for off the loop
+            await asyncio.to_thread(self.engine.release_prefix, handle)
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
@@ -196,12 +197,17 @@ class _EngineOps:
                     yield GenPiece(delta, meta)
                 last = out
         else:
-            async for out in self.backend.engine.generate_stream(text, params):
-                last = out
-        assert last is not None
-        if last.finish_reason == "abort":
-            raise BackendError(f"the engine aborted the request: {last.error or 'aborted'}")
-        yield GenPiece("", {}, StepResult(last.text, self.backend._meta(last)))
+            last = await self.backend.engine.async_generate(text, params)
+        assert last is not None and not isinstance(last, list)
+        yield GenPiece("", {}, StepResult(_finished(last).text, self.backend._meta(last)))
 
     async def score(self, prefix: str, choices: list[str], unconditional: bool) -> ChoiceScores:
-        return await asyncio.to_thread(self.backend.score, prefix, choices, unconditional)
+        return await self.backend.ascore(prefix, choices, unconditional)
+
+
+def _finished(out: Any) -> Output:
+    """The output of a finished request; an aborted one raises."""
+    assert isinstance(out, Output)
+    if out.finish_reason == "abort":
+        raise BackendError(f"the engine aborted the request: {out.error or 'aborted'}")
+    return out

@@ -13,6 +13,7 @@ template-rendered mix, so:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from typing import Any, Sequence
@@ -42,22 +43,22 @@ class OpenAI(Backend):
                                api_key if api_key is not None else os.environ.get(
                                    "OPENAI_API_KEY"), timeout)
 
-    def generate(self, prompt: Prompt, params: SamplingParams,
-                 on_delta: OnDelta | None = None) -> Generation:
+    async def agenerate(self, prompt: Prompt, params: SamplingParams,
+                        on_delta: OnDelta | None = None) -> Generation:
         body = self._body(params)
         if prompt.open_role is None and not prompt.messages:
             path, body["prompt"] = "/completions", prompt.text
         else:
             path, body["messages"] = "/chat/completions", _chat_messages(prompt)
         if on_delta is None:
-            result = self.http.post(path, body)
+            result = await self.http.post(path, body)
             choice = result["choices"][0]
             text = choice["text"] if "text" in choice else choice["message"]["content"] or ""
             return Generation(text, _meta(result, choice))
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
         pieces, meta = [], {}
-        for event in self.http.stream(path, body):
+        async for event in self.http.stream(path, body):
             for choice in event.get("choices") or []:
                 piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
                 if piece:
@@ -69,21 +70,25 @@ class OpenAI(Backend):
                 meta.update(_usage(event["usage"]))
         return Generation("".join(pieces), meta)
 
-    def call_tools(self, prompt: Prompt, tools: Any, params: SamplingParams) -> Generation:
-        return chat_with_tools(self.http, "/chat/completions", self._body(params), prompt, tools)
+    async def acall_tools(self, prompt: Prompt, tools: Any, params: SamplingParams
+                          ) -> Generation:
+        return await chat_with_tools(self.http, "/chat/completions", self._body(params),
+                                     prompt, tools)
 
-    def score(self, prefix: str, choices: Sequence[str], unconditional: bool) -> ChoiceScores:
+    async def ascore(self, prefix: str, choices: Sequence[str],
+                     unconditional: bool) -> ChoiceScores:
         if unconditional:
             raise BackendError("select: unconditional_likelihood_normalized needs scoring "
                                "without context, which OpenAI-compatible servers do not offer; "
                                "use another choices_method")
-        return ChoiceScores([self._choice_logprobs(prefix, c) for c in choices])
+        return ChoiceScores(list(await asyncio.gather(
+            *(self._choice_logprobs(prefix, c) for c in choices))))
 
-    def _choice_logprobs(self, prefix: str, choice: str) -> list[float]:
+    async def _choice_logprobs(self, prefix: str, choice: str) -> list[float]:
         body = {"model": self.model, "prompt": prefix + choice, "max_tokens": 0,
                 "echo": True, "logprobs": 0, "temperature": 0}
         try:
-            result = self.http.post("/completions", body)
+            result = await self.http.post("/completions", body)
             logprobs = result["choices"][0]["logprobs"]
             offsets, values = logprobs["text_offset"], logprobs["token_logprobs"]
         except (BackendError, KeyError, TypeError, IndexError) as exc:
@@ -133,7 +138,7 @@ def request_body(model: str, params: SamplingParams) -> dict[str, Any]:
     return body
 
 
-def chat_with_tools(http: HttpClient, path: str, body: dict[str, Any], prompt: Prompt,
+async def chat_with_tools(http: HttpClient, path: str, body: dict[str, Any], prompt: Prompt,
                     tools: Any) -> Generation:
     """A chat completion with `tools` (a ToolRequest) at `path`: the reply's text, and its
     calls in meta["tool_calls"] with the arguments as objects."""
@@ -144,7 +149,7 @@ def chat_with_tools(http: HttpClient, path: str, body: dict[str, Any], prompt: P
             "tools": tools.template_tools(), "tool_choice": choice}
     if choice != "none":
         body["parallel_tool_calls"] = tools.parallel
-    result = http.post(path, body)
+    result = await http.post(path, body)
     choice_out = result["choices"][0]
     message = choice_out["message"]
     calls = []

@@ -9,9 +9,9 @@ program's segments (several steps in one request).
 from __future__ import annotations
 
 import dataclasses
-import threading
-from typing import Any, Iterator, Sequence
+from typing import Any, AsyncIterator, Sequence
 
+from radixlm.backends import background
 from radixlm.backends.backend import Backend, BackendError, Generation, OnDelta, Prompt
 from radixlm.backends.http import HttpClient
 from radixlm.backends.openai_compat import chat_with_tools, request_body
@@ -33,21 +33,21 @@ class RuntimeEndpoint(Backend):
                  cache_hints: bool = True, segments: bool = True,
                  timeout: float = 600.0) -> None:
         self.http = HttpClient(base_url, api_key, timeout)
-        self.info = self.http.get("/get_model_info")
+        self.info = background.run(self.http.get("/get_model_info"))
         self.supports_cache_hints = cache_hints
         # Servers that predate /generate_program get one call per gen.
         self.supports_segments = segments and bool(self.info.get("supports_segments"))
 
-    def generate(self, prompt: Prompt, params: SamplingParams,
-                 on_delta: OnDelta | None = None) -> Generation:
+    async def agenerate(self, prompt: Prompt, params: SamplingParams,
+                        on_delta: OnDelta | None = None) -> Generation:
         if params.n != 1:
             raise ValueError("n: a gen produces one completion; use s.fork(n) for several")
         body = {"text": prompt.text, **_generate_fields(params),
                 "stream": on_delta is not None}
         if on_delta is None:
-            return _generation(self.http.post("/generate", body))
+            return _generation(await self.http.post("/generate", body))
         stream = _GenerateStream()
-        for event in self.http.stream("/generate", body):
+        async for event in self.http.stream("/generate", body):
             piece = stream.feed(event)
             if piece is not None:
                 on_delta(*piece)
@@ -59,53 +59,59 @@ class RuntimeEndpoint(Backend):
                  {"before": step.before, "select": {"choices": list(step.choices),
                                                     "choices_method": step.method}}
                  for step in segment.steps]
-        return _read_segment(self.http, {"text": segment.text, "steps": steps,
-                                         "stream": segment.stream})
+        # Cancelling the stream hangs up, which makes the server stop the step in flight.
+        return SegmentStream(_segment_events(self.http.stream("/generate_program", {
+            "text": segment.text, "steps": steps, "stream": segment.stream})))
 
-    def call_tools(self, prompt: Prompt, tools: Any, params: SamplingParams) -> Generation:
+    async def acall_tools(self, prompt: Prompt, tools: Any, params: SamplingParams
+                          ) -> Generation:
         # The server's OpenAI route does it all: the template's tools, the call grammar.
-        return chat_with_tools(self.http, "/v1/chat/completions",
-                               request_body("m", params), prompt, tools)
+        return await chat_with_tools(self.http, "/v1/chat/completions",
+                                     request_body("m", params), prompt, tools)
 
-    def score(self, prefix: str, choices: Sequence[str], unconditional: bool) -> ChoiceScores:
-        conditional = self._score({"prefix": prefix} if prefix else
-                                  {"prefix_ids": self._no_context()}, choices)
-        prior = (self._score({"prefix_ids": self._no_context()}, choices)
+    async def ascore(self, prefix: str, choices: Sequence[str],
+                     unconditional: bool) -> ChoiceScores:
+        conditional = await self._score({"prefix": prefix} if prefix else
+                                        {"prefix_ids": self._no_context()}, choices)
+        prior = (await self._score({"prefix_ids": self._no_context()}, choices)
                  if unconditional else None)
         return ChoiceScores(conditional, prior)
 
-    def _score(self, prefix: dict[str, Any], choices: Sequence[str]) -> list[list[float]]:
-        return self.http.post("/score", {**prefix, "continuations": list(choices)})["logprobs"]
+    async def _score(self, prefix: dict[str, Any], choices: Sequence[str]) -> list[list[float]]:
+        result = await self.http.post("/score", {**prefix, "continuations": list(choices)})
+        return result["logprobs"]
 
     def _no_context(self) -> list[int]:
         return [document_start(self.info.get("bos_token_id"),
                                self.info.get("eos_token_ids") or [])]
 
-    def render_chat(self, messages: list[dict[str, str]],
-                    add_generation_prompt: bool = False) -> str | None:
+    async def arender_chat(self, messages: list[dict[str, str]],
+                           add_generation_prompt: bool = False) -> str | None:
         if not self.info.get("has_chat_template"):
             return None
-        return self.http.post("/apply_chat_template", {
-            "messages": messages, "add_generation_prompt": add_generation_prompt})["text"]
+        result = await self.http.post("/apply_chat_template", {
+            "messages": messages, "add_generation_prompt": add_generation_prompt})
+        return result["text"]
 
-    def pin_prefix(self, text: str) -> Any:
+    async def apin_prefix(self, text: str) -> Any:
         if not self.supports_cache_hints or not text:
             return None
-        return self.http.post("/pin_prefix", {"text": text, "ttl": LEASE_TTL_S})["lease_id"]
+        result = await self.http.post("/pin_prefix", {"text": text, "ttl": LEASE_TTL_S})
+        return result["lease_id"]
 
-    def release_prefix(self, handle: Any) -> None:
+    async def arelease_prefix(self, handle: Any) -> None:
         if handle is not None:
-            self.http.post("/release_prefix", {"lease_id": handle})
+            await self.http.post("/release_prefix", {"lease_id": handle})
 
     def stats(self) -> dict[str, Any]:
-        return self.http.get("/get_server_info")["stats"]
+        return self.server_info()["stats"]
 
     def flush_cache(self) -> bool:
-        self.http.post("/flush_cache", {})
+        background.run(self.http.post("/flush_cache", {}))
         return True
 
     def server_info(self) -> dict[str, Any]:
-        return self.http.get("/get_server_info")
+        return background.run(self.http.get("/get_server_info"))
 
     def get_model_name(self) -> str:
         """The model's path or name, as the server reports it (SGLang's method)."""
@@ -164,10 +170,11 @@ class _GenerateStream:
         return _generation(self.last)
 
 
-def _segment_events(events: Iterator[dict[str, Any]]) -> Iterator[SegmentEvent]:
+async def _segment_events(events: AsyncIterator[dict[str, Any]]
+                          ) -> AsyncIterator[SegmentEvent]:
     """/generate_program's events as the replay takes them."""
     streams: dict[int, _GenerateStream] = {}
-    for event in events:
+    async for event in events:
         index = event["index"]
         result = event.get("result")
         if result is not None and "scores" in result:
@@ -208,37 +215,3 @@ def _generation(result: dict[str, Any]) -> Generation:
     meta["finish_reason"] = reason
     meta["matched_stop"] = finish.get("matched") if isinstance(finish, dict) else None
     return Generation(result["text"], meta)
-
-
-def _read_segment(http: HttpClient, body: dict[str, Any]) -> SegmentStream:
-    """POST a segment to /generate_program and read its events on a thread of its own;
-    cancelling hangs up, which makes the server stop the step in flight."""
-    cancelled = threading.Event()
-    opened: dict[str, Any] = {}
-    lock = threading.Lock()
-
-    def read() -> None:
-        try:
-            response = http.open_stream("/generate_program", body)
-            with lock:
-                opened["response"] = response
-                if cancelled.is_set():
-                    http.hang_up(response)
-                    return
-            with response:
-                for event in _segment_events(http.events(response, "/generate_program")):
-                    stream.put(event)
-            stream.put(None)
-        except BaseException as exc:  # noqa: BLE001 - the replay raises it in the program
-            stream.put(None if cancelled.is_set() else exc)
-
-    def cancel() -> None:
-        with lock:
-            cancelled.set()
-            response = opened.get("response")
-        if response is not None:
-            http.hang_up(response)
-
-    stream = SegmentStream(cancel)
-    threading.Thread(target=read, name="radixlm-segment", daemon=True).start()
-    return stream

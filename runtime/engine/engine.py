@@ -138,6 +138,21 @@ class Engine:
         self._submit(requests)
         return [r.request_id for r in requests]
 
+    async def async_generate(self, prompt: str | None = None,
+                             sampling_params: ParamsArg = None, *,
+                             input_ids: Sequence[int] | None = None,
+                             request_id: str | None = None,
+                             cache_salt: str | None = None) -> Output | list[Output]:
+        """`generate` for one prompt, awaited without blocking the event loop (and without a
+        thread): an Output, or a list of n Outputs when n > 1."""
+        single, prompts = self._normalize_prompts(prompt, input_ids)
+        if not single:
+            raise ValueError("prompt: async_generate takes one prompt")
+        ordered = await self._run_async(self._make_requests(prompts, sampling_params,
+                                                            request_id, cache_salt,
+                                                            stream=False))
+        return ordered[0] if len(ordered) == 1 else ordered
+
     def pin_prefix(self, prompt: str | None = None, *,
                    input_ids: Sequence[int] | None = None, cache_salt: str | None = None,
                    ttl: float = 600.0) -> str | None:
@@ -146,6 +161,17 @@ class Engine:
         for `release_prefix`, or None when nothing was pinned: the radix cache is off, the
         prefix is shorter than a page, or leased memory is at `lease_memory_fraction` (a
         warning is logged; requests still run, unpinned)."""
+        return _pinned(self._run(self._pin_requests(prompt, input_ids, cache_salt, ttl)))
+
+    async def async_pin_prefix(self, prompt: str | None = None, *,
+                               input_ids: Sequence[int] | None = None,
+                               cache_salt: str | None = None, ttl: float = 600.0) -> str | None:
+        """`pin_prefix`, awaited."""
+        return _pinned(await self._run_async(self._pin_requests(prompt, input_ids, cache_salt,
+                                                                ttl)))
+
+    def _pin_requests(self, prompt: str | None, input_ids: Sequence[int] | None,
+                      cache_salt: str | None, ttl: float) -> list[Request]:
         if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0:
             raise ValueError(f"ttl must be a positive number of seconds, got {ttl!r}")
         single, prompts = self._normalize_prompts(prompt, input_ids)
@@ -154,10 +180,7 @@ class Engine:
         requests = self._make_requests(prompts, SamplingParams(max_new_tokens=0, temperature=0),
                                        None, cache_salt, stream=False)
         requests[0].pin_ttl = float(ttl)
-        out = self._run(requests)[0]
-        if out.error is not None:
-            raise RuntimeError(f"pin_prefix failed: {out.error}")
-        return out.lease_id
+        return requests
 
     def release_prefix(self, lease_id: str) -> bool:
         """Release a lease from `pin_prefix`; False when it is unknown or already expired."""
@@ -172,18 +195,27 @@ class Engine:
         continuation's earlier tokens. One batch: the prefix is computed once and shared
         (prompt-token logprobs; nothing is generated). With a `request_id`, its requests are
         "<id>#<i>", so abort(request_id) stops them all."""
+        return _scores(self._run(self._score_requests(prefix_ids, continuation_ids,
+                                                      cache_salt, request_id)))
+
+    async def async_score(self, prefix_ids: Sequence[int],
+                          continuation_ids: Sequence[Sequence[int]], *,
+                          cache_salt: str | None = None,
+                          request_id: str | None = None) -> list[list[float]]:
+        """`score`, awaited."""
+        return _scores(await self._run_async(self._score_requests(
+            prefix_ids, continuation_ids, cache_salt, request_id)))
+
+    def _score_requests(self, prefix_ids: Sequence[int],
+                        continuation_ids: Sequence[Sequence[int]], cache_salt: str | None,
+                        request_id: str | None) -> list[Request]:
         prefix = self._check_ids(prefix_ids)
         if not isinstance(continuation_ids, (list, tuple)) or not continuation_ids:
             raise ValueError("continuation_ids must be a non-empty list of token id lists")
         prompts = [prefix + self._check_ids(ids) for ids in continuation_ids]
         params = SamplingParams(max_new_tokens=0, temperature=0, logprob_start_len=len(prefix))
         ids = None if request_id is None else [f"{request_id}#{i}" for i in range(len(prompts))]
-        outputs = self._run(self._make_requests(prompts, params, ids, cache_salt,
-                                                stream=False))
-        failed = [o.error for o in outputs if o.error is not None or o.finish_reason == "abort"]
-        if failed:
-            raise RuntimeError(f"score failed: {failed[0]}")
-        return [[entry.logprob for entry in out.prompt_logprobs] for out in outputs]
+        return self._make_requests(prompts, params, ids, cache_salt, stream=False)
 
     def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping]],
              sampling_params: ParamsArg | Sequence[ParamsArg] = None,
@@ -300,6 +332,26 @@ class Engine:
             raise EngineClosedError("the engine was closed while a call waited on it")
         return [outputs[r.request_id] for r in requests]
 
+    async def _run_async(self, requests: list[Request]) -> list[Output]:
+        """`_run` for a coroutine: the outputs arrive on its loop; cancelling aborts."""
+        results: asyncio.Queue[Output] = asyncio.Queue()
+        put = _threadsafe_put(asyncio.get_running_loop(), results)
+        for request in requests:
+            request.on_output = put
+        outputs: dict[str, Output] = {}
+        self._submit(requests)
+        try:
+            while len(outputs) < len(requests):
+                out = await results.get()
+                outputs[out.request_id] = out
+        except BaseException:
+            for request in requests:
+                self.abort(request.request_id)
+            raise
+        if any(_closed_under(out) for out in outputs.values()):
+            raise EngineClosedError("the engine was closed while a call waited on it")
+        return [outputs[r.request_id] for r in requests]
+
     def _call(self, fn: Callable[[EngineCore], Any]) -> Any:
         """Run fn(core) on the engine thread; return its result or raise its exception."""
         return self._engine_thread.call(fn)
@@ -310,6 +362,19 @@ class Engine:
 
 def _ignore(_: Output) -> None:
     pass
+
+
+def _pinned(outputs: list[Output]) -> str | None:
+    if outputs[0].error is not None:
+        raise RuntimeError(f"pin_prefix failed: {outputs[0].error}")
+    return outputs[0].lease_id
+
+
+def _scores(outputs: list[Output]) -> list[list[float]]:
+    failed = [o.error for o in outputs if o.error is not None or o.finish_reason == "abort"]
+    if failed:
+        raise RuntimeError(f"score failed: {failed[0]}")
+    return [[entry.logprob for entry in out.prompt_logprobs] for out in outputs]
 
 
 def _closed_under(out: Output) -> bool:
