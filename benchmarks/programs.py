@@ -16,12 +16,18 @@ as segments (radixlm/segments.py) and as one call per gen, on the in-process eng
 program latency (p50, p99) one program at a time, and programs/s with 64 at once. Every
 system's greedy output is checked against ours per call.
 
-    python benchmarks/programs.py [--part hints|segments] [--dtype float32]
+Part `async`: many programs of 8 steps at once (64 and 256), with `run_batch` (the program
+bodies on a thread each) against `arun_batch` (every program a task of one event loop), on
+the in-process engine and over HTTP, with SGLang's frontend (a thread per program) as the
+peer: programs/s, the client's peak thread count and its CPU time.
+
+    python benchmarks/programs.py [--part hints|segments|async] [--dtype float32]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
 import json
 import platform
@@ -29,6 +35,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -89,21 +96,21 @@ class Recorder(Backend):
         self.supports_cache_hints = inner.supports_cache_hints
         self.prompts: list[str] = []
 
-    def generate(self, prompt, params, on_delta=None):
+    async def agenerate(self, prompt, params, on_delta=None):
         self.prompts.append(prompt.text)
-        return self.inner.generate(prompt, params, on_delta)
+        return await self.inner.agenerate(prompt, params, on_delta)
 
-    def score(self, prefix, choices, unconditional):
-        return self.inner.score(prefix, choices, unconditional)
+    async def ascore(self, prefix, choices, unconditional):
+        return await self.inner.ascore(prefix, choices, unconditional)
 
-    def render_chat(self, messages, add_generation_prompt=False):
-        return self.inner.render_chat(messages, add_generation_prompt)
+    async def arender_chat(self, messages, add_generation_prompt=False):
+        return await self.inner.arender_chat(messages, add_generation_prompt)
 
-    def pin_prefix(self, text):
-        return self.inner.pin_prefix(text)
+    async def apin_prefix(self, text):
+        return await self.inner.apin_prefix(text)
 
-    def release_prefix(self, handle):
-        self.inner.release_prefix(handle)
+    async def arelease_prefix(self, handle):
+        await self.inner.arelease_prefix(handle)
 
 
 def distinct_tokens(tokenizer: Any, texts: Sequence[str]) -> int:
@@ -276,6 +283,94 @@ def batch_run(name: str, backend: Any, k: int, peer: Any) -> tuple[dict[str, Any
     return {"programs_per_s": BATCH / seconds, "batch_seconds": seconds}, texts
 
 
+ASYNC_STEPS = 8
+ASYNC_SIZES = (64, 256)
+
+
+class ThreadPeak:
+    """The most threads this process had while the block ran (sampled every 5 ms)."""
+
+    def __enter__(self) -> "ThreadPeak":
+        self.peak = threading.active_count()
+        self.done = threading.Event()
+        self.sampler = threading.Thread(target=self._sample, daemon=True)
+        self.sampler.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self.done.wait(0.005):
+            self.peak = max(self.peak, threading.active_count() - 1)  # not the sampler
+
+    def __exit__(self, *exc: Any) -> None:
+        self.done.set()
+        self.sampler.join()
+
+
+def run_async_part(dtype: str | None) -> dict[str, Any]:
+    """{system: {n: figures}}: n programs of ASYNC_STEPS steps at once."""
+    proc, url = start_server(dtype)
+    peer = sglang_notes()
+    results: dict[str, Any] = {}
+    try:
+        with Engine(**({"dtype": dtype} if dtype else {})) as engine:
+            backends = {"in-process": rl.Engine(engine=engine), "HTTP": rl.RuntimeEndpoint(url)}
+            systems = [(f"{where}, {api}", backend, api)
+                       for where, backend in backends.items()
+                       for api in ("run_batch", "arun_batch")]
+            if peer is not None:
+                systems.append(("HTTP, SGLang's frontend", peer[0].RuntimeEndpoint(url),
+                                "sglang"))
+            for name, backend, api in systems:  # warm-up
+                async_batch(backend, api, 4, peer)
+            for n in ASYNC_SIZES:
+                texts = {}
+                for name, backend, api in systems:
+                    figures, texts[name] = async_batch(backend, api, n, peer)
+                    results.setdefault(name, {})[n] = figures
+                    print(f"{name:<28} n={n:<4} {figures['programs_per_s']:7.2f} programs/s"
+                          f"  peak threads {figures['peak_threads']:4}"
+                          f"  client CPU {figures['client_cpu_s']:6.2f} s")
+                base = texts["in-process, run_batch"]
+                for name in texts:
+                    results[name][n]["same_as_run_batch"] = sum(
+                        a == b for a, b in zip(texts[name], base))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    return results
+
+
+def async_batch(backend: Any, api: str, n: int, peer: Any) -> tuple[dict[str, Any], list[str]]:
+    batch = [{"topic": f"{TOPICS[i % len(TOPICS)]} ({i})", "k": ASYNC_STEPS} for i in range(n)]
+    before = threading.active_count()
+    cpu, start = time.process_time(), time.perf_counter()
+    with ThreadPeak() as threads:
+        if api == "sglang":
+            states = peer[1].run_batch(batch, backend=backend, num_threads=n, temperature=0)
+        elif api == "run_batch":
+            states = notes.run_batch(batch, backend=backend, concurrency=n, progress_bar=False,
+                                     temperature=0)
+        else:
+            states = asyncio.run(notes.arun_batch(batch, backend=backend, concurrency=n,
+                                                  progress_bar=False, temperature=0))
+        texts = [s.text() for s in states]
+    seconds = time.perf_counter() - start
+    return {"programs_per_s": n / seconds, "seconds": seconds,
+            "peak_threads": threads.peak, "threads_before": before,
+            "client_cpu_s": time.process_time() - cpu}, texts
+
+
+def print_async(results: dict[str, Any]) -> None:
+    print(f"\n{'system':<28}{'n':>5}{'programs/s':>12}{'vs run_batch':>14}{'peak threads':>14}"
+          f"{'client CPU s':>14}{'same':>10}")
+    for name, by_n in results.items():
+        for n, r in by_n.items():
+            base = results[name.split(",")[0] + ", run_batch"][n]
+            print(f"{name:<28}{n:>5}{r['programs_per_s']:>12.2f}"
+                  f"{r['programs_per_s'] / base['programs_per_s']:>13.2f}x{r['peak_threads']:>14}"
+                  f"{r['client_cpu_s']:>14.2f}{r['same_as_run_batch']:>6}/{n}")
+
+
 def print_segments(results: dict[str, Any]) -> None:
     print(f"\n{'system':<26}{'k':>4}{'p50 ms':>9}{'p99 ms':>9}{'vs per call':>13}"
           f"{'programs/s':>12}{'vs per call':>13}{'same':>8}")
@@ -295,9 +390,15 @@ def main() -> None:
                         help="default: float32 for the hints part (its baseline run), the "
                              "engine's default (GGUF blocks) for the segments part")
     parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--part", choices=["hints", "segments", "all"], default="all")
+    parser.add_argument("--part", choices=["hints", "segments", "async", "all"],
+                        default="all")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.part == "async":
+        results = run_async_part(args.dtype)
+        print_async(results)
+        write(args, {}, None, results)
+        return
     segments = run_segments_part(args.dtype) if args.part != "hints" else None
     if segments is not None:
         print_segments(segments)
@@ -334,7 +435,7 @@ def main() -> None:
 
 
 def write(args: argparse.Namespace, results: dict[str, dict[str, Any]],
-          segments: dict[str, Any] | None) -> None:
+          segments: dict[str, Any] | None, async_results: dict[str, Any] | None = None) -> None:
     record = {"benchmark": "programs", "date": datetime.date.today().isoformat(),
               "machine": {"processor": platform.processor() or platform.machine(),
                           "threads": torch.get_num_threads(), "torch": torch.__version__},
@@ -343,9 +444,10 @@ def write(args: argparse.Namespace, results: dict[str, dict[str, Any]],
                          "latency_runs": LATENCY_RUNS, "batch": BATCH},
               "results": {k: {f: v for f, v in r.items() if f != "texts"}
                           for k, r in results.items()},
-              "segments": segments}
+              "segments": segments, "async": async_results}
+    part = "async_" if async_results is not None else ""
     out = Path(args.out or results_dir() /
-               f"programs_cpu_{args.dtype or 'default'}_{record['date']}.json")
+               f"programs_{part}cpu_{args.dtype or 'default'}_{record['date']}.json")
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}")
 
