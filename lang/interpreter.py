@@ -61,7 +61,7 @@ class Chunk:
 class Interpreter:
     def __init__(self, backend: Backend, defaults: dict[str, Any],
                  loop: asyncio.AbstractEventLoop, stream: bool = False,
-                 parent: "Interpreter | None" = None) -> None:
+                 parent: "Interpreter | None" = None, spec_tokens: int | None = None) -> None:
         self.backend = backend
         self.defaults = defaults  # run()'s sampling defaults, under every gen's own fields
         self.loop = loop  # where the state's expressions execute, as one task at a time
@@ -76,7 +76,9 @@ class Interpreter:
         # segments waits for a flush (a read, a fork, the program's end) so that everything
         # queued by then forms segments; any other starts each expression at once.
         self._ready = 0
-        self._lazy = backend.supports_segments
+        # num_api_spec_tokens: segments whose gens share calls, on a backend that can.
+        self.spec_tokens = spec_tokens if backend.supports_speculation else None
+        self._lazy = backend.supports_segments or self.spec_tokens is not None
         self.flush_group: Callable[[], None] | None = None  # flushes the run's every state
         self._busy = False  # a task is draining the queue
         self._task: asyncio.Task[None] | None = None
@@ -296,8 +298,15 @@ class Interpreter:
                 done += 1
                 continue
             count, segment, renders = planned
+            stream = self._start_segment(segment, batch[done:done + count])
+            if stream is None:
+                for expr in batch[done:done + count]:
+                    if self.error is None:
+                        await self._run_one(expr)
+                done += count
+                continue
             real = self.backend
-            replay = segments.Replay(real, segment, real.start_segment(segment), renders)
+            replay = segments.Replay(real, segment, stream, renders)
             self.backend = replay
             try:
                 for expr in batch[done:done + count]:
@@ -307,6 +316,17 @@ class Interpreter:
                 self.backend = real
                 replay.close()
             done += count
+
+    def _start_segment(self, segment: segments.Segment,
+                       exprs: list[Expr]) -> segments.SegmentStream | None:
+        if self.backend.supports_segments:
+            return self.backend.start_segment(segment)
+        # Speculation continues text: a program in roles makes chat calls, one per gen.
+        roles = self.messages or self.role or any(isinstance(e, (RoleBegin, RoleEnd))
+                                                  for e in exprs)
+        if self.spec_tokens is None or roles:
+            return None
+        return self.backend.speculate(segment, self.spec_tokens)
 
     async def _run_one(self, expr: Expr) -> None:
         try:

@@ -43,9 +43,11 @@ _background_tasks: set[asyncio.Task[None]] = set()
 
 class Program:
     def __init__(self, fn: Callable[..., Any], bound: Mapping[str, Any] | None = None,
-                 raise_errors: bool = False) -> None:
+                 raise_errors: bool = False, num_api_spec_tokens: int | None = None) -> None:
         self.fn = fn
         self.bound = dict(bound or {})
+        # Speculative API execution on backends that support it (see backends/speculation.py).
+        self.num_api_spec_tokens = num_api_spec_tokens
         # True: an exception the program's own code raises also propagates out of run() (and
         # run_batch()), as in SGLang, besides being recorded in the state.
         self.raise_errors = raise_errors
@@ -60,7 +62,8 @@ class Program:
     def bind(self, **kwargs: Any) -> "Program":
         """A program with some arguments fixed."""
         self._split(kwargs)  # unknown names fail here, not at run time
-        return Program(self.fn, {**self.bound, **kwargs}, self.raise_errors)
+        return Program(self.fn, {**self.bound, **kwargs}, self.raise_errors,
+                       self.num_api_spec_tokens)
 
     def run(self, *args: Any, backend: Backend | None = None, stream: bool = False,
             use_thread: bool = True, **kwargs: Any) -> ProgramState:
@@ -74,7 +77,7 @@ class Program:
             return background.run(self.arun(*args, backend=backend, stream=stream, **kwargs))
         backend = resolve_backend(backend)
         call_args, defaults = self._arguments(args, kwargs)
-        run = Run(backend, defaults, stream, background.loop())
+        run = Run(backend, defaults, stream, background.loop(), self.num_api_spec_tokens)
         state = ProgramState(run, run.interpreter())
         if stream:
             threading.Thread(target=self._execute, args=(run, state, call_args),
@@ -93,7 +96,8 @@ class Program:
         With stream=True it returns at once; read with `state.text_async_iter()`."""
         backend = resolve_backend(backend)
         call_args, defaults = self._arguments(args, kwargs)
-        run = Run(backend, defaults, stream, asyncio.get_running_loop())
+        run = Run(backend, defaults, stream, asyncio.get_running_loop(),
+                  self.num_api_spec_tokens)
         state = ProgramState(run, run.interpreter())
         if stream:
             task = asyncio.create_task(self._aexecute(run, state, call_args))
@@ -154,7 +158,8 @@ class Program:
                          desc=self.fn.__name__) as bar:
                 def one(item: tuple[inspect.BoundArguments, dict[str, Any]]) -> ProgramState:
                     call_args, sampling = item
-                    run = Run(backend, sampling, False, background.loop())
+                    run = Run(backend, sampling, False, background.loop(),
+                              self.num_api_spec_tokens)
                     state = ProgramState(run, run.interpreter())
                     self._execute(run, state, call_args)
                     bar.update(1)
@@ -176,7 +181,7 @@ class Program:
                 async def one(call_args: inspect.BoundArguments,
                               sampling: dict[str, Any]) -> ProgramState:
                     async with slots:
-                        run = Run(backend, sampling, False, loop)
+                        run = Run(backend, sampling, False, loop, self.num_api_spec_tokens)
                         state = ProgramState(run, run.interpreter())
                         await self._aexecute(run, state, call_args)
                         bar.update(1)
@@ -353,9 +358,10 @@ def _batch_item(program: Program, item: Any) -> tuple[tuple, dict[str, Any]]:
 
 def function(fn: Callable[..., Any] | None = None, *,
              num_api_spec_tokens: int | None = None) -> Any:
-    """Decorator: `def f(s, ...)` becomes a program (see Program.run / run_batch / bind).
-    `@rl.function(num_api_spec_tokens=N)` is accepted as in SGLang; every gen is its own call
-    (no speculative API execution), so the result is the same, only not the call count."""
+    """Decorator: `def f(s, ...)` (or `async def`) becomes a program (see Program.run /
+    arun / run_batch / bind). `@rl.function(num_api_spec_tokens=N)` turns on speculative API
+    execution on rl.OpenAI: a program's gens share calls of at least N tokens (see
+    backends/speculation.py); other backends run segments (exact) and ignore it."""
     return _decorate(fn, num_api_spec_tokens, raise_errors=False)
 
 
@@ -373,5 +379,6 @@ def _decorate(fn: Callable[..., Any] | None, num_api_spec_tokens: int | None,
         raise ValueError(f"num_api_spec_tokens must be a positive int, got "
                          f"{num_api_spec_tokens!r}")
     if fn is None:
-        return lambda f: Program(f, raise_errors=raise_errors)
-    return Program(fn, raise_errors=raise_errors)
+        return lambda f: Program(f, raise_errors=raise_errors,
+                                 num_api_spec_tokens=num_api_spec_tokens)
+    return Program(fn, raise_errors=raise_errors, num_api_spec_tokens=num_api_spec_tokens)

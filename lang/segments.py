@@ -46,6 +46,8 @@ from radixlm.runtime.programs.segment import (
 )
 from radixlm.runtime.programs.stream import SegmentStream
 
+__all__ = ["Renders", "Replay", "Segment", "SegmentStream", "plan"]
+
 # What a segment can hold besides gen and select.
 _PLAIN = (Text, RoleBegin, RoleEnd, VarScopeBegin, VarScopeEnd)
 # Stands in for a gen's text while planning, by the gen's dtype.

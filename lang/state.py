@@ -24,8 +24,9 @@ class Run:
     whatever happens), its states."""
 
     def __init__(self, backend: Any, defaults: dict[str, Any], stream: bool,
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 loop: asyncio.AbstractEventLoop, spec_tokens: int | None = None) -> None:
         self.backend = backend
+        self.spec_tokens = spec_tokens  # the program's num_api_spec_tokens
         self.defaults = defaults
         self.stream = stream
         self.loop = loop
@@ -35,7 +36,8 @@ class Run:
         self._lock = threading.Lock()
 
     def interpreter(self, parent: Interpreter | None = None) -> Interpreter:
-        interp = Interpreter(self.backend, self.defaults, self.loop, self.stream, parent)
+        interp = Interpreter(self.backend, self.defaults, self.loop, self.stream, parent,
+                             self.spec_tokens)
         interp.flush_group = self.flush
         with self._lock:
             self.interpreters.append(interp)

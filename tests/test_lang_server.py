@@ -218,3 +218,36 @@ def test_async_programs_over_http(server_url):
     assert [q["answer"] for q in quizzes] == [fruit["answer"]] * 2
     assert "".join(pieces) == streamed["answer"] and len(pieces) > 1
     assert remote.stats()["leases"] == 0
+
+
+def test_speculative_api_execution_on_the_openai_backend(server_url):
+    """num_api_spec_tokens: the gens of a program without roles share /v1/completions calls
+    (tests/test_speculation.py has the rules)."""
+
+    def notes(s, topic):
+        s += f"Short notes about {topic}, one line each.\n"
+        for i in range(4):
+            s += f"Note {i + 1}:" + rl.gen(f"note{i}", max_tokens=8, stop="\n") + "\n"
+
+    remote = rl.RuntimeEndpoint(server_url)
+    backend = rl.OpenAI(remote.get_model_name(), base_url=server_url + "/v1", api_key="x")
+
+    def finished() -> int:
+        return remote.stats()["requests_finished"]
+
+    before = finished()
+    want = rl.function(notes).run(topic="rivers", backend=backend, temperature=0)
+    per_call = finished() - before
+    before = finished()
+    got = rl.function(num_api_spec_tokens=64)(notes).run(topic="rivers", backend=backend,
+                                                         temperature=0)
+    speculated = finished() - before
+    assert want.error() is None and got.error() is None and per_call == 4
+    assert got["note0"] == want["note0"]  # the first gen is its own call's text
+    metas = [got.get_meta_info(f"note{i}") for i in range(4)]
+    assert metas[0]["speculated"] is False and metas[0]["prompt_tokens"] > 0
+    assert speculated == 4 - sum(m["speculated"] for m in metas)
+    # A program in chat roles keeps one call per gen.
+    state = rl.function(num_api_spec_tokens=64)(quiz.fn).run(
+        question="Name a fruit.", backend=backend, temperature=0)
+    assert state.error() is None and state["answer"]

@@ -62,6 +62,8 @@ class Backend:
     supports_cache_hints = False
     # True when start_segment runs a program's segment as one request (radixlm/segments.py).
     supports_segments = False
+    # True when `speculate` can answer a segment's gens from shared calls (speculation.py).
+    supports_speculation = False
 
     async def agenerate(self, prompt: Prompt, params: SamplingParams,
                         on_delta: OnDelta | None = None) -> Generation:
@@ -106,6 +108,11 @@ class Backend:
     def start_segment(self, segment: Segment) -> SegmentStream:
         """Start executing a segment (when supports_segments), as a task of the running
         loop; its events come through the returned stream as the runtime produces them."""
+        raise NotImplementedError
+
+    def speculate(self, segment: Segment, spec_tokens: int) -> SegmentStream:
+        """Start a segment whose gens share calls of at least `spec_tokens` tokens (when
+        supports_speculation); a segment of a program without roles."""
         raise NotImplementedError
 
     # The plain forms.

@@ -14,14 +14,18 @@ template-rendered mix, so:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
-from typing import Any, Sequence
+from typing import Any, AsyncIterator, Sequence
 
+from radixlm.backends import speculation
 from radixlm.backends.backend import Backend, BackendError, Generation, OnDelta, Prompt
 from radixlm.backends.http import HttpClient
 from radixlm.runtime.config.sampling_params import SamplingParams
 from radixlm.runtime.programs.choices import ChoiceScores
+from radixlm.runtime.programs.segment import GenPiece, Segment, StepResult
+from radixlm.runtime.programs.stream import SegmentStream
 
 # SamplingParams fields with an OpenAI name; the rest go as extra fields (vLLM, SGLang and
 # radixlm servers accept them) only when they differ from the defaults.
@@ -34,6 +38,8 @@ EXTRA_NAMES = {"top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repeti
 
 
 class OpenAI(Backend):
+    supports_speculation = True
+
     def __init__(self, model: str, base_url: str | None = None, api_key: str | None = None,
                  *, timeout: float = 600.0) -> None:
         if not isinstance(model, str) or not model:
@@ -70,6 +76,25 @@ class OpenAI(Backend):
                 meta.update(_usage(event["usage"]))
         return Generation("".join(pieces), meta)
 
+    def speculate(self, segment: Segment, spec_tokens: int) -> SegmentStream:
+        return SegmentStream(speculation.speculate(segment, _Calls(self), spec_tokens))
+
+    async def complete(self, text: str, params: SamplingParams,
+                       max_tokens: int) -> speculation.Speculated:
+        """A speculative call: `max_tokens` tokens after `text`, no stop, and the tokens'
+        texts (logprobs) to count a gen's tokens by."""
+        body = {**self._body(params.replace(max_new_tokens=max_tokens, stop=())),
+                "prompt": text, "logprobs": 0}
+        result = await self.http.post("/completions", body)
+        choice = result["choices"][0]
+        tokens = (choice.get("logprobs") or {}).get("tokens")
+        ends = None
+        if tokens and "".join(tokens) == choice["text"]:  # else odd bytes: no boundaries
+            ends = list(itertools.accumulate(len(t) for t in tokens))
+        return speculation.Speculated(choice["text"], ends, choice.get("finish_reason"),
+                                      _usage(result.get("usage") or {})["prompt_tokens"],
+                                      params)
+
     async def acall_tools(self, prompt: Prompt, tools: Any, params: SamplingParams
                           ) -> Generation:
         return await chat_with_tools(self.http, "/chat/completions", self._body(params),
@@ -104,6 +129,25 @@ class OpenAI(Backend):
 
     def _body(self, params: SamplingParams) -> dict[str, Any]:
         return request_body(self.model, params)
+
+
+class _Calls:
+    """A speculated segment's calls: `complete`, and the per-call path for the rest."""
+
+    def __init__(self, backend: OpenAI) -> None:
+        self.backend = backend
+
+    async def generate(self, text: str, params: SamplingParams,
+                       stream: bool) -> AsyncIterator[GenPiece]:
+        generation = await self.backend.agenerate(Prompt(text), params)
+        yield GenPiece("", {}, StepResult(generation.text, generation.meta))
+
+    async def score(self, prefix: str, choices: list[str], unconditional: bool) -> ChoiceScores:
+        return await self.backend.ascore(prefix, choices, unconditional)
+
+    async def complete(self, text: str, params: SamplingParams,
+                       max_tokens: int) -> speculation.Speculated:
+        return await self.backend.complete(text, params, max_tokens)
 
 
 def request_body(model: str, params: SamplingParams) -> dict[str, Any]:

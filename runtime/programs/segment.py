@@ -121,12 +121,12 @@ async def run_segment(segment: Segment, ops: SegmentOps) -> AsyncIterator[Segmen
                 raise RuntimeError(f"step {index}: the generation ended without a result")
             text += step.appended(result.text)
         else:
-            result = await _select(text, step, ops)
+            result = await select_step(text, step, ops)
             text += result.text
         yield SegmentEvent(index, result=result)
 
 
-async def _select(text: str, step: SelectStep, ops: SegmentOps) -> StepResult:
+async def select_step(text: str, step: SelectStep, ops: SegmentOps) -> StepResult:
     """As the interpreter's select: the choices scored after the text without its trailing
     spaces, each choice with them in front (BPE words carry their leading space)."""
     method = METHODS[step.method]
