@@ -21,7 +21,11 @@ bodies on a thread each) against `arun_batch` (every program a task of one event
 the in-process engine and over HTTP, with SGLang's frontend (a thread per program) as the
 peer: programs/s, the client's peak thread count and its CPU time.
 
-    python benchmarks/programs.py [--part hints|segments|async] [--dtype float32]
+Part `spec`: speculative API execution (`num_api_spec_tokens`) on the OpenAI backend against
+`radixlm serve`'s /v1/completions, for the k-step programs: calls per program, latency, and
+how many gens equal one call per gen; SGLang's frontend with its OpenAI backend as the peer.
+
+    python benchmarks/programs.py [--part hints|segments|async|spec] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -360,6 +364,70 @@ def async_batch(backend: Any, api: str, n: int, peer: Any) -> tuple[dict[str, An
             "client_cpu_s": time.process_time() - cpu}, texts
 
 
+SPEC_TOKENS = (32, 128)
+SPEC_STEPS = 8
+
+
+def run_spec_part(dtype: str | None) -> dict[str, Any]:
+    """{system: figures} for the SPEC_STEPS-step program over the OpenAI routes."""
+    proc, url = start_server(dtype)
+    results: dict[str, Any] = {}
+    try:
+        remote = rl.RuntimeEndpoint(url)
+        model = remote.get_model_name()
+        ours = rl.OpenAI(model, base_url=url + "/v1", api_key="none")
+        systems: dict[str, tuple[Any, Any]] = {"per call": (notes, ours)}
+        for n in SPEC_TOKENS:
+            systems[f"num_api_spec_tokens={n}"] = (
+                rl.function(num_api_spec_tokens=n)(notes.fn), ours)
+        # SGLang's OpenAI backend, the natural peer, needs tiktoken's encodings, which it
+        # downloads from OpenAI's storage: not measured here.
+        counters = ("requests_finished", "prefill_tokens_computed", "cached_tokens",
+                    "generated_tokens")
+        runs: dict[str, dict[str, list[Any]]] = {name: {"s": [], "counts": [], "vars": []}
+                                                 for name in systems}
+        for topic in TOPICS[:LATENCY_RUNS]:  # the systems interleaved, one program at a time
+            for name, (program, backend) in systems.items():
+                before, start = remote.stats(), time.perf_counter()
+                state = program.run(topic=topic, k=SPEC_STEPS, backend=backend, temperature=0)
+                state.text()
+                runs[name]["s"].append(time.perf_counter() - start)
+                after = remote.stats()
+                runs[name]["counts"].append({c: after[c] - before[c] for c in counters})
+                runs[name]["vars"].append([state[f"note{i}"] for i in range(SPEC_STEPS)])
+        base = runs["per call"]["vars"]
+        for name, r in runs.items():
+            gens = [a == b for got, want in zip(r["vars"], base) for a, b in zip(got, want)]
+
+            def mean(*names: str) -> float:
+                return statistics.mean(sum(c[n] for n in names) for c in r["counts"])  # noqa: B023
+
+            results[name] = {"p50_s": statistics.median(r["s"]),
+                             "calls_per_program": mean("requests_finished"),
+                             "prompt_tokens_per_program": mean("prefill_tokens_computed",
+                                                               "cached_tokens"),
+                             "generated_tokens_per_program": mean("generated_tokens"),
+                             "gens_same_as_per_call": sum(gens), "gens": len(gens),
+                             "first_gen_same": sum(got[0] == want[0] for got, want
+                                                   in zip(r["vars"], base))}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    return results
+
+
+def print_spec(results: dict[str, Any]) -> None:
+    base = results["per call"]
+    print(f"\n{'system':<26}{'calls':>7}{'prompt tok':>12}{'generated':>11}{'p50 ms':>9}"
+          f"{'vs per call':>13}{'gens = per call':>17}{'first gen':>11}")
+    for name, r in results.items():
+        print(f"{name:<26}{r['calls_per_program']:>7.2f}{r['prompt_tokens_per_program']:>12.0f}"
+              f"{r['generated_tokens_per_program']:>11.0f}{r['p50_s'] * 1e3:>9.0f}"
+              f"{base['p50_s'] / r['p50_s']:>12.2f}x"
+              f"{r['gens_same_as_per_call']:>11}/{r['gens']:<5}"
+              f"{r['first_gen_same']:>5}/{LATENCY_RUNS}")
+
+
 def print_async(results: dict[str, Any]) -> None:
     print(f"\n{'system':<28}{'n':>5}{'programs/s':>12}{'vs run_batch':>14}{'peak threads':>14}"
           f"{'client CPU s':>14}{'same':>10}")
@@ -390,14 +458,14 @@ def main() -> None:
                         help="default: float32 for the hints part (its baseline run), the "
                              "engine's default (GGUF blocks) for the segments part")
     parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--part", choices=["hints", "segments", "async", "all"],
+    parser.add_argument("--part", choices=["hints", "segments", "async", "spec", "all"],
                         default="all")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    if args.part == "async":
-        results = run_async_part(args.dtype)
-        print_async(results)
-        write(args, {}, None, results)
+    if args.part in ("async", "spec"):
+        extra = run_async_part(args.dtype) if args.part == "async" else run_spec_part(args.dtype)
+        (print_async if args.part == "async" else print_spec)(extra)
+        write(args, {}, None, extra, args.part)
         return
     segments = run_segments_part(args.dtype) if args.part != "hints" else None
     if segments is not None:
@@ -435,7 +503,8 @@ def main() -> None:
 
 
 def write(args: argparse.Namespace, results: dict[str, dict[str, Any]],
-          segments: dict[str, Any] | None, async_results: dict[str, Any] | None = None) -> None:
+          segments: dict[str, Any] | None, extra: dict[str, Any] | None = None,
+          part: str = "") -> None:
     record = {"benchmark": "programs", "date": datetime.date.today().isoformat(),
               "machine": {"processor": platform.processor() or platform.machine(),
                           "threads": torch.get_num_threads(), "torch": torch.__version__},
@@ -444,10 +513,9 @@ def write(args: argparse.Namespace, results: dict[str, dict[str, Any]],
                          "latency_runs": LATENCY_RUNS, "batch": BATCH},
               "results": {k: {f: v for f, v in r.items() if f != "texts"}
                           for k, r in results.items()},
-              "segments": segments, "async": async_results}
-    part = "async_" if async_results is not None else ""
-    out = Path(args.out or results_dir() /
-               f"programs_{part}cpu_{args.dtype or 'default'}_{record['date']}.json")
+              "segments": segments, **({part: extra} if part else {})}
+    out = Path(args.out or results_dir() / f"programs_{part + '_' if part else ''}cpu_"
+               f"{args.dtype or 'default'}_{record['date']}.json")
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}")
 

@@ -65,7 +65,9 @@ def test_a_program_that_follows_the_model_makes_one_call():
     texts, metas, model = run([gen("Note 1:"), gen("\nNote 2:"), gen("\nNote 3:")])
     # Gen 3 stops at its 8 tokens, before its stop string.
     assert texts == [" cats purr", " dogs bark", " owls hoot at ni"]
-    assert model.completions == [("Animals:\nNote 1:", 64)] and not model.calls
+    # The call asks for what the three gens can use (8 tokens each, the text between them
+    # at most a token per character), less than the 64 allowed.
+    assert model.completions == [("Animals:\nNote 1:", 40)] and not model.calls
     assert [m["speculated"] for m in metas] == [False, True, True]
     assert metas[2]["finish_reason"] == "length" and metas[2]["completion_tokens"] == 8
     assert metas[0]["finish_reason"] == "stop" and metas[0]["matched_stop"] == "\n"
@@ -73,10 +75,11 @@ def test_a_program_that_follows_the_model_makes_one_call():
 
 def test_where_the_program_writes_something_else_the_next_gen_calls_again():
     texts, _, model = run([gen("Note 1:"), gen("\nNote 9:"), gen("\nNote 3:")])
-    # "Note 9:" is not what the model wrote: a new call continues the program's real text.
+    # "Note 9:" is not what the model wrote: the next gen continues the program's real text,
+    # and the last one, which no gen could share, is a plain call.
     assert [t for t, _ in model.completions] == [
-        "Animals:\nNote 1:", "Animals:\nNote 1: cats purr\nNote 9:",
-        "Animals:\nNote 1: cats purr\nNote 9:?!\nNote 3:"]
+        "Animals:\nNote 1:", "Animals:\nNote 1: cats purr\nNote 9:"]
+    assert model.calls == ["Animals:\nNote 1: cats purr\nNote 9:?!\nNote 3:"]
     assert texts == [" cats purr", "?!", "?!"]
 
 
@@ -85,8 +88,8 @@ def test_output_that_runs_out_calls_again():
     steps = [gen("Note 1:"), gen("\nNote 2:"), gen("\nNote 3:", 40)]
     texts, metas, model = run(steps, spec_tokens=14)
     assert texts == [" cats purr", " dogs bark", " owls hoot at night"]
-    assert [m["speculated"] for m in metas] == [False, False, False]
-    assert len(model.completions) == 3
+    assert [m.get("speculated") for m in metas] == [False, False, None]
+    assert len(model.completions) == 2 and len(model.calls) == 1
     # A gen that asks for more tokens than the speculation gets them in its call.
     steps = [gen("Note 1:"), gen("\nNote 2:", 40), gen("\nNote 3:", 40)]
     texts, metas, model = run(steps, spec_tokens=8)
@@ -95,15 +98,17 @@ def test_output_that_runs_out_calls_again():
 
 
 def test_a_model_that_ends_its_output_ends_the_gen():
-    texts, metas, _ = run([gen("Note 1:", stop=())])
-    assert texts == [WORLD[len("Animals:\nNote 1:"):][:16]]  # 8 tokens
-    texts, metas, _ = run([gen("Note 1:", 100, stop=())])
-    assert texts == [WORLD[len("Animals:\nNote 1:"):]] and metas[0]["finish_reason"] == "stop"
+    texts, metas, model = run([gen("Note 1:", 100, stop=()), gen("x")])
+    assert texts == [WORLD[len("Animals:\nNote 1:"):], "?!"]
+    assert metas[0]["finish_reason"] == "stop" and len(model.completions) == 1
 
 
 def test_what_cannot_share_a_call_is_a_call_of_its_own():
-    _, _, model = run([gen("Note 1:"), gen("\nNote 2:", regex="[a-z ]+")])
-    assert model.calls == ["Animals:\nNote 1: cats purr\nNote 2:"] and len(model.completions) == 1
+    _, _, model = run([gen("Note 1:"), gen("\nNote 2:", regex="[a-z ]+"), gen("\nNote 3:"),
+                       gen("\nNote 4:")])
+    # Gens 1 and 2 are plain calls; 3 calls for 3 and 4, where the model writes no "Note 4".
+    assert len(model.calls) == 3 and len(model.completions) == 1
     # A gen that samples differently from the call starts a new one.
-    _, _, model = run([gen("Note 1:"), gen("\nNote 2:", temperature=0.5)])
-    assert len(model.completions) == 2 and not model.calls
+    _, _, model = run([gen("Note 1:"), gen("\nNote 2:"), gen("\nNote 3:", temperature=0.5),
+                       gen("\nNote 4:", temperature=0.5)])
+    assert [text[-7:] for text, _ in model.completions] == ["Note 1:", "Note 3:"]

@@ -1,8 +1,9 @@
 """Speculative API execution (`@rl.function(num_api_spec_tokens=N)`, SGLang's name): on an
 OpenAI-compatible server, which can only continue a text, a segment's `gen`s share calls.
 
-The first `gen` of a segment asks for at least N tokens with no stop, so the model keeps
-writing past the gen's end. Each gen then takes its text from that output, cut at its own
+The first `gen` of a segment asks for N tokens with no stop (fewer when the gens that could
+share the call need fewer; a gen that no later gen could share is a plain call), so the model
+keeps writing past the gen's end. Each gen then takes its text from that output, cut at its own
 stop string or after its `max_tokens` tokens; the literal text the program appends next must
 be what the model wrote next, and the following gen continues from there. Where the model
 wrote something else, or its output runs out, the next gen makes a new call from the
@@ -88,8 +89,14 @@ async def speculate(segment: Segment, calls: SpeculationCalls,
             if spec is not None and _same_call(spec.params, step.params):
                 taken = _take(spec, used, step.params, first=False)
             if taken is None:
-                spec = await calls.complete(text, step.params,
-                                            max(spec_tokens, step.params.max_new_tokens))
+                budget = _budget(segment, index, spec_tokens)
+                if budget is None:  # no later gen could share the call: a plain one
+                    spec = None
+                    result = await _one_call(calls, text, step)
+                    yield SegmentEvent(index, result=result)
+                    text += step.appended(result.text)
+                    continue
+                spec = await calls.complete(text, step.params, budget)
                 used = 0
                 taken = _take(spec, used, step.params, first=True)
             if taken is None:  # the server gave no token boundaries: a call of its own
@@ -101,6 +108,25 @@ async def speculate(segment: Segment, calls: SpeculationCalls,
                     spec = None  # the model ended there: the next gen needs a call
         yield SegmentEvent(index, result=result)
         text += step.appended(result.text)
+
+
+def _budget(segment: Segment, index: int, spec_tokens: int) -> int | None:
+    """How many tokens a call made for gen `index` asks for: `spec_tokens`, but never more
+    than the gens that could share it can use (their token limits, and the text between them
+    at most a token per character), nor less than the gen's own limit. None when no later
+    gen could share the call."""
+    first = segment.steps[index]
+    assert isinstance(first, GenStep)
+    need, sharing = first.params.max_new_tokens, 0
+    for step in segment.steps[index + 1:]:
+        if not (isinstance(step, GenStep) and speculable(step.params)
+                and _same_call(step.params, first.params)):
+            break
+        need += len(step.before) + step.params.max_new_tokens
+        sharing += 1
+    if not sharing:
+        return None
+    return max(first.params.max_new_tokens, min(spec_tokens, need))
 
 
 async def _one_call(calls: SegmentOps, text: str, step: GenStep) -> StepResult:
