@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from radixlm import segments
-from radixlm.backends import background
-from radixlm.backends.backend import Backend, Prompt
+from radixlm.backends import background, speculation
+from radixlm.backends.backend import Backend, Generation, Prompt
 from radixlm.chat import RoleRenderer
 from radixlm.expr import (
     Concat,
@@ -292,19 +292,19 @@ class Interpreter:
     async def _run_batch(self, batch: list[Expr]) -> None:
         done = 0
         while done < len(batch) and self.error is None:
-            planned = await segments.plan(self, batch[done:]) if self._lazy else None
-            if planned is None:
+            message = self._speculable_message(batch, done)
+            if message:
+                await self._speculate_message(batch[done:done + message])
+                done += message
+                continue
+            planned = await segments.plan(self, batch[done:]) if self._segments() else None
+            stream = None if planned is None else self._start_segment(
+                planned[1], batch[done:done + planned[0]])
+            if planned is None or stream is None:
                 await self._run_one(batch[done])
                 done += 1
                 continue
             count, segment, renders = planned
-            stream = self._start_segment(segment, batch[done:done + count])
-            if stream is None:
-                for expr in batch[done:done + count]:
-                    if self.error is None:
-                        await self._run_one(expr)
-                done += count
-                continue
             real = self.backend
             replay = segments.Replay(real, segment, stream, renders)
             self.backend = replay
@@ -317,16 +317,55 @@ class Interpreter:
                 replay.close()
             done += count
 
+    def _speculable_message(self, batch: list[Expr], start: int) -> int:
+        """With num_api_spec_tokens on a chat backend: the length of the assistant message at
+        `start` (opening to closing) when it mixes text and gens, which one chat call then
+        writes; else 0."""
+        if self.spec_tokens is None or not isinstance(batch[start], RoleBegin) \
+                or batch[start].role != "assistant" or self.role is not None:
+            return 0
+        for end in range(start + 1, len(batch)):
+            if isinstance(batch[end], RoleEnd):
+                inner = batch[start + 1:end]
+                gens = [e for e in inner if isinstance(e, Gen)]
+                plain = all(isinstance(e, (Text, Gen)) for e in inner)
+                if plain and gens and not (len(inner) == 1) and all(
+                        speculation.speculable(g.params(self.defaults)) for g in gens):
+                    return end - start + 1
+                return 0
+        return 0
+
+    async def _speculate_message(self, exprs: list[Expr]) -> None:
+        parts = [e.text if isinstance(e, Text) else e.params(self.defaults)
+                 for e in exprs[1:-1] if isinstance(e, (Text, Gen))]
+        try:
+            answers = await speculation.speculate_message(self.backend, self.messages, parts,
+                                                          self.spec_tokens or 0)
+        except Exception as exc:  # noqa: BLE001 - fails this state, as a call would
+            self.fail(exc)
+            return
+        real = self.backend
+        self.backend = _Answers(real, answers)
+        try:
+            for expr in exprs:
+                if self.error is None:
+                    await self._run_one(expr)
+        finally:
+            self.backend = real
+
+    def _segments(self) -> bool:
+        """Whether what follows may run as a segment."""
+        # Speculation continues text: a program in roles makes chat calls, one per gen.
+        return self.backend.supports_segments or (
+            self.spec_tokens is not None and not self.messages and self.role is None)
+
     def _start_segment(self, segment: segments.Segment,
                        exprs: list[Expr]) -> segments.SegmentStream | None:
         if self.backend.supports_segments:
             return self.backend.start_segment(segment)
-        # Speculation continues text: a program in roles makes chat calls, one per gen.
-        roles = self.messages or self.role or any(isinstance(e, (RoleBegin, RoleEnd))
-                                                  for e in exprs)
-        if self.spec_tokens is None or roles:
+        if any(isinstance(e, (RoleBegin, RoleEnd)) for e in exprs):
             return None
-        return self.backend.speculate(segment, self.spec_tokens)
+        return self.backend.speculate(segment, self.spec_tokens or 0)
 
     async def _run_one(self, expr: Expr) -> None:
         try:
@@ -469,6 +508,22 @@ class Interpreter:
 
     async def _render(self, messages: list[dict[str, str]]) -> str | None:
         return await self.backend.arender_chat(messages, add_generation_prompt=False)
+
+
+class _Answers(Backend):
+    """Answers an assistant message's gens from one speculative chat call, in order."""
+
+    def __init__(self, real: Backend, answers: list[tuple[str, dict[str, Any]]]) -> None:
+        self.real = real
+        self.answers = list(answers)
+
+    async def agenerate(self, prompt: Prompt, params: Any, on_delta: Any = None) -> Generation:
+        text, meta = self.answers.pop(0)
+        return Generation(text, meta)
+
+    async def arender_chat(self, messages: list[dict[str, Any]],
+                           add_generation_prompt: bool = False) -> str | None:
+        return await self.real.arender_chat(messages, add_generation_prompt)
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:

@@ -112,3 +112,17 @@ def test_what_cannot_share_a_call_is_a_call_of_its_own():
     _, _, model = run([gen("Note 1:"), gen("\nNote 2:"), gen("\nNote 3:", temperature=0.5),
                        gen("\nNote 4:", temperature=0.5)])
     assert [text[-7:] for text, _ in model.completions] == ["Note 1:", "Note 3:"]
+
+
+def test_a_chat_message_is_matched_against_the_programs_text():
+    from radixlm.backends.speculation import match_message
+
+    name, age = SamplingParams(stop=("\n",)), SamplingParams()
+    parts = ["Name:", name, "\nAge:", age]
+    assert match_message("Name: Ada\nAge: 36", parts) == [" Ada", " 36"]
+    assert match_message("Name: Ada Lovelace\nAge: 36\n", parts) == [" Ada Lovelace", " 36\n"]
+    assert match_message("Who: Ada\nAge: 36", parts) is None  # the reply wrote other text
+    # A gen without a stop ends where the next text starts; a closing text ends the last.
+    parts = ["Name:", age, "\nAge:", age, "."]
+    assert match_message("Name: Ada\nAge: 36.", parts) == [" Ada", " 36"]
+    assert match_message("Name: Ada", parts) is None

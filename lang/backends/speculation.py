@@ -172,3 +172,64 @@ def _result(text: str, tokens: int, finish_reason: str | None, stop: str | None,
                             "prompt_tokens": spec.prompt_tokens if first else None,
                             "speculated": not first}
     return StepResult(text, meta)
+
+
+# -- chat programs -------------------------------------------------------------------------
+# A chat API cannot continue half a message, so without speculation a gen must start an
+# assistant message. With it, a message that mixes text and gens ("Name:" + gen + "\nAge:" +
+# gen) is one chat call; the reply is matched against the program's text (SGLang's meaning).
+
+MESSAGE_TRIES = 3  # sampled replies that do not follow the program's text are asked again
+
+
+def match_message(reply: str, parts: list[str | SamplingParams]) -> list[str] | None:
+    """Each gen's text in `reply`, for `parts` (the message's literal texts and its gens'
+    params, in order), or None when the reply does not follow the literal texts. A gen ends
+    at its first stop string, else where the next literal text starts; the last gen ends at
+    the reply's end (or before a closing literal text)."""
+    texts: list[str] = []
+    at = 0
+    for i, part in enumerate(parts):
+        if isinstance(part, str):
+            if not reply.startswith(part, at):
+                return None
+            at += len(part)
+            continue
+        following = parts[i + 1] if i + 1 < len(parts) else None
+        ends = [reply.find(stop, at) for stop in part.stop if stop and stop in reply[at:]]
+        if isinstance(following, str) and following:
+            found = reply.find(following, at)
+            if found >= 0:
+                ends.append(found)
+        if ends:
+            end = min(ends)
+        elif following is None:
+            end = len(reply)
+        else:
+            return None
+        texts.append(reply[at:end])
+        at = end
+    return texts
+
+
+async def speculate_message(backend: Any, messages: list[dict[str, Any]],
+                            parts: list[str | SamplingParams],
+                            spec_tokens: int) -> list[tuple[str, dict[str, Any]]]:
+    """The gens of an assistant message written in one chat call: (text, meta) per gen."""
+    from radixlm.backends.backend import BackendError, Prompt
+
+    gens = [p for p in parts if isinstance(p, SamplingParams)]
+    params = gens[0].replace(max_new_tokens=max(spec_tokens, *(g.max_new_tokens for g in gens)),
+                             stop=())
+    prompt = Prompt("", [*messages, {"role": "assistant", "content": ""}], "assistant")
+    tries = MESSAGE_TRIES if params.temperature > 0 else 1
+    for _ in range(tries):
+        reply = await backend.agenerate(prompt, params)
+        texts = match_message(reply.text, parts)
+        if texts is not None:
+            meta = {"finish_reason": reply.meta.get("finish_reason"), "speculated": True}
+            return [(text, dict(meta)) for text in texts]
+    expected = next((p for p in parts if isinstance(p, str)), "")
+    raise BackendError(f"num_api_spec_tokens: the model's reply {reply.text[:200]!r} does not "
+                       f"follow the program's text (expected {expected!r} around its gens) "
+                       f"after {tries} call(s)")
