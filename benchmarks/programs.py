@@ -189,17 +189,28 @@ def sglang_notes() -> Any:
     return sgl, program
 
 
+# Engine options for every engine and server of the run (--engine-options), e.g. a dummy
+# 8B model on the GPU: {"model": "llama-3-8b", "load_format": "dummy", "device": "cuda",
+# "tokenizer": "<a tokenizer folder>"}.
+ENGINE_OPTIONS: dict[str, Any] = {}
+
+
+def engine_options(dtype: str | None) -> dict[str, Any]:
+    return {**ENGINE_OPTIONS, **({"dtype": dtype} if dtype else {})}
+
+
 def start_server(dtype: str | None) -> tuple[subprocess.Popen, str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     command = [sys.executable, "-m", "radixlm.runtime.server", "--host", "127.0.0.1",
                "--port", str(port), "--log-level", "warning"]
-    if dtype is not None:
-        command += ["--dtype", dtype]
+    for name, value in engine_options(dtype).items():
+        flag = "--" + name.replace("_", "-")
+        command += [flag] if value is True else [flag, str(value)]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
+    for _ in range(1500):
         try:
             with urllib.request.urlopen(url + "/health", timeout=2):
                 return proc, url
@@ -215,7 +226,7 @@ def run_segments_part(dtype: str | None) -> dict[str, Any]:
     peer = sglang_notes()
     results: dict[str, Any] = {}
     try:
-        with Engine(**({"dtype": dtype} if dtype else {})) as engine:
+        with Engine(**engine_options(dtype)) as engine:
             systems: dict[str, Any] = {
                 "in-process, per call": rl.Engine(engine=engine),
                 "in-process, segments": rl.Engine(engine=engine),
@@ -289,6 +300,7 @@ def batch_run(name: str, backend: Any, k: int, peer: Any) -> tuple[dict[str, Any
 
 ASYNC_STEPS = 8
 ASYNC_SIZES = (64, 256)
+ASYNC_ROUNDS = 2  # the systems interleaved; each system's faster round counts
 
 
 class ThreadPeak:
@@ -316,7 +328,7 @@ def run_async_part(dtype: str | None) -> dict[str, Any]:
     peer = sglang_notes()
     results: dict[str, Any] = {}
     try:
-        with Engine(**({"dtype": dtype} if dtype else {})) as engine:
+        with Engine(**engine_options(dtype)) as engine:
             backends = {"in-process": rl.Engine(engine=engine), "HTTP": rl.RuntimeEndpoint(url)}
             systems = [(f"{where}, {api}", backend, api)
                        for where, backend in backends.items()
@@ -328,12 +340,15 @@ def run_async_part(dtype: str | None) -> dict[str, Any]:
                 async_batch(backend, api, 4, peer)
             for n in ASYNC_SIZES:
                 texts = {}
-                for name, backend, api in systems:
-                    figures, texts[name] = async_batch(backend, api, n, peer)
-                    results.setdefault(name, {})[n] = figures
-                    print(f"{name:<28} n={n:<4} {figures['programs_per_s']:7.2f} programs/s"
-                          f"  peak threads {figures['peak_threads']:4}"
-                          f"  client CPU {figures['client_cpu_s']:6.2f} s")
+                for _ in range(ASYNC_ROUNDS):
+                    for name, backend, api in systems:
+                        figures, texts[name] = async_batch(backend, api, n, peer)
+                        best = results.setdefault(name, {}).get(n)
+                        if best is None or figures["programs_per_s"] > best["programs_per_s"]:
+                            results[name][n] = figures
+                        print(f"{name:<28} n={n:<4} {figures['programs_per_s']:7.2f} "
+                              f"programs/s  peak threads {figures['peak_threads']:4}"
+                              f"  client CPU {figures['client_cpu_s']:6.2f} s")
                 base = texts["in-process, run_batch"]
                 for name in texts:
                     results[name][n]["same_as_run_batch"] = sum(
@@ -461,7 +476,11 @@ def main() -> None:
     parser.add_argument("--part", choices=["hints", "segments", "async", "spec", "all"],
                         default="all")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--engine-options", type=json.loads, default={},
+                        help="JSON: engine options for every engine and server of the run "
+                             "(segments, async and spec parts), e.g. a dummy model on the GPU")
     args = parser.parse_args()
+    ENGINE_OPTIONS.update(args.engine_options)
     if args.part in ("async", "spec"):
         extra = run_async_part(args.dtype) if args.part == "async" else run_spec_part(args.dtype)
         (print_async if args.part == "async" else print_spec)(extra)
@@ -508,7 +527,8 @@ def write(args: argparse.Namespace, results: dict[str, dict[str, Any]],
     record = {"benchmark": "programs", "date": datetime.date.today().isoformat(),
               "machine": {"processor": platform.processor() or platform.machine(),
                           "threads": torch.get_num_threads(), "torch": torch.__version__},
-              "config": {"model": "smollm2-135m-instruct", "dtype": args.dtype,
+              "config": {"model": ENGINE_OPTIONS.get("model", "smollm2-135m-instruct"),
+                         "engine_options": ENGINE_OPTIONS, "dtype": args.dtype,
                          "max_tokens": args.max_tokens, "step_tokens": STEP_TOKENS,
                          "latency_runs": LATENCY_RUNS, "batch": BATCH},
               "results": {k: {f: v for f, v in r.items() if f != "texts"}
