@@ -329,7 +329,7 @@ class Interpreter:
                 inner = batch[start + 1:end]
                 gens = [e for e in inner if isinstance(e, Gen)]
                 plain = all(isinstance(e, (Text, Gen)) for e in inner)
-                if plain and gens and not (len(inner) == 1) and all(
+                if plain and gens and len(inner) > 1 and all(
                         speculation.speculable(g.params(self.defaults)) for g in gens):
                     return end - start + 1
                 return 0

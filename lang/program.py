@@ -73,9 +73,9 @@ class Program:
         A failure is recorded in `state.error()` (reading a variable it prevented raises).
         The program's code runs on this thread (an `async def` program on the background
         loop); its expressions execute on the background loop. (`use_thread` is SGLang's.)"""
+        backend = resolve_backend(backend)  # here: `use_backend` is this thread's context
         if self.is_async:
             return background.run(self.arun(*args, backend=backend, stream=stream, **kwargs))
-        backend = resolve_backend(backend)
         call_args, defaults = self._arguments(args, kwargs)
         run = Run(backend, defaults, stream, background.loop(), self.num_api_spec_tokens)
         state = ProgramState(run, run.interpreter())
@@ -289,15 +289,20 @@ class Program:
 
     async def _trace(self, backend: Backend, call_args: inspect.BoundArguments) -> str | None:
         """The prompt of the program's first gen/select: run it against a backend that
-        renders chat roles but stops at the first generation (a plain program's first read
-        ends it too, as reads cannot wait on the loop)."""
+        renders chat roles but stops at the first generation. A plain program's body runs on
+        a worker thread, where its reads (a fork's wait) can block."""
         tracer = _Tracer(backend)
         run = Run(tracer, {}, False, asyncio.get_running_loop())
-        interp = run.interpreter()
+        state = ProgramState(run, run.interpreter())
+
+        def body() -> Any:
+            return self.fn(state, *call_args.args[1:], **call_args.kwargs)
+
         try:
-            body = self.fn(ProgramState(run, interp), *call_args.args[1:], **call_args.kwargs)
-            if inspect.isawaitable(body):
-                await body
+            if self.is_async:
+                await body()
+            else:
+                await asyncio.to_thread(body)
         except Exception:  # noqa: BLE001 - reading a traced value ends the trace
             pass
         await run.afinish()  # runs what was queued up to the first generation, which stops it

@@ -292,6 +292,18 @@ def test_run_batch_preserves_order_and_warms_the_shared_prefix():
                                                                         for i in range(12)]
     assert backend.pins == ["Shared instructions. Q: "] and backend.released == [0]
 
+    # Tracing runs through a fork (which waits for the state) to the branches' first gen.
+    @rl.function
+    def forked(s, doc):
+        s += "Document: " + doc
+        forks = s.fork(2)
+        forks += " Q:" + rl.gen("a")
+        s.join(forks)
+
+    backend = FakeBackend()
+    forked.run_batch([{"doc": "d1"}, {"doc": "d2"}], backend=backend, progress_bar=False)
+    assert backend.pins[0] == "Document: d"
+
 
 def test_run_batch_isolates_failures():
     @rl.function

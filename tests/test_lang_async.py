@@ -162,3 +162,5 @@ def test_plain_programs_run_under_arun_and_async_ones_under_run():
     assert [s.error() for s in plan_trip.run_batch([{"city": "a"}, {"city": "b"}],
                                                    backend=backend, progress_bar=False)] \
         == [None, None]
+    with rl.use_backend(backend):  # the caller's context picks the backend
+        assert plan_trip.run(city="z").error() is None
