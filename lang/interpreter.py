@@ -16,14 +16,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import threading
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from radixlm import segments
-from radixlm.backends import background, speculation
-from radixlm.backends.backend import Backend, Generation, Prompt
+from radixlm.backends import speculation
+from radixlm.backends.backend import Backend, Prompt
 from radixlm.chat import RoleRenderer
 from radixlm.expr import (
     Concat,
@@ -40,6 +39,7 @@ from radixlm.expr import (
     VarScopeEnd,
 )
 from radixlm.runtime.protocol import reasoning
+from radixlm.waiting import BlockingWaitOnLoop, Condition
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +69,7 @@ class Interpreter:
         self.renderer = RoleRenderer(self._render)
         # Guards what the program's side and the executing task share; the program's side
         # may be another thread (run) or a coroutine on the same loop (arun).
-        self._cv = threading.Condition()
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._cv = Condition()
         self._queue: deque[Expr] = deque()
         # Expressions at the front of the queue released for execution. A backend that runs
         # segments waits for a flush (a read, a fork, the program's end) so that everything
@@ -162,10 +161,10 @@ class Interpreter:
         self._flush_all()
         self._wait(self._idle, "the program's end")
 
-    async def asynced(self) -> None:
+    async def wait_idle(self) -> None:
         """`sync` for coroutines: waits without blocking the loop."""
         self._flush_all()
-        await self._await(self._idle)
+        await self._cv.wait_async(self._idle)
 
     def _has(self, name: str) -> Callable[[], bool]:
         return lambda: (self.error is not None or not self._busy
@@ -178,7 +177,7 @@ class Interpreter:
 
     async def aget(self, name: str) -> Any:
         self._flush_all()
-        await self._await(self._has(name))
+        await self._cv.wait_async(self._has(name))
         return self._value(name)
 
     def _value(self, name: str) -> Any:
@@ -194,40 +193,19 @@ class Interpreter:
     def _wait(self, ready: Callable[[], bool], what: str) -> None:
         """Block this thread until `ready()`. On the state's own event loop that would stop
         the very task it waits for: an async program awaits instead."""
-        with self._cv:
-            if ready():
-                return
-            if background.running_loop() is self.loop:
-                raise ProgramError(
-                    f"{what} waits for the model, which would block the event loop the program "
-                    f"runs on; in an async program await it (await s.aget(name), "
-                    f"await s.wait(), await s.afork(n), await s.ajoin(forks)), or use run()")
-            self._cv.wait_for(ready)
-
-    async def _await(self, ready: Callable[[], bool]) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            with self._cv:
-                if ready():
-                    return
-                waiter = loop.create_future()
-                self._waiters.append((loop, waiter))
-            await waiter
-
-    def _notify(self) -> None:  # with self._cv held: wake every waiting thread and coroutine
-        self._cv.notify_all()
-        waiters, self._waiters = self._waiters, []
-        for loop, waiter in waiters:
-            try:
-                loop.call_soon_threadsafe(_wake, waiter)
-            except RuntimeError:  # that loop is closed: nobody waits there any more
-                pass
+        try:
+            self._cv.wait(ready, self.loop)
+        except BlockingWaitOnLoop:
+            raise ProgramError(
+                f"{what} waits for the model, which would block the event loop the program "
+                f"runs on; in an async program await it (await s.aget(name), await s.wait(), "
+                f"await s.afork(n), await s.ajoin(forks)), or use run()") from None
 
     def set_var(self, name: str, value: Any) -> None:
         with self._cv:
             self.vars[name] = value
             self.new_vars.append(name)
-            self._notify()
+            self._cv.notify()
 
     def fail(self, error: BaseException) -> None:
         with self._cv:
@@ -239,7 +217,7 @@ class Interpreter:
         self._queue.clear()
         self._ready = 0
         self._pending.clear()
-        self._notify()
+        self._cv.notify()
 
     def cancel(self, error: BaseException) -> None:
         """Fail the state and stop what it is executing (its backend call is abandoned)."""
@@ -251,7 +229,7 @@ class Interpreter:
     def close(self) -> None:
         with self._cv:
             self.closed = True
-            self._notify()
+            self._cv.notify()
 
     def _chunks_from(self, start: int) -> Callable[[], bool]:
         return lambda: len(self.chunks) > start or self.closed
@@ -262,7 +240,7 @@ class Interpreter:
         return self._chunks_since(start)
 
     async def await_chunks(self, start: int) -> tuple[list[Chunk], bool]:
-        await self._await(self._chunks_from(start))
+        await self._cv.wait_async(self._chunks_from(start))
         return self._chunks_since(start)
 
     def _chunks_since(self, start: int) -> tuple[list[Chunk], bool]:
@@ -277,7 +255,7 @@ class Interpreter:
                 with self._cv:
                     if not self._ready or not self._queue:
                         self._busy = False
-                        self._notify()
+                        self._cv.notify()
                         return
                     count = min(self._ready, len(self._queue))
                     batch = [self._queue.popleft() for _ in range(count)]
@@ -345,7 +323,7 @@ class Interpreter:
             self.fail(exc)
             return
         real = self.backend
-        self.backend = _Answers(real, answers)
+        self.backend = speculation.Answers(real, answers)
         try:
             for expr in exprs:
                 if self.error is None:
@@ -377,7 +355,7 @@ class Interpreter:
         with self._cv:
             if name is not None and self._pending.get(name):
                 self._pending[name] -= 1
-                self._notify()
+                self._cv.notify()
 
     async def _execute(self, expr: Expr) -> None:
         if isinstance(expr, Text):
@@ -408,7 +386,7 @@ class Interpreter:
         with self._cv:
             self.text += text
             self.chunks.append(Chunk(text, var, meta or {}))
-            self._notify()
+            self._cv.notify()
 
     async def _gen(self, expr: Gen) -> None:
         params = expr.params(self.defaults)
@@ -508,27 +486,6 @@ class Interpreter:
 
     async def _render(self, messages: list[dict[str, str]]) -> str | None:
         return await self.backend.arender_chat(messages, add_generation_prompt=False)
-
-
-class _Answers(Backend):
-    """Answers an assistant message's gens from one speculative chat call, in order."""
-
-    def __init__(self, real: Backend, answers: list[tuple[str, dict[str, Any]]]) -> None:
-        self.real = real
-        self.answers = list(answers)
-
-    async def agenerate(self, prompt: Prompt, params: Any, on_delta: Any = None) -> Generation:
-        text, meta = self.answers.pop(0)
-        return Generation(text, meta)
-
-    async def arender_chat(self, messages: list[dict[str, Any]],
-                           add_generation_prompt: bool = False) -> str | None:
-        return await self.real.arender_chat(messages, add_generation_prompt)
-
-
-def _wake(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
 
 
 def _flatten(expr: Expr) -> list[Expr]:

@@ -104,7 +104,7 @@ class Run:
 
     async def afinish(self) -> None:
         for interp in list(self.interpreters):
-            await interp.asynced()
+            await interp.wait_idle()
         for lease in list(self.leases):
             await self.arelease(lease)
         for release in list(self.releases):
@@ -176,7 +176,7 @@ class ProgramState:
     async def afork(self, size: int = 1, position_ids_offset: Any = None) -> "ForkGroup":
         """`fork` for async programs: waits for the state without blocking the loop."""
         _check_fork(size, position_ids_offset)
-        await self._interp.asynced()
+        await self._interp.wait_idle()
         return self._fork_now(size)
 
     def _fork_now(self, size: int) -> "ForkGroup":
@@ -214,7 +214,7 @@ class ProgramState:
         mode = _join_mode(forks, mode)
         try:
             for branch in forks:
-                await branch._interp.asynced()
+                await branch._interp.wait_idle()
             self._raise_if_branch_failed(forks)
         finally:
             await self._run.arelease(forks.lease)
@@ -284,7 +284,7 @@ class ProgramState:
 
     async def wait(self) -> None:
         """`sync` for async code: wait until everything appended so far has run."""
-        await self._interp.asynced()
+        await self._interp.wait_idle()
 
     def text_iter(self, var_name: str | None = None) -> Iterator[str]:
         """The text as it is appended (run with stream=True to get gen output token by

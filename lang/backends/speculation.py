@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol
 
+from radixlm.backends.backend import Backend, BackendError, Generation, Prompt
 from radixlm.runtime.config.sampling_params import SamplingParams
 from radixlm.runtime.programs.segment import (
     GenStep,
@@ -212,12 +213,10 @@ def match_message(reply: str, parts: list[str | SamplingParams]) -> list[str] | 
     return texts
 
 
-async def speculate_message(backend: Any, messages: list[dict[str, Any]],
+async def speculate_message(backend: Backend, messages: list[dict[str, Any]],
                             parts: list[str | SamplingParams],
                             spec_tokens: int) -> list[tuple[str, dict[str, Any]]]:
     """The gens of an assistant message written in one chat call: (text, meta) per gen."""
-    from radixlm.backends.backend import BackendError, Prompt
-
     gens = [p for p in parts if isinstance(p, SamplingParams)]
     params = gens[0].replace(max_new_tokens=max(spec_tokens, *(g.max_new_tokens for g in gens)),
                              stop=())
@@ -233,3 +232,19 @@ async def speculate_message(backend: Any, messages: list[dict[str, Any]],
     raise BackendError(f"num_api_spec_tokens: the model's reply {reply.text[:200]!r} does not "
                        f"follow the program's text (expected {expected!r} around its gens) "
                        f"after {tries} call(s)")
+
+
+class Answers(Backend):
+    """Answers an assistant message's gens from `speculate_message`'s results, in order."""
+
+    def __init__(self, real: Backend, answers: list[tuple[str, dict[str, Any]]]) -> None:
+        self.real = real
+        self.answers = list(answers)
+
+    async def agenerate(self, prompt: Prompt, params: Any, on_delta: Any = None) -> Generation:
+        text, meta = self.answers.pop(0)
+        return Generation(text, meta)
+
+    async def arender_chat(self, messages: list[dict[str, Any]],
+                           add_generation_prompt: bool = False) -> str | None:
+        return await self.real.arender_chat(messages, add_generation_prompt)
