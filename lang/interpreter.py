@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from radixlm import segments
 from radixlm.backends import speculation
-from radixlm.backends.backend import Backend, Prompt
+from radixlm.backends.backend import Backend, Prompt, current_program
 from radixlm.chat import RoleRenderer
 from radixlm.expr import (
     Concat,
@@ -80,6 +80,7 @@ class Interpreter:
         self._lazy = backend.supports_segments or self.spec_tokens is not None
         self.flush_group: Callable[[], None] | None = None  # flushes the run's every state
         self._busy = False  # a task is draining the queue
+        self.program_id: str | None = None  # the run's: every backend call carries it
         self._task: asyncio.Task[None] | None = None
         # Variables that queued expressions will (re)write: a read waits for the newest value.
         self._pending: dict[str, int] = {}
@@ -250,6 +251,7 @@ class Interpreter:
     # -- the executing task ------------------------------------------------------------------
 
     async def _drain(self) -> None:
+        current_program.set(self.program_id)  # this task's context (and its children's)
         try:
             while True:
                 with self._cv:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import uuid
 from concurrent.futures import Future
 from typing import Any, AsyncIterator, Iterator, Sequence
 
@@ -27,6 +28,9 @@ class Run:
                  loop: asyncio.AbstractEventLoop, spec_tokens: int | None = None) -> None:
         self.backend = backend
         self.spec_tokens = spec_tokens  # the program's num_api_spec_tokens
+        # Sent with every request the run makes (its forks' too): the runtime's per-program
+        # statistics and scheduling know the calls belong together.
+        self.program_id = uuid.uuid4().hex
         self.defaults = defaults
         self.stream = stream
         self.loop = loop
@@ -39,6 +43,7 @@ class Run:
         interp = Interpreter(self.backend, self.defaults, self.loop, self.stream, parent,
                              self.spec_tokens)
         interp.flush_group = self.flush
+        interp.program_id = self.program_id
         with self._lock:
             self.interpreters.append(interp)
         return interp
@@ -318,6 +323,12 @@ class ProgramState:
         if self._interp.error is not None:
             raise ProgramError(f"the program failed: {self._interp.error}") \
                 from self._interp.error
+
+    @property
+    def program_id(self) -> str:
+        """The id every request of this run carries (the runtime's per-program statistics,
+        the server's access log)."""
+        return self._run.program_id
 
     def __repr__(self) -> str:
         return f"ProgramState(text={self._interp.text!r})"

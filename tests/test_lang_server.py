@@ -281,3 +281,37 @@ def test_speculation_writes_a_chat_message_with_text_between_gens(server_url):
     # With the system message it writes something else: a clear error naming the reply.
     error = speculating.run(system=True, backend=backend, temperature=0).error()
     assert "does not follow the program's text" in str(error)
+
+
+def test_program_ids_reach_the_server(server_url):
+    """Every backend sends the run's program id (a header, or the native field); the server's
+    statistics count the program's calls; a bad id or priority is a 400 naming the field."""
+    from test_program_identity import two_calls
+
+    remote = rl.RuntimeEndpoint(server_url)
+    openai = rl.OpenAI(remote.get_model_name(), base_url=server_url + "/v1", api_key="x")
+    state = two_calls.run(backend=remote, temperature=0)  # a segment: /generate_program
+    fruit = quiz.run(question="Name a fruit.", backend=openai, temperature=0)
+    programs = remote.stats()["programs"]
+    assert programs[state.program_id]["calls"] == 2  # the gens (the select scores apart)
+    assert programs[fruit.program_id]["calls"] == 1
+
+    def post(path, body, headers=None):
+        request = urllib.request.Request(server_url + path, json.dumps(body).encode(),
+                                         {"Content-Type": "application/json", **(headers or {})})
+        try:
+            with urllib.request.urlopen(request) as response:
+                return response.status, json.load(response)
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.load(exc)
+
+    status, _ = post("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 1},
+                                   "program_id": "agent-7", "priority": -3})
+    assert status == 200 and remote.stats()["programs"]["agent-7"]["calls"] == 1
+    status, body = post("/generate", {"text": "Hi", "program_id": "x" * 200})
+    assert status == 400 and body["error"]["param"] == "program_id"
+    status, body = post("/v1/completions", {"model": "m", "prompt": "Hi", "priority": "high"})
+    assert status == 400 and body["error"]["param"] == "priority"
+    status, body = post("/v1/completions", {"model": "m", "prompt": "Hi", "max_tokens": 1},
+                        {"X-Program-Id": ""})
+    assert status == 400 and body["error"]["param"] == "X-Program-Id"

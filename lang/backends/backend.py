@@ -154,8 +154,8 @@ class Backend:
         if not _overrides(self, name):
             raise NotImplementedError(f"{type(self).__name__} implements neither {name} nor "
                                       f"a{name}")
-        return await asyncio.get_running_loop().run_in_executor(
-            _plain_calls(), functools.partial(getattr(self, name), *args))
+        call = functools.partial(contextvars.copy_context().run, getattr(self, name), *args)
+        return await asyncio.get_running_loop().run_in_executor(_plain_calls(), call)
 
     def flush_cache(self) -> bool:
         """Drop the backend's cached prefixes; False when it has no cache to flush."""
@@ -204,6 +204,12 @@ def logprob_meta(entries: Sequence[tuple[float | None, int, Any]], total: int,
             "output_top_logprobs": list(tops) if tops is not None else [None] * len(entries),
             "output_token_logprobs_length": total}
 
+
+# The program a backend call is made for, set by the interpreter in the task that executes the
+# program's state (and inherited by the tasks it starts): every backend sends it with its
+# requests, so the runtime can tell one program's calls from another's.
+current_program: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "radixlm_program", default=None)
 
 # The backend of `set_default_backend`, for the whole process; `use_backend` overrides it in
 # its own context (thread or task).

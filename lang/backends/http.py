@@ -8,7 +8,9 @@ import asyncio
 import json
 from typing import Any, AsyncIterator
 
-from radixlm.backends.backend import BackendError
+from radixlm.backends.backend import BackendError, current_program
+
+PROGRAM_HEADER = "X-Program-Id"
 
 # aiohttp sessions, one per event loop that made calls (a session belongs to its loop). Each
 # is closed when its loop shuts down (asyncio.run cancels the task that holds it).
@@ -59,6 +61,9 @@ class HttpClient:
         import aiohttp
 
         headers = {"Content-Type": "application/json"}
+        program = current_program.get()
+        if program is not None:  # radixlm's routes take it (others ignore the header)
+            headers[PROGRAM_HEADER] = program
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         data = None if body is None else json.dumps(body).encode("utf-8")

@@ -12,6 +12,7 @@ from radixlm.backends.backend import (
     Generation,
     OnDelta,
     Prompt,
+    current_program,
     logprob_meta,
 )
 from radixlm.runtime.config.sampling_params import SamplingParams
@@ -54,7 +55,8 @@ class EngineBackend(Backend):
         if params.n != 1:
             raise ValueError("n: a gen produces one completion; use s.fork(n) for several")
         if on_delta is None:
-            out = await self.engine.async_generate(prompt.text, params)
+            out = await self.engine.async_generate(prompt.text, params,
+                                                   program_id=current_program.get())
             assert not isinstance(out, list)
         else:
             out = await self._stream(prompt.text, params, on_delta)
@@ -74,7 +76,8 @@ class EngineBackend(Backend):
         """The generation's new text as it comes, each piece with its meta (the logprobs new
         since the last piece; the prompt's with the first)."""
         sent = 0  # logprob entries passed on with earlier pieces
-        async for out in self.engine.generate_stream(text, params):
+        async for out in self.engine.generate_stream(text, params,
+                                                     program_id=current_program.get()):
             meta = self._meta(out, sent, prompt=sent == 0) if out.delta else {}
             if out.delta:
                 sent = len(out.logprobs or ())
@@ -117,9 +120,10 @@ class EngineBackend(Backend):
         if empty:
             raise ValueError(f"choices: {empty[0]!r} encodes to no tokens")
         prefix_ids = encode_prompt(self.tokenizer, prefix) if prefix else self._no_context()
-        conditional = await self.engine.async_score(prefix_ids, choice_ids)
-        prior = (await self.engine.async_score(self._no_context(), choice_ids)
-                 if unconditional else None)
+        program = current_program.get()
+        conditional = await self.engine.async_score(prefix_ids, choice_ids, program_id=program)
+        prior = (await self.engine.async_score(self._no_context(), choice_ids,
+                                               program_id=program) if unconditional else None)
         return ChoiceScores(conditional, prior)
 
     def _no_context(self) -> list[int]:
@@ -148,7 +152,8 @@ class EngineBackend(Backend):
             params = params.replace(ebnf=plan.grammar)
         if plan.format == "mistral":
             params = params.replace(skip_special_tokens=False)
-        out = _finished(await self.engine.async_generate(text, params))
+        out = _finished(await self.engine.async_generate(text, params,
+                                                         program_id=current_program.get()))
         content, calls = (tool_formats.parse(plan.format, out.text,
                                              [t["name"] for t in tools.tools])
                           if plan.format else (out.text, []))
@@ -197,7 +202,8 @@ class _EngineOps:
                     yield GenPiece(delta, meta)
                 last = out
         else:
-            last = await self.backend.engine.async_generate(text, params)
+            last = await self.backend.engine.async_generate(text, params,
+                                                            program_id=current_program.get())
         assert last is not None and not isinstance(last, list)
         yield GenPiece("", {}, StepResult(_finished(last).text, self.backend._meta(last)))
 

@@ -78,14 +78,17 @@ class Engine:
                  input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
                  request_id: str | Sequence[str] | None = None,
                  cache_salt: str | None = None,
-                 use_tqdm: bool | None = None) -> Output | list[Output]:
+                 use_tqdm: bool | None = None, program_id: str | None = None,
+                 priority: int = 0) -> Output | list[Output]:
         """Generate for one prompt (-> Output, or a list of n Outputs when n > 1) or a list of
         prompts (-> a flat list, n Outputs per prompt, in order).
 
-        Requests with different `cache_salt`s never share cached KV (e.g. one per tenant)."""
+        Requests with different `cache_salt`s never share cached KV (e.g. one per tenant).
+        `program_id` names the program the requests belong to (per-program statistics);
+        `priority` orders admission, lower first."""
         single, prompts = self._normalize_prompts(prompt, input_ids)
         requests = self._make_requests(prompts, sampling_params, request_id, cache_salt,
-                                       stream=False)
+                                       stream=False, program_id=program_id, priority=priority)
         show = use_tqdm if use_tqdm is not None else len(requests) >= 16 and sys.stderr.isatty()
         ordered = self._run(requests, show)
         return ordered[0] if single and len(ordered) == 1 else ordered
@@ -95,7 +98,8 @@ class Engine:
                               input_ids: Sequence[int] | None = None,
                               request_id: str | None = None,
                               cache_salt: str | None = None,
-                              queue_rank: int | None = None) -> AsyncIterator[Output]:
+                              queue_rank: int | None = None, program_id: str | None = None,
+                              priority: int = 0) -> AsyncIterator[Output]:
         """Yield an Output per new token (with `delta`), the last one with `finish_reason`.
         `queue_rank`: where this prompt's samples stand in a batch that a caller (a server)
         submits one prompt at a time, for fair admission (see Request.queue_rank)."""
@@ -103,7 +107,8 @@ class Engine:
         chunks: asyncio.Queue[Output] = asyncio.Queue()
         ids = self.submit_stream(_threadsafe_put(loop, chunks), prompt, sampling_params,
                                  input_ids=input_ids, request_id=request_id,
-                                 cache_salt=cache_salt, queue_rank=queue_rank)
+                                 cache_salt=cache_salt, queue_rank=queue_rank,
+                                 program_id=program_id, priority=priority)
         remaining = len(ids)
         try:
             while remaining:
@@ -122,7 +127,8 @@ class Engine:
                       input_ids: Sequence[int] | None = None,
                       request_id: str | None = None,
                       cache_salt: str | None = None,
-                      queue_rank: int | None = None) -> list[str]:
+                      queue_rank: int | None = None, program_id: str | None = None,
+                      priority: int = 0) -> list[str]:
         """Start one prompt's samples and return their request ids; `on_output` gets an
         Output per new token, the last one with `finish_reason`. It is called on the engine
         thread, so it must be quick and never block (e.g. put the Output on a queue): it is
@@ -132,7 +138,8 @@ class Engine:
         if not single:
             raise ValueError("prompt: a stream takes one prompt")
         requests = self._make_requests(prompts, sampling_params, request_id, cache_salt,
-                                       stream=True, first_rank=queue_rank)
+                                       stream=True, first_rank=queue_rank,
+                                       program_id=program_id, priority=priority)
         for request in requests:
             request.on_output = on_output
         self._submit(requests)
@@ -142,15 +149,16 @@ class Engine:
                              sampling_params: ParamsArg = None, *,
                              input_ids: Sequence[int] | None = None,
                              request_id: str | None = None,
-                             cache_salt: str | None = None) -> Output | list[Output]:
+                             cache_salt: str | None = None, program_id: str | None = None,
+                             priority: int = 0) -> Output | list[Output]:
         """`generate` for one prompt, awaited without blocking the event loop (and without a
         thread): an Output, or a list of n Outputs when n > 1."""
         single, prompts = self._normalize_prompts(prompt, input_ids)
         if not single:
             raise ValueError("prompt: async_generate takes one prompt")
-        ordered = await self._run_async(self._make_requests(prompts, sampling_params,
-                                                            request_id, cache_salt,
-                                                            stream=False))
+        ordered = await self._run_async(self._make_requests(
+            prompts, sampling_params, request_id, cache_salt, stream=False,
+            program_id=program_id, priority=priority))
         return ordered[0] if len(ordered) == 1 else ordered
 
     def pin_prefix(self, prompt: str | None = None, *,
@@ -189,33 +197,36 @@ class Engine:
         return self._call(lambda core: core.release_lease(lease_id))
 
     def score(self, prefix_ids: Sequence[int], continuation_ids: Sequence[Sequence[int]], *,
-              cache_salt: str | None = None,
-              request_id: str | None = None) -> list[list[float]]:
+              cache_salt: str | None = None, request_id: str | None = None,
+              program_id: str | None = None, priority: int = 0) -> list[list[float]]:
         """Logprob of every token of each continuation, given the prefix and the
         continuation's earlier tokens. One batch: the prefix is computed once and shared
         (prompt-token logprobs; nothing is generated). With a `request_id`, its requests are
         "<id>#<i>", so abort(request_id) stops them all."""
-        return _scores(self._run(self._score_requests(prefix_ids, continuation_ids,
-                                                      cache_salt, request_id)))
+        return _scores(self._run(self._score_requests(prefix_ids, continuation_ids, cache_salt,
+                                                      request_id, program_id, priority)))
 
     async def async_score(self, prefix_ids: Sequence[int],
                           continuation_ids: Sequence[Sequence[int]], *,
-                          cache_salt: str | None = None,
-                          request_id: str | None = None) -> list[list[float]]:
+                          cache_salt: str | None = None, request_id: str | None = None,
+                          program_id: str | None = None,
+                          priority: int = 0) -> list[list[float]]:
         """`score`, awaited."""
         return _scores(await self._run_async(self._score_requests(
-            prefix_ids, continuation_ids, cache_salt, request_id)))
+            prefix_ids, continuation_ids, cache_salt, request_id, program_id, priority)))
 
     def _score_requests(self, prefix_ids: Sequence[int],
                         continuation_ids: Sequence[Sequence[int]], cache_salt: str | None,
-                        request_id: str | None) -> list[Request]:
+                        request_id: str | None, program_id: str | None,
+                        priority: int) -> list[Request]:
         prefix = self._check_ids(prefix_ids)
         if not isinstance(continuation_ids, (list, tuple)) or not continuation_ids:
             raise ValueError("continuation_ids must be a non-empty list of token id lists")
         prompts = [prefix + self._check_ids(ids) for ids in continuation_ids]
         params = SamplingParams(max_new_tokens=0, temperature=0, logprob_start_len=len(prefix))
         ids = None if request_id is None else [f"{request_id}#{i}" for i in range(len(prompts))]
-        return self._make_requests(prompts, params, ids, cache_salt, stream=False)
+        return self._make_requests(prompts, params, ids, cache_salt, stream=False,
+                                   program_id=program_id, priority=priority)
 
     def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping]],
              sampling_params: ParamsArg | Sequence[ParamsArg] = None,
@@ -298,9 +309,11 @@ class Engine:
 
     def _make_requests(self, prompts: list[list[int]], sampling_params: Any,
                        request_id: Any, cache_salt: Any, stream: bool,
-                       first_rank: int | None = None) -> list[Request]:
+                       first_rank: int | None = None, program_id: Any = None,
+                       priority: Any = 0) -> list[Request]:
         requests = self._factory.requests(prompts, sampling_params, request_id, cache_salt,
-                                          stream, on_output=_ignore, first_rank=first_rank)
+                                          stream, on_output=_ignore, first_rank=first_rank,
+                                          program_id=program_id, priority=priority)
         if any(r.params.constrained for r in requests):
             self.core.grammar_engine()  # built here, not on the engine thread
         return requests

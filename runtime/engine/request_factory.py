@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from radixlm.runtime.config.program_tags import check_priority, check_program_id
 from radixlm.runtime.config.sampling_params import SamplingParams
 from radixlm.runtime.engine.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.engine.tokenization import encode_prompt
@@ -73,13 +74,16 @@ class RequestFactory:
 
     def requests(self, prompts: list[list[int]], sampling_params: Any, request_id: Any,
                  cache_salt: Any, stream: bool, on_output: Callable[[Output], None],
-                 first_rank: int | None = None) -> list[Request]:
+                 first_rank: int | None = None, program_id: Any = None,
+                 priority: Any = 0) -> list[Request]:
         """One request per prompt and sample (`n`), ids "<id>#<index>" when n > 1. With a
         `first_rank`, queue ranks first_rank, first_rank + 1, ... in that order (see
         Request.queue_rank); without, rank 0 for all (one caller's batch, ordered as it came
         or by cached prefix)."""
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        check_program_id(program_id)
+        check_priority(priority)
         params = _params_per_prompt(sampling_params, len(prompts))
         explicit = _explicit_max(sampling_params, len(prompts))
         ids = _request_ids(request_id, len(prompts))
@@ -110,6 +114,8 @@ class RequestFactory:
                     generator=self._generator(p, index),
                     namespace=cache_salt,
                     queue_rank=0 if first_rank is None else first_rank + len(requests),
+                    program_id=program_id,
+                    priority=priority,
                 ))
         return requests
 
@@ -171,3 +177,4 @@ def _request_ids(value: Any, count: int) -> list[str]:
     if len(ids) != count or not all(isinstance(i, str) and i for i in ids):
         raise ValueError(f"request_id: need {count} non-empty strings")
     return ids
+

@@ -137,9 +137,11 @@ class EngineClient:
         return key in self._tracked
 
     def submit(self, key: str, input_ids: list[int], params: Any, cache_salt: str | None,
-               sink: Sink, group: str | None = None, rank: int = 0) -> None:
+               sink: Sink, group: str | None = None, rank: int = 0,
+               tags: dict[str, Any] | None = None) -> None:
         """Start a request; its chunks (or an EngineError) arrive in `sink` as (key, item).
-        `rank`: how many samples of the same HTTP request come before it (fair admission)."""
+        `rank`: how many samples of the same HTTP request come before it (fair admission);
+        `tags`: its program_id and priority (Engine.submit_stream's keywords)."""
         if not self.alive:
             sink.put_nowait((key, EngineError(503, "the engine is not running")))
             return
@@ -147,7 +149,7 @@ class EngineClient:
             raise ValueError(f"request id {key!r} is already in use")
         self._tracked[key] = _Tracked(sink, params.n, group)
         self._in_flight += params.n
-        self._outbox.put(("generate", key, input_ids, params, cache_salt, rank))
+        self._outbox.put(("generate", key, input_ids, params, cache_salt, rank, tags or {}))
 
     def abort(self, key: str) -> None:
         """Stop a request; the engine still sends its last chunks (finish_reason "abort")."""

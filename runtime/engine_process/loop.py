@@ -192,7 +192,7 @@ class EngineServer:
             log.error("unknown message %r", kind)
 
     def _generate(self, key: str, input_ids: list[int], params: Any, cache_salt: str | None,
-                  rank: int) -> None:
+                  rank: int, tags: dict[str, Any]) -> None:
         put = self.outbox.put
 
         def on_output(out: Any) -> None:  # on the engine thread: one put, nothing more
@@ -202,7 +202,8 @@ class EngineServer:
             self.active[key] = params.n
         try:
             self.engine.submit_stream(on_output, input_ids=input_ids, sampling_params=params,
-                                      request_id=key, cache_salt=cache_salt, queue_rank=rank)
+                                      request_id=key, cache_salt=cache_salt, queue_rank=rank,
+                                      **tags)
         except Exception as exc:
             with self._active_lock:
                 self.active.pop(key, None)

@@ -5,7 +5,7 @@ HTTP process stays light. Messages from the engine are sent in batches (a list p
 step that advances 200 requests costs one pipe write, not 200.
 
 HTTP -> engine:
-    ("generate", key, input_ids, SamplingParams, cache_salt)
+    ("generate", key, input_ids, SamplingParams, cache_salt, rank, tags)
     ("abort", key)
     ("call", call_id, method, kwargs)      pin_prefix, release_prefix, score, flush_cache, stats
     ("shutdown",)

@@ -51,7 +51,7 @@ class _Relay:
         self.replicas = replicas
         self.key = key
         self.route = route
-        self.submit_args = submit_args  # (input_ids, params, cache_salt, group, rank)
+        self.submit_args = submit_args  # (input_ids, params, cache_salt, group, rank, tags)
         self.sink = sink
         self.n = samples
         self.samples = samples  # samples whose last chunk has not come
@@ -186,11 +186,12 @@ class ReplicaSet:
         return key in self._owner or any(r.is_tracked(key) for r in self.replicas)
 
     def submit(self, key: str, input_ids: list[int], params: Any, cache_salt: str | None,
-               sink: Sink, group: str | None = None, rank: int = 0) -> None:
+               sink: Sink, group: str | None = None, rank: int = 0,
+               tags: dict[str, Any] | None = None) -> None:
         if key in self._owner:
             raise ValueError(f"request id {key!r} is already in use")
         relay = _Relay(self, key, RouteRequest(token_ids=input_ids, session=cache_salt),
-                       (input_ids, params, cache_salt, group, rank), sink, params.n)
+                       (input_ids, params, cache_salt, group, rank, tags), sink, params.n)
         self._send(relay)
 
     def _send(self, relay: _Relay) -> None:
@@ -203,9 +204,9 @@ class ReplicaSet:
         log.debug("request %s (%d tokens) -> replica %d", relay.key,
                   len(relay.submit_args[0]), replica)
         self._owner[relay.key] = relay
-        input_ids, params, cache_salt, group, rank = relay.submit_args
+        input_ids, params, cache_salt, group, rank, tags = relay.submit_args
         self.replicas[replica].submit(relay.key, input_ids, params, cache_salt, relay, group,
-                                      rank)
+                                      rank, tags)
 
     def _retry(self, relay: _Relay) -> None:
         """Its replica died before the request sent anything: run it elsewhere."""

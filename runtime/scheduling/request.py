@@ -85,6 +85,12 @@ class Request:
     # samples); waiting requests are admitted by rank, then by arrival, so a large batch's
     # later requests let other clients' first ones in. 0 for the offline Engine's batches.
     queue_rank: int = 0
+    # The program (an agent, a script of calls) this request belongs to, as its client named
+    # it: the per-program statistics key. None for a request on its own.
+    program_id: str | None = None
+    # Admission order before anything else but retracted requests: lower first (vLLM's
+    # meaning); equal priorities keep the rank and arrival order.
+    priority: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     matched_stop: str | int | None = None

@@ -112,10 +112,11 @@ class Scheduler:
         hits: dict[Request, int] = {}
         if lpm and len(candidates) <= LPM_QUEUE_LIMIT:
             hits = {r: self.kv.match(r) for r in candidates}
-        if hits or any(r.queue_rank for r in candidates):
-            # Fair share first (retracted requests, then by rank in their batch), then the
-            # longest cached prefix; the sort is stable: FCFS among equals.
-            candidates.sort(key=lambda r: (-1 if r.admitted else r.queue_rank,
+        if hits or any(r.queue_rank or r.priority for r in candidates):
+            # Retracted requests first, then by priority, then fair share (by rank in their
+            # batch), then the longest cached prefix; the sort is stable: FCFS among equals.
+            candidates.sort(key=lambda r: (not r.admitted, r.priority,
+                                           0 if r.admitted else r.queue_rank,
                                            -hits.get(r, 0)))
         prefilling = [r for r in self.running if r.num_computed_tokens < r.prompt_len]
         for request in candidates:
@@ -186,9 +187,10 @@ class Scheduler:
         request.finish_reason = reason
 
 
-def _progress(request: Request) -> tuple[int, float]:
-    """Retraction order: least generated first, the newest among equals."""
-    return request.num_output_tokens, -request.arrival_time
+def _progress(request: Request) -> tuple[int, int, float]:
+    """Retraction order: the lowest priority (the highest value) first, then the least
+    generated, the newest among equals."""
+    return -request.priority, request.num_output_tokens, -request.arrival_time
 
 
 def _shares_uncached_prefix(request: Request, hit: int, others: list[Request],

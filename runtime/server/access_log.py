@@ -1,7 +1,7 @@
 """What the server logs as it serves: one access line per HTTP request, and a periodic line
 of engine statistics while there is work (the lines vLLM and SGLang users read).
 
-    radixlm.access: POST /generate 200 0.412s prompt=12 completion=16 rid=3f2a...
+    radixlm.access: POST /generate 200 0.412s prompt=12 completion=16 rid=3f2a... program=7c1e...
     radixlm.access: POST /v1/chat/completions 400 0.002s error="messages[0].content is ..."
     radixlm.server: engine: 3 running, 0 waiting, KV 12% used, 41.5 generated tok/s, ...
 
@@ -51,6 +51,9 @@ class RequestLog:
             keys = [k for g in self.generations for k in g.keys]
             rid = keys[0] + (f" (+{len(keys) - 1})" if len(keys) > 1 else "")
             parts.append(f"prompt={prompt} completion={completion} rid={rid}")
+            program = self.generations[0].tags.get("program_id")
+            if program is not None:
+                parts.append(f"program={program}")
         if self.error is not None:
             parts.append(f"error={self.error[:300]!r}")
         return " ".join(parts)

@@ -80,8 +80,10 @@ class _Sink(asyncio.Queue):
 class HttpGeneration:
     def __init__(self, state: ServerState, prompts: list[list[int]],
                  params: list[SamplingParams], keys: list[str],
-                 cache_salt: str | None = None, group: str | None = None) -> None:
+                 cache_salt: str | None = None, group: str | None = None,
+                 tags: dict[str, Any] | None = None) -> None:
         self.state = state
+        self.tags = tags or {}  # program_id, priority: Engine.submit_stream's keywords
         self.prompts = prompts
         self.params = params
         self.keys = keys
@@ -108,7 +110,8 @@ class HttpGeneration:
         engine = self.state.engine
         rank = 0  # of this request's samples, for fair admission (Request.queue_rank)
         for key, ids, p in zip(self.keys, self.prompts, self.params):
-            engine.submit(key, ids, p, self.cache_salt, self._sink, self.group, rank)
+            engine.submit(key, ids, p, self.cache_salt, self._sink, self.group, rank,
+                          self.tags)
             rank += p.n
         return self
 

@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from radixlm.runtime.config.program_tags import MAX_PRIORITY, check_program_id
 from radixlm.runtime.config.sampling_params import SamplingParams
 from radixlm.runtime.engine_process.messages import LogprobEntry
 from radixlm.runtime.protocol.fields import Fields, bad, is_id_list, token_ids
@@ -15,8 +16,10 @@ from radixlm.runtime.server.generation import Sample
 
 GENERATE_FIELDS = ("text", "input_ids", "sampling_params", "stream", "return_logprob",
                    "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "rid",
-                   "cache_salt")
+                   "cache_salt", "program_id", "priority")
 MAX_BATCH = 1024
+# The OpenAI routes take the program id as this header too (a client that cannot add fields).
+PROGRAM_HEADER = "X-Program-Id"
 MAX_LEASE_TTL = 24 * 3600.0
 
 
@@ -32,13 +35,27 @@ class GenerateRequest:
     return_logprob: bool
     text_in_logprobs: bool
     cache_salt: str | None
+    tags: dict[str, Any]  # program_id, priority (parse_tags)
 
     @property
     def num_prompts(self) -> int:
         return len(self.texts if self.texts is not None else self.input_ids or [])
 
 
-def parse_generate(body: dict[str, Any], vocab_size: int) -> GenerateRequest:
+def parse_tags(f: Fields, program_header: str | None = None) -> dict[str, Any]:
+    """A request's `program_id` (the field, else the header's value) and `priority`."""
+    program_id = f.string("program_id", program_header)
+    try:
+        check_program_id(program_id)
+    except ValueError as exc:
+        field = "program_id" if "program_id" in f.body else PROGRAM_HEADER
+        raise bad(str(exc).replace("program_id", field, 1), field) from None
+    return {"program_id": program_id,
+            "priority": f.integer("priority", 0, lo=-MAX_PRIORITY, hi=MAX_PRIORITY)}
+
+
+def parse_generate(body: dict[str, Any], vocab_size: int,
+                   program_header: str | None = None) -> GenerateRequest:
     f = Fields(body)
     f.only(GENERATE_FIELDS)
     texts, ids, batch = _prompts(f, vocab_size)
@@ -73,7 +90,8 @@ def parse_generate(body: dict[str, Any], vocab_size: int) -> GenerateRequest:
                            explicit_max=explicit, keys=_keys(f, batch, count),
                            stream=f.boolean("stream", False), return_logprob=return_logprob,
                            text_in_logprobs=f.boolean("return_text_in_logprobs", False),
-                           cache_salt=f.string("cache_salt"))
+                           cache_salt=f.string("cache_salt"),
+                           tags=parse_tags(f, program_header))
 
 
 # SGLang's /generate sampling fields that we do not implement, and why. Its frontend sends

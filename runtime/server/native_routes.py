@@ -57,7 +57,8 @@ async def call_engine(state: ServerState, method: str, *, counted: tuple[str, in
 
 async def generate(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
-    gen, req = await prepare_generation(state, await read_json(request))
+    gen, req = await prepare_generation(state, await read_json(request),
+                                        request.headers.get(native.PROGRAM_HEADER))
     if req.stream:
         return await stream_events(request, generation_events(state, gen, req))
     results = await generation_results(state, gen, req)
@@ -77,11 +78,11 @@ async def generation_results(state: ServerState, gen: HttpGeneration,
     return [native.result(s, req, texts, latency) for s in gen.samples]
 
 
-async def prepare_generation(state: ServerState, body: Any
+async def prepare_generation(state: ServerState, body: Any, program_header: str | None = None
                              ) -> tuple[HttpGeneration, native.GenerateRequest]:
     """A /generate body parsed, tokenized and fit to the context, ready to start."""
     info = state.require_engine()
-    req = native.parse_generate(body, info.vocab_size)
+    req = native.parse_generate(body, info.vocab_size, program_header)
     if req.texts is not None:
         req.input_ids = [await state.codec.encode_prompt(t, "text") for t in req.texts]
     assert req.input_ids is not None
@@ -90,7 +91,8 @@ async def prepare_generation(state: ServerState, body: Any
                               "sampling_params.max_new_tokens",
                               "sampling_params.min_new_tokens")
                   for p, ids, explicit in zip(req.params, req.input_ids, req.explicit_max)]
-    return HttpGeneration(state, req.input_ids, req.params, req.keys, req.cache_salt), req
+    return HttpGeneration(state, req.input_ids, req.params, req.keys, req.cache_salt,
+                          tags=req.tags), req
 
 
 async def generation_events(state: ServerState, gen: HttpGeneration,

@@ -37,7 +37,8 @@ SDK_FIELDS = ("user", "store", "metadata", "service_tier", "prompt_cache_key",
               "safety_identifier")
 CHAT_SDK_FIELDS = ("reasoning_effort", "prediction", "modalities")
 _COMMON = (*_DIRECT, *GUIDED, *SDK_FIELDS, "model", "stream", "stream_options", "max_tokens",
-           "response_format", "cache_salt", "spaces_between_special_tokens", "no_stop_trim")
+           "response_format", "cache_salt", "spaces_between_special_tokens", "no_stop_trim",
+           "program_id", "priority")
 COMPLETION_FIELDS = (*_COMMON, "prompt", "logprobs", "echo", "best_of", "suffix")
 CHAT_FIELDS = (*_COMMON, *CHAT_SDK_FIELDS, "messages", "max_completion_tokens", "logprobs",
                "top_logprobs",
@@ -72,6 +73,7 @@ class OpenAIRequest:
     template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # chat
     chat_template: str | None = None  # chat: the client's template (when trusted)
     separate_reasoning: bool = True  # chat: with a reasoning parser, split the thinking out
+    tags: dict[str, Any] = dataclasses.field(default_factory=dict)  # program_id, priority
 
 
 def parse_completion(body: dict[str, Any], vocab_size: int) -> OpenAIRequest:

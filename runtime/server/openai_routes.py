@@ -10,9 +10,10 @@ from aiohttp import web
 
 from radixlm.runtime.engine_process.messages import LogprobEntry
 from radixlm.runtime.protocol import reasoning, tool_formats, tool_requests
-from radixlm.runtime.protocol.fields import ApiError, bad
+from radixlm.runtime.protocol.fields import ApiError, Fields, bad
 from radixlm.runtime.protocol.sampling_fields import fit_context
 from radixlm.runtime.server.generation import HttpGeneration, Sample, abort_error
+from radixlm.runtime.server.native_requests import PROGRAM_HEADER, parse_tags
 from radixlm.runtime.server.openai_requests import OpenAIRequest, parse_chat, parse_completion
 from radixlm.runtime.server.state import ServerState
 from radixlm.runtime.server.web_util import json_response, read_json, state_of, stream_events
@@ -49,7 +50,9 @@ async def model(request: web.Request) -> web.Response:
 async def completions(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     info = state.require_engine()
-    req = parse_completion(await read_json(request), info.vocab_size)
+    body = await read_json(request)
+    req = parse_completion(body, info.vocab_size)
+    req.tags = parse_tags(Fields(body), request.headers.get(PROGRAM_HEADER))
     assert req.prompts is not None
     prompts = [p if isinstance(p, list) else await state.codec.encode_prompt(p, "prompt")
                for p in req.prompts]
@@ -59,7 +62,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     state.require_engine()
-    req = parse_chat(await read_json(request), state.config.trust_request_chat_template)
+    body = await read_json(request)
+    req = parse_chat(body, state.config.trust_request_chat_template)
+    req.tags = parse_tags(Fields(body), request.headers.get(PROGRAM_HEADER))
     assert req.messages is not None
     await state.codec.check_tool_schemas(req.tools.schemas)
     plan = tool_requests.plan(req.chat_template or state.codec.chat_template, req.messages,
@@ -90,7 +95,8 @@ async def _respond(request: web.Request, state: ServerState, req: OpenAIRequest,
                           prompt_param, req.max_param, "min_tokens") for ids in prompts]
     rid = f"{prefix}-{uuid.uuid4().hex}"
     keys = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
-    gen = HttpGeneration(state, prompts, params, keys, req.cache_salt, group=rid)
+    gen = HttpGeneration(state, prompts, params, keys, req.cache_salt, group=rid,
+                         tags=req.tags)
     head = {"id": rid, "object": kind, "created": int(time.time()), "model": state.model_name}
     render = _Renderer(state, req, kind == "chat.completion", tool_format)
     if req.stream:

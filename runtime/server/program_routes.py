@@ -38,6 +38,7 @@ from radixlm.runtime.programs.segment import (
     run_segment,
 )
 from radixlm.runtime.protocol.fields import ApiError, Fields, bad
+from radixlm.runtime.server.native_requests import PROGRAM_HEADER, parse_tags
 from radixlm.runtime.server.native_routes import (
     generation_events,
     generation_results,
@@ -58,13 +59,15 @@ def add_routes(app: web.Application) -> None:
 async def generate_program(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     state.require_engine()
-    segment = parse_segment(await read_json(request))
-    return await stream_events(request, _events(state, segment))
+    body = await read_json(request)
+    segment = parse_segment(body)
+    tags = parse_tags(Fields(body), request.headers.get(PROGRAM_HEADER))
+    return await stream_events(request, _events(state, segment, tags))
 
 
 def parse_segment(body: Any) -> Segment:
     f = Fields(body)
-    f.only(("text", "steps", "stream"))
+    f.only(("text", "steps", "stream", "program_id", "priority"))
     text = f.string("text", "")
     stream = f.boolean("stream", True)
     steps = f.get("steps", (list,), required=True, what="an array of steps")
@@ -101,8 +104,9 @@ def _step(raw: Any, where: str) -> Step:
     return SelectStep(before, tuple(choices), method)
 
 
-async def _events(state: ServerState, segment: Segment) -> AsyncIterator[dict[str, Any]]:
-    async for event in run_segment(segment, _ServerOps(state)):
+async def _events(state: ServerState, segment: Segment,
+                  tags: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async for event in run_segment(segment, _ServerOps(state, tags)):
         result = event.result
         if result is None:
             yield {"index": event.index, "event": event.meta["event"]}
@@ -117,12 +121,13 @@ async def _events(state: ServerState, segment: Segment) -> AsyncIterator[dict[st
 class _ServerOps:
     """A segment's calls, made as the per-call routes make them."""
 
-    def __init__(self, state: ServerState) -> None:
+    def __init__(self, state: ServerState, tags: dict[str, Any]) -> None:
         self.state = state
+        self.tags = {k: v for k, v in tags.items() if v}  # the segment's program and priority
 
     async def generate(self, text: str, params: dict[str, Any],
                        stream: bool) -> AsyncIterator[GenPiece]:
-        gen, req = await prepare_generation(self.state, {**params, "text": text,
+        gen, req = await prepare_generation(self.state, {**self.tags, **params, "text": text,
                                                          "stream": stream})
         if not stream:
             result = (await generation_results(self.state, gen, req))[0]

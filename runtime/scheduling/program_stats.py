@@ -1,0 +1,48 @@
+"""What the engine knows of each program: the requests that named it (`Request.program_id`),
+their time waiting for admission, and the tokens computed for them (prompt tokens not found in
+the cache, plus generated ones: the program's attained service)."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from radixlm.runtime.scheduling.request import Request
+
+MAX_PROGRAMS = 1024  # the most recently seen programs are kept; older ones are forgotten
+
+
+@dataclass
+class ProgramRecord:
+    calls: int = 0  # requests finished
+    queue_s: float = 0.0  # summed time from submission to admission
+    service_tokens: int = 0  # tokens computed: prompt tokens not cached + generated tokens
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    last_seen: float = 0.0  # time.time() of the last finished request
+
+
+class ProgramStats:
+    def __init__(self, capacity: int = MAX_PROGRAMS) -> None:
+        self.capacity = capacity
+        self.records: OrderedDict[str, ProgramRecord] = OrderedDict()
+
+    def record(self, request: Request) -> None:
+        """Count a finished request for its program (if it named one)."""
+        if request.program_id is None:
+            return
+        record = self.records.pop(request.program_id, None) or ProgramRecord()
+        self.records[request.program_id] = record  # the most recent last
+        while len(self.records) > self.capacity:
+            self.records.popitem(last=False)
+        record.calls += 1
+        if request.admitted_time is not None:
+            record.queue_s += request.admitted_time - request.arrival_time
+        record.service_tokens += (max(0, request.prompt_len - request.cached_tokens)
+                                  + request.num_output_tokens)
+        record.cached_tokens += request.cached_tokens
+        record.last_seen = time.time()
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        return {pid: asdict(record) for pid, record in self.records.items()}
