@@ -19,6 +19,7 @@ DTYPE_ALIASES = {"bf16": "bfloat16", "half": "float16", "fp16": "float16", "floa
 LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
+PROGRAM_POLICIES = ("plas", "fcfs")
 OVERLAP_MODES = ("auto", "on", "off")
 SPECULATIVE_METHODS = ("ngram", "draft")
 GRAMMAR_BACKENDS = ("llguidance", "outlines")
@@ -104,6 +105,12 @@ class EngineConfig:
     # The waiting-queue order: "lpm" serves the longest cached prefix first and lets requests
     # that share an uncached prefix wait for it; "fcfs" serves in arrival order.
     schedule_policy: str = "lpm"
+    # Across programs (requests that name one, Request.program_id): "plas" admits first the
+    # requests of programs that have had the least service so far (tokens computed for them;
+    # a request without a program counts as a program of its own), in levels that double,
+    # and raises a request one level for every couple of seconds it waits, so none starves;
+    # "fcfs" ignores programs. Priority and the fair share inside an HTTP request come first.
+    program_policy: str = "fcfs"
     # Prefixes pinned by leases (a program's fork, a server client's pin) may hold at most
     # this fraction of the KV pool; further pins are refused and the program runs unpinned.
     lease_memory_fraction: float = 0.25
@@ -146,6 +153,7 @@ class EngineConfig:
         _one_of(self.attention_backend, ATTENTION_BACKENDS, "attention_backend")
         _one_of(self.kv_cache_dtype, KV_CACHE_DTYPES, "kv_cache_dtype")
         _one_of(self.schedule_policy, SCHEDULE_POLICIES, "schedule_policy")
+        _one_of(self.program_policy, PROGRAM_POLICIES, "program_policy")
         _one_of(self.overlap_schedule, OVERLAP_MODES, "overlap_schedule")
         self._check_speculative_options()
         _positive_int(self.tp_size, "tp_size")

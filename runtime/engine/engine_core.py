@@ -27,7 +27,6 @@ from radixlm.runtime.models.loader import LoadedModel
 from radixlm.runtime.scheduling.kv_manager import KVManager
 from radixlm.runtime.scheduling.leases import LeaseTable
 from radixlm.runtime.scheduling.pages import PageAllocator, ReqToTokenTable
-from radixlm.runtime.scheduling.program_stats import ProgramStats
 from radixlm.runtime.scheduling.radix_cache import RadixCache
 from radixlm.runtime.scheduling.request import Request, RequestStatus
 from radixlm.runtime.scheduling.scheduler import ScheduledBatch, Scheduler
@@ -72,7 +71,6 @@ class EngineCore:
                            else setup.speculator(draft, self.runner, self.kv, mc.vocab_size))
         self.requests: dict[str, Request] = {}
         self.counters: Counter[str] = Counter()
-        self.programs = ProgramStats()  # per-program counters, for the stats
         self.tokenizer = loaded.tokenizer
         jump_forward = (config.enable_jump_forward if config.enable_jump_forward is not None
                         else not graphs)
@@ -357,7 +355,7 @@ class EngineCore:
         self.scheduler.finish(request, reason)
         self.requests.pop(request.request_id, None)
         self.counters["requests_finished"] += 1
-        self.programs.record(request)
+        self.scheduler.programs.record(request)
         delta = ""
         if request.detokenizer is not None:
             request.detokenizer.finish()
@@ -385,7 +383,7 @@ class EngineCore:
             "steps": self.counters["steps"],
             "overlapped_steps": self.counters["overlapped_steps"],
             "requests_finished": self.counters["requests_finished"],
-            "programs": self.programs.snapshot(),
+            "programs": self.scheduler.programs.snapshot(),
             "retractions": self.scheduler.num_retractions,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),

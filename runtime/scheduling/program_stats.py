@@ -44,5 +44,10 @@ class ProgramStats:
         record.cached_tokens += request.cached_tokens
         record.last_seen = time.time()
 
+    def service(self, program_id: str | None) -> int:
+        """Tokens computed for the program's finished requests (0 for none, or unknown)."""
+        record = None if program_id is None else self.records.get(program_id)
+        return 0 if record is None else record.service_tokens
+
     def snapshot(self) -> dict[str, dict[str, Any]]:
         return {pid: asdict(record) for pid, record in self.records.items()}

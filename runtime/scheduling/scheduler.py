@@ -33,11 +33,16 @@ import torch
 
 from radixlm.runtime.config.engine_config import EngineConfig
 from radixlm.runtime.scheduling.kv_manager import KVManager
+from radixlm.runtime.scheduling.program_stats import ProgramStats
 from radixlm.runtime.scheduling.request import Request, RequestStatus
 
 # Longest-prefix-match ordering costs a cache lookup per waiting request per step; above
 # this queue length fall back to FCFS so the cost stays bounded.
 LPM_QUEUE_LIMIT = 128
+# The "plas" program policy: a program's first level holds up to this many tokens of attained
+# service, each next level twice as many; a waiting request rises a level every AGING_S.
+PLAS_QUANTUM = 256
+PLAS_AGING_S = 2.0
 # Fraction of each running request's remaining decode tokens that admission keeps free.
 RESERVE_RATIO_INIT, RESERVE_RATIO_MIN, RESERVE_RATIO_DECAY = 0.5, 0.1, 0.002
 
@@ -65,6 +70,9 @@ class Scheduler:
         self.num_retractions = 0
         self.num_cached_tokens = 0  # prompt tokens served from the cache, at first admission
         self.reserve_ratio = RESERVE_RATIO_INIT
+        # Per-program counters (finished calls): the attained service "plas" orders by.
+        self.programs = ProgramStats()
+        self.plas = config.program_policy == "plas"
 
     @property
     def has_work(self) -> bool:
@@ -95,7 +103,7 @@ class Scheduler:
                 continue
             while not self.kv.grow(request, request.num_computed_tokens + count):
                 # Only requests not yet in this batch can give their pages back.
-                victim = min(self.running[index:], key=_progress)
+                victim = min(self.running[index:], key=self._retraction_order)
                 self.retract(victim)
                 if victim is request:
                     return budget
@@ -112,10 +120,13 @@ class Scheduler:
         hits: dict[Request, int] = {}
         if lpm and len(candidates) <= LPM_QUEUE_LIMIT:
             hits = {r: self.kv.match(r) for r in candidates}
-        if hits or any(r.queue_rank or r.priority for r in candidates):
-            # Retracted requests first, then by priority, then fair share (by rank in their
-            # batch), then the longest cached prefix; the sort is stable: FCFS among equals.
+        if hits or self.plas or any(r.queue_rank or r.priority for r in candidates):
+            # Retracted requests first, then by priority, then (plas) by the program's
+            # service level, then fair share (by rank in their batch), then the longest
+            # cached prefix; the sort is stable: FCFS among equals.
+            now = time.perf_counter()
             candidates.sort(key=lambda r: (not r.admitted, r.priority,
+                                           self._level(r, now) if self.plas else 0,
                                            0 if r.admitted else r.queue_rank,
                                            -hits.get(r, 0)))
         prefilling = [r for r in self.running if r.num_computed_tokens < r.prompt_len]
@@ -165,6 +176,17 @@ class Scheduler:
                   + int(request.remaining_new_tokens * self.reserve_ratio)) // page)
         return own + reserve <= self.kv.available_pages
 
+    def _level(self, request: Request, now: float) -> int:
+        """The request's "plas" level: its program's attained service, raised by waiting."""
+        service = self.programs.service(request.program_id)
+        return _service_level(service) - int((now - request.arrival_time) / PLAS_AGING_S)
+
+    def _retraction_order(self, request: Request) -> tuple[int, int, int, float]:
+        """The lowest priority (the highest value) first, then (plas) the program that had
+        the most service, then the least generated, the newest among equals."""
+        level = _service_level(self.programs.service(request.program_id)) if self.plas else 0
+        return (-request.priority, -level, request.num_output_tokens, -request.arrival_time)
+
     def retract(self, request: Request) -> None:
         """Stop a running request to free memory: cache what it computed, requeue it first.
         It resumes from its prompt and the tokens it already generated, so its output does
@@ -187,10 +209,9 @@ class Scheduler:
         request.finish_reason = reason
 
 
-def _progress(request: Request) -> tuple[int, int, float]:
-    """Retraction order: the lowest priority (the highest value) first, then the least
-    generated, the newest among equals."""
-    return -request.priority, request.num_output_tokens, -request.arrival_time
+def _service_level(service: int) -> int:
+    """0 below PLAS_QUANTUM tokens, 1 below twice that, 2 below four times, ..."""
+    return (service // PLAS_QUANTUM).bit_length()
 
 
 def _shares_uncached_prefix(request: Request, hit: int, others: list[Request],

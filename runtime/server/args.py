@@ -22,6 +22,7 @@ from radixlm.runtime.config.engine_config import (
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
     OVERLAP_MODES,
+    PROGRAM_POLICIES,
     QUANTIZATIONS,
     SCHEDULE_POLICIES,
     SPECULATIVE_METHODS,
@@ -229,6 +230,7 @@ _ALIASES = {"tp_size": ["--tp", "--tensor-parallel-size", "-tp"],
             "kv_cache_memory_fraction": ["--mem-fraction-static", "--gpu-memory-utilization"]}
 # Engine flags with a fixed set of values (listed in --help, checked by argparse).
 _CHOICES = {"attention_backend": ATTENTION_BACKENDS, "schedule_policy": SCHEDULE_POLICIES,
+            "program_policy": PROGRAM_POLICIES,
             "grammar_backend": GRAMMAR_BACKENDS, "overlap_schedule": OVERLAP_MODES,
             "speculative": SPECULATIVE_METHODS, "load_format": LOAD_FORMATS,
             "tp_all_reduce": ("auto", "symmetric", "nccl"),
