@@ -114,6 +114,10 @@ class Run:
             await self.arelease(lease)
         for release in list(self.releases):
             await asyncio.wrap_future(release)
+        try:  # what the runtime kept warm between the program's calls
+            await self.backend.arelease_program(self.program_id)
+        except Exception as exc:  # noqa: BLE001 - the pin expires by itself
+            log.warning("releasing the program's pin failed: %s", exc)
         for interp in self.interpreters:
             interp.close()
 

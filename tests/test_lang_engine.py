@@ -118,8 +118,9 @@ def test_fork_prefix_is_computed_once_under_cache_pressure(tiny_chat_model):
                  "beginnings are kept once. ") * 16
 
     def run(cache_hints: bool) -> tuple[int, list[int]]:
+        # The baseline pins nothing: no fork pins, and no program context kept warm.
         with Engine(str(tiny_chat_model), max_total_tokens=64 * PAGE, page_size=PAGE,
-                    lease_memory_fraction=0.5) as eng:
+                    lease_memory_fraction=0.5, program_ttl=10.0 if cache_hints else 0) as eng:
             backend = rl.Engine(engine=eng, cache_hints=cache_hints)
             # Two unrelated 600-token prompts between branches: the second one needs pages
             # that only evicting the least recently used prefix can give.

@@ -32,6 +32,7 @@ def test_a_programs_requests_carry_its_id(engine):
         record = engine.stats()["programs"][state.program_id]
         assert record["calls"] == 4  # two gens, and the select's two choices scored
         assert record["service_tokens"] > 6 and record["queue_s"] >= 0
+    assert engine.stats()["program_calls"] == 8  # summed over programs (Prometheus's)
     # Forks are the same program; another run is another.
     other = two_calls.run(backend=rl.Engine(engine=engine), temperature=0)
     assert other.program_id != state.program_id
@@ -57,3 +58,19 @@ def test_priority_orders_admission(engine):
 
     asyncio.run(main())
     assert finished.index("late") < finished.index("b")
+
+
+def test_a_programs_context_stays_warm_between_calls(engine):
+    prompt = "A long system prompt about many things. " * 8
+    first = engine.generate(prompt + "Q1:", {"max_new_tokens": 4}, program_id="warm")
+    assert engine.stats()["leases"] == 1  # its prompt and output, pinned for its next call
+    second = engine.generate(prompt + "Q1:" + first.text + " Q2:", {"max_new_tokens": 4},
+                             program_id="warm")
+    assert second.cached_tokens > 0
+    assert engine.stats()["leases"] == 1  # moved to the longer context, not two
+    assert engine.release_program("warm") and not engine.release_program("warm")
+    # A program run releases its pin when it ends.
+    two_calls.run(backend=rl.Engine(engine=engine), temperature=0)
+    s = engine.stats()
+    assert s["leases"] == 0 and s["num_running"] == s["num_waiting"] == 0
+    assert s["kv_pages_free"] + s["kv_pages_cached"] == s["kv_pages_total"]

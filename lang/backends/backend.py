@@ -105,6 +105,9 @@ class Backend:
         if _overrides(self, "release_prefix"):
             await self._plain("release_prefix", handle)
 
+    async def arelease_program(self, program_id: str) -> None:
+        """The program ended: the runtime may drop what it kept warm for its next call."""
+
     def start_segment(self, segment: Segment) -> SegmentStream:
         """Start executing a segment (when supports_segments), as a task of the running
         loop; its events come through the returned stream as the runtime produces them."""

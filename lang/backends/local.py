@@ -171,6 +171,9 @@ class EngineBackend(Backend):
         if handle is not None:  # a quick call on the engine thread, waited for off the loop
             await asyncio.to_thread(self.engine.release_prefix, handle)
 
+    async def arelease_program(self, program_id: str) -> None:
+        await asyncio.to_thread(self.engine.release_program, program_id)
+
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
 

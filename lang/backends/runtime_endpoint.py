@@ -103,6 +103,10 @@ class RuntimeEndpoint(Backend):
         if handle is not None:
             await self.http.post("/release_prefix", {"lease_id": handle})
 
+    async def arelease_program(self, program_id: str) -> None:
+        if self.info.get("supports_segments"):  # a server as new as program pins
+            await self.http.post("/release_program", {"program_id": program_id})
+
     def stats(self) -> dict[str, Any]:
         return self.server_info()["stats"]
 

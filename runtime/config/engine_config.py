@@ -111,6 +111,11 @@ class EngineConfig:
     # and raises a request one level for every couple of seconds it waits, so none starves;
     # "fcfs" ignores programs. Priority and the fair share inside an HTTP request come first.
     program_policy: str = "fcfs"
+    # After a request of a program ends, its prefix (prompt and output) stays pinned this many
+    # seconds, so the program's next call (after its tool ran) hits the cache even under
+    # memory pressure; the next call's end moves the pin, the program's end (release_program)
+    # drops it. Pins count against lease_memory_fraction. 0 turns it off.
+    program_ttl: float = 10.0
     # Prefixes pinned by leases (a program's fork, a server client's pin) may hold at most
     # this fraction of the KV pool; further pins are refused and the program runs unpinned.
     lease_memory_fraction: float = 0.25
@@ -180,6 +185,9 @@ class EngineConfig:
         if not 0 <= self.lease_memory_fraction <= 1:
             raise ValueError("lease_memory_fraction must be in [0, 1], "
                              f"got {self.lease_memory_fraction}")
+        if isinstance(self.program_ttl, bool) or not isinstance(self.program_ttl, (int, float)) \
+                or not 0 <= self.program_ttl <= 3600:
+            raise ValueError(f"program_ttl must be in [0, 3600] seconds, got {self.program_ttl}")
         self._check_grammar_options()
         if self.deterministic and self.attention_backend == "flashinfer":
             raise ValueError("attention_backend 'flashinfer' cannot run deterministic=True: its "

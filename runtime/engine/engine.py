@@ -24,6 +24,7 @@ from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 from tqdm.auto import tqdm
 
 from radixlm.runtime.config.engine_config import EngineConfig
+from radixlm.runtime.config.program_tags import check_program_id
 from radixlm.runtime.config.sampling_params import SamplingParams
 from radixlm.runtime.engine.engine_core import EngineCore
 from radixlm.runtime.engine.engine_thread import CLOSED, EngineClosedError, EngineThread
@@ -195,6 +196,12 @@ class Engine:
         if not isinstance(lease_id, str):
             raise ValueError(f"lease_id must be a string, got {type(lease_id).__name__}")
         return self._call(lambda core: core.release_lease(lease_id))
+
+    def release_program(self, program_id: str) -> bool:
+        """The program ended: drop the pin that kept its context warm between its calls
+        (program_ttl); False when there was none (or it expired)."""
+        check_program_id(program_id)
+        return self._call(lambda core: core.release_program(program_id))
 
     def score(self, prefix_ids: Sequence[int], continuation_ids: Sequence[Sequence[int]], *,
               cache_salt: str | None = None, request_id: str | None = None,

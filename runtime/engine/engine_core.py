@@ -70,6 +70,7 @@ class EngineCore:
         self.speculator = (None if config.speculative is None
                            else setup.speculator(draft, self.runner, self.kv, mc.vocab_size))
         self.requests: dict[str, Request] = {}
+        self._warm: dict[str, str] = {}  # program id -> the lease keeping its context warm
         self.counters: Counter[str] = Counter()
         self.tokenizer = loaded.tokenizer
         jump_forward = (config.enable_jump_forward if config.enable_jump_forward is not None
@@ -118,14 +119,21 @@ class EngineCore:
                 f"are running and {len(self.scheduler.waiting)} waiting")
         if self.cache is not None:
             self.leases.release_all()
+            self._warm.clear()
             self.cache.reset()
 
     def release_lease(self, lease_id: str) -> bool:
         return self.leases is not None and self.leases.release(lease_id)
 
+    def release_program(self, program_id: str) -> bool:
+        """The program ended: drop the pin that kept its context warm (program_ttl)."""
+        lease = self._warm.pop(program_id, None)
+        return lease is not None and self.release_lease(lease)
+
     def expire_leases(self) -> None:
         if self.leases is not None and len(self.leases):
             self.leases.expire()
+            self._warm = {p: lease for p, lease in self._warm.items() if lease in self.leases}
 
     # -- one step --------------------------------------------------------------------------
 
@@ -352,6 +360,10 @@ class EngineCore:
             # (cache_computed ran after the step); lock them before release() unlocks.
             self.kv.cache_computed(request)
             request.lease_id = self.leases.pin(request.cache_node, request.pin_ttl)
+        elif (request.program_id is not None and reason != "abort"
+              and self.leases is not None and self.config.program_ttl > 0):
+            self.kv.cache_computed(request)
+            self._keep_warm(request)
         self.scheduler.finish(request, reason)
         self.requests.pop(request.request_id, None)
         self.counters["requests_finished"] += 1
@@ -361,6 +373,17 @@ class EngineCore:
             request.detokenizer.finish()
             delta = request.detokenizer.take_delta()
         self._emit(request, delta)
+
+    def _keep_warm(self, request: Request) -> None:
+        """Pin what the program's request computed (its prompt and output) until its next call
+        ends, the program ends or program_ttl passes; the program's previous pin goes."""
+        assert self.leases is not None and request.program_id is not None
+        old = self._warm.pop(request.program_id, None)
+        if old is not None:
+            self.leases.release(old)
+        lease = self.leases.pin(request.cache_node, self.config.program_ttl, quiet=True)
+        if lease is not None:
+            self._warm[request.program_id] = lease
 
     @staticmethod
     def _emit(request: Request, delta: str = "") -> None:
@@ -384,6 +407,7 @@ class EngineCore:
             "overlapped_steps": self.counters["overlapped_steps"],
             "requests_finished": self.counters["requests_finished"],
             "programs": self.scheduler.programs.snapshot(),
+            **self.scheduler.programs.totals(),
             "retractions": self.scheduler.num_retractions,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),

@@ -31,7 +31,7 @@ log = logging.getLogger("radixlm.engine_process")
 
 # Engine methods the HTTP process may call, each run on a worker thread because most block
 # until the engine loop has done the work (pin_prefix computes the prefix, score a batch).
-CALLS = ("pin_prefix", "release_prefix", "score", "flush_cache", "stats")
+CALLS = ("pin_prefix", "release_prefix", "release_program", "score", "flush_cache", "stats")
 BEAT_SECONDS = 1.0
 
 

@@ -7,7 +7,8 @@ step that advances 200 requests costs one pipe write, not 200.
 HTTP -> engine:
     ("generate", key, input_ids, SamplingParams, cache_salt, rank, tags)
     ("abort", key)
-    ("call", call_id, method, kwargs)      pin_prefix, release_prefix, score, flush_cache, stats
+    ("call", call_id, method, kwargs)      pin_prefix, release_prefix, release_program, score,
+                                           flush_cache, stats
     ("shutdown",)
 engine -> HTTP (each send is a list of, typically all of one step's tokens):
     ("tokens", key, index, delta, token_ids, time, prompt_tokens, cached_tokens)

@@ -258,6 +258,9 @@ class ReplicaSet:
             for r in self._live():
                 await r.call("flush_cache")
             return None
+        if method == "release_program":  # its calls may have run on any replica
+            results = [await r.call(method, **kwargs) for r in self._live()]
+            return any(results)
         if method == "release_prefix":
             index, _, lease = str(kwargs.get("lease_id", "")).partition(":")
             if not (index.isdigit() and int(index) < self.dp_size):

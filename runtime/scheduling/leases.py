@@ -42,15 +42,19 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def pin(self, node: TreeNode, ttl: float) -> str | None:
-        """Lock `node` (a prefix the cache holds) under a new lease; None when refused."""
+    def __contains__(self, lease_id: str) -> bool:
+        return lease_id in self._leases
+
+    def pin(self, node: TreeNode, ttl: float, quiet: bool = False) -> str | None:
+        """Lock `node` (a prefix the cache holds) under a new lease; None when refused (with a
+        warning unless `quiet`: a pin the engine takes by itself)."""
         num_pages = _path_pages(node)
         if num_pages == 0:
             return None  # shorter than a page: nothing is cached to protect
         if self.leased_pages + num_pages > self.max_pages:
-            log.warning("prefix pin refused: %d leased + %d pages would exceed the bound of %d "
-                        "pages; the program runs unpinned", self.leased_pages, num_pages,
-                        self.max_pages)
+            (log.debug if quiet else log.warning)(
+                "prefix pin refused: %d leased + %d pages would exceed the bound of %d pages; "
+                "the program runs unpinned", self.leased_pages, num_pages, self.max_pages)
             return None
         self.cache.lock(node)
         lease = Lease(uuid.uuid4().hex, node, num_pages, self.clock() + ttl)

@@ -27,6 +27,7 @@ class ProgramStats:
     def __init__(self, capacity: int = MAX_PROGRAMS) -> None:
         self.capacity = capacity
         self.records: OrderedDict[str, ProgramRecord] = OrderedDict()
+        self.total = ProgramRecord()  # every program's, forgotten ones included
 
     def record(self, request: Request) -> None:
         """Count a finished request for its program (if it named one)."""
@@ -36,13 +37,15 @@ class ProgramStats:
         self.records[request.program_id] = record  # the most recent last
         while len(self.records) > self.capacity:
             self.records.popitem(last=False)
-        record.calls += 1
-        if request.admitted_time is not None:
-            record.queue_s += request.admitted_time - request.arrival_time
-        record.service_tokens += (max(0, request.prompt_len - request.cached_tokens)
-                                  + request.num_output_tokens)
-        record.cached_tokens += request.cached_tokens
-        record.last_seen = time.time()
+        queue_s = (0.0 if request.admitted_time is None
+                   else request.admitted_time - request.arrival_time)
+        service = max(0, request.prompt_len - request.cached_tokens) + request.num_output_tokens
+        for counts in (record, self.total):
+            counts.calls += 1
+            counts.queue_s += queue_s
+            counts.service_tokens += service
+            counts.cached_tokens += request.cached_tokens
+            counts.last_seen = time.time()
 
     def service(self, program_id: str | None) -> int:
         """Tokens computed for the program's finished requests (0 for none, or unknown)."""
@@ -51,3 +54,8 @@ class ProgramStats:
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
         return {pid: asdict(record) for pid, record in self.records.items()}
+
+    def totals(self) -> dict[str, Any]:
+        """Counters over every program, for the engine's stats (and Prometheus)."""
+        return {"program_calls": self.total.calls, "program_queue_seconds": self.total.queue_s,
+                "program_service_tokens": self.total.service_tokens}

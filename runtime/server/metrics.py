@@ -48,6 +48,13 @@ ENGINE_COUNTERS = {
     "grammar_compile_errors": ("radixlm_grammar_compile_errors", "Grammars refused"),
     "grammar_compile_seconds": ("radixlm_grammar_compile_seconds", "Time spent compiling "
                                 "grammars"),
+    # Per program only in the stats (/get_server_info): a label per program id would grow
+    # without bound.
+    "program_calls": ("radixlm_program_calls", "Finished requests that named a program"),
+    "program_queue_seconds": ("radixlm_program_queue_seconds", "Time those requests waited "
+                              "for admission"),
+    "program_service_tokens": ("radixlm_program_service_tokens", "Tokens computed for those "
+                               "requests (prompt tokens not cached, and generated ones)"),
 }
 
 

@@ -30,6 +30,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/flush_cache", flush_cache)
     app.router.add_post("/pin_prefix", pin_prefix)
     app.router.add_post("/release_prefix", release_prefix)
+    app.router.add_post("/release_program", release_program)
     app.router.add_post("/score", score)
     app.router.add_post("/apply_chat_template", apply_chat_template)
     app.router.add_get("/get_model_info", get_model_info)
@@ -206,6 +207,19 @@ async def release_prefix(request: web.Request) -> web.Response:
     lease_id = f.string("lease_id", required=True)
     return json_response({"released": bool(await call_engine(state, "release_prefix",
                                                              lease_id=lease_id))})
+
+
+async def release_program(request: web.Request) -> web.Response:
+    """A program ended: drop the pin that kept its context warm between its calls."""
+    state = state_of(request)
+    state.require_engine()
+    f = Fields(await read_json(request))
+    f.only(("program_id",))
+    program_id = native.parse_tags(f)["program_id"]
+    if program_id is None:
+        raise bad("program_id is required", "program_id")
+    return json_response({"released": bool(await call_engine(state, "release_program",
+                                                             program_id=program_id))})
 
 
 async def score(request: web.Request) -> web.Response:

@@ -1,0 +1,175 @@
+"""Agent programs under load: program-level scheduling ("plas") against first come, first
+served, in one run.
+
+The workload is written in our language and runs on the asyncio frontend: ReAct-style agents
+(a loop of 2-10 calls on CPU, each a short thought and action, then a simulated tool that takes
+50 ms - 2 s, drawn per call) mixed with single-shot chat requests, arriving as a Poisson
+process at 50%, 80% and 95% of the capacity measured first (programs/s with the whole workload
+submitted at once, the tools taking no time). Each load runs the same arrivals on an engine per policy. Reported:
+program completion time (mean, p50, p99) for agents, latency for single requests (mean, p99),
+programs/s, and the prefix-cache hit rate.
+
+    python benchmarks/agents.py [--programs 40] [--max-running 8] [--loads 0.5,0.8,0.95]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import radixlm as rl
+from radixlm.runtime import Engine
+
+from results_dir import results_dir
+
+TOOLS = ["search", "calculator", "weather", "calendar", "lookup"]
+THOUGHT_TOKENS = 24
+ANSWER_TOKENS = 24
+
+
+@rl.function
+async def agent(s, task, calls, latencies):
+    s += rl.system("You are an agent. Think, then call one tool per step.")
+    s += rl.user(task)
+    for step in range(calls):
+        s += rl.assistant("Thought:" + rl.gen(f"thought{step}", max_tokens=THOUGHT_TOKENS,
+                                              stop="\n")
+                          + "\nAction: " + rl.select(f"tool{step}", TOOLS))
+        tool = await s.aget(f"tool{step}")
+        await asyncio.sleep(latencies[step])  # the tool runs
+        s += rl.user(f"Observation from {tool}: result {step}.")
+    s += rl.assistant("Answer:" + rl.gen("answer", max_tokens=THOUGHT_TOKENS))
+
+
+@rl.function
+def chat(s, question):
+    s += rl.user(question)
+    s += rl.assistant(rl.gen("answer", max_tokens=ANSWER_TOKENS))
+
+
+def workload(count: int, seed: int) -> list[dict[str, Any]]:
+    """Half agents (2-10 calls), half single requests, in a fixed random order."""
+    rng = random.Random(seed)
+    items = []
+    for i in range(count):
+        if i % 2 == 0:
+            calls = rng.randint(2, 10)
+            items.append({"kind": "agent", "task": f"Task {i}: plan a trip to city {i}.",
+                          "calls": calls,
+                          "latencies": [rng.uniform(0.05, 2.0) for _ in range(calls)]})
+        else:
+            items.append({"kind": "chat", "question": f"Question {i}: name a color."})
+    rng.shuffle(items)
+    return items
+
+
+async def run_one(item: dict[str, Any], backend: Any, start: float) -> dict[str, Any]:
+    arrival = time.perf_counter()
+    if item["kind"] == "agent":
+        state = await agent.arun(task=item["task"], calls=item["calls"],
+                                 latencies=item["latencies"], backend=backend, temperature=0)
+    else:
+        state = await chat.arun(question=item["question"], backend=backend, temperature=0)
+    done = time.perf_counter()
+    if state.error() is not None:
+        raise RuntimeError(f"{item['kind']} failed: {state.error()}")
+    return {"kind": item["kind"], "seconds": done - arrival, "end": done - start}
+
+
+async def run_load(engine: Engine, items: list[dict[str, Any]], rate: float | None,
+                   seed: int) -> dict[str, Any]:
+    """Every item, arriving at `rate` per second (Poisson), or all at once (None)."""
+    backend = rl.Engine(engine=engine)
+    rng = random.Random(seed)
+    before = engine.stats()
+    start = time.perf_counter()
+    tasks = []
+    for item in items:
+        tasks.append(asyncio.create_task(run_one(item, backend, start)))
+        if rate is not None:
+            await asyncio.sleep(rng.expovariate(rate))
+    results = await asyncio.gather(*tasks)
+    wall = time.perf_counter() - start
+    after = engine.stats()
+    agents = sorted(r["seconds"] for r in results if r["kind"] == "agent")
+    chats = sorted(r["seconds"] for r in results if r["kind"] == "chat")
+    computed = after["prefill_tokens_computed"] - before["prefill_tokens_computed"]
+    cached = after["cached_tokens"] - before["cached_tokens"]
+    return {"programs_per_s": len(results) / wall, "seconds": wall,
+            "agent_mean_s": statistics.mean(agents), "agent_p50_s": statistics.median(agents),
+            "agent_p99_s": _p99(agents), "chat_mean_s": statistics.mean(chats),
+            "chat_p99_s": _p99(chats),
+            "cache_hit_rate": cached / max(1, cached + computed)}
+
+
+def _p99(values: list[float]) -> float:
+    return values[min(len(values) - 1, int(0.99 * len(values)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--programs", type=int, default=40)
+    parser.add_argument("--max-running", type=int, default=8,
+                        help="max_running_requests of both engines: requests beyond it queue")
+    parser.add_argument("--loads", default="0.5,0.8,0.95")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    loads = [float(x) for x in args.loads.split(",")]
+    items = workload(args.programs, args.seed)
+    engines = {policy: Engine(program_policy=policy, max_running_requests=args.max_running)
+               for policy in ("fcfs", "plas")}
+    try:
+        for engine in engines.values():  # warm-up
+            asyncio.run(run_load(engine, workload(4, 99), None, 0))
+        # Capacity: the engine's rate on this workload with the tools taking no time (tool
+        # time does not use the engine), everything submitted at once.
+        instant = [{**item, "latencies": [0.0] * len(item.get("latencies", []))}
+                   for item in items]
+        capacity = asyncio.run(run_load(engines["fcfs"], instant, None, 0))["programs_per_s"]
+        print(f"capacity (all at once, tools instant, fcfs): {capacity:.2f} programs/s")
+        results: dict[str, Any] = {}
+        for load in loads:
+            for policy, engine in engines.items():
+                engine.flush_cache()
+                r = asyncio.run(run_load(engine, items, load * capacity, args.seed))
+                results[f"{load:.0%} / {policy}"] = r
+                print(f"{load:>4.0%} {policy:<5} agents mean {r['agent_mean_s']:6.2f} s  p99 "
+                      f"{r['agent_p99_s']:6.2f} s  chat mean {r['chat_mean_s']:5.2f} s  p99 "
+                      f"{r['chat_p99_s']:5.2f} s  {r['programs_per_s']:5.2f} programs/s")
+    finally:
+        for engine in engines.values():
+            engine.close()
+    print(f"\n{'load / policy':<16}{'agent mean':>11}{'p50':>7}{'p99':>7}{'chat mean':>10}"
+          f"{'chat p99':>9}{'prog/s':>8}{'hit':>6}{'mean vs fcfs':>14}{'p99 vs fcfs':>12}")
+    for name, r in results.items():
+        base = results[name.split(" / ")[0] + " / fcfs"]
+        print(f"{name:<16}{r['agent_mean_s']:>11.2f}{r['agent_p50_s']:>7.2f}"
+              f"{r['agent_p99_s']:>7.2f}{r['chat_mean_s']:>10.2f}{r['chat_p99_s']:>9.2f}"
+              f"{r['programs_per_s']:>8.2f}{r['cache_hit_rate']:>6.0%}"
+              f"{base['agent_mean_s'] / r['agent_mean_s']:>13.2f}x"
+              f"{base['agent_p99_s'] / r['agent_p99_s']:>11.2f}x")
+    record = {"benchmark": "agents", "date": datetime.date.today().isoformat(),
+              "machine": {"processor": platform.processor() or platform.machine(),
+                          "threads": torch.get_num_threads()},
+              "config": {"programs": args.programs, "max_running_requests": args.max_running,
+                         "loads": loads, "seed": args.seed, "thought_tokens": THOUGHT_TOKENS,
+                         "answer_tokens": ANSWER_TOKENS},
+              "capacity_programs_per_s": capacity, "results": results}
+    out = Path(args.out or results_dir() / f"agents_cpu_{record['date']}.json")
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
