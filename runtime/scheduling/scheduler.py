@@ -9,8 +9,10 @@ cached prefixes, chunked prefill, decode and recomputation after a retraction:
 
 A step first serves running requests, oldest first, then admits waiting requests while the
 token budget, `max_running_requests` and KV pages allow. Waiting requests are taken by their
-rank in the server request they came with (`Request.queue_rank`), then in arrival order: a
-client's first prompt never waits behind another client's 1000-prompt batch. A request whose
+`priority` (lower first), then (with `program_policy="plas"`) by how much service their program
+has had, in doubling levels that waiting raises, then by their rank in the server request they
+came with (`Request.queue_rank`), then in arrival order: a client's first prompt never waits
+behind another client's 1000-prompt batch. A request whose
 grammar is still compiling holds back its last token (`held_back_tokens`) and is skipped once
 the rest is computed, so it never holds up the batch. With the "lpm" policy the waiting
 queue is ordered by longest cached prefix, and a request that shares a not-yet-cached prefix
