@@ -34,22 +34,21 @@ from radixlm.runtime import Engine
 from results_dir import results_dir
 
 TOOLS = ["search", "calculator", "weather", "calendar", "lookup"]
-THOUGHT_TOKENS = 24
 ANSWER_TOKENS = 24
 
 
 @rl.function
-async def agent(s, task, calls, latencies):
+async def agent(s, task, calls, latencies, thought_tokens):
     s += rl.system("You are an agent. Think, then call one tool per step.")
     s += rl.user(task)
     for step in range(calls):
-        s += rl.assistant("Thought:" + rl.gen(f"thought{step}", max_tokens=THOUGHT_TOKENS,
+        s += rl.assistant("Thought:" + rl.gen(f"thought{step}", max_tokens=thought_tokens,
                                               stop="\n")
                           + "\nAction: " + rl.select(f"tool{step}", TOOLS))
         tool = await s.aget(f"tool{step}")
         await asyncio.sleep(latencies[step])  # the tool runs
         s += rl.user(f"Observation from {tool}: result {step}.")
-    s += rl.assistant("Answer:" + rl.gen("answer", max_tokens=THOUGHT_TOKENS))
+    s += rl.assistant("Answer:" + rl.gen("answer", max_tokens=thought_tokens))
 
 
 @rl.function
@@ -58,7 +57,7 @@ def chat(s, question):
     s += rl.assistant(rl.gen("answer", max_tokens=ANSWER_TOKENS))
 
 
-def workload(count: int, seed: int) -> list[dict[str, Any]]:
+def workload(count: int, seed: int, thought_tokens: int = 24) -> list[dict[str, Any]]:
     """Half agents (2-10 calls), half single requests, in a fixed random order."""
     rng = random.Random(seed)
     items = []
@@ -66,7 +65,7 @@ def workload(count: int, seed: int) -> list[dict[str, Any]]:
         if i % 2 == 0:
             calls = rng.randint(2, 10)
             items.append({"kind": "agent", "task": f"Task {i}: plan a trip to city {i}.",
-                          "calls": calls,
+                          "calls": calls, "thought_tokens": thought_tokens,
                           "latencies": [rng.uniform(0.05, 2.0) for _ in range(calls)]})
         else:
             items.append({"kind": "chat", "question": f"Question {i}: name a color."})
@@ -78,7 +77,9 @@ async def run_one(item: dict[str, Any], backend: Any, start: float) -> dict[str,
     arrival = time.perf_counter()
     if item["kind"] == "agent":
         state = await agent.arun(task=item["task"], calls=item["calls"],
-                                 latencies=item["latencies"], backend=backend, temperature=0)
+                                 latencies=item["latencies"],
+                                 thought_tokens=item["thought_tokens"], backend=backend,
+                                 temperature=0)
     else:
         state = await chat.arun(question=item["question"], backend=backend, temperature=0)
     done = time.perf_counter()
@@ -127,10 +128,12 @@ def main() -> None:
                         help="max_running_requests of both engines: requests beyond it queue")
     parser.add_argument("--loads", default="0.5,0.8,0.95")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--thought-tokens", type=int, default=24,
+                        help="max_tokens of each thought (longer calls: more compute per call)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     loads = [float(x) for x in args.loads.split(",")]
-    items = workload(args.programs, args.seed)
+    items = workload(args.programs, args.seed, args.thought_tokens)
     engines = {policy: Engine(program_policy=policy, max_running_requests=args.max_running)
                for policy in ("fcfs", "plas")}
     try:
@@ -169,7 +172,8 @@ def main() -> None:
               "machine": {"processor": platform.processor() or platform.machine(),
                           "threads": torch.get_num_threads()},
               "config": {"programs": args.programs, "max_running_requests": args.max_running,
-                         "loads": loads, "seed": args.seed, "thought_tokens": THOUGHT_TOKENS,
+                         "loads": loads, "seed": args.seed,
+                         "thought_tokens": args.thought_tokens,
                          "answer_tokens": ANSWER_TOKENS},
               "capacity_programs_per_s": capacity, "results": results}
     out = Path(args.out or results_dir() / f"agents_cpu_{record['date']}.json")

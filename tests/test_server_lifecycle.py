@@ -189,7 +189,8 @@ class _StubEngine:
     def is_tracked(self, key: str) -> bool:
         return False
 
-    def submit(self, key, input_ids, params, cache_salt, sink, group=None, rank=0) -> None:
+    def submit(self, key, input_ids, params, cache_salt, sink, group=None, rank=0,
+               tags=None) -> None:
         from radixlm.runtime.engine_process.messages import Chunk
 
         sink.put_nowait((key, Chunk(index=0, delta="ok", token_ids=[7], logprobs=None,
