@@ -299,7 +299,7 @@ def test_program_ids_reach_the_server(server_url):
     state = two_calls.run(backend=remote, temperature=0)  # a segment: /generate_program
     fruit = quiz.run(question="Name a fruit.", backend=openai, temperature=0)
     programs = remote.stats()["programs"]
-    assert programs[state.program_id]["calls"] == 2  # the gens (the select scores apart)
+    assert programs[state.program_id]["calls"] == 4  # two gens and the select's two choices
     assert programs[fruit.program_id]["calls"] == 1
 
     def post(path, body, headers=None):

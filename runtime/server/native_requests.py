@@ -263,9 +263,11 @@ def parse_pin(body: dict[str, Any], vocab_size: int) -> tuple[str | None, list[i
     return text, ids, f.string("cache_salt"), float(ttl)
 
 
-def parse_score(body: dict[str, Any], vocab_size: int) -> dict[str, Any]:
+def parse_score(body: dict[str, Any], vocab_size: int,
+                program_header: str | None = None) -> dict[str, Any]:
     f = Fields(body)
-    f.only(("prefix", "prefix_ids", "continuations", "continuation_ids", "cache_salt"))
+    f.only(("prefix", "prefix_ids", "continuations", "continuation_ids", "cache_salt",
+            "program_id", "priority"))
     if f.has("prefix") == f.has("prefix_ids"):
         raise bad("pass exactly one of prefix and prefix_ids", "prefix", "missing_field")
     if f.has("continuations") == f.has("continuation_ids"):
@@ -289,4 +291,5 @@ def parse_score(body: dict[str, Any], vocab_size: int) -> dict[str, Any]:
         ids = [token_ids(c, "continuation_ids", vocab_size) for c in ids]
     _check_batch(len(texts or ids), "continuations" if texts else "continuation_ids")
     return {"prefix": prefix, "prefix_ids": prefix_ids, "continuations": texts,
-            "continuation_ids": ids, "cache_salt": f.string("cache_salt")}
+            "continuation_ids": ids, "cache_salt": f.string("cache_salt"),
+            **parse_tags(f, program_header)}

@@ -223,14 +223,16 @@ async def release_program(request: web.Request) -> web.Response:
 
 
 async def score(request: web.Request) -> web.Response:
-    return json_response({"logprobs": await score_logprobs(state_of(request),
-                                                           await read_json(request))})
+    return json_response({"logprobs": await score_logprobs(
+        state_of(request), await read_json(request),
+        request.headers.get(native.PROGRAM_HEADER))})
 
 
-async def score_logprobs(state: ServerState, body: Any) -> list[list[float]]:
+async def score_logprobs(state: ServerState, body: Any, program_header: str | None = None
+                         ) -> list[list[float]]:
     """A /score body's answer: the logprobs of each continuation's tokens."""
     info = state.require_engine()
-    spec = native.parse_score(body, info.vocab_size)
+    spec = native.parse_score(body, info.vocab_size, program_header)
     param = "continuations" if spec["continuations"] is not None else "continuation_ids"
     count = len(spec["continuations"] or spec["continuation_ids"])
     # One engine request per continuation: bounded and queued like generation's samples.
@@ -253,7 +255,8 @@ async def score_logprobs(state: ServerState, body: Any) -> list[list[float]]:
     # Counted in flight, and aborted in the engine if the client leaves.
     return await call_engine(state, "score", counted=(f"score-{uuid.uuid4().hex}", count),
                              prefix_ids=prefix_ids, continuation_ids=continuation_ids,
-                             cache_salt=spec["cache_salt"])
+                             cache_salt=spec["cache_salt"], program_id=spec["program_id"],
+                             priority=spec["priority"])
 
 
 async def apply_chat_template(request: web.Request) -> web.Response:

@@ -149,8 +149,9 @@ class _ServerOps:
                     unconditional: bool) -> ChoiceScores:
         start = {"prefix_ids": [self._document_start()]}
         conditional = await score_logprobs(self.state, {
-            **({"prefix": prefix} if prefix else start), "continuations": choices})
-        prior = (await score_logprobs(self.state, {**start, "continuations": choices})
+            **self.tags, **({"prefix": prefix} if prefix else start), "continuations": choices})
+        prior = (await score_logprobs(self.state, {**self.tags, **start,
+                                                   "continuations": choices})
                  if unconditional else None)
         return ChoiceScores(conditional, prior)
 
