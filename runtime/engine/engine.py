@@ -345,12 +345,9 @@ class Engine:
                     outputs[out.request_id] = out
                     bar.update(1)
         except BaseException:  # e.g. KeyboardInterrupt: don't leave work behind
-            for request in requests:
-                self.abort(request.request_id)
+            self._abort_all(requests)
             raise
-        if any(_closed_under(out) for out in outputs.values()):
-            raise EngineClosedError("the engine was closed while a call waited on it")
-        return [outputs[r.request_id] for r in requests]
+        return _in_order(requests, outputs)
 
     async def _run_async(self, requests: list[Request]) -> list[Output]:
         """`_run` for a coroutine: the outputs arrive on its loop; cancelling aborts."""
@@ -365,12 +362,13 @@ class Engine:
                 out = await results.get()
                 outputs[out.request_id] = out
         except BaseException:
-            for request in requests:
-                self.abort(request.request_id)
+            self._abort_all(requests)
             raise
-        if any(_closed_under(out) for out in outputs.values()):
-            raise EngineClosedError("the engine was closed while a call waited on it")
-        return [outputs[r.request_id] for r in requests]
+        return _in_order(requests, outputs)
+
+    def _abort_all(self, requests: list[Request]) -> None:
+        for request in requests:
+            self.abort(request.request_id)
 
     def _call(self, fn: Callable[[EngineCore], Any]) -> Any:
         """Run fn(core) on the engine thread; return its result or raise its exception."""
@@ -382,6 +380,13 @@ class Engine:
 
 def _ignore(_: Output) -> None:
     pass
+
+
+def _in_order(requests: list[Request], outputs: dict[str, Output]) -> list[Output]:
+    """The outputs of a finished call, in request order; the engine's closing raises."""
+    if any(_closed_under(out) for out in outputs.values()):
+        raise EngineClosedError("the engine was closed while a call waited on it")
+    return [outputs[r.request_id] for r in requests]
 
 
 def _pinned(outputs: list[Output]) -> str | None:
