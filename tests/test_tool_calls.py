@@ -7,7 +7,10 @@ the grammar makes valid, checked with `jsonschema` on seeded samples."""
 
 from __future__ import annotations
 
+import functools
 import json
+import re
+import urllib.request
 from pathlib import Path
 
 import jsonschema
@@ -20,6 +23,7 @@ import radixlm as rl
 from radixlm.backends.server_process import ServerProcess
 from radixlm.runtime import Engine
 from radixlm.runtime.protocol import tool_formats as tp
+from radixlm.runtime.protocol.tool_stream import StreamingToolParser
 
 from conftest import save_tiny_chat_model
 
@@ -65,6 +69,24 @@ REPLIES = {
 }
 
 
+def _stream(fmt: str, text: str, step: int, cut: bool = False):
+    """(content, {index: [name, arguments]}, calls made, deltas) of `text` streamed in pieces
+    of `step` characters, assembled as the SDK's stream helpers do."""
+    parser = StreamingToolParser(fmt, NAMES)
+    content, deltas = "", []
+    for i in range(0, len(text), step):
+        piece, more = parser.feed(text[i:i + step])
+        content += piece
+        deltas += more
+    rest, more, made = parser.finish(cut)
+    calls: dict[int, list[str]] = {}
+    for d in deltas + more:
+        entry = calls.setdefault(d["index"], ["", ""])
+        entry[0] += d["function"].get("name") or ""
+        entry[1] += d["function"]["arguments"]
+    return content + rest, calls, made, deltas
+
+
 @pytest.mark.parametrize("fmt", tp.FORMATS)
 def test_each_format_parses_whole_and_streamed_alike(fmt):
     text, content, cities = REPLIES[fmt]
@@ -72,12 +94,16 @@ def test_each_format_parses_whole_and_streamed_alike(fmt):
     assert got_content == content
     assert [json.loads(c.arguments)["city"] for c in calls] == cities
     assert all(c.name == "get_weather" and c.id for c in calls)
-    parser = tp.StreamingToolParser(fmt, NAMES)
-    streamed = "".join(parser.feed(ch) for ch in text)
-    rest, streamed_calls = parser.finish()
-    assert (streamed + rest).strip() == content
-    assert [(c.name, c.arguments) for c in streamed_calls] == [(c.name, c.arguments)
-                                                              for c in calls]
+    for step in (1, 5, len(text)):
+        streamed, streamed_calls, made, deltas = _stream(fmt, text, step)
+        assert streamed.strip() == content and made == len(calls)
+        assert [(n, json.loads(a)) for n, a in streamed_calls.values()] == [
+            (c.name, json.loads(c.arguments)) for c in calls]
+        if step == 1:  # name first, with the id; then the arguments in fragments as written
+            first = [d for d in deltas if d["index"] == 0]
+            assert first[0]["id"] and first[0]["function"] == {"name": "get_weather",
+                                                                "arguments": ""}
+            assert len(first) > 5 and all("name" not in d["function"] for d in first[1:])
 
 
 @pytest.mark.parametrize(("fmt", "text"), [
@@ -90,32 +116,66 @@ def test_each_format_parses_whole_and_streamed_alike(fmt):
 ])
 def test_a_reply_that_is_not_a_valid_call_is_text(fmt, text):
     assert tp.parse(fmt, text, NAMES) == (text, [])
-    parser = tp.StreamingToolParser(fmt, NAMES)
-    streamed = "".join(parser.feed(ch) for ch in text)
-    rest, calls = parser.finish()
-    assert streamed + rest == text and calls == []
+    streamed, calls, made, _ = _stream(fmt, text, 1)
+    if text.endswith("Par"):  # streaming had opened the call already: it stays a call
+        assert streamed == "" and made == 1 and calls[0][0] == "get_weather"
+    else:
+        assert streamed == text and made == 0
+
+
+@pytest.mark.parametrize("fmt", tp.FORMATS)
+def test_a_reply_cut_inside_its_second_call_returns_the_first_as_a_call(fmt):
+    text = REPLIES[fmt][0]
+    cut = text[:text.rindex("Oslo")]
+    assert tp.parse(fmt, cut, NAMES)[1] == []  # not a reply of whole calls...
+    content, calls = tp.parse(fmt, cut, NAMES, cut=True)  # ...but the budget ended it
+    assert content == REPLIES[fmt][1] and "tool_call" not in content
+    assert [json.loads(c.arguments) for c in calls] == [{"city": "Paris"}]
+    streamed, streamed_calls, made, _ = _stream(fmt, cut, 3, cut=True)
+    assert streamed.strip() == content and json.loads(streamed_calls[0][1]) == {"city": "Paris"}
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.text(max_size=40), st.integers(1, 9))
 def test_streamed_content_is_never_lost_or_reordered(prefix, step):
     text = prefix + "<tool_call>\n" + json.dumps(CALL) + "\n</tool_call>"
-    parser = tp.StreamingToolParser("hermes", NAMES)
-    streamed = "".join(parser.feed(text[i:i + step]) for i in range(0, len(text), step))
-    rest, calls = parser.finish()
+    streamed, calls, made, _ = _stream("hermes", text, step)
     whole_content, whole_calls = tp.parse("hermes", text, NAMES)
-    assert streamed + rest in (whole_content, prefix)  # the text before the call, as sent
-    assert len(calls) == len(whole_calls)
+    assert streamed in (whole_content, prefix)  # the text before the call, as sent
+    assert made == len(whole_calls) and len(calls) == len(whole_calls)
+
+
+@functools.cache
+def _tokenizers(folder: Path):
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    return tokenizer, llguidance.hf.from_tokenizer(tokenizer)
+
+
+def _matcher(tag: dict, folder: Path):
+    """Does the structural tag's grammar accept a whole text?"""
+    import llguidance
+
+    from radixlm.runtime.grammar import structural_tag
+    from radixlm.runtime.grammar.llguidance_engine import special_tokens
+
+    tokenizer, lltok = _tokenizers(folder)
+    grammar = structural_tag.to_lark(structural_tag.check(tag), special_tokens(tokenizer),
+                                     {"whitespace_flexible": False})
+
+    def accepts(text: str) -> bool:
+        matcher = llguidance.LLMatcher(lltok, grammar)
+        assert not matcher.is_error(), matcher.get_error()
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return (matcher.validate_tokens(ids) == len(ids) and matcher.consume_tokens(ids)
+                and matcher.is_accepting())
+    return accepts
 
 
 @pytest.mark.parametrize("fmt", tp.FORMATS)
 def test_the_call_grammar_takes_parallel_calls_only_when_allowed(fmt, default_model_folder):
-    import llguidance
-    import llguidance.hf
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(default_model_folder))
-    lltok = llguidance.hf.from_tokenizer(tokenizer)
     tools = [t["function"] for t in TOOLS]
     one = {"name": "get_weather", "arguments": {"city": "Paris"}}
     if fmt == "llama3_json":
@@ -124,31 +184,31 @@ def test_the_call_grammar_takes_parallel_calls_only_when_allowed(fmt, default_mo
             "mistral": "[TOOL_CALLS][{0}]"}[fmt].format(json.dumps(one))
     two = {"hermes": text + "\n" + text, "llama3_json": text + "; " + text,
            "mistral": text[:-1] + ", " + json.dumps(one) + "]"}[fmt]
-
-    def accepts(reply: str, parallel: bool) -> bool:
-        grammar = llguidance.LLMatcher.grammar_from_lark(tp.call_grammar(fmt, tools, parallel))
-        matcher = llguidance.LLMatcher(lltok, grammar)
-        ids = tokenizer.encode(reply, add_special_tokens=False)
-        return matcher.validate_tokens(ids) == len(ids) and matcher.consume_tokens(ids) \
-            and matcher.is_accepting()
-
-    assert accepts(text, parallel=False) and accepts(text, parallel=True)
-    assert accepts(two, parallel=True) and not accepts(two, parallel=False)
+    bad = text.replace("Paris", "P" * 30)  # longer than the schema's maxLength
+    for required in (True, False):
+        accepts = {parallel: _matcher(tp.call_structural_tag(fmt, tools, parallel, required),
+                                      default_model_folder) for parallel in (False, True)}
+        assert accepts[False](text) and accepts[True](text)
+        assert accepts[True](two) and not accepts[False](two)
+        assert not accepts[True](bad)
+        # auto: plain text is a reply too; required: only calls are
+        assert accepts[True]("I can answer that myself.") is not required
     assert [c.name for c in tp.parse(fmt, two, NAMES)[1]] == ["get_weather"] * 2
 
 
-def test_call_grammars_close_open_objects_and_stay_within_the_schema():
-    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {
-        "b": {"type": "integer"}}}, "free": {"type": "object"},
-        "tags": {"type": "object", "additionalProperties": {"type": "string"}},
-        "c": {"const": {"properties": 1}}}}
-    out = tp.closed(schema)
-    assert out["additionalProperties"] is False
-    assert out["properties"]["a"]["additionalProperties"] is False
-    assert "additionalProperties" not in out["properties"]["free"]  # lists no properties
-    assert out["properties"]["tags"]["additionalProperties"] == {"type": "string"}
-    assert out["properties"]["c"] == {"const": {"properties": 1}}  # values are not schemas
-    assert "additionalProperties" not in schema  # the tool's own schema is left as it is
+def test_auto_holds_a_started_call_to_its_schema_and_resolves_local_refs(default_model_folder):
+    unit = {"type": "function", "function": {"name": "convert", "parameters": {
+        "$defs": {"Unit": {"type": "string", "enum": ["C", "F"]}},
+        "type": "object", "properties": {"to": {"$ref": "#/$defs/Unit"}}, "required": ["to"]}}}
+    tools = [t["function"] for t in (WEATHER, unit)]
+    accepts = _matcher(tp.call_structural_tag("hermes", tools, True, False),
+                       default_model_folder)
+    call = '<tool_call>\n{"name": "convert", "arguments": {"to": "F"}}\n</tool_call>'
+    assert accepts("Sure. " + call + " Done.")
+    assert accepts(call + "\n" + call.replace('"F"', '"C"'))
+    assert not accepts("Sure. " + call.replace('"F"', '"K"'))  # not a Unit
+    assert not accepts('Sure. <tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>')
+    assert not accepts("Sure. <tool_call>\nanything")  # once started, a call
 
 
 @pytest.mark.parametrize(("template", "fmt"), [
@@ -222,16 +282,22 @@ def test_named_choice_calls_that_function(client):
 def test_streamed_calls_equal_the_whole_reply(client):
     body = dict(tool_choice="required", temperature=1.0, seed=3, max_tokens=400)
     whole = _chat(client, **body).choices[0]
-    calls, content, finish = {}, "", None
+    calls, content, finish, pieces = {}, "", None, 0
     for chunk in _chat(client, stream=True, **body):
         for choice in chunk.choices:
             content += choice.delta.content or ""
             for call in choice.delta.tool_calls or []:
                 entry = calls.setdefault(call.index, {"name": "", "arguments": ""})
+                if entry["name"]:  # the name comes once, first, with the id
+                    assert call.function.name is None and call.id is None
+                else:
+                    assert call.id and call.function.name
                 entry["name"] += call.function.name or ""
                 entry["arguments"] += call.function.arguments or ""
+                pieces += 1
             finish = choice.finish_reason or finish
     assert finish == "tool_calls"
+    assert pieces > 2 * len(calls)  # arguments streamed as written, not one chunk a call
     assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
         (c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
     assert content == (whole.message.content or "")
@@ -252,6 +318,67 @@ def test_auto_and_none_reply_with_text_or_valid_calls(client):
             for call in calls:  # a random model rarely calls; when it does, validly
                 jsonschema.validate(json.loads(call.function.arguments),
                                     _schema(call.function.name))
+
+
+def test_a_budget_that_cuts_a_call_never_returns_call_markup_as_text(client):
+    for stream in (False, True):
+        body = dict(tool_choice="required", temperature=1.0, seed=1, max_tokens=12)
+        if not stream:
+            choice = _chat(client, **body).choices[0]
+            content, finish = choice.message.content, choice.finish_reason
+        else:
+            chunks = [c for chunk in _chat(client, stream=True, **body) for c in chunk.choices]
+            content = "".join(c.delta.content or "" for c in chunks)
+            finish = next(c.finish_reason for c in chunks if c.finish_reason)
+        assert finish == "length" and not content  # the cut call is not text
+
+
+def test_pydantic_style_tools_with_local_refs(client):
+    unit = {"type": "function", "function": {"name": "convert", "parameters": {
+        "$defs": {"Unit": {"type": "string", "enum": ["celsius", "kelvin"]}},
+        "type": "object", "properties": {"value": {"type": "number"},
+                                         "to": {"$ref": "#/$defs/Unit"}},
+        "required": ["value", "to"]}}}
+    for choice in ("required", {"type": "function", "function": {"name": "convert"}}):
+        reply = _chat(client, tools=[unit], tool_choice=choice, temperature=1.0, seed=2,
+                      max_tokens=200).choices[0]
+        assert reply.finish_reason == "tool_calls", reply
+        jsonschema.validate(json.loads(reply.message.tool_calls[0].function.arguments),
+                            unit["function"]["parameters"])
+
+
+def test_structural_tag_response_format(client, server):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    tag = {"type": "structural_tag", "format": {
+        "type": "tags_with_separator", "separator": ",", "at_least_one": True,
+        "stop_after_first": False,
+        "tags": [{"begin": "<n>", "content": {"type": "json_schema", "json_schema": schema},
+                  "end": "</n>"}]}}
+    reply = client.chat.completions.create(model="m", messages=ASK, response_format=tag,
+                                           temperature=1.0, seed=0, max_tokens=60)
+    text = reply.choices[0].message.content
+    parts = re.findall(r"<n>(.*?)</n>", text)
+    assert parts and text == ",".join(f"<n>{p}</n>" for p in parts) or \
+        reply.choices[0].finish_reason == "length"
+    for part in parts:
+        jsonschema.validate(json.loads(part), schema)
+    legacy = {"type": "structural_tag", "triggers": ["<n>"], "structures": [
+        {"begin": "<n>", "schema": schema, "end": "</n>"}]}
+    body = {"text": "Count: ", "sampling_params": {"structural_tag": json.dumps(legacy),
+                                                   "max_new_tokens": 40, "temperature": 1.0}}
+    request = urllib.request.Request(server.url + "/generate", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        native = json.loads(response.read())
+    for part in re.findall(r"<n>(.*?)</n>", native["text"]):
+        jsonschema.validate(json.loads(part), schema)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="m", messages=ASK, max_tokens=4, response_format={
+            "type": "structural_tag", "format": {"type": "tag", "begin": "<a>"}})
+    assert caught.value.body["param"] == "response_format"
+    assert "structural_tag.format.content" in caught.value.body["message"]
 
 
 def test_a_two_turn_tool_conversation(client):

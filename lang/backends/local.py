@@ -141,21 +141,22 @@ class EngineBackend(Backend):
     async def acall_tools(self, prompt: Prompt, tools: Any, params: SamplingParams
                           ) -> Generation:
         """As the server's chat route does it: the template's tools (or a system message
-        describing them), the call grammar for required and named choices, the reply parsed
-        in the template's format."""
+        describing them), the structural tag that holds calls to their schemas, the reply
+        parsed in the template's format."""
         template = getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise BackendError("tool_call: the model has no chat template")
         plan = tool_requests.plan(template, prompt.messages[:-1], tools)
         text = self.engine.apply_chat_template(plan.messages, True, plan.template_tools)
-        if plan.grammar is not None:
-            params = params.replace(ebnf=plan.grammar)
+        if plan.structural_tag is not None:
+            params = params.replace(structural_tag=plan.structural_tag)
         if plan.format == "mistral":
             params = params.replace(skip_special_tokens=False)
         out = _finished(await self.engine.async_generate(text, params,
                                                          program_id=current_program.get()))
         content, calls = (tool_formats.parse(plan.format, out.text,
-                                             [t["name"] for t in tools.tools])
+                                             [t["name"] for t in tools.tools],
+                                             cut=out.finish_reason == "length")
                           if plan.format else (out.text, []))
         return Generation(content, {**self._meta(out), "tool_calls": [
             {"id": c.id, "type": "function",

@@ -57,11 +57,13 @@ class SamplingParams:
     logprob_start_len: int | None = None
     # Structured output, at most one of: a regex the whole output must match, a JSON Schema
     # (a dict or JSON text; kept as compact JSON text), a context-free grammar in Lark or
-    # GBNF syntax (SGLang's `ebnf`), or any JSON object.
+    # GBNF syntax (SGLang's `ebnf`), any JSON object, or a structural tag (free text with
+    # constrained tags, as JSON: grammar/structural_tag.py; kept as compact JSON text).
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
     json_object: bool = False
+    structural_tag: str | None = None
     # False: schema keywords the grammar engine cannot enforce are left out instead of refused,
     # and Output.grammar_warnings says which (the output may then not validate).
     json_schema_strict: bool = True
@@ -116,8 +118,10 @@ class SamplingParams:
             # Imported here: plain sampling never loads the grammar machinery.
             from radixlm.runtime.grammar.spec import check_grammar_fields
 
-            set_(self, "json_schema", check_grammar_fields(self.regex, self.json_schema,
-                                                           self.ebnf, self.json_object))
+            checked = check_grammar_fields(self.regex, self.json_schema, self.ebnf,
+                                           self.json_object, self.structural_tag)
+            set_(self, "json_schema", checked["json_schema"])
+            set_(self, "structural_tag", checked["structural_tag"])
         if self.stop_regex and "stop_regex" in names:
             from radixlm.runtime.grammar.stop_regex import check_stop_regexes
 
@@ -164,7 +168,8 @@ class SamplingParams:
     def constrained(self) -> bool:
         """Does the output have to match a regex, a JSON schema or a grammar?"""
         return (self.regex is not None or self.json_schema is not None
-                or self.ebnf is not None or self.json_object is not False)
+                or self.ebnf is not None or self.json_object is not False
+                or self.structural_tag is not None)
 
     @property
     def has_penalties(self) -> bool:
@@ -220,7 +225,7 @@ class SamplingParams:
 
 
 FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
-_GRAMMAR_FIELDS = frozenset(("regex", "json_schema", "ebnf", "json_object"))
+_GRAMMAR_FIELDS = frozenset(("regex", "json_schema", "ebnf", "json_object", "structural_tag"))
 
 
 MAX_LOGIT_BIAS_TOKENS = 1024

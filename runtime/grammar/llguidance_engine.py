@@ -24,6 +24,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from radixlm.runtime.grammar import structural_tag
 from radixlm.runtime.grammar.interface import (
     CompiledGrammar,
     GrammarCompileError,
@@ -52,6 +53,8 @@ class LLGuidanceEngine(GrammarEngine):
         self.mask_words = -(-model_vocab_size // 32)
         self._llg_words = -(-self.tokenizer.vocab_size // 32)
         self.eos_ids = sorted({*self.tokenizer.eos_tokens, self.tokenizer.eos_token})
+        # Structural tags write these as tokens, not text (`<|python_tag|>`, `[TOOL_CALLS]`).
+        self.special_tokens = special_tokens(tokenizer)
         # Masks leave EOS out (see GrammarMatcher): AND-ed into every row.
         self.no_eos_row = np.full(self.mask_words, 0xFFFFFFFF, dtype=np.uint32)
         for eos in self.eos_ids:
@@ -158,13 +161,18 @@ class LLGuidanceEngine(GrammarEngine):
         LLMatcher = self._llg.LLMatcher
         if spec.kind == "regex":
             return LLMatcher.grammar_from_regex(spec.source), []
-        if spec.kind == "ebnf":
+        if spec.kind in ("ebnf", "structural_tag"):
             from llguidance.gbnf_to_lark import any_to_lark
 
             try:
-                return LLMatcher.grammar_from_lark(any_to_lark(spec.source)), []
-            except Exception as exc:  # the GBNF converter's own errors
-                raise GrammarCompileError(f"ebnf: {exc}") from None
+                if spec.kind == "ebnf":
+                    return LLMatcher.grammar_from_lark(any_to_lark(spec.source)), []
+                return structural_tag.to_lark(spec.source, self.special_tokens,
+                                              self.json_options, any_to_lark), []
+            except GrammarCompileError:
+                raise
+            except Exception as exc:  # the GBNF converter's and the schema preparer's errors
+                raise GrammarCompileError(f"{spec.kind}: {exc}") from None
         if spec.kind == "json_object":
             schema, warnings = {"type": "object"}, []
         else:
@@ -199,6 +207,17 @@ class LLGuidanceEngine(GrammarEngine):
     def _count(self, name: str) -> None:
         with self._lock:
             self.counters[name] += 1
+
+
+def special_tokens(tokenizer: Any) -> dict[str, int]:
+    """The tokenizer's special tokens (text -> id): what llguidance matches only as tokens."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    out = {t.content: i for i, t in added.items() if getattr(t, "special", False)}
+    for text in getattr(tokenizer, "all_special_tokens", []) or []:
+        token_id = tokenizer.convert_tokens_to_ids(text)
+        if isinstance(token_id, int) and token_id >= 0:
+            out.setdefault(text, token_id)
+    return out
 
 
 def _settle(future: Future, result: Any = None, error: BaseException | None = None) -> bool:

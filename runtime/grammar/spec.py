@@ -14,15 +14,18 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from radixlm.runtime.grammar.schema_check import check_schema_shape
+from radixlm.runtime.grammar.structural_tag import check as check_structural_tag
 
-GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf", "json_object")
+GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf", "json_object", "structural_tag")
 MAX_GRAMMAR_CHARS = 1 << 20  # a regex, a grammar or a schema's JSON text
 
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    kind: str  # "regex" | "json_schema" | "ebnf" | "json_object"
-    source: str  # the pattern, the schema as compact JSON, the grammar, "" for json_object
+    kind: str  # "regex" | "json_schema" | "ebnf" | "json_object" | "structural_tag"
+    # The pattern, the schema as compact JSON, the grammar, "" for json_object, the structural
+    # tag as compact JSON.
+    source: str
     strict: bool = True  # False: what cannot be enforced is left out and reported
 
     @classmethod
@@ -30,7 +33,7 @@ class GrammarSpec:
         """The grammar a SamplingParams asks for, or None."""
         if params.json_schema is not None:
             return cls("json_schema", params.json_schema, params.json_schema_strict)
-        for kind in ("regex", "ebnf"):
+        for kind in ("regex", "ebnf", "structural_tag"):
             if getattr(params, kind) is not None:
                 return cls(kind, getattr(params, kind))
         if params.json_object:
@@ -38,11 +41,12 @@ class GrammarSpec:
         return None
 
 
-def check_grammar_fields(regex: Any, json_schema: Any, ebnf: Any,
-                         json_object: Any) -> str | None:
-    """Validate the grammar fields of a SamplingParams; return json_schema as compact JSON.
-    Raises ValueError naming the field and the cause. Bounded in time and memory."""
-    values = (regex, json_schema, ebnf, json_object)
+def check_grammar_fields(regex: Any, json_schema: Any, ebnf: Any, json_object: Any,
+                         structural_tag: Any = None) -> dict[str, str | None]:
+    """Validate the grammar fields of a SamplingParams; return json_schema and structural_tag
+    as compact JSON text. Raises ValueError naming the field and the cause. Bounded in time
+    and memory."""
+    values = (regex, json_schema, ebnf, json_object, structural_tag)
     given = [name for name, value in zip(GRAMMAR_FIELDS, values)
              if value is not None and value is not False]
     if len(given) > 1:
@@ -64,7 +68,13 @@ def check_grammar_fields(regex: Any, json_schema: Any, ebnf: Any,
         json_schema = load_schema(json_schema)
         if len(json_schema) > MAX_GRAMMAR_CHARS:
             raise ValueError(f"json_schema is longer than {MAX_GRAMMAR_CHARS} characters")
-    return json_schema
+    if structural_tag is not None:
+        if isinstance(structural_tag, str):
+            _check_text(structural_tag, "structural_tag")
+        structural_tag = check_structural_tag(structural_tag)
+        if len(structural_tag) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"structural_tag is longer than {MAX_GRAMMAR_CHARS} characters")
+    return {"json_schema": json_schema, "structural_tag": structural_tag}
 
 
 def _check_text(value: Any, name: str) -> None:

@@ -11,7 +11,7 @@ Parsers (`--reasoning-parser`):
 
 from __future__ import annotations
 
-from radixlm.runtime.protocol.tool_formats import partial_suffix
+from radixlm.runtime.protocol.tool_stream import partial_suffix
 
 PARSERS = ("qwen3", "deepseek_r1")
 OPEN, CLOSE = "<think>", "</think>"

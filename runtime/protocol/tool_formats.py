@@ -61,9 +61,16 @@ def new_call_id(fmt: str) -> str:
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
-def parse(fmt: str, text: str, tool_names: Sequence[str]) -> tuple[str, list[ToolCall]]:
-    """(content, calls) of a finished reply; (text, []) unless every call parses."""
-    calls = _calls(fmt, text, set(tool_names))
+def parse(fmt: str, text: str, tool_names: Sequence[str],
+          cut: bool = False) -> tuple[str, list[ToolCall]]:
+    """(content, calls) of a finished reply; (text, []) unless every call parses. `cut`: the
+    token budget ended the reply, maybe inside a call: the calls completed before it are
+    calls, and the unfinished one is dropped (call markup is never returned as text)."""
+    names = set(tool_names)
+    calls = _calls(fmt, text, names)
+    if calls is None and cut:
+        text = complete_part(fmt, text)
+        calls = _calls(fmt, text, names)
     if calls is None:
         return text, []
     content, objects = calls
@@ -97,6 +104,38 @@ def _calls(fmt: str, text: str, names: set[str]) -> tuple[str, list[dict[str, An
         return None
     objects = [_call_object(part, "parameters", names) for part in _split_calls(body)]
     return ("", objects) if objects and all(objects) else None
+
+
+def complete_part(fmt: str, text: str) -> str:
+    """A reply cut inside a call, written again as its complete calls only."""
+    trigger = TRIGGERS[fmt] or ""
+    at = text.find(trigger) if trigger else 0
+    if fmt == "hermes":
+        last = text.rfind("<tool_call>")
+        return text[:last] if last >= 0 and "</tool_call>" not in text[last:] else text
+    head, body = text[:at], text[at + len(trigger):].lstrip()
+    if fmt == "mistral":
+        objects = _leading_objects(body.removeprefix("[").lstrip())
+        return f"{head}{trigger}[{', '.join(objects)}]" if objects else head
+    body = body.removeprefix("<|python_tag|>").lstrip()
+    objects = _leading_objects(body)
+    return "; ".join(objects) if objects else "" if body.startswith("{") else text
+
+
+def _leading_objects(body: str) -> list[str]:
+    """The texts of the complete JSON values at the start of `body`, separated by `,` or `;`."""
+    decoder = json.JSONDecoder()
+    parts, i = [], 0
+    while i < len(body):
+        try:
+            _, end = decoder.raw_decode(body, i)
+        except ValueError:
+            break
+        parts.append(body[i:end])
+        i = end
+        while i < len(body) and body[i] in " \n\t;,":
+            i += 1
+    return parts
 
 
 def _unclosed(text: str) -> bool:
@@ -141,117 +180,54 @@ def _checked(value: Any, args_key: str, names: set[str]) -> dict[str, Any] | Non
     return {"name": value["name"], "arguments": arguments}
 
 
-# -- streaming --------------------------------------------------------------------------------
+# -- the calls' grammar: a structural tag ----------------------------------------------------
 
-_TRIGGERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": None}
-
-
-class StreamingToolParser:
-    """Splits a streamed reply into content deltas and calls. Content is passed on until a
-    call may be starting (text that could begin the format's trigger is held back); from the
-    trigger on, text is held until the reply ends, then parsed whole: calls if it parses,
-    else the held text as content."""
-
-    def __init__(self, fmt: str, tool_names: Sequence[str]) -> None:
-        self.fmt = fmt
-        self.names = list(tool_names)
-        self.trigger = _TRIGGERS[fmt]
-        self.sent = ""  # content passed on so far
-        self.held = ""  # text not passed on yet
-        self.in_calls = False
-
-    def feed(self, delta: str) -> str:
-        """The content that can be passed on now."""
-        self.held += delta
-        if self.in_calls:
-            return ""
-        if self.trigger is None:  # llama3_json: a reply that starts with "{" is a call
-            head = self.held.lstrip()
-            if self.sent or not head:
-                return self._release(len(self.held)) if self.sent else ""
-            if head.startswith(("{", "<|python_tag|>")):
-                self.in_calls = True
-                return ""
-            if "<|python_tag|>".startswith(head):
-                return ""  # not known yet
-            return self._release(len(self.held))
-        at = self.held.find(self.trigger)
-        if at >= 0:
-            self.in_calls = True
-            return self._release(at)
-        return self._release(len(self.held) - partial_suffix(self.held, self.trigger))
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """(the rest of the content, the calls) at the end of the reply."""
-        if not self.in_calls:
-            rest, self.held = self.held, ""
-            self.sent += rest
-            return rest, []
-        content, calls = parse(self.fmt, self.held, self.names)
-        if not calls:
-            rest, self.held = self.held, ""
-            self.sent += rest
-            return rest, []
-        self.held = ""
-        return content, calls
-
-    def _release(self, n: int) -> str:
-        out, self.held = self.held[:n], self.held[n:]
-        self.sent += out
-        return out
+# The compact JSON a call is written in (the spacing of the models' own examples).
+_COMPACT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+TRIGGERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": None}
+# A llama3_json reply that is not a call: anything but a JSON object (after any spaces).
+_NOT_AN_OBJECT = r"[ \t\n]*([^{ \t\n](.|\n)*)?"
 
 
-def partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag`: text a stream
-    holds back, since the next piece may complete the tag."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
-
-
-# -- the grammar of a valid call --------------------------------------------------------------
-
-def call_grammar(fmt: str, tools: Sequence[dict[str, Any]], parallel: bool) -> str:
-    """A Lark grammar (llguidance, with inline JSON schemas) whose sentences are calls of
-    `tools` in `fmt`: one call, or with `parallel` one or more."""
+def call_structural_tag(fmt: str, tools: Sequence[dict[str, Any]], parallel: bool,
+                        required: bool) -> dict[str, Any]:
+    """The structural tag (grammar/structural_tag.py) of replies that call `tools` in `fmt`.
+    `required`: the reply is one call, or with `parallel` one or more, and nothing else.
+    Otherwise (`auto`) the reply is free text until the model starts a call with the format's
+    trigger; the call is then held to the tool's schema until its end, and with `parallel`
+    text and calls may follow. Each tool's `parameters` is the arguments' own schema root, so
+    its local references (`#/$defs/...`) resolve."""
     args_key = "parameters" if fmt == "llama3_json" else "arguments"
-    variants = [{"type": "object", "properties": {
-        "name": {"const": t["name"]}, args_key: closed(t["parameters"])},
-        "required": ["name", args_key], "additionalProperties": False} for t in tools]
-    call = variants[0] if len(variants) == 1 else {"anyOf": variants}
-    compact = {"x-guidance": {"whitespace_flexible": False, "key_separator": ": ",
-                              "item_separator": ", "}}
-    if fmt == "mistral":
-        schema = {**compact, "type": "array", "items": call, "minItems": 1}
-        if not parallel:
-            schema["maxItems"] = 1
-        return f'start: "[TOOL_CALLS]" %json {json.dumps(schema)}\n'
-    obj = f"%json {json.dumps({**compact, **call})}"
+
+    def call(prefix: str, suffix: str) -> list[dict[str, Any]]:
+        return [{"type": "tag", "begin": prefix + "{" + json.dumps("name") + ": "
+                 + json.dumps(t["name"], ensure_ascii=False) + ", " + json.dumps(args_key)
+                 + ": ", "content": {"type": "json_schema", "json_schema": {
+                     "x-guidance": _COMPACT, **t["parameters"]}},
+                 "end": "}" + suffix} for t in tools]
+
+    def separated(tags: list[dict[str, Any]], separator: str) -> dict[str, Any]:
+        return {"type": "tags_with_separator", "tags": tags, "separator": separator,
+                "at_least_one": True, "stop_after_first": not parallel}
+
     if fmt == "hermes":
-        one = f'"<tool_call>\\n" {obj} "\\n</tool_call>"'
-        sep = '"\\n"'
-    else:
-        one, sep = obj, '"; "'
-    more = f" ({sep} call)*" if parallel else ""
-    return f"start: call{more}\ncall: {one}\n"
-
-
-def closed(schema: Any) -> Any:
-    """The schema with objects that list their properties and say nothing of others taking
-    only those: a function cannot take keyword arguments it does not declare, and a model left
-    free to add keys tends to invent them without end. What it accepts is a subset of what the
-    original does, so every call still validates against the tool's own schema."""
-    if isinstance(schema, list):
-        return [closed(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: closed(v) if k not in ("const", "enum", "default", "examples") else v
-           for k, v in schema.items()}
-    if ("properties" in out and "additionalProperties" not in out
-            and "patternProperties" not in out and "unevaluatedProperties" not in out):
-        out["additionalProperties"] = False
-    return out
+        tags = call("<tool_call>\n", "\n</tool_call>")
+        fmt_tag = (separated(tags, "\n") if required else
+                   {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": tags,
+                    "at_least_one": False, "stop_after_first": not parallel})
+    elif fmt == "mistral":
+        calls = {"type": "sequence", "elements": [separated(call("", ""), ", "),
+                                                  {"type": "const_string", "value": "]"}]}
+        block = {"type": "tag", "begin": "[TOOL_CALLS][", "content": calls, "end": ""}
+        fmt_tag = (block if required else
+                   {"type": "triggered_tags", "triggers": ["[TOOL_CALLS]"], "tags": [block],
+                    "at_least_one": False, "stop_after_first": True})
+    else:  # llama3_json: the whole reply is the call(s), or it is not a call at all
+        fmt_tag = separated(call("", ""), "; ")
+        if not required:
+            fmt_tag = {"type": "or", "elements": [
+                {"type": "regex", "pattern": _NOT_AN_OBJECT}, fmt_tag]}
+    return {"type": "structural_tag", "format": fmt_tag}
 
 
 def system_prompt(tools: Sequence[dict[str, Any]]) -> str:

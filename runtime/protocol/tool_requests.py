@@ -176,12 +176,13 @@ def assistant_calls(value: Any, where: str) -> list[dict[str, Any]]:
 @dataclass
 class ToolPlan:
     """How one chat request with tools is run: the messages and tools the template renders,
-    the format replies are parsed in, and the grammar that enforces a call (if any)."""
+    the format replies are parsed in, and the structural tag that holds calls to their
+    schemas (JSON text; None when tools are off)."""
 
     messages: list[dict[str, Any]]
     template_tools: list[dict[str, Any]] | None
     format: str | None  # None: tools are off for this request
-    grammar: str | None
+    structural_tag: str | None
 
 
 def plan(template: Any, messages: list[dict[str, Any]], tools: ToolRequest,
@@ -193,10 +194,11 @@ def plan(template: Any, messages: list[dict[str, Any]], tools: ToolRequest,
         messages = for_plain_template(messages, tools.tools)
     else:
         messages = for_template(template, messages)
-    grammar = (tool_formats.call_grammar(fmt, tools.allowed(), tools.parallel)
-               if tools.constrained else None)
+    tag = (json.dumps(tool_formats.call_structural_tag(fmt, tools.allowed(), tools.parallel,
+                                                       tools.constrained), ensure_ascii=False)
+           if tools.active else None)
     return ToolPlan(messages, tools.template_tools() if native and tools.active else None,
-                    fmt if tools.active else None, grammar)
+                    fmt if tools.active else None, tag)
 
 
 def for_template(template: Any, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -99,7 +99,6 @@ def parse_generate(body: dict[str, Any], vocab_size: int,
 # 400 naming the field.
 _SGLANG_UNSUPPORTED = {
     "custom_params": "custom logit processors are not supported",
-    "structural_tag": "structural tags are not supported; use json_schema, regex or ebnf",
     "beam_width": "beam search is not supported",
     "watermark": "watermarking is not supported",
 }
@@ -114,6 +113,8 @@ def _sglang_fields(values: dict[str, Any]) -> dict[str, Any]:
         if value not in unset:
             raise bad(f"sampling_params.{name}: {why}", f"sampling_params.{name}",
                       "not_supported")
+    if values.get("structural_tag") in (None, ""):  # SGLang's frontend sends it empty
+        values.pop("structural_tag", None)
     interval = values.pop("stream_interval", None)
     if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int)
                                  or interval < 1):

@@ -205,7 +205,8 @@ def _common(f: Fields) -> tuple[dict[str, Any], dict[str, str]]:
     f.number("temperature", lo=0, hi=2)  # OpenAI's range (SamplingParams allows more)
     values = {engine: f.body[name] for name, engine in _DIRECT.items() if f.has(name)}
     names = {engine: name for name, engine in _DIRECT.items()}
-    names.update(json_schema="response_format", json_object="response_format")
+    names.update(json_schema="response_format", json_object="response_format",
+                 structural_tag="response_format")
     if f.has("max_tokens"):
         values["max_new_tokens"] = f.integer("max_tokens", lo=1)
     names["max_new_tokens"] = "max_tokens"
@@ -278,11 +279,13 @@ def _response_format(f: Fields) -> dict[str, Any]:
     rf = f.object("response_format")
     if rf is None or rf.get("type") == "text":
         return {}
-    Fields(rf, "response_format.").only(("type", "json_schema"))
     kind = rf.get("type")
+    if kind == "structural_tag":  # vLLM's shape: the tag's own fields beside the type
+        return {"structural_tag": rf}
+    Fields(rf, "response_format.").only(("type", "json_schema"))
     if kind not in ("json_object", "json_schema"):
-        raise bad(f"response_format.type must be text, json_object or json_schema, got "
-                  f"{kind!r}", "response_format.type")
+        raise bad(f"response_format.type must be text, json_object, json_schema or "
+                  f"structural_tag, got {kind!r}", "response_format.type")
     if kind == "json_object":
         return {"json_object": True}
     spec = rf.get("json_schema")

@@ -12,6 +12,7 @@ from radixlm.runtime.engine_process.messages import LogprobEntry
 from radixlm.runtime.protocol import reasoning, tool_formats, tool_requests
 from radixlm.runtime.protocol.fields import ApiError, Fields, bad
 from radixlm.runtime.protocol.sampling_fields import fit_context
+from radixlm.runtime.protocol.tool_stream import StreamingToolParser
 from radixlm.runtime.server.generation import HttpGeneration, Sample, abort_error
 from radixlm.runtime.server.native_requests import PROGRAM_HEADER, parse_tags
 from radixlm.runtime.server.openai_requests import OpenAIRequest, parse_chat, parse_completion
@@ -73,12 +74,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                                          tools=plan.template_tools,
                                          template_kwargs=req.template_kwargs,
                                          template=req.chat_template)
-    if plan.grammar is not None:
-        if req.params.constrained:
+    if plan.structural_tag is not None:
+        if req.params.constrained and req.tools.constrained:
             raise bad("tool_choice 'required' or a named function constrains the reply to tool "
                       "calls; it cannot be combined with response_format, regex or ebnf",
                       "tool_choice")
-        req.params = req.params.replace(ebnf=plan.grammar)
+        if not req.params.constrained:  # (auto with the client's own grammar: that wins)
+            req.params = req.params.replace(structural_tag=plan.structural_tag)
     if plan.format == "mistral":  # its trigger is a special token
         req.params = req.params.replace(skip_special_tokens=False)
     prompts = [await state.codec.encode_prompt(text, "messages")]
@@ -105,7 +107,7 @@ async def _respond(request: web.Request, state: ServerState, req: OpenAIRequest,
         await gen.run()
     failure = gen.failure()
     if failure is not None:
-        raise failure
+        raise render.error(failure)
     choices = [await render.choice(i, s) for i, s in enumerate(gen.samples)]
     return json_response({**head, "choices": choices, "usage": gen.usage()})
 
@@ -118,7 +120,7 @@ async def _events(gen: HttpGeneration, head: dict[str, Any], render: "_Renderer"
     async with gen:
         async for sample, chunk in gen.chunks():
             if chunk.finish_reason == "abort" and chunk.error:
-                raise abort_error(chunk.error, chunk.error_invalid)
+                raise render.error(abort_error(chunk.error, chunk.error_invalid))
             if not opened:
                 # OpenAI opens each choice with the assistant role. Sent with the engine's
                 # first chunk, not before: a request the engine refuses is still a plain 400.
@@ -150,7 +152,9 @@ class _Renderer:
         self.offsets: dict[int, int] = {}  # completions text_offset, per streamed choice
         self.tool_format = tool_format
         self.tool_names = [t["name"] for t in req.tools.tools]
-        self.parsers: dict[int, tool_formats.StreamingToolParser] = {}  # per streamed choice
+        # The calls' structural tag is the server's: its errors are the tools' (their schemas).
+        self.tool_grammar = req.params.structural_tag is not None and bool(req.tools.tools)
+        self.parsers: dict[int, StreamingToolParser] = {}  # per streamed choice
         self.reasoning = (state.config.reasoning_parser
                           if chat and req.separate_reasoning else None)
         self.thinking: dict[int, reasoning.ReasoningStream] = {}  # per streamed choice
@@ -165,7 +169,8 @@ class _Renderer:
         if self.reasoning is not None:
             thought, content = reasoning.split(self.reasoning, content)
         if self.tool_format is not None:
-            content, calls = tool_formats.parse(self.tool_format, content, self.tool_names)
+            content, calls = tool_formats.parse(self.tool_format, content, self.tool_names,
+                                                cut=sample.finish_reason == "length")
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if thought is not None:
             message["reasoning_content"] = thought
@@ -173,7 +178,7 @@ class _Renderer:
             message["content"] = content or None
             message["tool_calls"] = [c.openai() for c in calls]
         out = {"index": index, "message": message, "logprobs": logprobs,
-               "finish_reason": _finish(sample.finish_reason, calls)}
+               "finish_reason": _finish(sample.finish_reason, len(calls))}
         return _with_warnings(out, sample)
 
     async def delta(self, index: int, sample: Sample, text: str,
@@ -183,7 +188,8 @@ class _Renderer:
             out = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
             return _with_warnings(out, sample) if finish is not None else out
         delta: dict[str, Any] = {}
-        calls: list[tool_formats.ToolCall] = []
+        call_deltas: list[dict[str, Any]] = []
+        made_calls = 0
         if self.reasoning is not None:
             stream = self.thinking.setdefault(index, reasoning.ReasoningStream(self.reasoning))
             thought, text = stream.feed(text)
@@ -193,21 +199,29 @@ class _Renderer:
             if thought:
                 delta["reasoning_content"] = thought
         if self.tool_format is not None:
-            parser = self.parsers.setdefault(index, tool_formats.StreamingToolParser(
-                self.tool_format, self.tool_names))
-            text = parser.feed(text)
+            parser = self.parsers.setdefault(index, StreamingToolParser(self.tool_format,
+                                                                        self.tool_names))
+            text, call_deltas = parser.feed(text)
             if finish is not None:
-                rest, calls = parser.finish()
+                rest, more, made_calls = parser.finish(cut=finish == "length")
                 text += rest
+                call_deltas += more
         if text:
             delta["content"] = text
-        if calls:
-            delta["tool_calls"] = [c.openai(i) for i, c in enumerate(calls)]
+        if call_deltas:
+            delta["tool_calls"] = _merged(call_deltas)
         if not delta and finish is None and logprobs is None:
             return None  # text held back while a tool call may be starting
         out = {"index": index, "delta": delta, "logprobs": logprobs,
-               "finish_reason": _finish(finish, calls) if finish is not None else None}
+               "finish_reason": _finish(finish, made_calls) if finish is not None else None}
         return _with_warnings(out, sample) if finish is not None else out
+
+    def error(self, error: ApiError) -> ApiError:
+        """A failed request's error, named after the field the client sent."""
+        if self.tool_grammar and error.param == "structural_tag":
+            return ApiError(error.status, "tools" + error.message.removeprefix("structural_tag"),
+                            "tools", error.code)
+        return error
 
     async def _logprobs(self, index: int, entries: list[LogprobEntry]) -> dict[str, Any]:
         ids = [t for t, _, _ in entries]
@@ -233,8 +247,22 @@ class _Renderer:
                 "text_offset": offsets}
 
 
-def _finish(reason: str | None, calls: list[Any]) -> str | None:
-    return "tool_calls" if calls and reason in ("stop", "length") else reason
+def _finish(reason: str | None, calls: int) -> str | None:
+    """A reply that made calls finishes with "tool_calls", unless the budget cut it
+    ("length": its last call may be unfinished)."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+def _merged(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One chunk's call deltas, one per call: its opening and argument fragments joined."""
+    out: dict[int, dict[str, Any]] = {}
+    for d in deltas:
+        index = d["index"]
+        if index not in out:
+            out[index] = {**d, "function": dict(d["function"])}
+        else:
+            out[index]["function"]["arguments"] += d["function"]["arguments"]
+    return list(out.values())
 
 
 def _with_warnings(choice: dict[str, Any], sample: Sample) -> dict[str, Any]:

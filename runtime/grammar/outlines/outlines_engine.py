@@ -32,8 +32,8 @@ class OutlinesEngine(GrammarEngine):
 
     def submit(self, spec: GrammarSpec) -> Future:
         refusal = None
-        if spec.kind == "ebnf":
-            refusal = ("ebnf: grammars need grammar_backend='llguidance' (outlines-core "
+        if spec.kind in ("ebnf", "structural_tag"):
+            refusal = (f"{spec.kind}: needs grammar_backend='llguidance' (outlines-core "
                        "compiles regular languages only)")
         elif not spec.strict:
             refusal = "json_schema: json_schema_strict=false needs grammar_backend='llguidance'"
