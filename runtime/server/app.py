@@ -29,7 +29,13 @@ from aiohttp import web
 
 from radixlm.runtime.config.sampling_params import SamplingParams
 from radixlm.runtime.protocol.fields import ApiError
-from radixlm.runtime.server import access_log, native_routes, openai_routes, program_routes
+from radixlm.runtime.server import (
+    access_log,
+    native_routes,
+    openai_routes,
+    program_routes,
+    responses_routes,
+)
 from radixlm.runtime.server.generation import HttpGeneration
 from radixlm.runtime.server.state import ServerState
 from radixlm.runtime.server.web_util import STATE, error_response, json_response, state_of
@@ -52,6 +58,7 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_get("/metrics", metrics)
     native_routes.add_routes(app)
     openai_routes.add_routes(app)
+    responses_routes.add_routes(app)
     program_routes.add_routes(app)
     return app
 

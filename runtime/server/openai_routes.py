@@ -66,6 +66,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     req = parse_chat(body, state.config.trust_request_chat_template)
     req.tags = parse_tags(Fields(body), request.headers.get(PROGRAM_HEADER))
+    prompt, tool_format = await prepare_chat(state, req)
+    return await _respond(request, state, req, [prompt], "chatcmpl", "chat.completion",
+                          tool_format)
+
+
+async def prepare_chat(state: ServerState, req: OpenAIRequest) -> tuple[list[int], str | None]:
+    """A parsed chat request made ready to run: its tools' schemas checked, the conversation
+    rendered and encoded, the tool calls' structural tag set on its params. Returns the prompt
+    and the format replies' tool calls are parsed in (None: no tools)."""
     assert req.messages is not None
     await state.codec.check_tool_schemas(req.tools.schemas)
     plan = tool_requests.plan(req.chat_template or state.codec.chat_template, req.messages,
@@ -81,24 +90,38 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                       "tool_choice")
         if not req.params.constrained:  # (auto with the client's own grammar: that wins)
             req.params = req.params.replace(structural_tag=plan.structural_tag)
+            req.grammar_from_tools = True
     if plan.format == "mistral":  # its trigger is a special token
         req.params = req.params.replace(skip_special_tokens=False)
-    prompts = [await state.codec.encode_prompt(text, "messages")]
-    return await _respond(request, state, req, prompts, "chatcmpl", "chat.completion",
-                          plan.format)
+    return await state.codec.encode_prompt(text, "messages"), plan.format
+
+
+def generation(state: ServerState, req: OpenAIRequest, prompts: list[list[int]], rid: str,
+               prompt_param: str) -> HttpGeneration:
+    """The request's generation, each prompt's budget fitted to the context."""
+    info = state.require_engine()
+    params = [fit_context(req.params, len(ids), info.max_model_len, req.explicit_max,
+                          prompt_param, req.max_param, "min_tokens") for ids in prompts]
+    keys = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
+    return HttpGeneration(state, prompts, params, keys, req.cache_salt, group=rid,
+                          tags=req.tags)
+
+
+def tool_error(req: OpenAIRequest, error: ApiError) -> ApiError:
+    """A failed request's error, named after the field the client sent: the structural tag
+    of the calls is the server's, so its errors are the tools' (their schemas)."""
+    if error.param == "structural_tag" and req.grammar_from_tools:
+        return ApiError(error.status, "tools" + error.message.removeprefix("structural_tag"),
+                        "tools", error.code)
+    return error
 
 
 async def _respond(request: web.Request, state: ServerState, req: OpenAIRequest,
                    prompts: list[list[int]], prefix: str, kind: str,
                    tool_format: str | None = None) -> web.StreamResponse:
-    info = state.require_engine()
-    prompt_param = "prompt" if kind == "text_completion" else "messages"
-    params = [fit_context(req.params, len(ids), info.max_model_len, req.explicit_max,
-                          prompt_param, req.max_param, "min_tokens") for ids in prompts]
     rid = f"{prefix}-{uuid.uuid4().hex}"
-    keys = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
-    gen = HttpGeneration(state, prompts, params, keys, req.cache_salt, group=rid,
-                         tags=req.tags)
+    gen = generation(state, req, prompts, rid,
+                     "prompt" if kind == "text_completion" else "messages")
     head = {"id": rid, "object": kind, "created": int(time.time()), "model": state.model_name}
     render = _Renderer(state, req, kind == "chat.completion", tool_format)
     if req.stream:
@@ -107,7 +130,7 @@ async def _respond(request: web.Request, state: ServerState, req: OpenAIRequest,
         await gen.run()
     failure = gen.failure()
     if failure is not None:
-        raise render.error(failure)
+        raise tool_error(req, failure)
     choices = [await render.choice(i, s) for i, s in enumerate(gen.samples)]
     return json_response({**head, "choices": choices, "usage": gen.usage()})
 
@@ -120,7 +143,7 @@ async def _events(gen: HttpGeneration, head: dict[str, Any], render: "_Renderer"
     async with gen:
         async for sample, chunk in gen.chunks():
             if chunk.finish_reason == "abort" and chunk.error:
-                raise render.error(abort_error(chunk.error, chunk.error_invalid))
+                raise tool_error(req, abort_error(chunk.error, chunk.error_invalid))
             if not opened:
                 # OpenAI opens each choice with the assistant role. Sent with the engine's
                 # first chunk, not before: a request the engine refuses is still a plain 400.
@@ -152,8 +175,6 @@ class _Renderer:
         self.offsets: dict[int, int] = {}  # completions text_offset, per streamed choice
         self.tool_format = tool_format
         self.tool_names = [t["name"] for t in req.tools.tools]
-        # The calls' structural tag is the server's: its errors are the tools' (their schemas).
-        self.tool_grammar = req.params.structural_tag is not None and bool(req.tools.tools)
         self.parsers: dict[int, StreamingToolParser] = {}  # per streamed choice
         self.reasoning = (state.config.reasoning_parser
                           if chat and req.separate_reasoning else None)
@@ -216,24 +237,11 @@ class _Renderer:
                "finish_reason": _finish(finish, made_calls) if finish is not None else None}
         return _with_warnings(out, sample) if finish is not None else out
 
-    def error(self, error: ApiError) -> ApiError:
-        """A failed request's error, named after the field the client sent."""
-        if self.tool_grammar and error.param == "structural_tag":
-            return ApiError(error.status, "tools" + error.message.removeprefix("structural_tag"),
-                            "tools", error.code)
-        return error
-
     async def _logprobs(self, index: int, entries: list[LogprobEntry]) -> dict[str, Any]:
-        ids = [t for t, _, _ in entries]
-        ids += [t for _, _, top in entries for t, _ in top or ()]
-        texts = dict(zip(ids, await self.codec.token_texts(ids)))
         if self.chat:
-            def item(tid: int, lp: float) -> dict[str, Any]:
-                text = texts[tid]
-                return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
-            return {"content": [{**item(t, lp), "top_logprobs": [item(a, alp)
-                                                                 for a, alp in top or ()]}
-                                for t, lp, top in entries], "refusal": None}
+            return {"content": await token_logprobs(self.codec, entries), "refusal": None}
+        ids = [t for t, _, _ in entries] + [t for _, _, top in entries for t, _ in top or ()]
+        texts = dict(zip(ids, await self.codec.token_texts(ids)))
         offsets = []
         offset = self.offsets.get(index, 0)
         for t, _, _ in entries:
@@ -245,6 +253,18 @@ class _Renderer:
                 "top_logprobs": [{texts[a]: alp for a, alp in top or ()}
                                  for _, _, top in entries],
                 "text_offset": offsets}
+
+
+async def token_logprobs(codec: Any, entries: list[LogprobEntry]) -> list[dict[str, Any]]:
+    """Logprob entries in the chat (and Responses) shape: each token's text, bytes, logprob
+    and top alternatives."""
+    ids = [t for t, _, _ in entries] + [t for _, _, top in entries for t, _ in top or ()]
+    texts = dict(zip(ids, await codec.token_texts(ids)))
+
+    def item(tid: int, lp: float) -> dict[str, Any]:
+        return {"token": texts[tid], "logprob": lp, "bytes": list(texts[tid].encode("utf-8"))}
+    return [{**item(t, lp), "top_logprobs": [item(a, alp) for a, alp in top or ()]}
+            for t, lp, top in entries]
 
 
 def _finish(reason: str | None, calls: int) -> str | None:

@@ -12,6 +12,7 @@ from radixlm.runtime.protocol.fields import ApiError
 from radixlm.runtime.server.args import ServerConfig
 from radixlm.runtime.server.heap import HeapTrimmer
 from radixlm.runtime.server.metrics import Metrics
+from radixlm.runtime.server.responses_store import ResponseStore
 from radixlm.runtime.server.text_codec import TextCodec
 
 
@@ -24,6 +25,7 @@ class ServerState:
     model_path: str | None  # what --model said (None: the default model)
     metrics: Metrics = field(init=False)  # labelled with model_name
     heap: HeapTrimmer = field(default_factory=HeapTrimmer)
+    responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses kept
     info: EngineInfo | None = None  # set once the engine has loaded the model
     draining: bool = False  # SIGTERM received: finish what runs, take nothing new
     active_requests: int = 0  # HTTP requests being handled (what a shutdown waits for)

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
 
@@ -62,13 +62,17 @@ def error_response(error: ApiError) -> web.Response:
     return response
 
 
-async def stream_events(request: web.Request,
-                        events: AsyncIterator[dict[str, Any]]) -> web.StreamResponse:
-    """Send each event as an SSE `data:` line, then `data: [DONE]`.
+async def stream_events(request: web.Request, events: AsyncIterator[dict[str, Any]],
+                        named: bool = False,
+                        error_event: Callable[[ApiError], dict[str, Any]] | None = None
+                        ) -> web.StreamResponse:
+    """Send each event as an SSE `data:` line (`named`: after an `event:` line naming its
+    `type`, as the Responses API does), then `data: [DONE]`.
 
     Errors after the response has started cannot change its status: they are sent as an
-    OpenAI-shaped error event before [DONE]. A client that goes away ends the stream quietly;
-    closing `events` then aborts its requests in the engine (the generator's cleanup)."""
+    OpenAI-shaped error event (or `error_event`'s) before [DONE]. A client that goes away ends
+    the stream quietly; closing `events` then aborts its requests in the engine (the
+    generator's cleanup)."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
@@ -82,9 +86,9 @@ async def stream_events(request: web.Request,
         try:
             await response.prepare(request)
             if first is not None:
-                await _send(response, first)
+                await _send(response, first, named)
                 async for event in events:
-                    await _send(response, event)
+                    await _send(response, event, named)
         except ConnectionResetError:
             log.debug("client went away mid-stream")
             return response
@@ -93,12 +97,14 @@ async def stream_events(request: web.Request,
             if not isinstance(exc, ApiError):
                 log.exception("stream failed")
             with contextlib.suppress(ConnectionResetError):
-                await _send(response, error.body())
+                await _send(response, error_event(error) if error_event else error.body(),
+                            named)
     with contextlib.suppress(ConnectionResetError):
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
     return response
 
 
-async def _send(response: web.StreamResponse, event: dict[str, Any]) -> None:
-    await response.write(b"data: " + dumps(event).encode() + b"\n\n")
+async def _send(response: web.StreamResponse, event: dict[str, Any], named: bool) -> None:
+    head = f"event: {event['type']}\n".encode() if named and "type" in event else b""
+    await response.write(head + b"data: " + dumps(event).encode() + b"\n\n")
