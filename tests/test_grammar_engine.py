@@ -386,3 +386,33 @@ def test_a_grammar_outgrowing_the_matcher_limits_fails_alone_as_invalid(tiny_cha
         assert outs[0].error.startswith("regex: ") and "too many states" in outs[0].error
         assert outs[1].error is None and re.fullmatch("[a-z]{3}", outs[1].text)
         assert_no_leak(eng)
+
+
+def test_a_grammar_outgrowing_its_limits_mid_output_ends_that_request_only(engine,
+                                                                         monkeypatch):
+    """llguidance may exhaust its lexer or parser limits while generating (not only when
+    compiling): the request ends with an error naming the limit, the others go on."""
+    if engine.config.grammar_backend != "llguidance":
+        pytest.skip("llguidance's limits")
+    from radixlm.runtime.grammar.llguidance_engine import LLGuidanceMatcher, matcher_error
+
+    checked = LLGuidanceMatcher._check
+    masks: dict[int, int] = {}
+
+    def exhausted_after_four_masks(self) -> None:
+        masks[id(self)] = masks.get(id(self), 0) + 1
+        if masks[id(self)] > 4:  # what llguidance reports then
+            raise matcher_error("too many lexer states (max_lexer_states)")
+        checked(self)
+
+    monkeypatch.setattr(LLGuidanceMatcher, "_check", exhausted_after_four_masks)
+    before = engine.stats()["grammar_errors"]
+    outs = engine.generate(["A:", "B:"], [
+        {"regex": "[a-z ]{1,40}", "max_new_tokens": 30, "temperature": 0},
+        {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}])
+    assert outs[0].finish_reason == "abort" and outs[0].error_invalid
+    assert outs[0].error.startswith("regex: the grammar grew past the matcher's limits")
+    assert "max_lexer_states" in outs[0].error
+    assert outs[1].finish_reason == "length" and len(outs[1].token_ids) == 12
+    assert engine.stats()["grammar_errors"] == before + 1
+    assert_no_leak(engine)

@@ -171,3 +171,14 @@ def test_output_items_in_the_order_written():
                                                          "name": "get_weather",
                                                          "arguments": function_call[
                                                              "arguments"]}}]}]
+
+
+def test_the_responses_agent_example_runs(client):
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "server" / "responses_agent.py"
+    spec = importlib.util.spec_from_file_location("responses_agent", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    transcript = module.run(client, "m", "Weather in Oslo?", max_turns=2, max_output_tokens=40)
+    assert transcript and all(isinstance(line, str) for line in transcript)

@@ -323,11 +323,17 @@ class LLGuidanceMatcher(GrammarMatcher):
 
     def _check(self) -> None:
         if self.m.is_error():
-            error = self.m.get_error().replace("<non-verbose/>", "").strip()
-            if any(sign in error.lower() for sign in _LIMIT_SIGNS):
-                raise GrammarLimitError(f"the grammar grew past the matcher's limits while "
-                                        f"generating ({error}); simplify it")
-            raise GrammarError(error)
+            raise matcher_error(self.m.get_error())
+
+
+def matcher_error(error: str) -> GrammarError:
+    """llguidance's error in a matcher as ours: GrammarLimitError when the grammar outgrew
+    the matcher's limits while generating (the request's grammar is at fault)."""
+    error = error.replace("<non-verbose/>", "").strip()
+    if any(sign in error.lower() for sign in _LIMIT_SIGNS):
+        return GrammarLimitError(f"the grammar grew past the matcher's limits while "
+                                 f"generating ({error}); simplify it")
+    return GrammarError(error)
 
 
 # How llguidance's errors read when a grammar exhausts its lexer or parser limits mid-output.

@@ -48,6 +48,8 @@ ENGINE_COUNTERS = {
     "grammar_compile_errors": ("radixlm_grammar_compile_errors", "Grammars refused"),
     "grammar_compile_seconds": ("radixlm_grammar_compile_seconds", "Time spent compiling "
                                 "grammars"),
+    "grammar_errors": ("radixlm_grammar_errors", "Requests ended by their grammar: it could "
+                       "not be compiled, or it outgrew the matcher's limits while generating"),
     # Per program only in the stats (/get_server_info): a label per program id would grow
     # without bound.
     "program_calls": ("radixlm_program_calls", "Finished requests that named a program"),
