@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -138,3 +140,33 @@ def tiny_gguf(tmp_path_factory) -> str:
     writer.write_tensors_to_file()
     writer.close()
     return str(path)
+
+
+@functools.cache
+def _tokenizers(folder: Path) -> tuple[Any, Any]:
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    return tokenizer, llguidance.hf.from_tokenizer(tokenizer)
+
+
+def structural_tag_acceptor(tag: Any, folder: Path) -> Callable[..., bool]:
+    """accepts(text, ids=None): does the structural tag's grammar, on the tokenizer in
+    `folder`, take the whole text (or these token ids) and accept there?"""
+    import llguidance
+
+    from radixlm.runtime.grammar import structural_tag
+    from radixlm.runtime.grammar.llguidance_engine import special_tokens
+
+    tokenizer, lltok = _tokenizers(folder)
+    grammar = structural_tag.to_lark(structural_tag.check(tag), special_tokens(tokenizer),
+                                     {"whitespace_flexible": False})
+
+    def accepts(text: str = "", ids: list[int] | None = None) -> bool:
+        matcher = llguidance.LLMatcher(lltok, grammar)
+        assert not matcher.is_error(), matcher.get_error()
+        ids = ids if ids is not None else tokenizer.encode(text, add_special_tokens=False)
+        return (matcher.validate_tokens(ids) == len(ids) and matcher.consume_tokens(ids)
+                and matcher.is_accepting())
+    return accepts

@@ -7,7 +7,6 @@ the grammar makes valid, checked with `jsonschema` on seeded samples."""
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import urllib.request
@@ -25,7 +24,7 @@ from radixlm.runtime import Engine
 from radixlm.runtime.protocol import tool_formats as tp
 from radixlm.runtime.protocol.tool_stream import StreamingToolParser
 
-from conftest import save_tiny_chat_model
+from conftest import save_tiny_chat_model, structural_tag_acceptor
 
 TEMPLATES = Path(__file__).parent / "templates"
 WEATHER = {"type": "function", "function": {
@@ -127,6 +126,7 @@ def test_a_reply_that_is_not_a_valid_call_is_text(fmt, text):
 def test_a_reply_cut_inside_its_second_call_returns_the_first_as_a_call(fmt):
     text = REPLIES[fmt][0]
     cut = text[:text.rindex("Oslo")]
+    assert tp.parse(fmt, "No call.", NAMES, cut=True) == ("No call.", [])
     assert tp.parse(fmt, cut, NAMES)[1] == []  # not a reply of whole calls...
     content, calls = tp.parse(fmt, cut, NAMES, cut=True)  # ...but the budget ended it
     assert content == REPLIES[fmt][1] and "tool_call" not in content
@@ -145,35 +145,6 @@ def test_streamed_content_is_never_lost_or_reordered(prefix, step):
     assert made == len(whole_calls) and len(calls) == len(whole_calls)
 
 
-@functools.cache
-def _tokenizers(folder: Path):
-    import llguidance.hf
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    return tokenizer, llguidance.hf.from_tokenizer(tokenizer)
-
-
-def _matcher(tag: dict, folder: Path):
-    """Does the structural tag's grammar accept a whole text?"""
-    import llguidance
-
-    from radixlm.runtime.grammar import structural_tag
-    from radixlm.runtime.grammar.llguidance_engine import special_tokens
-
-    tokenizer, lltok = _tokenizers(folder)
-    grammar = structural_tag.to_lark(structural_tag.check(tag), special_tokens(tokenizer),
-                                     {"whitespace_flexible": False})
-
-    def accepts(text: str) -> bool:
-        matcher = llguidance.LLMatcher(lltok, grammar)
-        assert not matcher.is_error(), matcher.get_error()
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        return (matcher.validate_tokens(ids) == len(ids) and matcher.consume_tokens(ids)
-                and matcher.is_accepting())
-    return accepts
-
-
 @pytest.mark.parametrize("fmt", tp.FORMATS)
 def test_the_call_grammar_takes_parallel_calls_only_when_allowed(fmt, default_model_folder):
     tools = [t["function"] for t in TOOLS]
@@ -186,8 +157,9 @@ def test_the_call_grammar_takes_parallel_calls_only_when_allowed(fmt, default_mo
            "mistral": text[:-1] + ", " + json.dumps(one) + "]"}[fmt]
     bad = text.replace("Paris", "P" * 30)  # longer than the schema's maxLength
     for required in (True, False):
-        accepts = {parallel: _matcher(tp.call_structural_tag(fmt, tools, parallel, required),
-                                      default_model_folder) for parallel in (False, True)}
+        accepts = {parallel: structural_tag_acceptor(
+            tp.call_structural_tag(fmt, tools, parallel, required), default_model_folder)
+            for parallel in (False, True)}
         assert accepts[False](text) and accepts[True](text)
         assert accepts[True](two) and not accepts[False](two)
         assert not accepts[True](bad)
@@ -201,7 +173,7 @@ def test_auto_holds_a_started_call_to_its_schema_and_resolves_local_refs(default
         "$defs": {"Unit": {"type": "string", "enum": ["C", "F"]}},
         "type": "object", "properties": {"to": {"$ref": "#/$defs/Unit"}}, "required": ["to"]}}}
     tools = [t["function"] for t in (WEATHER, unit)]
-    accepts = _matcher(tp.call_structural_tag("hermes", tools, True, False),
+    accepts = structural_tag_acceptor(tp.call_structural_tag("hermes", tools, True, False),
                        default_model_folder)
     call = '<tool_call>\n{"name": "convert", "arguments": {"to": "F"}}\n</tool_call>'
     assert accepts("Sure. " + call + " Done.")
@@ -282,7 +254,7 @@ def test_named_choice_calls_that_function(client):
 def test_streamed_calls_equal_the_whole_reply(client):
     body = dict(tool_choice="required", temperature=1.0, seed=3, max_tokens=400)
     whole = _chat(client, **body).choices[0]
-    calls, content, finish, pieces = {}, "", None, 0
+    calls, content, finish, pieces = {}, "", None, 0  # (and each delta's shape checked)
     for chunk in _chat(client, stream=True, **body):
         for choice in chunk.choices:
             content += choice.delta.content or ""
@@ -421,6 +393,43 @@ def test_bad_tool_requests_are_400_naming_the_field(client):
         with pytest.raises(openai.BadRequestError) as caught:
             _chat(client, max_tokens=4, **extra)
         assert caught.value.body["param"] == param, caught.value.body
+
+
+def _assembled(stream) -> tuple[str, list[tuple[str, dict]], str | None]:
+    """(content, calls, finish reason) of a streamed chat reply, joined as the SDK does."""
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for call in choice.delta.tool_calls or []:
+                entry = calls.setdefault(call.index, ["", ""])
+                entry[0] += call.function.name or ""
+                entry[1] += call.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, [(n, json.loads(a)) for n, a in calls.values()], finish
+
+
+@pytest.mark.parametrize("template", ["llama3_tools.jinja", "mistral_tools.jinja"])
+def test_the_other_formats_over_the_sdk(template, tmp_path_factory, default_model_folder):
+    """llama3_json and mistral replies through the server, whole and streamed, each tool
+    choice (hermes is above)."""
+    folder = _model(tmp_path_factory, default_model_folder, template)
+    with ServerProcess(["--model", str(folder), "--max-total-tokens", "16384"]) as process:
+        client = openai.OpenAI(base_url=process.url + "/v1", api_key="none", max_retries=0)
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        for choice in ("required", named, "auto"):
+            body = dict(tool_choice=choice, temperature=1.0, seed=5,
+                        max_tokens=40 if choice == "auto" else 200)
+            whole = _chat(client, **body).choices[0]
+            calls = whole.message.tool_calls or []
+            assert calls or choice == "auto"
+            for call in calls:
+                jsonschema.validate(json.loads(call.function.arguments),
+                                    _schema(call.function.name))
+            content, streamed, finish = _assembled(_chat(client, stream=True, **body))
+            assert streamed == [(c.function.name, json.loads(c.function.arguments))
+                                for c in calls]
+            assert finish == whole.finish_reason and content == (whole.message.content or "")
 
 
 # -- the language -----------------------------------------------------------------------------

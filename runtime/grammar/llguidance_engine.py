@@ -168,7 +168,7 @@ class LLGuidanceEngine(GrammarEngine):
                 if spec.kind == "ebnf":
                     return LLMatcher.grammar_from_lark(any_to_lark(spec.source)), []
                 return structural_tag.to_lark(spec.source, self.special_tokens,
-                                              self.json_options, any_to_lark), []
+                                              self.json_options), []
             except GrammarCompileError:
                 raise
             except Exception as exc:  # the GBNF converter's and the schema preparer's errors

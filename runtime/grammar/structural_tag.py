@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from radixlm.runtime.grammar.schema_check import check_schema_shape, prepare_schema
 
@@ -184,26 +184,22 @@ def _flag(value: dict[str, Any], name: str, where: str) -> bool:
 # -- the grammar, built in the grammar engine -------------------------------------------------
 
 def to_lark(source: str, special_tokens: dict[str, int],
-            json_options: dict[str, Any] | None = None,
-            grammar_to_lark: Callable[[str], str] | None = None) -> str:
+            json_options: dict[str, Any] | None = None) -> str:
     """llguidance's grammar for a checked structural tag (check()'s JSON text): Lark text, or
     a JSON grammar list when the tag holds `grammar` formats (each becomes a grammar of its
     own). `special_tokens`: text -> id of the tokenizer's special tokens. `json_options`:
-    llguidance's JSON whitespace options for schemas that set none. `grammar_to_lark`
-    converts a `grammar` format's text (GBNF) to Lark."""
-    return _Builder(special_tokens, json_options or {}, grammar_to_lark).build(
+    llguidance's JSON whitespace options for schemas that set none."""
+    return _Builder(special_tokens, json_options or {}).build(
         json.loads(source))
 
 
 class _Builder:
-    def __init__(self, special_tokens: dict[str, int], json_options: dict[str, Any],
-                 grammar_to_lark: Callable[[str], str] | None) -> None:
+    def __init__(self, special_tokens: dict[str, int], json_options: dict[str, Any]) -> None:
         specials = sorted((t for t in special_tokens if t), key=len, reverse=True)
         self.specials = special_tokens
         self.split = (re.compile("(" + "|".join(re.escape(t) for t in specials) + ")")
                       if specials else None)
         self.json_options = json_options
-        self.grammar_to_lark = grammar_to_lark or (lambda text: text)
         self.rules: list[str] = []
         self.side: list[dict[str, str]] = []
 
@@ -244,8 +240,10 @@ class _Builder:
         if kind == "regex":
             return self.rule("/" + fmt["pattern"].replace("/", "\\/") + "/")
         if kind == "grammar":
+            from llguidance.gbnf_to_lark import any_to_lark  # (Lark passes through)
+
             name = f"g{len(self.side)}"
-            self.side.append({"name": name, "lark_grammar": self.grammar_to_lark(fmt["grammar"])})
+            self.side.append({"name": name, "lark_grammar": any_to_lark(fmt["grammar"])})
             return "@" + name
         if kind == "any_text":
             return "TEXT"
@@ -297,13 +295,12 @@ class _Builder:
         return body if fmt["at_least_one"] else f"({body})?"
 
     def triggered(self, fmt: dict[str, Any]) -> str:
+        by_trigger: dict[str, list[dict[str, Any]]] = {}
+        for tag in fmt["tags"]:  # each tag under the longest trigger it starts with
+            trigger = max((t for t in fmt["triggers"] if tag["begin"].startswith(t)), key=len)
+            by_trigger.setdefault(trigger, []).append(tag)
         alternatives = []
-        for trigger in fmt["triggers"]:
-            tags = [t for t in fmt["tags"] if t["begin"].startswith(trigger)
-                    and trigger == max((g for g in fmt["triggers"] if t["begin"].startswith(g)),
-                                       key=len)]
-            if not tags:
-                continue
+        for trigger, tags in by_trigger.items():
             rest = " | ".join(self.rule(self.tag_rest(t, trigger)) for t in tags)
             if self.plain(trigger):
                 # Lazy: the run of text ends at the trigger's first occurrence, and the tag

@@ -110,6 +110,8 @@ def complete_part(fmt: str, text: str) -> str:
     """A reply cut inside a call, written again as its complete calls only."""
     trigger = TRIGGERS[fmt] or ""
     at = text.find(trigger) if trigger else 0
+    if at < 0:
+        return text  # no call was started
     if fmt == "hermes":
         last = text.rfind("<tool_call>")
         return text[:last] if last >= 0 and "</tool_call>" not in text[last:] else text
