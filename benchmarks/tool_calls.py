@@ -5,11 +5,11 @@ For each sampled function:
 - compile: the call grammar (the hermes structural tag around the function's schema, as the
   server builds it) against, as the floor, llguidance's plain grammar of the same schema;
 - `required`: one enforced call, its arguments validated with `jsonschema`;
-- `auto`: the same request with the model free to answer in text, twice: unconstrained (the
-  reply parsed as it comes, the server's behaviour before structural tags) and with the
-  structural tag (free text until `<tool_call>`, then the call held to the schema). Counted:
-  the replies that start a call, and how many of those are valid calls of the request's tool
-  (the goal: every call the model starts).
+- `auto`: the same request with the model free to answer in text (`--ask`), `--samples`
+  seeds, each twice: unconstrained (the reply parsed as it comes, the server's behaviour
+  before structural tags) and with the structural tag (free text until `<tool_call>`, then the
+  call held to the schema). Counted: the replies that start a call, and how many of those are
+  valid calls of the request's tool (the goal: every call the model starts).
 Decode speed with and without constraints is reported beside free text. Prints a table,
 writes JSON.
 
@@ -34,7 +34,7 @@ import llguidance.hf
 
 from radixlm.runtime import Engine
 from radixlm.runtime.grammar import structural_tag
-from radixlm.runtime.grammar.llguidance_engine import special_tokens
+from radixlm.runtime.grammar.structural_tag import special_tokens
 from radixlm.runtime.protocol import tool_formats, tool_requests
 from radixlm.runtime.protocol.fields import Fields
 
@@ -80,7 +80,9 @@ def main() -> None:
     parser.add_argument("--schemas", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--samples", type=int, default=2, help="auto replies per function")
+    parser.add_argument("--samples", type=int, default=4, help="auto replies per function")
+    parser.add_argument("--ask", default="Please use {name} for me.",
+                        help="the user's message ({name}: the function)")
     parser.add_argument("--temperature", type=float, default=0.7,
                         help="for the auto replies (required is greedy)")
     parser.add_argument("--out", default=None, help="JSON file (default: a dated file in "
@@ -97,17 +99,14 @@ def main() -> None:
         row: dict[str, Any] = {"function": tool["name"]}
         request = tool_requests.parse_tools(Fields({"tools": [
             {"type": "function", "function": tool}]}))
-        ask = [{"role": "user", "content": f"Call the function {tool['name']} with suitable "
-                                           "arguments."}]
-        tags = {}
+        ask = [{"role": "user", "content": args.ask.format(name=tool["name"])}]
         try:
-            for choice in ("required", "auto"):
-                request.choice = choice
-                plan = tool_requests.plan(template, ask, request)
-                tags[choice] = plan.structural_tag
+            request.choice = "required"
+            plan = tool_requests.plan(template, ask, request)
+            required_tag = plan.structural_tag
             prompt = engine.apply_chat_template(plan.messages, True, plan.template_tools)
             row["call_compile_ms"] = compile_ms(lltok, structural_tag.to_lark(
-                structural_tag.check(tags["required"]), specials,
+                structural_tag.check(required_tag), specials,
                 {"whitespace_flexible": False}))
             row["schema_compile_ms"] = compile_ms(
                 lltok, llguidance.LLMatcher.grammar_from_json_schema(tool["parameters"]))
@@ -115,19 +114,23 @@ def main() -> None:
             row["error"] = str(exc)[:200]
             rows.append(row)
             continue
-        runs = [("required", {"structural_tag": tags["required"], "temperature": 0})]
-        for seed in range(args.seed, args.seed + args.samples):
-            sampled = {"temperature": args.temperature, "seed": seed}
-            runs += [(f"auto_free_{seed}", sampled),
-                     (f"auto_tag_{seed}", {**sampled, "structural_tag": tags["auto"]})]
-        for name, params in runs:
+        def run(name: str, prompt: str, params: dict[str, Any]) -> Any:
             start = time.perf_counter()
             out = engine.generate(prompt, {**params, "max_new_tokens": args.max_tokens})
             timings[name.rsplit("_", 1)[0] if name != "required" else name].append(
                 (out.completion_tokens, time.perf_counter() - start))
             row[name] = valid_call(out.text, tool, out.finish_reason == "length")
             row[name + "_cut"] = out.finish_reason == "length"
+            return out
+
+        run("required", prompt, {"structural_tag": required_tag, "temperature": 0})
         rows.append(row)
+        request.choice = "auto"
+        plan = tool_requests.plan(template, ask, request)
+        for seed in range(args.seed, args.seed + args.samples):
+            sampled = {"temperature": args.temperature, "seed": seed}
+            run(f"auto_free_{seed}", prompt, sampled)
+            run(f"auto_tag_{seed}", prompt, {**sampled, "structural_tag": plan.structural_tag})
     free_start = time.perf_counter()
     free = engine.generate(engine.apply_chat_template([{"role": "user", "content": "Hello"}]),
                            {"max_new_tokens": args.max_tokens, "temperature": 0,
@@ -147,8 +150,8 @@ def main() -> None:
 
     def replies(kind: str) -> list[tuple[bool | None, bool]]:
         """(valid call, cut) of every `kind` reply that started a call."""
-        return [(r[f"{kind}_{seed}"], r[f"{kind}_{seed}_cut"]) for r in ok for seed in seeds
-                if r[f"{kind}_{seed}"] is not None]
+        return [(r[f"{kind}_{seed}"], r[f"{kind}_{seed}_cut"]) for r in ok
+                for seed in seeds if r[f"{kind}_{seed}"] is not None]
 
     call_ms = [r["call_compile_ms"] for r in ok]
     schema_ms = [r["schema_compile_ms"] for r in ok]
@@ -179,11 +182,13 @@ def main() -> None:
           f"{s['call_compile_ms_p90']:>8.2f}   call grammar")
     print(f"{'':<34}{s['schema_compile_ms_p50']:>8.2f}"
           f"{s['schema_compile_ms_p90']:>8.2f}   its JSON schema alone (floor)")
-    for name, label in (("required", "required"), ("auto_free", "auto, free"),
-                        ("auto_tag", "auto, structural tag")):
+    for name, label, base in (("required", "required", "free_tokens_per_s"),
+                              ("auto_free", "auto, free", "free_tokens_per_s"),
+                              ("auto_tag", "auto, structural tag", "auto_free_tokens_per_s")):
         rate = s[name + "_tokens_per_s"]
-        print(f"{'decode tok/s: ' + label:<34}{rate:>8.1f}   {rate / free_tps:.2f}x free text "
-              f"({free_tps:.1f})")
+        print(f"{'decode tok/s: ' + label:<34}{rate:>8.1f}   {rate / s[base]:.2f}x "
+              f"{'free text' if base == 'free_tokens_per_s' else 'auto, free'} "
+              f"({s[base]:.1f})")
     today = datetime.date.today().isoformat()
     out = Path(args.out or results_dir() / f"tool_calls_cpu_{today}.json")
     out.write_text(json.dumps({"date": today, "machine": platform.processor()

@@ -157,7 +157,7 @@ def structural_tag_acceptor(tag: Any, folder: Path) -> Callable[..., bool]:
     import llguidance
 
     from radixlm.runtime.grammar import structural_tag
-    from radixlm.runtime.grammar.llguidance_engine import special_tokens
+    from radixlm.runtime.grammar.structural_tag import special_tokens
 
     tokenizer, lltok = _tokenizers(folder)
     grammar = structural_tag.to_lark(structural_tag.check(tag), special_tokens(tokenizer),

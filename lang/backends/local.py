@@ -150,8 +150,9 @@ class EngineBackend(Backend):
         text = self.engine.apply_chat_template(plan.messages, True, plan.template_tools)
         if plan.structural_tag is not None:
             params = params.replace(structural_tag=plan.structural_tag)
-        if plan.format == "mistral":
-            params = params.replace(skip_special_tokens=False)
+        trigger = tool_formats.TRIGGERS.get(plan.format or "")
+        if trigger is not None and self.engine.is_special_token(trigger):
+            params = params.replace(skip_special_tokens=False)  # the calls are parsed from it
         out = _finished(await self.engine.async_generate(text, params,
                                                          program_id=current_program.get()))
         content, calls = (tool_formats.parse(plan.format, out.text,

@@ -251,6 +251,13 @@ class Engine:
         return self.tokenizer.encode(self.apply_chat_template(messages),
                                      add_special_tokens=False)
 
+    def is_special_token(self, text: str) -> bool:
+        """Is `text` one of the tokenizer's special tokens (which detokenizing skips unless
+        `skip_special_tokens` is off)?"""
+        from radixlm.runtime.grammar.structural_tag import special_tokens
+
+        return self.tokenizer is not None and text in special_tokens(self.tokenizer)
+
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
                             add_generation_prompt: bool = True,
                             tools: Sequence[Mapping[str, Any]] | None = None) -> str:

@@ -54,7 +54,7 @@ class LLGuidanceEngine(GrammarEngine):
         self._llg_words = -(-self.tokenizer.vocab_size // 32)
         self.eos_ids = sorted({*self.tokenizer.eos_tokens, self.tokenizer.eos_token})
         # Structural tags write these as tokens, not text (`<|python_tag|>`, `[TOOL_CALLS]`).
-        self.special_tokens = special_tokens(tokenizer)
+        self.special_tokens = structural_tag.special_tokens(tokenizer)
         # Masks leave EOS out (see GrammarMatcher): AND-ed into every row.
         self.no_eos_row = np.full(self.mask_words, 0xFFFFFFFF, dtype=np.uint32)
         for eos in self.eos_ids:
@@ -207,17 +207,6 @@ class LLGuidanceEngine(GrammarEngine):
     def _count(self, name: str) -> None:
         with self._lock:
             self.counters[name] += 1
-
-
-def special_tokens(tokenizer: Any) -> dict[str, int]:
-    """The tokenizer's special tokens (text -> id): what llguidance matches only as tokens."""
-    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    out = {t.content: i for i, t in added.items() if getattr(t, "special", False)}
-    for text in getattr(tokenizer, "all_special_tokens", []) or []:
-        token_id = tokenizer.convert_tokens_to_ids(text)
-        if isinstance(token_id, int) and token_id >= 0:
-            out.setdefault(text, token_id)
-    return out
 
 
 def _settle(future: Future, result: Any = None, error: BaseException | None = None) -> bool:

@@ -183,6 +183,17 @@ def _flag(value: dict[str, Any], name: str, where: str) -> bool:
 
 # -- the grammar, built in the grammar engine -------------------------------------------------
 
+def special_tokens(tokenizer: Any) -> dict[str, int]:
+    """The tokenizer's special tokens (text -> id): what llguidance matches only as tokens."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    out = {t.content: i for i, t in added.items() if getattr(t, "special", False)}
+    for text in getattr(tokenizer, "all_special_tokens", []) or []:
+        token_id = tokenizer.convert_tokens_to_ids(text)
+        if isinstance(token_id, int) and token_id >= 0:
+            out.setdefault(text, token_id)
+    return out
+
+
 def to_lark(source: str, special_tokens: dict[str, int],
             json_options: dict[str, Any] | None = None) -> str:
     """llguidance's grammar for a checked structural tag (check()'s JSON text): Lark text, or

@@ -91,7 +91,9 @@ async def prepare_chat(state: ServerState, req: OpenAIRequest) -> tuple[list[int
         if not req.params.constrained:  # (auto with the client's own grammar: that wins)
             req.params = req.params.replace(structural_tag=plan.structural_tag)
             req.grammar_from_tools = True
-    if plan.format == "mistral":  # its trigger is a special token
+    trigger = tool_formats.TRIGGERS.get(plan.format or "")
+    if trigger is not None and state.codec.is_special(trigger):
+        # (Mistral's [TOOL_CALLS], Hermes 2 Pro's <tool_call>): kept in the text, to be parsed
         req.params = req.params.replace(skip_special_tokens=False)
     return await state.codec.encode_prompt(text, "messages"), plan.format
 

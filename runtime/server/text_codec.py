@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from radixlm.runtime.engine.tokenization import encode_prompt
+from radixlm.runtime.grammar.structural_tag import special_tokens
 from radixlm.runtime.protocol.fields import ApiError, bad
 from radixlm.runtime.server.sandbox import RENDER_TIMEOUT, Sandbox, SandboxError, check_template
 
@@ -46,6 +47,7 @@ class TextCodec:
     def configure(self, tokenizer: Any | None, max_model_len: int | None) -> None:
         """Use this tokenizer for a model of this context length."""
         self.tokenizer = tokenizer
+        self._specials: set[str] | None = None  # is_special's, read once
         self._long_tokenizer = copy.deepcopy(tokenizer) if tokenizer is not None else None
         self.max_text_chars: int | None = None
         if tokenizer is not None and max_model_len:
@@ -72,6 +74,13 @@ class TextCodec:
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def is_special(self, text: str) -> bool:
+        """Is `text` one of the tokenizer's special tokens (which detokenizing skips unless
+        asked not to)?"""
+        if self._specials is None:
+            self._specials = set(special_tokens(self.tokenizer)) if self.tokenizer else set()
+        return text in self._specials
 
     @property
     def chat_template(self) -> Any:
