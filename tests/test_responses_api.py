@@ -182,3 +182,14 @@ def test_the_responses_agent_example_runs(client):
     spec.loader.exec_module(module)
     transcript = module.run(client, "m", "Weather in Oslo?", max_turns=2, max_output_tokens=40)
     assert transcript and all(isinstance(line, str) for line in transcript)
+
+
+def test_a_tool_schema_the_grammar_refuses_is_a_400_naming_tools(client):
+    odd = {"type": "function", "name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string"}},
+        "dependencies": {"a": ["b"]}}}  # valid JSON Schema; llguidance does not enforce it
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(model="m", input="Hi", tools=[odd], tool_choice="required",
+                                    max_output_tokens=8, stream=stream)
+        assert caught.value.body["param"] == "tools", caught.value.body

@@ -388,6 +388,9 @@ def test_bad_tool_requests_are_400_naming_the_field(client):
          "messages[1].tool_calls[0].function.arguments"),
         ({"tool_choice": "required", "response_format": {"type": "json_object"}},
          "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"type": "string"}},
+            "dependencies": {"a": ["b"]}}}}]}, "tools"),  # (a keyword llguidance refuses)
     ]
     for extra, param in cases:
         with pytest.raises(openai.BadRequestError) as caught:

@@ -14,6 +14,7 @@ output included, comes before this request's input (not its `instructions`, as O
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -154,10 +155,18 @@ class _Run:
         return event
 
     def error_event(self, error: ApiError) -> dict[str, Any]:
-        error = self.rr.rename(tool_error(self.req, error))
         return self.event("error", code=error.code, message=error.message, param=error.param)
 
     async def events(self, gen: HttpGeneration) -> AsyncIterator[dict[str, Any]]:
+        # (closed with the outer one: a client gone mid-stream aborts the engine's work)
+        async with contextlib.aclosing(self._events(gen)) as events:
+            try:
+                async for event in events:
+                    yield event
+            except ApiError as exc:  # (before the first event, a plain 4xx; after, an event)
+                raise self.rr.rename(tool_error(self.req, exc)) from None
+
+    async def _events(self, gen: HttpGeneration) -> AsyncIterator[dict[str, Any]]:
         async with gen:
             async for sample, chunk in gen.chunks():
                 if chunk.finish_reason == "abort" and chunk.error:
