@@ -299,8 +299,9 @@ def tool_call(name: str | None = None, tools: Sequence[dict[str, Any]] = (),
     `s += rl.assistant(rl.tool_call("calls", tools=[...]))`. `tools` are OpenAI's function
     tools; `tool_choice` "auto", "required", "none" or a function's name. The variable is a
     list of calls, {"id", "name", "arguments": dict} each ([] when the model answered with
-    text, which is appended as usual). "required" and a named function are enforced by a
-    grammar of the tools' schemas on rl.Engine and rl.RuntimeEndpoint."""
+    text, which is appended as usual). On rl.Engine and rl.RuntimeEndpoint every call the model
+    starts is held to its tool's schema (a structural tag), and "required" and a named
+    function make the reply calls only."""
     from radixlm.runtime.protocol.tool_requests import parse_tools  # loads jsonschema
 
     _check_name(name, "tool_call")

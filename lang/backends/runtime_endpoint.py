@@ -65,7 +65,7 @@ class RuntimeEndpoint(Backend):
 
     async def acall_tools(self, prompt: Prompt, tools: Any, params: SamplingParams
                           ) -> Generation:
-        # The server's OpenAI route does it all: the template's tools, the call grammar.
+        # The server's OpenAI route does it all: the template's tools, the calls' structural tag.
         return await chat_with_tools(self.http, "/v1/chat/completions",
                                      request_body("m", params), prompt, tools)
 
