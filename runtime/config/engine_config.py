@@ -102,6 +102,13 @@ class EngineConfig:
     tp_all_reduce: str = "auto"
     # Turn the prefix cache (RadixAttention) off: every prompt is computed in full.
     disable_radix_cache: bool = False
+    # A disk tier under the prefix cache: every page the cache takes is also written to a
+    # file in this folder (in a folder per model identity), and a prompt whose prefix goes on
+    # past what the cache holds loads the pages the disk has instead of computing them; the
+    # files outlive the process, so a restarted engine finds its prefixes again. At most
+    # disk_cache_gb GiB, least recently used files removed first. None: no disk tier.
+    disk_cache_dir: str | None = None
+    disk_cache_gb: float = 16.0
     # The waiting-queue order: "lpm" serves the longest cached prefix first and lets requests
     # that share an uncached prefix wait for it; "fcfs" serves in arrival order.
     schedule_policy: str = "lpm"
@@ -189,6 +196,7 @@ class EngineConfig:
                 or not 0 <= self.program_ttl <= 3600:
             raise ValueError(f"program_ttl must be in [0, 3600] seconds, got {self.program_ttl}")
         self._check_grammar_options()
+        self._check_disk_cache_options()
         if self.deterministic and self.attention_backend == "flashinfer":
             raise ValueError("attention_backend 'flashinfer' cannot run deterministic=True: its "
                              "kernels split a query's keys by batch and chunk; use 'triton' "
@@ -196,6 +204,24 @@ class EngineConfig:
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(f"max_total_tokens ({self.max_total_tokens}) must hold at least one "
                              f"page of {self.page_size} tokens")
+
+    def _check_disk_cache_options(self) -> None:
+        if self.disk_cache_dir is None:
+            return
+        if not isinstance(self.disk_cache_dir, str) or not self.disk_cache_dir:
+            raise ValueError("disk_cache_dir must be a folder's path")
+        if (isinstance(self.disk_cache_gb, bool) or not isinstance(self.disk_cache_gb,
+                                                                   (int, float))
+                or not self.disk_cache_gb > 0):
+            raise ValueError(f"disk_cache_gb must be a positive number of GiB, "
+                             f"got {self.disk_cache_gb!r}")
+        for clash, why in ((self.disable_radix_cache, "disable_radix_cache: it is the prefix "
+                            "cache's lower tier"),
+                           (self.tp_size > 1, "tp_size > 1: each rank holds a shard of the KV"),
+                           (self.speculative is not None, "speculative decoding: the draft "
+                            "model's KV is not stored")):
+            if clash:
+                raise ValueError(f"disk_cache_dir cannot be used with {why}")
 
     def _check_speculative_options(self) -> None:
         if self.speculative is not None:

@@ -24,6 +24,7 @@ from radixlm.runtime.engine.overlap import follow_up_batch
 from radixlm.runtime.engine.structured_output import Compiled, StructuredOutput
 from radixlm.runtime.execution.step_result import LaunchedStep, StepResult
 from radixlm.runtime.models.loader import LoadedModel
+from radixlm.runtime.scheduling.disk_tier import DiskTier, model_key
 from radixlm.runtime.scheduling.kv_manager import KVManager
 from radixlm.runtime.scheduling.leases import LeaseTable
 from radixlm.runtime.scheduling.pages import PageAllocator, ReqToTokenTable
@@ -62,7 +63,12 @@ class EngineCore:
                                      num_pages * config.page_size, config.page_size, device)
         self.cache = (None if config.disable_radix_cache
                       else RadixCache(config.page_size, self.allocator))
-        self.kv = KVManager(self.allocator, self.table, self.cache)
+        self.tier = (None if config.disk_cache_dir is None else DiskTier(
+            config.disk_cache_dir, model_key(loaded.model, self.kv_cache.storage_dtype,
+                                             config.page_size),
+            self.kv_cache.k, self.kv_cache.v, config.page_size,
+            int(config.disk_cache_gb * (1 << 30))))
+        self.kv = KVManager(self.allocator, self.table, self.cache, self.tier)
         self.leases = (None if self.cache is None else
                        LeaseTable(self.cache, int(num_pages * config.lease_memory_fraction)))
         self.scheduler = Scheduler(config, self.kv)
@@ -349,8 +355,11 @@ class EngineCore:
         return self.structured.grammar_engine()
 
     def shutdown(self) -> None:
-        """Stop background work (the grammar compile workers)."""
+        """Stop background work (the grammar compile workers; the disk tier's writer, once
+        the pages given to it are written)."""
         self.structured.close()
+        if self.tier is not None:
+            self.tier.close()
 
     def _finish(self, request: Request, reason: str) -> None:
         if request.finished:
@@ -421,5 +430,6 @@ class EngineCore:
             "max_model_len": self.max_model_len,
             **self.structured.stats(),
             **(self.speculator.stats() if self.speculator is not None else {}),
+            **(self.tier.stats() if self.tier is not None else {}),
             **self.structured.engine_stats(),
         }

@@ -10,21 +10,30 @@ Tree pages belong to the cache and are protected by the lock the request holds o
 `request.cache_node`. Private pages belong to the request until `cache_computed` hands the
 full ones to the tree (or frees them as duplicates of pages the tree already had), or until
 `release` frees them.
+
+With a disk tier (disk_tier.py) under the tree, a request's prefix may go on past what the tree
+holds: `attach` loads the pages the disk has into freshly allocated pages and inserts them into
+the tree, as if they had just been computed; and every page the tree takes is written to the
+disk too.
 """
 
 from __future__ import annotations
 
+from radixlm.runtime.scheduling.disk_tier import DiskTier
 from radixlm.runtime.scheduling.pages import PageAllocator, ReqToTokenTable
-from radixlm.runtime.scheduling.radix_cache import RadixCache
+from radixlm.runtime.scheduling.radix_cache import RadixCache, TreeNode
 from radixlm.runtime.scheduling.request import Request
 
 
 class KVManager:
     def __init__(self, allocator: PageAllocator, table: ReqToTokenTable,
-                 cache: RadixCache | None) -> None:
+                 cache: RadixCache | None, tier: DiskTier | None = None) -> None:
+        if tier is not None and cache is None:
+            raise ValueError("a disk tier needs the radix cache")
         self.allocator = allocator
         self.table = table
         self.cache = cache
+        self.tier = tier
         self.page_size = allocator.page_size
 
     @property
@@ -47,15 +56,45 @@ class KVManager:
             return False
         request.table_row = row
         if self.cache is not None:
-            hit = self.cache.match_prefix(request.token_ids, request.namespace,
-                                          _matchable(request))
+            limit = _matchable(request)
+            hit = self.cache.match_prefix(request.token_ids, request.namespace, limit)
             self.cache.lock(hit.node)
-            request.cache_node = hit.node
-            request.pages = list(hit.pages)
-            request.num_tree_pages = len(hit.pages)
-            request.num_computed_tokens = hit.num_tokens
+            node, pages = hit.node, list(hit.pages)
+            if self.tier is not None and len(pages) < limit // self.page_size:
+                node, pages = self._load(request, node, pages, limit // self.page_size)
+            request.cache_node = node
+            request.pages = pages
+            request.num_tree_pages = len(pages)
+            request.num_computed_tokens = len(pages) * self.page_size
             self.table.write_pages(row, 0, request.pages)
         return True
+
+    def _load(self, request: Request, node: TreeNode, pages: list[int],
+              wanted: int) -> tuple[TreeNode, list[int]]:
+        """Extend the locked tree match `node`/`pages` with the pages the disk tier holds
+        for the request's prefix, up to `wanted` pages: loaded into new pages, inserted into
+        the tree, locked in place of `node`."""
+        assert self.tier is not None and self.cache is not None
+        have = len(pages)
+        names = self.tier.chain(request.token_ids, wanted, request.namespace,
+                                request.tier_names)
+        count = self.tier.present(names[have:])
+        if count > self.allocator.num_free:
+            self.cache.evict(count - self.allocator.num_free)  # (our match is locked)
+        count = min(count, self.allocator.num_free)
+        new = self.allocator.allocate(count) if count else None
+        if not new:
+            return node, pages
+        loaded = self.tier.load(names[have:have + count], new)
+        self.allocator.free(new[loaded:])
+        if not loaded:
+            return node, pages
+        result = self.cache.insert(request.token_ids[:(have + loaded) * self.page_size],
+                                   pages + new[:loaded], request.namespace)
+        self.allocator.free([p for p, q in zip(new, result.pages[have:]) if p != q])
+        self.cache.lock(result.node)
+        self.cache.unlock(node)
+        return result.node, list(result.pages)
 
     def grow(self, request: Request, num_tokens: int) -> bool:
         """Make sure the request has pages for its first num_tokens tokens, evicting cached
@@ -83,11 +122,18 @@ class KVManager:
         result = self.cache.insert(request.token_ids[: full * self.page_size],
                                    request.pages[:full], request.namespace)
         # Pages another request computed first are the tree's; ours are duplicates.
+        taken = []
         for i in range(request.num_tree_pages, full):
             if request.pages[i] != result.pages[i]:
                 self.allocator.free([request.pages[i]])
                 request.pages[i] = result.pages[i]
                 self.table.write_pages(request.table_row, i, [result.pages[i]])
+            else:
+                taken.append(i)
+        if self.tier is not None and taken:  # written through to the disk, off this thread
+            names = self.tier.chain(request.token_ids, full, request.namespace,
+                                    request.tier_names)
+            self.tier.store([names[i] for i in taken], [request.pages[i] for i in taken])
         self.cache.lock(result.node)
         self.cache.unlock(request.cache_node)
         request.cache_node = result.node

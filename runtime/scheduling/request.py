@@ -79,6 +79,7 @@ class Request:
     num_tree_pages: int = 0  # leading pages owned by the radix cache (see kv_manager)
     cache_node: Any = None  # the radix-cache node this request holds locked
     namespace: Any = None  # KV from another namespace is never reused
+    tier_names: list[str] = field(default_factory=list)  # its pages' disk-tier names, so far
     table_row: int | None = None
     admitted: bool = False  # admitted at least once (cached_tokens counts the first time)
     # Position among the requests a server received in one HTTP request (its prompts and

@@ -50,6 +50,17 @@ ENGINE_COUNTERS = {
                                 "grammars"),
     "grammar_errors": ("radixlm_grammar_errors", "Requests ended by their grammar: it could "
                        "not be compiled, or it outgrew the matcher's limits while generating"),
+    "disk_hit_tokens": ("radixlm_disk_cache_hit_tokens", "Prompt tokens loaded from the "
+                        "prefix cache's disk tier instead of computed"),
+    "disk_load_bytes": ("radixlm_disk_cache_load_bytes", "KV bytes read from the disk tier"),
+    "disk_load_seconds": ("radixlm_disk_cache_load_seconds", "Time spent loading them"),
+    "disk_store_bytes": ("radixlm_disk_cache_store_bytes", "KV bytes written to the disk tier"),
+    "disk_store_seconds": ("radixlm_disk_cache_store_seconds", "Time the writer spent "
+                           "writing them (off the engine thread)"),
+    "disk_store_skipped_pages": ("radixlm_disk_cache_store_skipped_pages", "Pages not "
+                                 "written: the writer fell behind, or the disk is full"),
+    "disk_bad_files": ("radixlm_disk_cache_bad_files", "Truncated, corrupt or foreign files "
+                       "found, skipped and removed"),
     # Per program only in the stats (/get_server_info): a label per program id would grow
     # without bound.
     "program_calls": ("radixlm_program_calls", "Finished requests that named a program"),

@@ -1,0 +1,166 @@
+"""The prefix cache's disk tier: prefixes found again after a restart with the same tokens as
+computing them; corrupt, truncated and foreign files skipped (never loaded as KV); a full disk,
+a killed writer's leftovers and two writers on one folder harmless; the budget kept; page
+accounting intact."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from radixlm.runtime import Engine
+from radixlm.runtime.scheduling.disk_tier import DiskTier, model_key
+
+from conftest import save_tiny_chat_model
+
+DOC = "A radix tree shares the prefixes of the sequences it holds. " * 12
+PROMPTS = [DOC + "Q: what does it share?", DOC + "Q: why?"]
+GREEDY = {"max_new_tokens": 12, "temperature": 0}
+
+
+def assert_pages_add_up(engine: Engine) -> None:
+    stats = engine.stats()
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["kv_pages_free"] + stats["kv_pages_cached"] == stats["kv_pages_total"]
+
+
+def run(model: Path, folder: Path | None, prompts=PROMPTS, **options):
+    """(token ids of each output, the engine's stats) of a fresh engine."""
+    extra = {} if folder is None else {"disk_cache_dir": str(folder), **options}
+    with Engine(str(model), max_total_tokens=4096, **extra) as engine:
+        outs = engine.generate(prompts, GREEDY)
+        assert_pages_add_up(engine)
+        return [o.token_ids for o in outs], [o.cached_tokens for o in outs], engine.stats()
+
+
+def files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*/*.kv"))
+
+
+def test_a_restarted_engine_loads_its_prefixes_with_the_same_tokens(tiny_chat_model,
+                                                                    tmp_path):
+    reference, _, _ = run(tiny_chat_model, None)
+    first, _, stats = run(tiny_chat_model, tmp_path, PROMPTS[:1])
+    assert first == reference[:1] and stats["disk_store_bytes"] > 0
+    assert stats["disk_hit_tokens"] == 0 and files(tmp_path)
+    again, cached, stats = run(tiny_chat_model, tmp_path)
+    assert again == reference  # loaded KV gives the tokens computed KV gives
+    assert stats["disk_hit_tokens"] > 0 and cached[0] >= stats["disk_hit_tokens"]
+    assert stats["disk_bad_files"] == 0
+
+
+def test_bad_files_are_skipped_never_loaded(tiny_chat_model, tmp_path, caplog):
+    reference, _, _ = run(tiny_chat_model, tmp_path, PROMPTS[:1])
+    kept = files(tmp_path)
+    for i, path in enumerate(kept):  # whichever comes first in the prefix is bad
+        data = bytearray(path.read_bytes())
+        if i % 3 == 0:
+            data = data[:100]  # truncated
+        elif i % 3 == 1:
+            data[-1] ^= 0xFF  # one bit of KV flipped
+        else:
+            data = bytearray(b"not a page at all")
+        path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="radixlm.runtime.scheduling.disk_tier"):
+        again, _, stats = run(tiny_chat_model, tmp_path, PROMPTS[:1])
+    assert again == reference
+    assert stats["disk_hit_tokens"] == 0 and stats["disk_bad_files"] >= 1
+    assert "corrupt" in caplog.text
+    again, _, stats = run(tiny_chat_model, tmp_path, PROMPTS[:1])  # bad pages rewritten
+    assert again == reference and stats["disk_hit_tokens"] > 0
+
+
+def test_another_models_files_are_never_looked_at(tiny_chat_model, tmp_path,
+                                                  tmp_path_factory, default_model_folder):
+    run(tiny_chat_model, tmp_path, PROMPTS[:1])
+    other = save_tiny_chat_model(tmp_path_factory.mktemp("other"), default_model_folder)
+    torch.manual_seed(7)  # same architecture and tokenizer, other weights
+    from safetensors.torch import load_file, save_file
+
+    weights = next(other.glob("*.safetensors"))
+    tensors = {k: torch.randn_like(v) if v.is_floating_point() else v
+               for k, v in load_file(weights).items()}
+    save_file(tensors, weights)
+    _, _, stats = run(other, tmp_path, PROMPTS[:1])
+    assert stats["disk_hit_tokens"] == 0 and len(list(tmp_path.iterdir())) == 2
+
+
+def _tier(folder: Path, max_bytes: int = 1 << 30, slots: int = 64) -> DiskTier:
+    k = torch.randn(2, slots, 2, 4)
+    v = torch.randn(2, slots, 2, 4)
+    return DiskTier(folder, "m", k, v, page_size=4, max_bytes=max_bytes)
+
+
+def test_a_full_disk_skips_pages_and_warns(tmp_path, monkeypatch, caplog):
+    tier = _tier(tmp_path)
+    names = tier.chain(list(range(16)), 4)
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr("builtins.open", full)
+    with caplog.at_level(logging.WARNING, logger="radixlm.runtime.scheduling.disk_tier"):
+        tier.store(names, [0, 1, 2, 3])
+        tier.flush()
+    assert tier.stats()["disk_store_skipped_pages"] == 4 and "No space" in caplog.text
+    monkeypatch.undo()
+    assert tier.present(names) == 0 and not list(tmp_path.glob("m/*"))
+    tier.close()
+
+
+def test_budget_leftovers_and_two_writers(tmp_path):
+    page_file = 2 * 2 * 4 * 2 * 4 * 4 + 50  # K and V of 2 layers, 4 slots; the header
+    tier = _tier(tmp_path, max_bytes=3 * page_file)
+    names = tier.chain(list(range(64)), 16)
+    tier.store(names[:8], list(range(8)))
+    tier.flush()
+    assert len(files(tmp_path)) <= 3 and tier.stats()["disk_bytes"] <= tier.max_bytes
+    assert tier.present(names[5:8]) == 3  # the most recent kept
+    tier.close()
+    # A writer killed mid-file leaves a temporary: never read, removed once old.
+    leftover = tmp_path / "m" / ".dead.123.tmp"
+    leftover.write_bytes(b"half a page")
+    os.utime(leftover, (0, 0))
+    # Two processes on one folder: the same pages written at once, every file whole.
+    a, b = _tier(tmp_path), _tier(tmp_path)
+    assert not leftover.exists()
+    b.k.copy_(a.k)
+    b.v.copy_(a.v)
+    names = a.chain(list(range(100, 164)), 16)  # (not the pages written above)
+    threads = [threading.Thread(target=t.store, args=(names, list(range(16)))) for t in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    a.flush()
+    b.flush()
+    reader = _tier(tmp_path)
+    assert reader.present(names) == 16
+    assert reader.load(names, list(range(16))) == 16
+    assert torch.equal(reader.k, a.k) and torch.equal(reader.v, a.v)
+    for t in (a, b, reader):
+        t.close()
+
+
+def test_the_model_key_names_the_weights_and_the_kv_layout():
+    model = torch.nn.Linear(8, 8)
+    key = model_key(model, torch.bfloat16, 16)
+    assert key == model_key(model, torch.bfloat16, 16)
+    assert key != model_key(model, torch.float8_e4m3fn, 16)
+    assert key != model_key(model, torch.bfloat16, 32)
+    with torch.no_grad():
+        model.weight[3, 5] += 1  # one weight (in the sample) changed
+    assert key != model_key(model, torch.bfloat16, 16)
+
+
+def test_options_that_cannot_go_with_a_disk_tier_are_refused(tmp_path):
+    from radixlm.runtime.config.engine_config import EngineConfig
+
+    for bad, match in (({"disable_radix_cache": True}, "disable_radix_cache"),
+                       ({"disk_cache_gb": 0}, "disk_cache_gb")):
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(disk_cache_dir=str(tmp_path), **bad)
