@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -63,11 +64,16 @@ class EngineCore:
                                      num_pages * config.page_size, config.page_size, device)
         self.cache = (None if config.disable_radix_cache
                       else RadixCache(config.page_size, self.allocator))
-        self.tier = (None if config.disk_cache_dir is None else DiskTier(
-            config.disk_cache_dir, model_key(loaded.model, self.kv_cache.storage_dtype,
-                                             config.page_size),
-            self.kv_cache.k, self.kv_cache.v, config.page_size,
-            int(config.disk_cache_gb * (1 << 30))))
+        self.tier = None
+        if config.disk_cache_dir is not None:
+            numerics = (f"{mc!r}|{device.type}|{dtype}|{type(attn).__name__}|"
+                        f"{config.deterministic}|{config.disable_cpu_kernel}")
+            self.tier = DiskTier(
+                Path(config.disk_cache_dir).expanduser(),
+                model_key(loaded.model, self.kv_cache.storage_dtype, config.page_size,
+                          numerics),
+                self.kv_cache.k, self.kv_cache.v, config.page_size,
+                int(config.disk_cache_gb * (1 << 30)))
         self.kv = KVManager(self.allocator, self.table, self.cache, self.tier)
         self.leases = (None if self.cache is None else
                        LeaseTable(self.cache, int(num_pages * config.lease_memory_fraction)))

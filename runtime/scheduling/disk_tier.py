@@ -48,7 +48,10 @@ class DiskTier:
                  v: torch.Tensor, page_size: int, max_bytes: int) -> None:
         """`k`, `v`: the KV cache's tensors, [num_layers, num_slots, heads, head_dim]."""
         self.folder = Path(directory) / model_key
-        self.folder.mkdir(parents=True, exist_ok=True)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"disk_cache_dir: cannot use {directory}: {exc}") from None
         self.k, self.v = k, v
         self.page_size = page_size
         self.max_bytes = max_bytes
@@ -260,12 +263,14 @@ class DiskTier:
 
 
 def model_key(model: torch.nn.Module, kv_dtype: torch.dtype, page_size: int,
-              tp_rank: int = 0, tp_size: int = 1) -> str:
+              numerics: str = "") -> str:
     """The identity of a model's KV: a fingerprint of its weights (names, shapes, dtypes and a
-    strided sample of each tensor's values) with the KV layout. Two models that differ in any
-    weight tensor's sample, or in how their KV is stored, get different folders."""
+    strided sample of each tensor's values) with the KV layout and `numerics` (what else
+    decides the KV's bits: the model's configuration, the device, the compute dtype, the
+    attention kernels). Two engines that differ in any of them get different folders: KV
+    computed one way is never loaded where recomputing would give other bits."""
     h = hashlib.blake2b(digest_size=16)
-    h.update(f"{kv_dtype}|{page_size}|{tp_rank}/{tp_size}".encode())
+    h.update(f"{kv_dtype}|{page_size}|{numerics}".encode())
     for name, tensor in model.state_dict().items():
         h.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}".encode())
         try:
