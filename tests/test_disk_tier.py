@@ -164,3 +164,20 @@ def test_options_that_cannot_go_with_a_disk_tier_are_refused(tmp_path):
                        ({"disk_cache_gb": 0}, "disk_cache_gb")):
         with pytest.raises(ValueError, match=match):
             EngineConfig(disk_cache_dir=str(tmp_path), **bad)
+
+
+def test_pins_and_a_small_pool_work_over_the_tier(tiny_chat_model, tmp_path):
+    reference, _, _ = run(tiny_chat_model, tmp_path, PROMPTS[:1])
+    with Engine(str(tiny_chat_model), max_total_tokens=4096,
+                disk_cache_dir=str(tmp_path)) as engine:
+        lease = engine.pin_prefix(DOC)  # a pin's prefix is loaded, not computed
+        assert lease is not None and engine.stats()["disk_hit_tokens"] > 0
+        engine.release_prefix(lease)
+        assert_pages_add_up(engine)
+    # A pool barely larger than the request: the loaded pages and the rest share it.
+    with Engine(str(tiny_chat_model), max_total_tokens=256, disk_cache_dir=str(tmp_path),
+                max_running_requests=1) as engine:
+        outs = engine.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in outs][:1] == reference
+        assert engine.stats()["disk_hit_tokens"] > 0
+        assert_pages_add_up(engine)
