@@ -124,8 +124,24 @@ def complete_part(fmt: str, text: str) -> str:
     return "; ".join(objects) if objects else "" if body.startswith("{") else text
 
 
-def _leading_objects(body: str) -> list[str]:
-    """The texts of the complete JSON values at the start of `body`, separated by `,` or `;`."""
+def _leading_objects(body: str, separators: str = " \n\t;,") -> list[str]:
+    """The texts of the complete JSON values at the start of `body`, between separators."""
+    return _objects(body, separators)[0]
+
+
+def _unclosed(text: str) -> bool:
+    return "<tool_call>" in text or "</tool_call>" in text
+
+
+def _split_calls(body: str) -> list[str]:
+    """`{...}; {...}` -> the objects' texts (a `;` inside a string does not split); the whole
+    body when it is not a sequence of objects (the caller rejects it)."""
+    parts, end = _objects(body, " \n\t;")
+    return parts if end == len(body) else [body]
+
+
+def _objects(body: str, separators: str) -> tuple[list[str], int]:
+    """(the JSON values' texts from the start of `body`, where the run of them ends)."""
     decoder = json.JSONDecoder()
     parts, i = [], 0
     while i < len(body):
@@ -135,29 +151,9 @@ def _leading_objects(body: str) -> list[str]:
             break
         parts.append(body[i:end])
         i = end
-        while i < len(body) and body[i] in " \n\t;,":
+        while i < len(body) and body[i] in separators:
             i += 1
-    return parts
-
-
-def _unclosed(text: str) -> bool:
-    return "<tool_call>" in text or "</tool_call>" in text
-
-
-def _split_calls(body: str) -> list[str]:
-    """`{...}; {...}` -> the objects' texts (a `;` inside a string does not split)."""
-    decoder = json.JSONDecoder()
-    parts, i = [], 0
-    while i < len(body):
-        try:
-            _, end = decoder.raw_decode(body, i)
-        except ValueError:
-            return [body]  # not a sequence of objects: let the caller reject it
-        parts.append(body[i:end])
-        i = end
-        while i < len(body) and body[i] in " \n\t;":
-            i += 1
-    return parts
+    return parts, i
 
 
 def _call_object(text: str, args_key: str, names: set[str]) -> dict[str, Any] | None:
