@@ -193,3 +193,18 @@ def test_a_tool_schema_the_grammar_refuses_is_a_400_naming_tools(client):
             client.responses.create(model="m", input="Hi", tools=[odd], tool_choice="required",
                                     max_output_tokens=8, stream=stream)
         assert caught.value.body["param"] == "tools", caught.value.body
+
+
+def test_instructions_come_first_and_are_not_carried_over(client):
+    first = client.responses.create(model="m", instructions="Be brief.", input="Hi. " * 40,
+                                    max_output_tokens=4, temperature=0)
+    # The agent pattern: the same instructions every turn. The conversation renders as it
+    # did, so the cache serves all of the first turn.
+    second = client.responses.create(model="m", instructions="Be brief.", input="More",
+                                     previous_response_id=first.id, max_output_tokens=4)
+    page = 16  # (the cache holds whole pages)
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - page
+    other = client.responses.create(model="m", instructions="Be very detailed.", input="More",
+                                    previous_response_id=first.id, max_output_tokens=4)
+    assert other.usage.input_tokens_details.cached_tokens < first.usage.input_tokens
+    assert other.instructions == "Be very detailed."

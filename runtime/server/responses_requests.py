@@ -36,21 +36,30 @@ _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_t
 
 @dataclass
 class ResponsesRequest:
-    chat: dict[str, Any]  # the equivalent /v1/chat/completions body
+    chat: dict[str, Any]  # the equivalent /v1/chat/completions body, but for the messages
     previous_response_id: str | None
     store: bool
     instructions: str | None
     stream: bool
     echo: dict[str, Any]  # request fields the response object repeats
-    # messages[k] of the chat body came from this field (for renaming errors)
-    origins: list[str] = field(default_factory=list)
+    input_messages: list[dict[str, Any]] = field(default_factory=list)  # `input` as chat
+    input_origins: list[str] = field(default_factory=list)  # the item each came from
+    origins: list[str] = field(default_factory=list)  # each chat message's (chat_body's)
 
-    def rename(self, error: ApiError, offset: int = 0) -> ApiError:
-        """A chat parser's error in this request's terms. `offset`: messages that came before
-        this request's own (a previous response's conversation)."""
+    def chat_body(self, earlier: list[dict[str, Any]]) -> dict[str, Any]:
+        """The chat request: `instructions` first (a system message), then the conversation
+        so far (`earlier`: a previous response's, without its instructions, as OpenAI does),
+        then `input`; `origins` now says where each of its messages came from."""
+        head = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        self.origins = (["instructions"] * len(head) + ["previous_response_id"] * len(earlier)
+                        + self.input_origins)
+        return {**self.chat, "messages": [*head, *earlier, *self.input_messages]}
+
+    def rename(self, error: ApiError) -> ApiError:
+        """A chat parser's error in this request's terms."""
         def name(text: str) -> str:
             def message(match: re.Match) -> str:
-                k = int(match.group(1)) - offset
+                k = int(match.group(1))
                 return self.origins[k] if 0 <= k < len(self.origins) else "input"
             text = re.sub(r"messages\[(\d+)\]", message, text)
             text = re.sub(r"\btools\[(\d+)\]\.function\.", r"tools[\1].", text)
@@ -89,13 +98,9 @@ def parse_responses(body: dict[str, Any]) -> ResponsesRequest:
         chat["max_completion_tokens"] = body["max_output_tokens"]
     instructions = f.string("instructions")
     messages, origins = [], []
-    if instructions:
-        messages.append({"role": "system", "content": instructions})
-        origins.append("instructions")
     for message, origin in _input_messages(body.get("input")):
         messages.append(message)
         origins.append(origin)
-    chat["messages"] = messages
     if f.has("tools"):
         chat["tools"] = _tools(f.get("tools", (list,)))
     if f.has("tool_choice"):
@@ -133,7 +138,7 @@ def parse_responses(body: dict[str, Any]) -> ResponsesRequest:
             "truncation": "disabled", "user": body.get("user")}
     return ResponsesRequest(chat, f.string("previous_response_id"),
                             f.boolean("store", True), instructions, f.boolean("stream", False),
-                            echo, origins)
+                            echo, messages, origins)
 
 
 def _input_messages(value: Any) -> list[tuple[dict[str, Any], str]]:

@@ -58,19 +58,16 @@ async def create(request: web.Request) -> web.StreamResponse:
                                 "was deleted, or is too old to be kept)",
                            "previous_response_id", "previous_response_not_found")
         earlier = stored.conversation
-    chat_body = {**rr.chat, "messages": [*earlier, *rr.chat["messages"]]}
+    chat_body = rr.chat_body(earlier)
+    rid = "resp_" + uuid.uuid4().hex
     try:
         req = parse_chat(chat_body, state.config.trust_request_chat_template)
         req.tags = parse_tags(Fields(body), request.headers.get(PROGRAM_HEADER))
         prompt, tool_format = await prepare_chat(state, req)
-    except ApiError as exc:
-        raise rr.rename(exc, len(earlier)) from None
-    rid = "resp_" + uuid.uuid4().hex
-    try:
         gen = generation(state, req, [prompt], rid, "input")
     except ApiError as exc:
-        raise rr.rename(exc, len(earlier)) from None
-    run = _Run(state, rr, req, rid, tool_format, chat_body["messages"])
+        raise rr.rename(exc) from None
+    run = _Run(state, rr, req, rid, tool_format, [*earlier, *rr.input_messages])
     if rr.stream:
         return await stream_events(request, run.events(gen), named=True,
                                    error_event=run.error_event)
@@ -111,7 +108,7 @@ class _Run:
         self.rr = rr
         self.req = req
         self.rid = rid
-        self.messages = messages  # the conversation so far (chat messages)
+        self.messages = messages  # the conversation so far, without instructions
         self.created = int(time.time())
         parser = state.config.reasoning_parser if req.separate_reasoning else None
         self.output = _Output(parser, tool_format, [t["name"] for t in req.tools.tools])
