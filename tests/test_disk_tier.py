@@ -181,3 +181,66 @@ def test_pins_and_a_small_pool_work_over_the_tier(tiny_chat_model, tmp_path):
         assert [o.token_ids for o in outs][:1] == reference
         assert engine.stats()["disk_hit_tokens"] > 0
         assert_pages_add_up(engine)
+
+
+def _expected_page(prefix: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+    """The 'KV' a page holds in the simulation below: a function of its whole prefix."""
+    seed = hash(prefix) % (1 << 31)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_kv_manager_over_the_tier_against_a_model(tmp_path, seed):
+    """Random requests over a small pool (evictions), restarts (a new tree and tier on the
+    same folder): every page in the tree always holds the KV of its prefix, whether computed
+    or loaded, and free + cached pages add up."""
+    import random
+
+    from radixlm.runtime.config.sampling_params import SamplingParams
+    from radixlm.runtime.scheduling.kv_manager import KVManager
+    from radixlm.runtime.scheduling.pages import PageAllocator, ReqToTokenTable
+    from radixlm.runtime.scheduling.radix_cache import RadixCache
+    from radixlm.runtime.scheduling.request import Request
+
+    rng = random.Random(seed)
+    ps, num_pages, layers = 4, 24, 2
+    k = torch.zeros(layers, num_pages * ps, 1, 2)
+    v = torch.zeros_like(k)
+    shape = (layers, ps, 1, 2)
+    stems = [[rng.randrange(50) for _ in range(rng.choice((8, 12, 20)))] for _ in range(4)]
+
+    def fresh() -> tuple[KVManager, DiskTier]:
+        allocator = PageAllocator(num_pages, ps)
+        tier = DiskTier(tmp_path, "sim", k, v, ps, max_bytes=1 << 30)
+        table = ReqToTokenTable(4, num_pages * ps, ps, torch.device("cpu"))
+        return KVManager(allocator, table, RadixCache(ps, allocator), tier), tier
+
+    kv, tier = fresh()
+    loaded_before = 0
+    for step in range(40):
+        if rng.random() < 0.15:  # a restart: the memory tier is gone, the disk stays
+            tier.close()
+            kv, tier = fresh()
+        tokens = rng.choice(stems) + [rng.randrange(50) for _ in range(rng.randrange(1, 9))]
+        request = Request(f"r{step}", tokens, SamplingParams(max_new_tokens=1), frozenset(),
+                          None, lambda out: None)
+        assert kv.attach(request)
+        assert kv.grow(request, len(tokens))
+        for i in range(request.num_tree_pages, len(tokens) // ps):  # "compute" the rest
+            page = request.pages[i]
+            kv_page = _expected_page(tuple(tokens[:(i + 1) * ps]), shape)
+            k[:, page * ps:(page + 1) * ps] = kv_page
+            v[:, page * ps:(page + 1) * ps] = -kv_page
+        request.num_computed_tokens = len(tokens)
+        kv.release(request)
+        tier.flush()
+        for _, prefix, node in kv.cache.walk():  # every cached page holds its prefix's KV
+            start = len(prefix) - len(node.key)
+            for j, page in enumerate(node.value):
+                expected = _expected_page(tuple(prefix[:start + (j + 1) * ps]), shape)
+                assert torch.equal(k[:, page * ps:(page + 1) * ps], expected)
+                assert torch.equal(v[:, page * ps:(page + 1) * ps], -expected)
+        assert kv.allocator.num_free + kv.cache.total_pages == num_pages
+        loaded_before = max(loaded_before, tier.stats()["disk_hit_tokens"])
+    tier.close()
+    assert loaded_before > 0  # the runs did load from the disk
