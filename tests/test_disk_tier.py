@@ -224,6 +224,12 @@ def test_kv_manager_over_the_tier_against_a_model(tmp_path, seed):
         tokens = rng.choice(stems) + [rng.randrange(50) for _ in range(rng.randrange(1, 9))]
         request = Request(f"r{step}", tokens, SamplingParams(max_new_tokens=1), frozenset(),
                           None, lambda out: None)
+        if kv.start_load(request):  # as the scheduler does: wait for it, then attach
+            assert (kv.allocator.num_free + kv.cache.total_pages + kv.loading_pages
+                    == num_pages)
+            while kv.loading:
+                kv.wait_for_a_load(1.0)
+                kv.finish_loads()
         assert kv.attach(request)
         assert kv.grow(request, len(tokens))
         for i in range(request.num_tree_pages, len(tokens) // ps):  # "compute" the rest

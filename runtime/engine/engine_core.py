@@ -120,7 +120,7 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self._inflight is not None
+        return self.scheduler.has_work or self._inflight is not None or self.kv.loading
 
     def flush_cache(self) -> None:
         """Drop every cached prefix and every lease. Refused while requests are running or
@@ -188,6 +188,8 @@ class EngineCore:
         can run now."""
         if self.structured.compiling:
             self._attach_grammars()
+        if self.kv.loading:
+            self.kv.finish_loads()
         scheduled = self.scheduler.schedule()
         if scheduled is None:
             self._unblock()
@@ -196,9 +198,13 @@ class EngineCore:
     def _unblock(self) -> None:
         """Nothing could be scheduled: wait a little for a grammar compile, or give up a
         lease whose pages are in the way."""
-        if self.structured.compiling:
-            # Only compiles to wait for (not pages: held-back requests hold few): don't spin.
-            self.structured.wait_for_a_compile(timeout=0.01)
+        if self.structured.compiling or self.kv.loading:
+            # Only compiles or loads to wait for (not pages: held-back requests hold few, a
+            # load's are taken): don't spin.
+            if self.kv.loading:
+                self.kv.wait_for_a_load(timeout=0.01)
+            else:
+                self.structured.wait_for_a_compile(timeout=0.01)
         elif (self.scheduler.has_work and self.leases is not None
                 and self.leases.release_oldest()):
             # Work is waiting but nothing fits: only leased pages can be in the way (alone,
@@ -430,6 +436,7 @@ class EngineCore:
             "kv_pages_free": self.allocator.num_free,
             "kv_pages_cached": self.cache.total_pages if self.cache else 0,
             "kv_pages_evictable": self.cache.evictable_pages if self.cache else 0,
+            "kv_pages_loading": self.kv.loading_pages,
             "leases": len(self.leases) if self.leases else 0,
             "kv_pages_leased": self.leases.leased_pages if self.leases else 0,
             "page_size": self.page_size,

@@ -28,7 +28,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +68,7 @@ class DiskTier:
                                         daemon=True)
         self._writer.start()
         self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="radixlm-disk-read")
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="radixlm-disk-load")
         self.counters = {"disk_hit_tokens": 0, "disk_load_bytes": 0, "disk_load_seconds": 0.0,
                          "disk_store_bytes": 0, "disk_store_seconds": 0.0,
                          "disk_store_skipped_pages": 0, "disk_bad_files": 0}
@@ -99,6 +100,11 @@ class DiskTier:
         return count
 
     # ---- loading ----
+
+    def load_async(self, names: Sequence[str], pages: Sequence[int]) -> Future:
+        """`load` in the background: a Future of how many pages were loaded. The pages must
+        be the caller's alone until it is done (nothing else reads or writes them)."""
+        return self._loader.submit(self.load, list(names), list(pages))
 
     def load(self, names: Sequence[str], pages: Sequence[int]) -> int:
         """Read the files of `names` into `pages` of the KV cache, in order; stops at the
@@ -176,6 +182,7 @@ class DiskTier:
         self.flush(timeout=30)
         self._queue.put(None)
         self._writer.join(timeout=5)
+        self._loader.shutdown(wait=True)
         self._readers.shutdown(wait=False)
 
     def _write_loop(self) -> None:

@@ -11,18 +11,35 @@ Tree pages belong to the cache and are protected by the lock the request holds o
 full ones to the tree (or frees them as duplicates of pages the tree already had), or until
 `release` frees them.
 
-With a disk tier (disk_tier.py) under the tree, a request's prefix may go on past what the tree
-holds: `attach` loads the pages the disk has into freshly allocated pages and inserts them into
-the tree, as if they had just been computed; and every page the tree takes is written to the
-disk too.
+With a disk tier (disk_tier.py) under the tree, a waiting request's prefix may go on past what
+the tree holds: `start_load` allocates pages for what the disk has and loads them in the
+background while other requests run; the request waits, and `finish_loads` (on the engine
+thread, before each schedule) inserts the loaded pages into the tree, as if just computed, so
+its attach then hits them. Until then the pages are neither free nor cached: they are
+`loading_pages`. Every page the tree takes is written to the disk too.
 """
 
 from __future__ import annotations
+
+import logging
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
 
 from radixlm.runtime.scheduling.disk_tier import DiskTier
 from radixlm.runtime.scheduling.pages import PageAllocator, ReqToTokenTable
 from radixlm.runtime.scheduling.radix_cache import RadixCache, TreeNode
 from radixlm.runtime.scheduling.request import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Load:
+    node: TreeNode  # the tree's match, locked while the rest loads
+    tree_pages: list[int]  # its pages
+    pages: list[int]  # allocated for the pages that come from the disk
+    future: Future  # how many of them were loaded
+    first: str  # the disk-tier name of the first of them
 
 
 class KVManager:
@@ -35,6 +52,7 @@ class KVManager:
         self.cache = cache
         self.tier = tier
         self.page_size = allocator.page_size
+        self._loads: dict[Request, _Load] = {}  # waiting requests whose prefix is loading
 
     @property
     def available_pages(self) -> int:
@@ -56,45 +74,91 @@ class KVManager:
             return False
         request.table_row = row
         if self.cache is not None:
-            limit = _matchable(request)
-            hit = self.cache.match_prefix(request.token_ids, request.namespace, limit)
+            hit = self.cache.match_prefix(request.token_ids, request.namespace,
+                                          _matchable(request))
             self.cache.lock(hit.node)
-            node, pages = hit.node, list(hit.pages)
-            if self.tier is not None and len(pages) < limit // self.page_size:
-                node, pages = self._load(request, node, pages, limit // self.page_size)
-            request.cache_node = node
-            request.pages = pages
-            request.num_tree_pages = len(pages)
-            request.num_computed_tokens = len(pages) * self.page_size
+            request.cache_node = hit.node
+            request.pages = list(hit.pages)
+            request.num_tree_pages = len(hit.pages)
+            request.num_computed_tokens = hit.num_tokens
             self.table.write_pages(row, 0, request.pages)
         return True
 
-    def _load(self, request: Request, node: TreeNode, pages: list[int],
-              wanted: int) -> tuple[TreeNode, list[int]]:
-        """Extend the locked tree match `node`/`pages` with the pages the disk tier holds
-        for the request's prefix, up to `wanted` pages: loaded into new pages, inserted into
-        the tree, locked in place of `node`."""
-        assert self.tier is not None and self.cache is not None
-        have = len(pages)
+    # ---- the disk tier ----
+
+    @property
+    def loading(self) -> bool:
+        return bool(self._loads)
+
+    @property
+    def loading_pages(self) -> int:
+        return sum(len(load.pages) for load in self._loads.values())
+
+    def start_load(self, request: Request) -> bool:
+        """For a waiting request: True while the disk tier is loading its prefix (it should
+        wait), including when a load starts now; False when there is nothing to load (attach
+        it). A request is looked up on the disk once."""
+        if self.tier is None:
+            return False
+        if request in self._loads:
+            return True
+        if request.tier_checked:
+            return False
+        assert self.cache is not None
+        limit = _matchable(request)
+        wanted = limit // self.page_size
+        hit = self.cache.match_prefix(request.token_ids, request.namespace, limit)
+        have = len(hit.pages)
+        if have >= wanted:
+            request.tier_checked = True
+            return False
         names = self.tier.chain(request.token_ids, wanted, request.namespace,
                                 request.tier_names)
+        if any(load.first == names[have] for load in self._loads.values()):
+            return True  # another request is loading the same pages: they will be cached
+        request.tier_checked = True
         count = self.tier.present(names[have:])
+        if not count:
+            return False
+        self.cache.lock(hit.node)  # the match stays while the rest loads
         if count > self.allocator.num_free:
-            self.cache.evict(count - self.allocator.num_free)  # (our match is locked)
-        count = min(count, self.allocator.num_free)
-        new = self.allocator.allocate(count) if count else None
-        if not new:
-            return node, pages
-        loaded = self.tier.load(names[have:have + count], new)
-        self.allocator.free(new[loaded:])
-        if not loaded:
-            return node, pages
-        result = self.cache.insert(request.token_ids[:(have + loaded) * self.page_size],
-                                   pages + new[:loaded], request.namespace)
-        self.allocator.free([p for p, q in zip(new, result.pages[have:]) if p != q])
-        self.cache.lock(result.node)
-        self.cache.unlock(node)
-        return result.node, list(result.pages)
+            self.cache.evict(count - self.allocator.num_free)
+        pages = self.allocator.allocate(min(count, self.allocator.num_free)) or []
+        if not pages:
+            self.cache.unlock(hit.node)
+            return False
+        future = self.tier.load_async(names[have:have + len(pages)], pages)
+        self._loads[request] = _Load(hit.node, list(hit.pages), pages, future, names[have])
+        return True
+
+    def finish_loads(self) -> None:
+        """Insert the pages of the loads that are done into the tree (what failed to load
+        is freed)."""
+        assert self.cache is not None or not self._loads
+        for request, load in list(self._loads.items()):
+            if not load.future.done():
+                continue
+            del self._loads[request]
+            try:
+                loaded = load.future.result()
+            except Exception:  # a read that failed outright: those pages get computed
+                log.exception("disk KV cache: a load failed")
+                loaded = 0
+            self.allocator.free(load.pages[loaded:])
+            if loaded:
+                have = len(load.tree_pages)
+                result = self.cache.insert(
+                    request.token_ids[:(have + loaded) * self.page_size],
+                    load.tree_pages + load.pages[:loaded], request.namespace)
+                # (another request may have computed some of them meanwhile: the tree's win)
+                self.allocator.free([p for p, q in zip(load.pages, result.pages[have:])
+                                     if p != q])
+            self.cache.unlock(load.node)
+
+    def wait_for_a_load(self, timeout: float) -> None:
+        futures = [load.future for load in self._loads.values()]
+        if futures:
+            wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
 
     def grow(self, request: Request, num_tokens: int) -> bool:
         """Make sure the request has pages for its first num_tokens tokens, evicting cached

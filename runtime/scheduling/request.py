@@ -80,6 +80,7 @@ class Request:
     cache_node: Any = None  # the radix-cache node this request holds locked
     namespace: Any = None  # KV from another namespace is never reused
     tier_names: list[str] = field(default_factory=list)  # its pages' disk-tier names, so far
+    tier_checked: bool = False  # the disk tier was looked up for its prefix
     table_row: int | None = None
     admitted: bool = False  # admitted at least once (cached_tokens counts the first time)
     # Position among the requests a server received in one HTTP request (its prompts and

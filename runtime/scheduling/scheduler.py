@@ -140,6 +140,8 @@ class Scheduler:
                 continue  # wait for the other request's prefill to land in the cache
             if request.num_uncomputed - request.held_back_tokens <= 0:
                 continue  # nothing to compute until its grammar is ready
+            if self.kv.start_load(request):
+                continue  # its prefix is coming from the disk tier; others run meanwhile
             if not self._fits(request, hits.get(request, 0)):
                 break
             if not self.kv.attach(request):
