@@ -141,7 +141,7 @@ class Metrics:
         free = stats.get("kv_pages_free", 0)
         evictable = stats.get("kv_pages_evictable", 0)
         self.kv_usage.set((total - free - evictable) / total if total else 0.0)
-        for state in ("total", "free", "cached", "evictable", "leased"):
+        for state in ("total", "free", "cached", "evictable", "leased", "loading"):
             self._kv_pages.labels(self.model_name, state).set(stats.get(f"kv_pages_{state}", 0))
         self.hit_rate.set(cache_hit_rate(stats))
         self.spec_acceptance.set(stats.get("spec_acceptance_rate", 0.0))
