@@ -250,3 +250,19 @@ def test_tree_under_eviction_stays_within_capacity_and_keeps_the_newest(inserts,
         # Eviction only forgets: nothing is matched that was not routed there.
         for r, n in tree.match(key).items():
             assert n <= max(common(key, k) for k in sent[r])
+
+
+def test_per_program_stats_are_merged_across_replicas():
+    from radixlm.runtime.replicas.replica_set import merge_programs
+
+    merged: dict = {}
+    merge_programs(merged, {"agent": {"calls": 2, "queue_s": 0.5, "service_tokens": 40,
+                                      "cached_tokens": 16, "last_seen": 10.0}})
+    merge_programs(merged, {"agent": {"calls": 1, "queue_s": 0.25, "service_tokens": 8,
+                                      "cached_tokens": 32, "last_seen": 7.0},
+                            "chat": {"calls": 1, "queue_s": 0.0, "service_tokens": 5,
+                                     "cached_tokens": 0, "last_seen": 9.0}})
+    assert merged == {"agent": {"calls": 3, "queue_s": 0.75, "service_tokens": 48,
+                                "cached_tokens": 48, "last_seen": 10.0},
+                      "chat": {"calls": 1, "queue_s": 0.0, "service_tokens": 5,
+                               "cached_tokens": 0, "last_seen": 9.0}}

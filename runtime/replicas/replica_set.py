@@ -309,7 +309,9 @@ class ReplicaSet:
                 continue
             per_replica.append({"replica": r.index, "restarts": r.restarts, **stats})
             for name, value in stats.items():
-                if name in _SHARED_STATS or not isinstance(value, (int, float)) \
+                if name == "programs":
+                    merge_programs(total.setdefault("programs", {}), value)
+                elif name in _SHARED_STATS or not isinstance(value, (int, float)) \
                         or isinstance(value, bool):
                     total.setdefault(name, value)
                 else:
@@ -338,3 +340,15 @@ def _cluster_gpus() -> float:
     import ray
 
     return ray.cluster_resources().get("GPU", 0)
+
+
+def merge_programs(into: dict[str, dict[str, Any]], programs: dict[str, dict[str, Any]]) -> None:
+    """One replica's per-program statistics added to `into`: a program whose calls went to
+    several replicas has its counts summed, and its last time the latest."""
+    for program_id, record in programs.items():
+        mine = into.setdefault(program_id, {})
+        for field, value in record.items():
+            if field == "last_seen":
+                mine[field] = max(mine.get(field, value), value)
+            else:
+                mine[field] = mine.get(field, 0) + value
