@@ -1,5 +1,6 @@
-"""How models write tool calls, per chat format: parse a reply into text and calls (whole or
-streamed), and the grammar that makes a reply a valid call (`tool_choice` required or named).
+"""How models write tool calls, per chat format: parse a finished reply into text and calls
+(streamed replies: tool_stream.py), and the structural tag that holds every call the model
+starts to its tool's schema (all tool choices but `none`).
 
 Formats:
 - `hermes`: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block per
