@@ -105,9 +105,10 @@ class EngineConfig:
     # A disk tier under the prefix cache: every page the cache takes is also written to a
     # file in this folder (in a folder per model identity), and a prompt whose prefix goes on
     # past what the cache holds loads the pages the disk has instead of computing them; the
-    # files outlive the process, so a restarted engine finds its prefixes again. At most
-    # disk_cache_gb GiB, least recently used files removed first. None: no disk tier.
+    # files outlive the process, so a restarted engine finds its prefixes again. None: no
+    # disk tier.
     disk_cache_dir: str | None = None
+    # The disk tier's size bound, in GiB: least recently used files are removed past it.
     disk_cache_gb: float = 16.0
     # The waiting-queue order: "lpm" serves the longest cached prefix first and lets requests
     # that share an uncached prefix wait for it; "fcfs" serves in arrival order.

@@ -160,13 +160,17 @@ class DiskTier:
     def store(self, names: Sequence[str], pages: Sequence[int]) -> None:
         """Write these pages (their KV as it is now) unless their files exist; returns at
         once (a background thread writes)."""
-        for name, page in zip(names, pages):
-            if name in self._files:
-                continue
-            slots = slice(page * self.page_size, (page + 1) * self.page_size)
-            kv = torch.stack([self.k[:, slots], self.v[:, slots]]).to("cpu", copy=True)
+        new = [(name, page) for name, page in zip(names, pages) if name not in self._files]
+        if not new:
+            return
+        # One gather (one device-to-host copy on a GPU) for all of them: [2, L, n, ps, H, D].
+        index = torch.tensor([page for _, page in new], device=self.k.device)
+        paged = (-1, self.page_size, *self.k.shape[2:])
+        kv = torch.stack([t.view(t.shape[0], *paged).index_select(1, index)
+                          for t in (self.k, self.v)]).to("cpu")
+        for i, (name, _) in enumerate(new):
             try:
-                self._queue.put_nowait((name, kv))
+                self._queue.put_nowait((name, kv[:, :, i]))
             except queue.Full:
                 self.counters["disk_store_skipped_pages"] += 1
 
