@@ -11,6 +11,11 @@ single requests (mean, p99), programs/s, the prefix-cache hit rate, and the agen
 time spent in their tools (what no scheduling can shorten).
 
     python benchmarks/agents.py [--programs 40] [--max-running 8] [--loads 0.5,0.8,0.95]
+    python benchmarks/agents.py --engine-options '{"model": "llama-3-8b", "load_format":
+        "dummy", "device": "cuda", "tokenizer": "...", "max_total_tokens": 200000}'
+
+On a GPU give both engines the same `max_total_tokens`: sized from free memory, the second
+engine would get a smaller pool than the first.
 """
 
 from __future__ import annotations
@@ -130,12 +135,17 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--thought-tokens", type=int, default=24,
                         help="max_tokens of each thought (longer calls: more compute per call)")
+    parser.add_argument("--engine-options", type=json.loads, default={},
+                        help="JSON of further Engine options for both engines (model, device)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     loads = [float(x) for x in args.loads.split(",")]
     items = workload(args.programs, args.seed, args.thought_tokens)
-    engines = {policy: Engine(program_policy=policy, max_running_requests=args.max_running)
+    engines = {policy: Engine(program_policy=policy, max_running_requests=args.max_running,
+                              **args.engine_options)
                for policy in ("fcfs", "plas")}
+    device = args.engine_options.get("device", "cpu")
+    gpu = torch.cuda.get_device_name() if device == "cuda" else None
     try:
         for engine in engines.values():  # warm-up
             asyncio.run(run_load(engine, workload(4, 99), None, 0))
@@ -170,13 +180,14 @@ def main() -> None:
               f"{base['agent_p99_s'] / r['agent_p99_s']:>11.2f}x")
     record = {"benchmark": "agents", "date": datetime.date.today().isoformat(),
               "machine": {"processor": platform.processor() or platform.machine(),
-                          "threads": torch.get_num_threads()},
+                          "threads": torch.get_num_threads(), "gpu": gpu},
               "config": {"programs": args.programs, "max_running_requests": args.max_running,
                          "loads": loads, "seed": args.seed,
                          "thought_tokens": args.thought_tokens,
-                         "answer_tokens": ANSWER_TOKENS},
+                         "answer_tokens": ANSWER_TOKENS,
+                         "engine_options": args.engine_options},
               "capacity_programs_per_s": capacity, "results": results}
-    out = Path(args.out or results_dir() / f"agents_cpu_{record['date']}.json")
+    out = Path(args.out or results_dir() / f"agents_{device}_{record['date']}.json")
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}")
 
