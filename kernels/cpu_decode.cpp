@@ -25,7 +25,10 @@
 //     widths[4 i + j]: its output width;
 //   k_cache / v_cache [layers, slots, Hkv, D] (A), out_slots [T], token_seq [T] (the row's
 //   sequence), positions [T] (the row attends to its sequence's positions 0..position),
-//   pages [S, P] int64 (page ids of each sequence's context).
+//   pages [S, P] int64 (page ids of each sequence's context);
+//   LoRA adapters (none: an empty list): lora[8 i .. 8 i + 8) = A and B of layer i's qkv, o,
+//     gate_up and down, float32, A [slots, K, in] and B [slots, out, K] (runtime/models/lora/
+//     slots.py), and lora_slots [T] int64: each row's slot, -1 for none.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>
@@ -85,6 +88,51 @@ Tensor linear(const Tensor& x, const std::vector<Tensor>& tensors, size_t first,
 }
 
 size_t stored_tensors(int64_t planes) { return planes == 0 ? 1 : 3; }
+
+// sum of a[i] * b[i] over i < n: 16 lanes of fused multiply-adds, then the lanes and the tail
+// in order. The order depends on n only, never on the other rows of a step.
+inline float dot_fixed(const float* a, const float* b, int64_t n) {
+  using radixlm_cpu::Vec;
+  Vec acc = Vec::zero();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) acc = acc.fma(Vec::load(a + i), Vec::load(b + i));
+  float lanes[16];
+  acc.store(lanes);
+  float sum = 0.f;
+  for (int l = 0; l < 16; ++l) sum += lanes[l];
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// out[r] += B[s] @ (A[s] @ x[r]) for each row r with a slot s >= 0: two float32 sums per
+// output (dot_fixed) over the row's own values, rounded once into out. Rows
+// without an adapter are left alone, so a base-model row is the same with or without
+// adapter rows beside it.
+template <typename A>
+void lora_add(Tensor& out, const Tensor& x, const Tensor& la, const Tensor& lb,
+              const int64_t* slots) {
+  const int64_t rows = x.size(0), in = x.size(1), k = la.size(1), n = out.size(1);
+  TORCH_CHECK(out.is_contiguous() && x.is_contiguous() && la.size(2) == in &&
+                  lb.size(1) == n && lb.size(2) == k,
+              "lora: shapes do not match the layer");
+  const float* a = la.data_ptr<float>();
+  const float* b = lb.data_ptr<float>();
+  const A* xs = x.data_ptr<A>();
+  A* os = out.data_ptr<A>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(in), u(k);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t s = slots[r];
+      if (s < 0) continue;
+      for (int64_t i = 0; i < in; ++i) xf[i] = to_f(xs[r * in + i]);
+      for (int64_t j = 0; j < k; ++j) u[j] = dot_fixed(a + (s * k + j) * in, xf.data(), in);
+      for (int64_t o = 0; o < n; ++o) {
+        const float sum = dot_fixed(b + (s * n + o) * k, u.data(), k);
+        os[r * n + o] = to_a<A>(to_f(os[r * n + o]) + sum);
+      }
+    }
+  });
+}
 
 // out[r] = weight * rms_norm(x[r]) (with x[r] += add[r] first when add is given: the
 // residual stream then keeps the sum).
@@ -427,7 +475,19 @@ Tensor forward_rows(Tensor hidden, const Tensor& cos, const Tensor& sin,
                     Tensor k_cache, Tensor v_cache, const Tensor& out_slots,
                     const Tensor& token_seq, const Tensor& positions, const Tensor& pages,
                     const Tensor& final_norm, int64_t page_size, int64_t heads,
-                    int64_t kv_heads, int64_t head_dim, double eps, double scale) {
+                    int64_t kv_heads, int64_t head_dim, double eps, double scale,
+                    const std::vector<Tensor>& lora, const Tensor& lora_slots) {
+  const int64_t* slots = lora.empty() ? nullptr : lora_slots.data_ptr<int64_t>();
+  // y = the stored linear j of layer i at x, plus the rows' adapter updates.
+  auto project = [&](const Tensor& x, const std::vector<Tensor>& t, size_t at, int64_t planes,
+                     int64_t width, size_t i, int j) {
+    Tensor y = linear(x, t, at, planes, width);
+    if (slots != nullptr) {
+      y = y.contiguous();
+      lora_add<A>(y, x.contiguous(), lora[8 * i + 2 * j], lora[8 * i + 2 * j + 1], slots);
+    }
+    return y;
+  };
   Tensor h = hidden.clone();
   Tensor x = at::empty_like(h);
   Tensor residual_in;  // the previous layer's MLP output, added to h by the next norm
@@ -437,7 +497,7 @@ Tensor forward_rows(Tensor hidden, const Tensor& cos, const Tensor& sin,
     const int64_t* n = widths.data() + 4 * i;
     add_rms_norm<A>(h, residual_in.defined() ? &residual_in : nullptr, t[0], x, eps);
     size_t at_ = 3;
-    Tensor qkv = linear(x, t, at_, p[0], n[0]);
+    Tensor qkv = project(x, t, at_, p[0], n[0], i, 0);
     at_ += stored_tensors(p[0]);
     if (t[2].numel() > 0) qkv.add_(t[2]);
     qkv = qkv.contiguous();
@@ -445,12 +505,12 @@ Tensor forward_rows(Tensor hidden, const Tensor& cos, const Tensor& sin,
     rotary_and_store<A>(qkv, cos, sin, heads, kv_heads, head_dim, k_layer, v_layer, out_slots);
     Tensor attn = attention<A>(qkv, k_layer, v_layer, pages, token_seq, positions, page_size,
                                heads, kv_heads, head_dim, scale);
-    Tensor o = linear(attn, t, at_, p[1], n[1]);
+    Tensor o = project(attn, t, at_, p[1], n[1], i, 1);
     at_ += stored_tensors(p[1]);
     add_rms_norm<A>(h, &o, t[1], x, eps);
-    Tensor gate_up = linear(x, t, at_, p[2], n[2]);
+    Tensor gate_up = project(x, t, at_, p[2], n[2], i, 2);
     at_ += stored_tensors(p[2]);
-    residual_in = linear(silu_and_mul<A>(gate_up), t, at_, p[3], n[3]);
+    residual_in = project(silu_and_mul<A>(gate_up), t, at_, p[3], n[3], i, 3);
   }
   Tensor out = at::empty_like(h);
   add_rms_norm<A>(h, residual_in.defined() ? &residual_in : nullptr, final_norm, out, eps);
@@ -463,21 +523,25 @@ Tensor forward(Tensor hidden, const Tensor& cos, const Tensor& sin,
                Tensor k_cache, Tensor v_cache, const Tensor& out_slots,
                const Tensor& token_seq, const Tensor& positions, const Tensor& pages,
                const Tensor& final_norm, int64_t page_size, int64_t heads, int64_t kv_heads,
-               int64_t head_dim, double eps, double scale) {
+               int64_t head_dim, double eps, double scale, const std::vector<Tensor>& lora,
+               const Tensor& lora_slots) {
   TORCH_CHECK(hidden.is_contiguous() && hidden.scalar_type() == k_cache.scalar_type(),
               "hidden must be contiguous, of the KV cache's dtype");
   TORCH_CHECK(specs.size() == 4 * layers.size() && widths.size() == specs.size(),
               "specs and widths: four entries per layer");
   TORCH_CHECK(heads / kv_heads <= 64, "at most 64 query heads per KV head");  // inv_sum
+  TORCH_CHECK(lora.empty() || (lora.size() == 8 * layers.size() &&
+                               lora_slots.numel() == hidden.size(0)),
+              "lora: eight tensors per layer and a slot per row");
   if (hidden.scalar_type() == at::kFloat) {
     return forward_rows<float>(hidden, cos, sin, layers, specs, widths, k_cache, v_cache,
                                out_slots, token_seq, positions, pages, final_norm, page_size,
-                               heads, kv_heads, head_dim, eps, scale);
+                               heads, kv_heads, head_dim, eps, scale, lora, lora_slots);
   }
   TORCH_CHECK(hidden.scalar_type() == at::kBFloat16, "hidden: bfloat16 or float32");
   return forward_rows<BFloat16>(hidden, cos, sin, layers, specs, widths, k_cache, v_cache,
                                 out_slots, token_seq, positions, pages, final_norm, page_size,
-                                heads, kv_heads, head_dim, eps, scale);
+                                heads, kv_heads, head_dim, eps, scale, lora, lora_slots);
 }
 
 }  // namespace

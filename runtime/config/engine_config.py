@@ -147,6 +147,21 @@ class EngineConfig:
     # one, which runs the whole batch without its graph (an H200 at batch 64 ran constrained
     # decoding at 0.59x of unconstrained with it, 0.96x without).
     enable_jump_forward: bool | None = None
+    # LoRA adapters to serve over the base model, as NAME=PATH (a PEFT adapter folder);
+    # requests pick one by name (Engine.generate(lora=...), `model` on the OpenAI routes,
+    # `lora_path` on /generate). See docs/lora.md.
+    lora_modules: tuple[str, ...] | None = None
+    # Adapters one batch may mix (the slots on the device; more wait for a slot).
+    max_loras_per_batch: int = 8
+    # The largest adapter rank served (slots are sized for it). None: the largest rank of
+    # lora_modules, or 64 when adapters are only loaded at runtime.
+    max_lora_rank: int | None = None
+    # Adapters kept loaded on the host (lora_modules and runtime loads together).
+    max_loaded_loras: int = 64
+    # Let adapters be loaded and unloaded while serving (Engine.load_lora, the server's
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter). Also serves LoRA without
+    # lora_modules.
+    allow_runtime_lora_loading: bool = False
     # Deterministic inference: on CUDA a request's greedy tokens and logprobs (and a seeded
     # request's samples) are the same bits whatever else shares its steps, however its prompt
     # is chunked and whatever the prefix cache holds: batch-invariant matmuls and attention,
@@ -198,6 +213,7 @@ class EngineConfig:
             raise ValueError(f"program_ttl must be in [0, 3600] seconds, got {self.program_ttl}")
         self._check_grammar_options()
         self._check_disk_cache_options()
+        self._check_lora_options()
         if self.deterministic and self.attention_backend == "flashinfer":
             raise ValueError("attention_backend 'flashinfer' cannot run deterministic=True: its "
                              "kernels split a query's keys by batch and chunk; use 'triton' "
@@ -223,6 +239,48 @@ class EngineConfig:
                             "model's KV is not stored")):
             if clash:
                 raise ValueError(f"disk_cache_dir cannot be used with {why}")
+
+    @property
+    def lora_enabled(self) -> bool:
+        return bool(self.lora_modules) or self.allow_runtime_lora_loading
+
+    def lora_paths(self) -> dict[str, str]:
+        """{name: folder} of lora_modules."""
+        paths: dict[str, str] = {}
+        for entry in self.lora_modules or ():
+            name, sep, path = entry.partition("=") if isinstance(entry, str) else ("", "", "")
+            if not sep or not name or not path:
+                raise ValueError(f"lora_modules: each entry is NAME=PATH, got {entry!r}")
+            if name in paths:
+                raise ValueError(f"lora_modules: the name {name!r} is given twice")
+            paths[name] = path
+        return paths
+
+    def _check_lora_options(self) -> None:
+        if isinstance(self.lora_modules, (str, list)):  # one entry, or a list from Python
+            object.__setattr__(self, "lora_modules", (self.lora_modules,)
+                               if isinstance(self.lora_modules, str)
+                               else tuple(self.lora_modules))
+        self.lora_paths()
+        for name in ("max_loras_per_batch", "max_loaded_loras"):
+            _positive_int(getattr(self, name), name)
+        if self.max_lora_rank is not None:
+            _positive_int(self.max_lora_rank, "max_lora_rank")
+        if not isinstance(self.allow_runtime_lora_loading, bool):
+            raise ValueError("allow_runtime_lora_loading must be a bool")
+        if len(self.lora_paths()) > self.max_loaded_loras:
+            raise ValueError(f"lora_modules: {len(self.lora_paths())} adapters; "
+                             f"max_loaded_loras is {self.max_loaded_loras}")
+        if not self.lora_enabled:
+            return
+        for clash, why in ((self.tp_size > 1, "tp_size > 1 (not supported yet)"),
+                           (self.speculative == "draft", "speculative='draft': the draft "
+                            "model has no adapters"),
+                           (self.deterministic, "deterministic=True (the adapter updates "
+                            "are not batch-invariant on CUDA yet)")):
+            if clash:
+                raise ValueError(f"lora_modules / allow_runtime_lora_loading cannot be used "
+                                 f"with {why}")
 
     def _check_speculative_options(self) -> None:
         if self.speculative is not None:

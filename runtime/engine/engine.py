@@ -80,16 +80,19 @@ class Engine:
                  request_id: str | Sequence[str] | None = None,
                  cache_salt: str | None = None,
                  use_tqdm: bool | None = None, program_id: str | None = None,
-                 priority: int = 0) -> Output | list[Output]:
+                 priority: int = 0,
+                 lora: str | Sequence[str | None] | None = None) -> Output | list[Output]:
         """Generate for one prompt (-> Output, or a list of n Outputs when n > 1) or a list of
         prompts (-> a flat list, n Outputs per prompt, in order).
 
         Requests with different `cache_salt`s never share cached KV (e.g. one per tenant).
         `program_id` names the program the requests belong to (per-program statistics);
-        `priority` orders admission, lower first."""
+        `priority` orders admission, lower first. `lora` names the LoRA adapter to run with
+        (one for every prompt, or one per prompt; None: the base model)."""
         single, prompts = self._normalize_prompts(prompt, input_ids)
         requests = self._make_requests(prompts, sampling_params, request_id, cache_salt,
-                                       stream=False, program_id=program_id, priority=priority)
+                                       stream=False, program_id=program_id, priority=priority,
+                                       lora=lora)
         show = use_tqdm if use_tqdm is not None else len(requests) >= 16 and sys.stderr.isatty()
         ordered = self._run(requests, show)
         return ordered[0] if single and len(ordered) == 1 else ordered
@@ -100,7 +103,8 @@ class Engine:
                               request_id: str | None = None,
                               cache_salt: str | None = None,
                               queue_rank: int | None = None, program_id: str | None = None,
-                              priority: int = 0) -> AsyncIterator[Output]:
+                              priority: int = 0, lora: str | None = None
+                              ) -> AsyncIterator[Output]:
         """Yield an Output per new token (with `delta`), the last one with `finish_reason`.
         `queue_rank`: where this prompt's samples stand in a batch that a caller (a server)
         submits one prompt at a time, for fair admission (see Request.queue_rank)."""
@@ -109,7 +113,7 @@ class Engine:
         ids = self.submit_stream(_threadsafe_put(loop, chunks), prompt, sampling_params,
                                  input_ids=input_ids, request_id=request_id,
                                  cache_salt=cache_salt, queue_rank=queue_rank,
-                                 program_id=program_id, priority=priority)
+                                 program_id=program_id, priority=priority, lora=lora)
         remaining = len(ids)
         try:
             while remaining:
@@ -129,7 +133,7 @@ class Engine:
                       request_id: str | None = None,
                       cache_salt: str | None = None,
                       queue_rank: int | None = None, program_id: str | None = None,
-                      priority: int = 0) -> list[str]:
+                      priority: int = 0, lora: str | None = None) -> list[str]:
         """Start one prompt's samples and return their request ids; `on_output` gets an
         Output per new token, the last one with `finish_reason`. It is called on the engine
         thread, so it must be quick and never block (e.g. put the Output on a queue): it is
@@ -140,7 +144,7 @@ class Engine:
             raise ValueError("prompt: a stream takes one prompt")
         requests = self._make_requests(prompts, sampling_params, request_id, cache_salt,
                                        stream=True, first_rank=queue_rank,
-                                       program_id=program_id, priority=priority)
+                                       program_id=program_id, priority=priority, lora=lora)
         for request in requests:
             request.on_output = on_output
         self._submit(requests)
@@ -151,7 +155,8 @@ class Engine:
                              input_ids: Sequence[int] | None = None,
                              request_id: str | None = None,
                              cache_salt: str | None = None, program_id: str | None = None,
-                             priority: int = 0) -> Output | list[Output]:
+                             priority: int = 0, lora: str | None = None
+                             ) -> Output | list[Output]:
         """`generate` for one prompt, awaited without blocking the event loop (and without a
         thread): an Output, or a list of n Outputs when n > 1."""
         single, prompts = self._normalize_prompts(prompt, input_ids)
@@ -159,35 +164,36 @@ class Engine:
             raise ValueError("prompt: async_generate takes one prompt")
         ordered = await self._run_async(self._make_requests(
             prompts, sampling_params, request_id, cache_salt, stream=False,
-            program_id=program_id, priority=priority))
+            program_id=program_id, priority=priority, lora=lora))
         return ordered[0] if len(ordered) == 1 else ordered
 
     def pin_prefix(self, prompt: str | None = None, *,
                    input_ids: Sequence[int] | None = None, cache_salt: str | None = None,
-                   ttl: float = 600.0) -> str | None:
+                   ttl: float = 600.0, lora: str | None = None) -> str | None:
         """Compute a prefix and pin its KV pages in the prefix cache for `ttl` seconds, so
         requests that extend it always hit, even under memory pressure. Returns the lease id
         for `release_prefix`, or None when nothing was pinned: the radix cache is off, the
         prefix is shorter than a page, or leased memory is at `lease_memory_fraction` (a
         warning is logged; requests still run, unpinned)."""
-        return _pinned(self._run(self._pin_requests(prompt, input_ids, cache_salt, ttl)))
+        return _pinned(self._run(self._pin_requests(prompt, input_ids, cache_salt, ttl, lora)))
 
     async def async_pin_prefix(self, prompt: str | None = None, *,
                                input_ids: Sequence[int] | None = None,
-                               cache_salt: str | None = None, ttl: float = 600.0) -> str | None:
+                               cache_salt: str | None = None, ttl: float = 600.0,
+                               lora: str | None = None) -> str | None:
         """`pin_prefix`, awaited."""
         return _pinned(await self._run_async(self._pin_requests(prompt, input_ids, cache_salt,
-                                                                ttl)))
+                                                                ttl, lora)))
 
     def _pin_requests(self, prompt: str | None, input_ids: Sequence[int] | None,
-                      cache_salt: str | None, ttl: float) -> list[Request]:
+                      cache_salt: str | None, ttl: float, lora: str | None) -> list[Request]:
         if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0:
             raise ValueError(f"ttl must be a positive number of seconds, got {ttl!r}")
         single, prompts = self._normalize_prompts(prompt, input_ids)
         if not single:
             raise ValueError("prompt: pin_prefix takes one prefix")
         requests = self._make_requests(prompts, SamplingParams(max_new_tokens=0, temperature=0),
-                                       None, cache_salt, stream=False)
+                                       None, cache_salt, stream=False, lora=lora)
         requests[0].pin_ttl = float(ttl)
         return requests
 
@@ -203,29 +209,50 @@ class Engine:
         check_program_id(program_id)
         return self._call(lambda core: core.release_program(program_id))
 
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter in folder `path` as `name` (needs allow_runtime_lora_loading;
+        PermissionError otherwise, ValueError naming the field when it cannot be served)."""
+        self._lora_registry().load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter `name`: new requests naming it are refused; requests already
+        running with it finish with it."""
+        self._lora_registry().unload(name)
+
+    def loras(self) -> list[dict[str, Any]]:
+        """The adapters served: name, path and rank of each."""
+        return [] if self.core.lora is None else self.core.lora.listing()
+
+    def _lora_registry(self) -> Any:
+        if self.core.lora is None:
+            raise PermissionError("this engine serves no adapters: start it with "
+                                  "allow_runtime_lora_loading to load them while serving")
+        return self.core.lora
+
     def score(self, prefix_ids: Sequence[int], continuation_ids: Sequence[Sequence[int]], *,
               cache_salt: str | None = None, request_id: str | None = None,
-              program_id: str | None = None, priority: int = 0) -> list[list[float]]:
+              program_id: str | None = None, priority: int = 0,
+              lora: str | None = None) -> list[list[float]]:
         """Logprob of every token of each continuation, given the prefix and the
         continuation's earlier tokens. One batch: the prefix is computed once and shared
         (prompt-token logprobs; nothing is generated). With a `request_id`, its requests are
         "<id>#<i>", so abort(request_id) stops them all."""
         return _scores(self._run(self._score_requests(prefix_ids, continuation_ids, cache_salt,
-                                                      request_id, program_id, priority)))
+                                                      request_id, program_id, priority, lora)))
 
     async def async_score(self, prefix_ids: Sequence[int],
                           continuation_ids: Sequence[Sequence[int]], *,
                           cache_salt: str | None = None, request_id: str | None = None,
-                          program_id: str | None = None,
-                          priority: int = 0) -> list[list[float]]:
+                          program_id: str | None = None, priority: int = 0,
+                          lora: str | None = None) -> list[list[float]]:
         """`score`, awaited."""
         return _scores(await self._run_async(self._score_requests(
-            prefix_ids, continuation_ids, cache_salt, request_id, program_id, priority)))
+            prefix_ids, continuation_ids, cache_salt, request_id, program_id, priority, lora)))
 
     def _score_requests(self, prefix_ids: Sequence[int],
                         continuation_ids: Sequence[Sequence[int]], cache_salt: str | None,
                         request_id: str | None, program_id: str | None,
-                        priority: int) -> list[Request]:
+                        priority: int, lora: str | None) -> list[Request]:
         prefix = self._check_ids(prefix_ids)
         if not isinstance(continuation_ids, (list, tuple)) or not continuation_ids:
             raise ValueError("continuation_ids must be a non-empty list of token id lists")
@@ -233,7 +260,7 @@ class Engine:
         params = SamplingParams(max_new_tokens=0, temperature=0, logprob_start_len=len(prefix))
         ids = None if request_id is None else [f"{request_id}#{i}" for i in range(len(prompts))]
         return self._make_requests(prompts, params, ids, cache_salt, stream=False,
-                                   program_id=program_id, priority=priority)
+                                   program_id=program_id, priority=priority, lora=lora)
 
     def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping]],
              sampling_params: ParamsArg | Sequence[ParamsArg] = None,
@@ -324,13 +351,27 @@ class Engine:
     def _make_requests(self, prompts: list[list[int]], sampling_params: Any,
                        request_id: Any, cache_salt: Any, stream: bool,
                        first_rank: int | None = None, program_id: Any = None,
-                       priority: Any = 0) -> list[Request]:
+                       priority: Any = 0, lora: Any = None) -> list[Request]:
         requests = self._factory.requests(prompts, sampling_params, request_id, cache_salt,
                                           stream, on_output=_ignore, first_rank=first_rank,
-                                          program_id=program_id, priority=priority)
+                                          program_id=program_id, priority=priority,
+                                          loras=self._adapters(lora, len(prompts)))
         if any(r.params.constrained for r in requests):
             self.core.grammar_engine()  # built here, not on the engine thread
         return requests
+
+    def _adapters(self, lora: Any, count: int) -> list[Any] | None:
+        """Each prompt's adapter from `lora`: a name for all, or a list with one per prompt."""
+        if lora is None:
+            return None
+        if self.core.lora is None:
+            raise ValueError("lora: this engine serves no adapters (start it with "
+                             "lora_modules or allow_runtime_lora_loading)")
+        registry = self.core.lora
+        names = list(lora) if isinstance(lora, (list, tuple)) else [lora] * count
+        if len(names) != count:
+            raise ValueError(f"lora: got {len(names)} adapter names for {count} prompts")
+        return [None if name is None else registry.resolve(name) for name in names]
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)

@@ -20,6 +20,7 @@ import torch
 from radixlm.runtime.attention import create_backend
 from radixlm.runtime.config.engine_config import EngineConfig
 from radixlm.runtime.engine.execution_setup import ExecutionSetup, deterministic_on
+from radixlm.runtime.engine.lora_registry import LoRARegistry
 from radixlm.runtime.engine.kv_sizing import max_model_len, pool_pages
 from radixlm.runtime.engine.overlap import follow_up_batch
 from radixlm.runtime.engine.structured_output import Compiled, StructuredOutput
@@ -50,6 +51,9 @@ class EngineCore:
         self.config = config
         self.device = device
         self.page_size = config.page_size
+        # Adapters first: on a GPU their slots take memory the KV pool must not count on.
+        self.lora = (LoRARegistry(config, loaded.model, device, dtype)
+                     if config.lora_enabled else None)
         num_pages = pool_pages(config, [mc] + ([draft.config] if draft else []), dtype, device)
         self.max_model_len = max_model_len(config, mc, num_pages * config.page_size)
         attn = create_backend(config.attention_backend, scale=mc.head_dim ** -0.5,
@@ -79,6 +83,8 @@ class EngineCore:
                        LeaseTable(self.cache, int(num_pages * config.lease_memory_fraction)))
         self.scheduler = Scheduler(config, self.kv)
         self.runner = setup.runner(loaded, attn, self.kv_cache, self.table)
+        if self.lora is not None:
+            self.runner.use_lora(self.lora.slots)
         self.speculator = (None if config.speculative is None
                            else setup.speculator(draft, self.runner, self.kv, mc.vocab_size))
         self.requests: dict[str, Request] = {}

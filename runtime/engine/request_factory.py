@@ -75,11 +75,12 @@ class RequestFactory:
     def requests(self, prompts: list[list[int]], sampling_params: Any, request_id: Any,
                  cache_salt: Any, stream: bool, on_output: Callable[[Output], None],
                  first_rank: int | None = None, program_id: Any = None,
-                 priority: Any = 0) -> list[Request]:
+                 priority: Any = 0, loras: list[Any] | None = None) -> list[Request]:
         """One request per prompt and sample (`n`), ids "<id>#<index>" when n > 1. With a
         `first_rank`, queue ranks first_rank, first_rank + 1, ... in that order (see
         Request.queue_rank); without, rank 0 for all (one caller's batch, ordered as it came
-        or by cached prefix)."""
+        or by cached prefix). `loras`: each prompt's LoRA adapter (None: the base model);
+        KV computed under an adapter is filed under it, apart from every other."""
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         check_program_id(program_id)
@@ -100,7 +101,9 @@ class RequestFactory:
         requests = []
         params = [self._fit_context(p, len(ids), chosen)
                   for p, ids, chosen in zip(params, prompts, explicit)]
-        for prompt_ids, p, rid in zip(prompts, params, ids):
+        loras = loras or [None] * len(prompts)
+        for prompt_ids, p, rid, lora in zip(prompts, params, ids, loras):
+            namespace = cache_salt if lora is None else (cache_salt, "lora", lora.digest)
             for index in range(p.n):
                 requests.append(Request(
                     request_id=rid if p.n == 1 else f"{rid}#{index}",
@@ -112,7 +115,8 @@ class RequestFactory:
                     stream=stream,
                     index=index,
                     generator=self._generator(p, index),
-                    namespace=cache_salt,
+                    namespace=namespace,
+                    lora=lora,
                     queue_rank=0 if first_rank is None else first_rank + len(requests),
                     program_id=program_id,
                     priority=priority,

@@ -70,6 +70,10 @@ class CpuDecode:
                 tensors.extend(stored)
             self.layers.append(tensors)
         _tile_head(model, dtype)
+        self.lora = None  # the adapters' slots (models.lora.slots.LoRASlots), when served
+        self._lora_tensors: list[torch.Tensor] | None = None
+        self._no_lora: tuple[list[torch.Tensor], torch.Tensor] = ([], torch.empty(0,
+                                                                       dtype=torch.int64))
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -84,7 +88,25 @@ class CpuDecode:
                                             torch.tensor(batch.q_lens))
         return self.kernel.forward(hidden, cos, sin, self.layers, self.specs, self.widths,
                                    kv.k, kv.v, batch.out_slots, token_seq, batch.positions,
-                                   pages, model.model.norm.weight, *self.shape)
+                                   pages, model.model.norm.weight, *self.shape,
+                                   *self._adapters())
+
+    def _adapters(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The kernel's LoRA arguments for this step: A and B of each layer's four linears,
+        and each row's slot; none when no row of the step has an adapter."""
+        step = None if self.lora is None else self.lora.step
+        if step is None:
+            return self._no_lora
+        if self._lora_tensors is None:  # the slots' tensors never move: listed once
+            linears = self.lora.linears
+            self._lora_tensors = [t for i in range(len(self.layers)) for name in _LINEAR_NAMES
+                                  for t in (linears[f"model.layers.{i}.{name}"].a,
+                                            linears[f"model.layers.{i}.{name}"].b)]
+        return self._lora_tensors, step.token_slots
+
+
+# The four linears of a layer, in the kernel's order.
+_LINEAR_NAMES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
 def _linears(layer: torch.nn.Module) -> list[Linear]:

@@ -34,6 +34,7 @@ from radixlm.runtime.execution.step_inputs import (
 )
 from radixlm.runtime.execution.step_result import LaunchedStep, StepResult, token_logprobs
 from radixlm.runtime.models.llama import LlamaForCausalLM
+from radixlm.runtime.models.lora.slots import LoRASlots
 from radixlm.runtime.scheduling.pages import ReqToTokenTable
 from radixlm.runtime.scheduling.request import Request
 from radixlm.runtime.scheduling.scheduler import ScheduledBatch
@@ -52,6 +53,13 @@ class ModelRunner:
         self.cuda_graphs = None  # a cuda_graph.DecodeGraphs, set by the engine on CUDA
         self.cpu_decode = None  # a cpu_decode.CpuDecode, set by the engine on CPU: every step
         self.draft = None  # a speculative.DraftModel, set by the engine: it mirrors each step
+        self.lora: LoRASlots | None = None  # the adapters' slots, when the engine serves any
+
+    def use_lora(self, slots: LoRASlots) -> None:
+        """Serve LoRA adapters: each step's rows get their request's adapter update."""
+        self.lora = slots
+        if self.cpu_decode is not None:
+            self.cpu_decode.lora = slots
 
     def execute(self, scheduled: ScheduledBatch) -> StepResult:
         """Run one step and wait for its result."""
@@ -64,6 +72,10 @@ class ModelRunner:
         sample_rows, prompt_rows = inputs.sample_rows, inputs.prompt_rows
         pending = scheduled.pending_tokens
         graphs = self.cuda_graphs
+        if self.lora is not None:
+            self.lora.prepare([r.lora for r in scheduled.requests], scheduled.num_new_tokens)
+            if self.lora.step is not None:
+                graphs = None  # the graphs were captured without the adapters' updates
         token_rows = (None if graphs is None or prompt_rows
                       else one_row_per_token(scheduled, inputs, graphs.max_bs))
         batch = None

@@ -79,6 +79,9 @@ class Request:
     num_tree_pages: int = 0  # leading pages owned by the radix cache (see kv_manager)
     cache_node: Any = None  # the radix-cache node this request holds locked
     namespace: Any = None  # KV from another namespace is never reused
+    # The LoRA adapter the request runs with (models.lora.adapter.LoRAAdapter; None: the
+    # base model). Scheduling only counts distinct ones (max_loras_per_batch).
+    lora: Any = None
     tier_names: list[str] = field(default_factory=list)  # its pages' disk-tier names, so far
     tier_checked: bool = False  # the disk tier was looked up for its prefix
     table_row: int | None = None

@@ -132,9 +132,14 @@ class Scheduler:
                                            0 if r.admitted else r.queue_rank,
                                            -hits.get(r, 0)))
         prefilling = [r for r in self.running if r.num_computed_tokens < r.prompt_len]
+        # LoRA adapters in the running batch: at most max_loras_per_batch (their slots).
+        adapters = {id(r.lora) for r in self.running if r.lora is not None}
         for request in candidates:
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
+            if (request.lora is not None and id(request.lora) not in adapters
+                    and len(adapters) >= self.config.max_loras_per_batch):
+                continue  # no slot for its adapter until one leaves the batch; others may fit
             if lpm and _shares_uncached_prefix(request, hits.get(request, 0), prefilling,
                                                self.kv.page_size):
                 continue  # wait for the other request's prefill to land in the cache
@@ -162,6 +167,8 @@ class Scheduler:
                 request.cached_tokens = request.num_computed_tokens
                 self.num_cached_tokens += request.cached_tokens
             request.status = RequestStatus.RUNNING
+            if request.lora is not None:
+                adapters.add(id(request.lora))
             self.running.append(request)
             prefilling.append(request)
             batch.requests.append(request)

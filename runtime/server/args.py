@@ -228,6 +228,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 _ALIASES = {"tp_size": ["--tp", "--tensor-parallel-size", "-tp"],
             "max_model_len": ["--context-length"],
             "kv_cache_memory_fraction": ["--mem-fraction-static", "--gpu-memory-utilization"]}
+# Engine flags that take several values (a tuple of strings), with what each one is.
+_LISTS = {"lora_modules": "NAME=PATH"}
 # Engine flags with a fixed set of values (listed in --help, checked by argparse).
 _CHOICES = {"attention_backend": ATTENTION_BACKENDS, "schedule_policy": SCHEDULE_POLICIES,
             "program_policy": PROGRAM_POLICIES,
@@ -245,8 +247,12 @@ def add_engine_args(group: Any) -> None:
         if f.name == "model":
             continue
         flags = ["--" + f.name.replace("_", "-")] + _ALIASES.get(f.name, [])
-        kind = _scalar_type(hints[f.name])
         help_ = f"{docs.get(f.name, '')} (default: {f.default})".strip()
+        if f.name in _LISTS:
+            group.add_argument(*flags, nargs="+", default=f.default, help=help_,
+                               metavar=_LISTS[f.name])
+            continue
+        kind = _scalar_type(hints[f.name])
         if kind is bool:
             group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default,
                                help=help_)

@@ -88,14 +88,20 @@ class Linear(nn.Module):
         # Deterministic inference (use_batch_invariant_linears): every product, float or
         # quantized, through a kernel whose reduction over K does not depend on the row count.
         self.batch_invariant = False
+        # LoRA adapters served over this layer (radixlm.runtime.models.lora.slots.LoRALinear):
+        # each row's adapter update is added to the product, before a row-parallel layer's
+        # all-reduce (the update of this rank's input columns is a partial sum like the rest).
+        self.lora: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         reduce = self.shard is not None and self.shard.in_start is not None
         if (self.quant_method is None and not reduce and self.small_batch is None
-                and not self.batch_invariant):
+                and not self.batch_invariant and self.lora is None):
             return F.linear(x, self.weight, self.bias)
         out = (self._float_product(x) if self.quant_method is None
                else self.quant_method.apply(self, x))
+        if self.lora is not None:
+            out = self.lora.add(x, out)
         if reduce:  # partial sums over this rank's input columns; the bias is added once
             out = all_reduce(out)
         return out if self.bias is None else out + self.bias

@@ -1,0 +1,199 @@
+"""A LoRA adapter in PEFT's format, read and checked against the model it will run on.
+
+A PEFT adapter is a folder with `adapter_config.json` (rank `r`, `lora_alpha`, `use_rslora`,
+`target_modules`, ...) and `adapter_model.safetensors`, whose tensors are named
+`base_model.model.<module>.lora_A.weight` ([r, in]) and `...lora_B.weight` ([out, r]). Each
+module is mapped onto our layers with the model's own checkpoint routing (`CausalLM.route`):
+q_proj lands in part "q" of the fused qkv_proj, gate_proj in part 0 of gate_up_proj, and so on,
+so every family whose checkpoint loads loads its adapters the same way.
+
+The product a module adds is B @ (A @ x) * scaling, scaling = lora_alpha / r (lora_alpha /
+sqrt(r) with rslora); the scaling is folded into B here. Everything an adapter may hold that
+we do not run (DoRA, bias terms, modules_to_save, embedding or output-head targets) is refused
+with a ValueError naming the field, never silently dropped: its outputs would be wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from radixlm.runtime.models.layers.linear import Linear
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+# base_model.model.<module>.lora_A.weight, or with the adapter's name before .weight as some
+# exports keep it (lora_A.default.weight).
+_TENSOR = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<which>[AB])"
+                     r"(?:\.[A-Za-z0-9_-]+)?\.weight$")
+# Module names whose LoRA we run: the decoder's projections.
+SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                     "down_proj", "qkv_proj", "gate_up_proj")
+# Adapter options that change what the model computes in ways we do not run: refused when set.
+_UNSUPPORTED = {
+    "use_dora": "DoRA adapters are not supported",
+    "lora_bias": "LoRA bias terms are not supported",
+    "modules_to_save": "fully trained modules (e.g. embeddings or the head) are not supported",
+    "fan_in_fan_out": "transposed (Conv1D) weights are not supported",
+    "alora_invocation_tokens": "activated LoRA (aLoRA) is not supported",
+    "trainable_token_indices": "trained token embeddings are not supported",
+    "layer_replication": "replicated layers are not supported",
+    "target_parameters": "LoRA on parameters (e.g. MoE experts) is not supported",
+    "use_qalora": "QALoRA adapters are not supported",
+}
+# An adapter larger than this is refused before it is read (a few GB at most for 70B models).
+MAX_ADAPTER_BYTES = 8 << 30
+
+
+@dataclass(frozen=True)
+class LoRAPart:
+    """One module's low-rank update inside one of our linears: output rows [row_start,
+    row_start + B.shape[0]) of the linear's part `part` get B @ (A @ x)."""
+
+    part: int
+    row_start: int
+    a: torch.Tensor  # [r, in] float32
+    b: torch.Tensor  # [rows, r] float32, the scaling folded in
+
+
+@dataclass(eq=False)
+class LoRAAdapter:
+    name: str
+    path: str
+    rank: int  # the largest rank of its modules
+    # What KV computed under it is filed under: the hash of its files, so the same adapter
+    # finds its cached prefixes again (after a reload, or a restart with the disk tier) and a
+    # different one under a reused name never does.
+    digest: str
+    # {linear module name: its parts}
+    modules: dict[str, list[LoRAPart]] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.a.nbytes + p.b.nbytes for parts in self.modules.values() for p in parts)
+
+
+def load_adapter(name: str, path: str | Path, model: torch.nn.Module) -> LoRAAdapter:
+    """Read the PEFT adapter in folder `path` for `model` (a CausalLM); ValueError naming the
+    field or tensor when it cannot run on it."""
+    folder = Path(path)
+    config_path, weights_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
+    if not config_path.is_file():
+        raise ValueError(f"lora {name!r}: no {CONFIG_FILE} in {str(folder)!r} (a PEFT LoRA "
+                         "adapter folder is expected)")
+    if not weights_path.is_file():
+        hint = " (adapter_model.bin is not read: save with safe_serialization)" if (
+            folder / "adapter_model.bin").is_file() else ""
+        raise ValueError(f"lora {name!r}: no {WEIGHTS_FILE} in {str(folder)!r}{hint}")
+    if weights_path.stat().st_size > MAX_ADAPTER_BYTES:
+        raise ValueError(f"lora {name!r}: {WEIGHTS_FILE} is larger than "
+                         f"{MAX_ADAPTER_BYTES >> 30} GiB")
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"lora {name!r}: {CONFIG_FILE} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"lora {name!r}: {CONFIG_FILE} must hold a JSON object")
+    _check_config(name, config)
+    digest = hashlib.blake2b(config_path.read_bytes() + weights_path.read_bytes(),
+                             digest_size=16).hexdigest()
+    adapter = LoRAAdapter(name=name, path=str(folder), rank=0, digest=digest)
+    modules = dict(model.named_modules())
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    with safe_open(str(weights_path), framework="pt") as f:
+        for key in f.keys():
+            match = _TENSOR.match(key)
+            if match is None:
+                raise ValueError(f"lora {name!r}: tensor {key!r} is not a LoRA A or B weight "
+                                 "(embedding LoRA, bias and DoRA magnitudes are not supported)")
+            pairs.setdefault(match["module"], {})[match["which"]] = f.get_tensor(key)
+    if not pairs:
+        raise ValueError(f"lora {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
+    for module_name, ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"lora {name!r}: module {module_name!r} has lora_"
+                             f"{''.join(ab)} but not both lora_A and lora_B")
+        target, part = _our_linear(name, module_name, model, modules)
+        a, b = ab["A"].float(), ab["B"].float()
+        rank = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != rank:
+            raise ValueError(f"lora {name!r}: {module_name}: lora_A {tuple(a.shape)} and "
+                             f"lora_B {tuple(b.shape)} are not [r, in] and [out, r]")
+        linear = modules[target]
+        rows = linear.offsets[part + 1] - linear.offsets[part] if part is not None \
+            else linear.out_features
+        if a.shape[1] != linear.in_features or b.shape[0] != rows:
+            raise ValueError(
+                f"lora {name!r}: {module_name} maps {a.shape[1]} inputs to {b.shape[0]} "
+                f"outputs, the model's layer {linear.in_features} to {rows}: the adapter was "
+                f"trained for another base model "
+                f"(base_model_name_or_path: {config.get('base_model_name_or_path')!r})")
+        scaling = _scaling(config, module_name, rank)
+        row_start = linear.offsets[part] if part is not None else 0
+        adapter.modules.setdefault(target, []).append(
+            LoRAPart(part=part or 0, row_start=row_start, a=a.contiguous(),
+                     b=(b * scaling).contiguous()))
+        adapter.rank = max(adapter.rank, rank)
+    return adapter
+
+
+def _check_config(name: str, config: dict[str, Any]) -> None:
+    def refuse(field_name: str, why: str) -> None:
+        raise ValueError(f"lora {name!r}: {CONFIG_FILE} {field_name}: {why}")
+
+    peft_type = config.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        refuse("peft_type", f"{peft_type!r} is not a LoRA adapter")
+    if config.get("bias", "none") != "none":
+        refuse("bias", "adapters that train biases are not supported; use bias='none'")
+    for key, why in _UNSUPPORTED.items():
+        if config.get(key):
+            refuse(key, why)
+    targets = config.get("target_modules")
+    if isinstance(targets, list):
+        unknown = [t for t in targets if t.rsplit(".", 1)[-1] not in SUPPORTED_TARGETS]
+        if unknown:
+            refuse("target_modules", f"{unknown} are not supported (supported: "
+                                     f"{', '.join(SUPPORTED_TARGETS)})")
+    for key in ("r", "lora_alpha"):
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or value <= 0):
+            refuse(key, f"must be a positive number, got {value!r}")
+
+
+def _our_linear(name: str, module_name: str, model: Any,
+                modules: dict[str, torch.nn.Module]) -> tuple[str, int | None]:
+    """(our linear's module name, its part index or None for all of it) for a PEFT module."""
+    if module_name.rsplit(".", 1)[-1] not in SUPPORTED_TARGETS:
+        raise ValueError(f"lora {name!r}: module {module_name!r} is not supported (supported: "
+                         f"{', '.join(SUPPORTED_TARGETS)})")
+    routed = list(model.route(module_name + ".weight", None))
+    target, shard = routed[0][0].rpartition(".")[0], routed[0][1]
+    linear = modules.get(target)
+    if not isinstance(linear, Linear):
+        raise ValueError(f"lora {name!r}: module {module_name!r} is not a layer of this model "
+                         "(an adapter for another architecture or more layers?)")
+    if shard is None:
+        return target, None
+    return target, linear.shard_names.index(shard)
+
+
+def _scaling(config: dict[str, Any], module_name: str, rank: int) -> float:
+    """lora_alpha / r (or / sqrt(r) with use_rslora), with per-module alphas from
+    alpha_pattern (PEFT matches a pattern against the module name's end)."""
+    alpha = config.get("lora_alpha", 8)
+    for pattern, value in (config.get("alpha_pattern") or {}).items():
+        if re.fullmatch(rf"(.*\.)?{pattern}", module_name):
+            alpha = value
+            break
+    return alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
