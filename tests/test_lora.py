@@ -1,0 +1,193 @@
+"""LoRA adapters: logprobs against peft on the same tiny random adapters, a mixed batch equal
+to each row alone, slots, the prefix cache keyed by adapter, and every refusal named."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from radixlm.runtime import Engine
+
+from conftest import save_tiny_hf_model
+from test_engine import assert_no_leak
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# name: (rank, alpha, targets, rslora)
+ADAPTERS = {"a": (8, 16, ALL_TARGETS, False), "b": (4, 8, ["q_proj", "v_proj", "down_proj"], True),
+            "c": (16, 4, ["o_proj", "up_proj"], False)}
+
+
+def make_adapter(folder: Path, base: Path, rank: int, alpha: int, targets: list[str],
+                 rslora: bool, seed: int) -> Path:
+    import peft
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
+                             use_rslora=rslora, init_lora_weights=False)  # B random, not 0
+    peft.get_peft_model(model, config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("lora")
+    base = save_tiny_hf_model(root / "base", "llama")
+    folders = {"base": base}
+    for seed, (name, spec) in enumerate(ADAPTERS.items()):
+        folders[name] = make_adapter(root / name, base, *spec, seed=seed)
+    return folders
+
+
+def modules(models: dict[str, Path], *names: str) -> list[str]:
+    return [f"{n}={models[n]}" for n in names]
+
+
+def peft_logprobs(models: dict[str, Path], name: str | None, ids: list[int],
+                  start: int) -> list[float]:
+    import peft
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(models["base"],
+                                                              dtype=torch.float32)
+    if name is not None:
+        model = peft.PeftModel.from_pretrained(model, models[name])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return [logprobs[i - 1, ids[i]].item() for i in range(start, len(ids))]
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "eager"])
+def test_logprobs_match_peft(models, kernel):
+    ids = torch.randint(3, 512, (48,), generator=torch.Generator().manual_seed(0)).tolist()
+    with Engine(str(models["base"]), device="cpu", dtype="float32", page_size=4,
+                lora_modules=modules(models, "a", "b", "c"),
+                disable_cpu_kernel=not kernel) as engine:
+        assert (engine.core.runner.cpu_decode is not None) == kernel
+        got = {name: engine.score(ids[:12], [ids[12:]], lora=name)[0]
+               for name in (None, "a", "b", "c")}
+        assert_no_leak(engine)
+    for name, values in got.items():
+        want = peft_logprobs(models, name, ids, 12)
+        assert max(abs(x - y) for x, y in zip(values, want)) < 1e-4, name
+        if name is not None:  # the adapter changes the model, or the check above is empty
+            assert max(abs(x - y) for x, y in zip(values, got[None])) > 1e-2, name
+
+
+def test_mixed_batch_equals_each_row_alone(models):
+    """bfloat16 on the CPU kernel: every row's tokens and logprobs are the same bits in a
+    batch that mixes adapters (and the base model) as alone; with one slot, the adapters
+    take turns and still give the same."""
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 23, 9, 40, 14)]
+    loras = ["a", "b", None, "a", "c"]
+    params = {"temperature": 0, "max_new_tokens": 10, "min_new_tokens": 10,
+              "logprobs": True}
+    options = dict(device="cpu", dtype="bfloat16", page_size=4, chunked_prefill_size=16,
+                   lora_modules=modules(models, "a", "b", "c"))
+
+    def tokens(outputs):
+        return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outputs]
+
+    with Engine(str(models["base"]), **options) as engine:
+        alone = [tokens([engine.generate(input_ids=ids, sampling_params=params, lora=lora)])[0]
+                 for ids, lora in zip(prompts, loras)]
+        engine.flush_cache()
+        mixed = tokens(engine.generate(input_ids=prompts, sampling_params=params, lora=loras))
+        assert_no_leak(engine)
+    assert mixed == alone
+    assert len({tuple(t) for t, _ in alone}) > 1
+    with Engine(str(models["base"]), max_loras_per_batch=1, **options) as engine:
+        assert tokens(engine.generate(input_ids=prompts, sampling_params=params,
+                                      lora=loras)) == alone
+        assert_no_leak(engine)
+
+
+def test_prefix_cache_is_kept_apart_per_adapter(models):
+    ids = list(range(10, 74))
+    params = {"temperature": 0, "max_new_tokens": 2}
+    with Engine(str(models["base"]), device="cpu", dtype="float32", page_size=4,
+                lora_modules=modules(models, "a", "b")) as engine:
+        assert engine.generate(input_ids=ids, sampling_params=params).cached_tokens == 0
+        assert engine.generate(input_ids=ids, sampling_params=params,
+                               lora="a").cached_tokens == 0
+        assert engine.generate(input_ids=ids, sampling_params=params,
+                               lora="b").cached_tokens == 0
+        assert engine.generate(input_ids=ids, sampling_params=params,
+                               lora="a").cached_tokens >= 60
+        assert_no_leak(engine)
+
+
+def test_runtime_loading(models):
+    ids = list(range(10, 30))
+    params = {"temperature": 0, "max_new_tokens": 4}
+    with Engine(str(models["base"]), device="cpu", dtype="float32",
+                lora_modules=modules(models, "a")) as engine:
+        with pytest.raises(PermissionError, match="allow_runtime_lora_loading"):
+            engine.load_lora("b", str(models["b"]))
+        with pytest.raises(ValueError, match="no adapter named 'b'.*loaded: a"):
+            engine.generate(input_ids=ids, sampling_params=params, lora="b")
+    with Engine(str(models["base"]), device="cpu", dtype="float32", max_lora_rank=8,
+                allow_runtime_lora_loading=True) as engine:
+        engine.load_lora("b", str(models["b"]))
+        assert [a["name"] for a in engine.loras()] == ["b"]
+        with pytest.raises(ValueError, match="already loaded"):
+            engine.load_lora("b", str(models["a"]))
+        with pytest.raises(ValueError, match="rank 16 is larger than max_lora_rank"):
+            engine.load_lora("c", str(models["c"]))
+        out = engine.generate(input_ids=ids, sampling_params=params, lora="b")
+        assert out.finish_reason == "length"
+        engine.unload_lora("b")
+        with pytest.raises(ValueError, match="no adapter named 'b'"):
+            engine.generate(input_ids=ids, sampling_params=params, lora="b")
+        with pytest.raises(ValueError, match="lora_name: no adapter named 'b'"):
+            engine.unload_lora("b")
+    with Engine(str(models["base"]), device="cpu", dtype="float32") as engine:
+        with pytest.raises(ValueError, match="serves no adapters"):
+            engine.generate(input_ids=ids, sampling_params=params, lora="a")
+
+
+def _edited(models: dict[str, Path], tmp_path: Path, **changes) -> Path:
+    folder = tmp_path / "edited"
+    shutil.copytree(models["a"], folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config.update(changes)
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"use_dora": True}, "use_dora: DoRA"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"bias": "all"}, "bias: adapters that train biases"),
+    ({"target_modules": ["q_proj", "embed_tokens"]}, r"target_modules: \['embed_tokens'\]"),
+    ({"peft_type": "IA3"}, "peft_type"),
+    ({"lora_alpha": -1}, "lora_alpha: must be a positive number"),
+])
+def test_unsupported_adapters_are_refused_by_field(models, tmp_path, changes, message):
+    from radixlm.runtime.models.loader import load_model
+    from radixlm.runtime.models.lora.adapter import load_adapter
+
+    model = load_model(str(models["base"]), "auto", torch.float32, torch.device("cpu")).model
+    with pytest.raises(ValueError, match=message):
+        load_adapter("x", _edited(models, tmp_path, **changes), model)
+
+
+def test_adapters_that_do_not_fit_the_model_are_refused(models, tmp_path):
+    from radixlm.runtime.models.loader import load_model
+    from radixlm.runtime.models.lora.adapter import load_adapter
+
+    model = load_model(str(models["base"]), "auto", torch.float32, torch.device("cpu")).model
+    other = save_tiny_hf_model(tmp_path / "other", "llama", hidden_size=32)
+    wrong = make_adapter(tmp_path / "wrong", other, 4, 8, ["q_proj"], False, seed=0)
+    with pytest.raises(ValueError, match="trained for another base model"):
+        load_adapter("x", wrong, model)
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        load_adapter("x", tmp_path, model)
+    with pytest.raises(ValueError, match=r"lora_modules: each entry is NAME=PATH"):
+        Engine(str(models["base"]), device="cpu", lora_modules=["a"])
