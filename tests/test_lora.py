@@ -191,3 +191,70 @@ def test_adapters_that_do_not_fit_the_model_are_refused(models, tmp_path):
         load_adapter("x", tmp_path, model)
     with pytest.raises(ValueError, match=r"lora_modules: each entry is NAME=PATH"):
         Engine(str(models["base"]), device="cpu", lora_modules=["a"])
+
+
+@pytest.fixture(scope="module")
+def chat_models(tmp_path_factory, default_model_folder) -> dict[str, Path]:
+    from conftest import save_tiny_chat_model
+
+    root = tmp_path_factory.mktemp("lora-chat")
+    base = save_tiny_chat_model(root / "base", default_model_folder)
+    return {"base": base, "a": make_adapter(root / "a", base, 8, 32, ALL_TARGETS, False, 0),
+            "b": make_adapter(root / "b", base, 4, 16, ["q_proj", "v_proj"], False, 1)}
+
+
+def post(url: str, body: dict, key: str | None = "key") -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, json.dumps(body).encode(), method="POST", headers={
+        "Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_server_serves_loads_and_unloads_adapters(chat_models):
+    """--lora-modules over HTTP: /v1/models lists the adapter under its parent, `model` on the
+    OpenAI routes and `lora_path` on /generate pick it (the engine's tokens), and the load and
+    unload routes (API key, --allow-runtime-lora-loading) change what is served."""
+    import openai
+
+    from radixlm.backends.server_process import ServerProcess
+
+    prompt = "Name three colors:"
+    params = {"temperature": 0, "max_new_tokens": 8}
+    with Engine(str(chat_models["base"]), lora_modules=modules(chat_models, "a")) as engine:
+        want = {name: engine.generate(prompt, params, lora=name) for name in (None, "a")}
+    assert want[None].token_ids != want["a"].token_ids
+    args = ["--model", str(chat_models["base"]), "--served-model-name", "base",
+            "--lora-modules", *modules(chat_models, "a"), "--allow-runtime-lora-loading",
+            "--api-key", "key"]
+    with ServerProcess(args) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="key", max_retries=0)
+        cards = {m.id: m for m in client.models.list().data}
+        assert set(cards) == {"base", "a"} and cards["a"].parent == "base"
+        for name in (None, "a"):
+            body = {"text": prompt, "sampling_params": params,
+                    **({} if name is None else {"lora_path": name})}
+            status, got = post(server.url + "/generate", body)
+            assert status == 200 and got["output_ids"] == want[name].token_ids, name
+        completion = client.completions.create(model="a", prompt=prompt, max_tokens=8,
+                                               temperature=0)
+        assert completion.model == "a" and completion.choices[0].text == want["a"].text
+        status, error = post(server.url + "/generate", {"text": prompt, "lora_path": "b"})
+        assert status == 400 and error["error"]["param"] == "lora_path"
+        load = {"lora_name": "b", "lora_path": str(chat_models["b"])}
+        assert post(server.url + "/v1/load_lora_adapter", load, key=None)[0] == 401
+        status, loaded = post(server.url + "/v1/load_lora_adapter", load)
+        assert status == 200 and loaded["loaded_adapters"] == ["a", "b"]
+        assert {m.id for m in client.models.list().data} == {"base", "a", "b"}
+        assert client.completions.create(model="b", prompt=prompt, max_tokens=4,
+                                         temperature=0).model == "b"
+        status, error = post(server.url + "/v1/load_lora_adapter",
+                             {"lora_name": "c", "lora_path": "/nonexistent"})
+        assert status == 400 and "no adapter_config.json" in error["error"]["message"]
+        assert post(server.url + "/unload_lora_adapter", {"lora_name": "b"})[0] == 200
+        assert {m.id for m in client.models.list().data} == {"base", "a"}

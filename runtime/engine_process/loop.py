@@ -31,7 +31,8 @@ log = logging.getLogger("radixlm.engine_process")
 
 # Engine methods the HTTP process may call, each run on a worker thread because most block
 # until the engine loop has done the work (pin_prefix computes the prefix, score a batch).
-CALLS = ("pin_prefix", "release_prefix", "release_program", "score", "flush_cache", "stats")
+CALLS = ("pin_prefix", "release_prefix", "release_program", "score", "flush_cache", "stats",
+         "load_lora", "unload_lora")
 BEAT_SECONDS = 1.0
 
 
@@ -54,7 +55,8 @@ def run(options: dict[str, Any], conn: Connection, parent_pid: int, log_level: s
         info = EngineInfo(max_model_len=engine.max_model_len,
                           vocab_size=engine.model_config.vocab_size,
                           architecture=engine.model_config.architecture,
-                          eos_token_ids=sorted(eos), config=_plain(engine.config))
+                          eos_token_ids=sorted(eos), config=_plain(engine.config),
+                          loras=engine.loras())
     except BaseException as exc:  # report why, or the HTTP process waits for nothing
         log.exception("engine failed to start")
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
@@ -226,6 +228,8 @@ class EngineServer:
             error = EngineError(501, f"the engine does not support {method}")
         except ValueError as exc:
             error = EngineError(400, str(exc))
+        except PermissionError as exc:
+            error = EngineError(403, str(exc))
         except Exception as exc:
             log.exception("%s failed", method)
             error = EngineError(500, f"{type(exc).__name__}: {exc}")

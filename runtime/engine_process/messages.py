@@ -23,7 +23,7 @@ engine -> HTTP (each send is a list of, typically all of one step's tokens):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # (token_id, logprob, top alternatives as [(token_id, logprob), ...] or None)
@@ -75,3 +75,4 @@ class EngineInfo:
     architecture: str
     eos_token_ids: list[int]
     config: dict[str, Any]
+    loras: list[dict[str, Any]] = field(default_factory=list)  # adapters served at start

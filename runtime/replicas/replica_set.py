@@ -258,6 +258,10 @@ class ReplicaSet:
             for r in self._live():
                 await r.call("flush_cache")
             return None
+        if method in ("load_lora", "unload_lora"):  # every replica serves every adapter
+            for r in self._live():
+                await r.call(method, **kwargs)
+            return None
         if method == "release_program":  # its calls may have run on any replica
             results = [await r.call(method, **kwargs) for r in self._live()]
             return any(results)

@@ -31,6 +31,7 @@ from radixlm.runtime.config.sampling_params import SamplingParams
 from radixlm.runtime.protocol.fields import ApiError
 from radixlm.runtime.server import (
     access_log,
+    lora_routes,
     native_routes,
     openai_routes,
     program_routes,
@@ -60,6 +61,7 @@ def build_app(state: ServerState) -> web.Application:
     openai_routes.add_routes(app)
     responses_routes.add_routes(app)
     program_routes.add_routes(app)
+    lora_routes.add_routes(app)
     return app
 
 

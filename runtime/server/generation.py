@@ -81,9 +81,11 @@ class HttpGeneration:
     def __init__(self, state: ServerState, prompts: list[list[int]],
                  params: list[SamplingParams], keys: list[str],
                  cache_salt: str | None = None, group: str | None = None,
-                 tags: dict[str, Any] | None = None) -> None:
+                 tags: dict[str, Any] | None = None,
+                 loras: list[str | None] | None = None) -> None:
         self.state = state
         self.tags = tags or {}  # program_id, priority: Engine.submit_stream's keywords
+        self.loras = loras or [None] * len(prompts)  # each prompt's LoRA adapter, by name
         self.prompts = prompts
         self.params = params
         self.keys = keys
@@ -109,9 +111,9 @@ class HttpGeneration:
         self._admit()
         engine = self.state.engine
         rank = 0  # of this request's samples, for fair admission (Request.queue_rank)
-        for key, ids, p in zip(self.keys, self.prompts, self.params):
-            engine.submit(key, ids, p, self.cache_salt, self._sink, self.group, rank,
-                          self.tags)
+        for key, ids, p, lora in zip(self.keys, self.prompts, self.params, self.loras):
+            tags = self.tags if lora is None else {**self.tags, "lora": lora}
+            engine.submit(key, ids, p, self.cache_salt, self._sink, self.group, rank, tags)
             rank += p.n
         return self
 

@@ -166,6 +166,7 @@ async def _start_engine(state: ServerState, options: dict[str, Any]) -> None:
     await loop.run_in_executor(None, state.codec.configure, await tokenizer, info.max_model_len)
     if state.codec.sandbox is not None:
         state.codec.sandbox.warm()
+    state.adapters = {a["name"]: a for a in info.loras}
     state.info = info  # from here on the routes serve
 
 

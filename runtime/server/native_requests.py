@@ -16,7 +16,7 @@ from radixlm.runtime.server.generation import Sample
 
 GENERATE_FIELDS = ("text", "input_ids", "sampling_params", "stream", "return_logprob",
                    "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "rid",
-                   "cache_salt", "program_id", "priority")
+                   "cache_salt", "program_id", "priority", "lora_path")
 MAX_BATCH = 1024
 # The OpenAI routes take the program id as this header too (a client that cannot add fields).
 PROGRAM_HEADER = "X-Program-Id"
@@ -36,6 +36,8 @@ class GenerateRequest:
     text_in_logprobs: bool
     cache_salt: str | None
     tags: dict[str, Any]  # program_id, priority (parse_tags)
+    # Each prompt's LoRA adapter by name (SGLang's lora_path: one for all, or one per prompt)
+    loras: list[str | None] | None = None
 
     @property
     def num_prompts(self) -> int:
@@ -54,8 +56,25 @@ def parse_tags(f: Fields, program_header: str | None = None) -> dict[str, Any]:
             "priority": f.integer("priority", 0, lo=-MAX_PRIORITY, hi=MAX_PRIORITY)}
 
 
+def parse_loras(value: Any, count: int, adapters: Any) -> list[str | None] | None:
+    """SGLang's `lora_path`: an adapter's name for every prompt, or a list with one name (or
+    null) per prompt; each must be one the server serves (`adapters`)."""
+    if value is None:
+        return None
+    names = value if isinstance(value, list) else [value] * count
+    if len(names) != count:
+        raise bad(f"lora_path: got {len(names)} adapters for {count} prompts", "lora_path")
+    for name in names:
+        if name is not None and (not isinstance(name, str) or name not in adapters):
+            known = ", ".join(sorted(adapters)) or "none"
+            raise bad(f"lora_path: no adapter named {name!r:.80} is loaded (loaded: {known})",
+                      "lora_path", "lora_not_found")
+    return names
+
+
 def parse_generate(body: dict[str, Any], vocab_size: int,
-                   program_header: str | None = None) -> GenerateRequest:
+                   program_header: str | None = None,
+                   adapters: Any = ()) -> GenerateRequest:
     f = Fields(body)
     f.only(GENERATE_FIELDS)
     texts, ids, batch = _prompts(f, vocab_size)
@@ -91,7 +110,8 @@ def parse_generate(body: dict[str, Any], vocab_size: int,
                            stream=f.boolean("stream", False), return_logprob=return_logprob,
                            text_in_logprobs=f.boolean("return_text_in_logprobs", False),
                            cache_salt=f.string("cache_salt"),
-                           tags=parse_tags(f, program_header))
+                           tags=parse_tags(f, program_header),
+                           loras=parse_loras(body.get("lora_path"), count, adapters))
 
 
 # SGLang's /generate sampling fields that we do not implement, and why. Its frontend sends

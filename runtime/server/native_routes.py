@@ -83,7 +83,7 @@ async def prepare_generation(state: ServerState, body: Any, program_header: str 
                              ) -> tuple[HttpGeneration, native.GenerateRequest]:
     """A /generate body parsed, tokenized and fit to the context, ready to start."""
     info = state.require_engine()
-    req = native.parse_generate(body, info.vocab_size, program_header)
+    req = native.parse_generate(body, info.vocab_size, program_header, state.adapters)
     if req.texts is not None:
         req.input_ids = [await state.codec.encode_prompt(t, "text") for t in req.texts]
     assert req.input_ids is not None
@@ -93,7 +93,7 @@ async def prepare_generation(state: ServerState, body: Any, program_header: str 
                               "sampling_params.min_new_tokens")
                   for p, ids, explicit in zip(req.params, req.input_ids, req.explicit_max)]
     return HttpGeneration(state, req.input_ids, req.params, req.keys, req.cache_salt,
-                          tags=req.tags), req
+                          tags=req.tags, loras=req.loras), req
 
 
 async def generation_events(state: ServerState, gen: HttpGeneration,

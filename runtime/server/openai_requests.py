@@ -74,6 +74,7 @@ class OpenAIRequest:
     chat_template: str | None = None  # chat: the client's template (when trusted)
     separate_reasoning: bool = True  # chat: with a reasoning parser, split the thinking out
     tags: dict[str, Any] = dataclasses.field(default_factory=dict)  # program_id, priority
+    lora: list[str] | None = None  # [the LoRA adapter `model` names], or None: the base model
     grammar_from_tools: bool = False  # chat: params.structural_tag holds the tool calls' tag
 
 

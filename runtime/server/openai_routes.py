@@ -27,25 +27,35 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models/{model_id:.+}", model)
 
 
-def _card(state: ServerState) -> dict[str, Any]:
+def _cards(state: ServerState) -> list[dict[str, Any]]:
+    """The base model's card, then each LoRA adapter's (its `parent` the base model)."""
     info = state.require_engine()  # 503 while the model loads: it cannot be used yet
-    return {"id": state.model_name, "object": "model", "created": int(state.started_at),
+    base = {"id": state.model_name, "object": "model", "created": int(state.started_at),
             "owned_by": "radixlm", "root": state.model_path or state.model_name,
-            "max_model_len": info.max_model_len}
+            "parent": None, "max_model_len": info.max_model_len}
+    return [base] + [{**base, "id": name, "root": adapter["path"], "parent": state.model_name}
+                     for name, adapter in state.adapters.items()]
 
 
 async def models(request: web.Request) -> web.Response:
-    return json_response({"object": "list", "data": [_card(state_of(request))]})
+    return json_response({"object": "list", "data": _cards(state_of(request))})
 
 
 async def model(request: web.Request) -> web.Response:
     state = state_of(request)
-    card = _card(state)
     wanted = request.match_info["model_id"]
-    if wanted != state.model_name:
-        raise ApiError(404, f"the model {wanted!r} does not exist; this server serves "
-                            f"{state.model_name!r}", "model", "model_not_found")
-    return json_response(card)
+    for card in _cards(state):
+        if card["id"] == wanted:
+            return json_response(card)
+    raise ApiError(404, f"the model {wanted!r} does not exist; this server serves "
+                        f"{state.model_name!r}", "model", "model_not_found")
+
+
+def lora_of(state: ServerState, body: dict[str, Any]) -> list[str] | None:
+    """A request whose `model` names a served LoRA adapter runs it; any other name (the base
+    model's, or one a client sends out of habit) runs the base model."""
+    name = body.get("model")
+    return [name] if isinstance(name, str) and name in state.adapters else None
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -54,6 +64,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     req = parse_completion(body, info.vocab_size)
     req.tags = parse_tags(Fields(body), request.headers.get(PROGRAM_HEADER))
+    req.lora = lora_of(state, body)
     assert req.prompts is not None
     prompts = [p if isinstance(p, list) else await state.codec.encode_prompt(p, "prompt")
                for p in req.prompts]
@@ -66,6 +77,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     req = parse_chat(body, state.config.trust_request_chat_template)
     req.tags = parse_tags(Fields(body), request.headers.get(PROGRAM_HEADER))
+    req.lora = lora_of(state, body)
     prompt, tool_format = await prepare_chat(state, req)
     return await _respond(request, state, req, [prompt], "chatcmpl", "chat.completion",
                           tool_format)
@@ -106,7 +118,8 @@ def generation(state: ServerState, req: OpenAIRequest, prompts: list[list[int]],
                           prompt_param, req.max_param, "min_tokens") for ids in prompts]
     keys = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
     return HttpGeneration(state, prompts, params, keys, req.cache_salt, group=rid,
-                          tags=req.tags)
+                          tags=req.tags, loras=None if req.lora is None
+                          else req.lora * len(prompts))
 
 
 def tool_error(req: OpenAIRequest, error: ApiError) -> ApiError:
@@ -124,7 +137,8 @@ async def _respond(request: web.Request, state: ServerState, req: OpenAIRequest,
     rid = f"{prefix}-{uuid.uuid4().hex}"
     gen = generation(state, req, prompts, rid,
                      "prompt" if kind == "text_completion" else "messages")
-    head = {"id": rid, "object": kind, "created": int(time.time()), "model": state.model_name}
+    head = {"id": rid, "object": kind, "created": int(time.time()),
+            "model": state.model_name if req.lora is None else req.lora[0]}
     render = _Renderer(state, req, kind == "chat.completion", tool_format)
     if req.stream:
         return await stream_events(request, _events(gen, head, render, req))

@@ -29,6 +29,7 @@ from radixlm.runtime.server.native_requests import PROGRAM_HEADER, parse_tags
 from radixlm.runtime.server.openai_requests import OpenAIRequest, parse_chat
 from radixlm.runtime.server.openai_routes import (
     generation,
+    lora_of,
     prepare_chat,
     token_logprobs,
     tool_error,
@@ -63,6 +64,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     try:
         req = parse_chat(chat_body, state.config.trust_request_chat_template)
         req.tags = parse_tags(Fields(body), request.headers.get(PROGRAM_HEADER))
+        req.lora = lora_of(state, body)
         prompt, tool_format = await prepare_chat(state, req)
         gen = generation(state, req, [prompt], rid, "input")
     except ApiError as exc:

@@ -30,6 +30,9 @@ class ServerState:
     draining: bool = False  # SIGTERM received: finish what runs, take nothing new
     active_requests: int = 0  # HTTP requests being handled (what a shutdown waits for)
     started_at: float = field(default_factory=time.time)
+    # LoRA adapters served ({name: {"name", "path", "rank"}}): from the engine at start, then
+    # as the load and unload routes change them. A request whose `model` names one runs it.
+    adapters: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.model_name)
