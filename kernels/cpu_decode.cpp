@@ -27,7 +27,7 @@
 //   sequence), positions [T] (the row attends to its sequence's positions 0..position),
 //   pages [S, P] int64 (page ids of each sequence's context);
 //   LoRA adapters (none: an empty list): lora[8 i .. 8 i + 8) = A and B of layer i's qkv, o,
-//     gate_up and down, float32, A [slots, K, in] and B [slots, out, K] (runtime/models/lora/
+//     gate_up and down, float32, A [slots, K, in] and B [slots, K, out] (runtime/models/lora/
 //     slots.py), and lora_slots [T] int64: each row's slot, -1 for none.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -37,6 +37,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "cpu_linear.h"
@@ -88,51 +89,6 @@ Tensor linear(const Tensor& x, const std::vector<Tensor>& tensors, size_t first,
 }
 
 size_t stored_tensors(int64_t planes) { return planes == 0 ? 1 : 3; }
-
-// sum of a[i] * b[i] over i < n: 16 lanes of fused multiply-adds, then the lanes and the tail
-// in order. The order depends on n only, never on the other rows of a step.
-inline float dot_fixed(const float* a, const float* b, int64_t n) {
-  using radixlm_cpu::Vec;
-  Vec acc = Vec::zero();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) acc = acc.fma(Vec::load(a + i), Vec::load(b + i));
-  float lanes[16];
-  acc.store(lanes);
-  float sum = 0.f;
-  for (int l = 0; l < 16; ++l) sum += lanes[l];
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
-
-// out[r] += B[s] @ (A[s] @ x[r]) for each row r with a slot s >= 0: two float32 sums per
-// output (dot_fixed) over the row's own values, rounded once into out. Rows
-// without an adapter are left alone, so a base-model row is the same with or without
-// adapter rows beside it.
-template <typename A>
-void lora_add(Tensor& out, const Tensor& x, const Tensor& la, const Tensor& lb,
-              const int64_t* slots) {
-  const int64_t rows = x.size(0), in = x.size(1), k = la.size(1), n = out.size(1);
-  TORCH_CHECK(out.is_contiguous() && x.is_contiguous() && la.size(2) == in &&
-                  lb.size(1) == n && lb.size(2) == k,
-              "lora: shapes do not match the layer");
-  const float* a = la.data_ptr<float>();
-  const float* b = lb.data_ptr<float>();
-  const A* xs = x.data_ptr<A>();
-  A* os = out.data_ptr<A>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> xf(in), u(k);
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t s = slots[r];
-      if (s < 0) continue;
-      for (int64_t i = 0; i < in; ++i) xf[i] = to_f(xs[r * in + i]);
-      for (int64_t j = 0; j < k; ++j) u[j] = dot_fixed(a + (s * k + j) * in, xf.data(), in);
-      for (int64_t o = 0; o < n; ++o) {
-        const float sum = dot_fixed(b + (s * n + o) * k, u.data(), k);
-        os[r * n + o] = to_a<A>(to_f(os[r * n + o]) + sum);
-      }
-    }
-  });
-}
 
 // out[r] = weight * rms_norm(x[r]) (with x[r] += add[r] first when add is given: the
 // residual stream then keeps the sum).
@@ -444,6 +400,122 @@ Tensor attention(const Tensor& qkv, const Tensor& k_layer, const Tensor& v_layer
     }
   });
   return out;
+}
+
+// out[c] = sum of a[i] * xs[c][i] over i < n, for C rows at once (a read once for all of
+// them): per row 16 lanes of fused multiply-adds over i in order, then the lanes and the tail
+// in order. A row's sum is the same whatever C is and whatever the other rows hold.
+template <int C>
+void dots(const float* a, const float* const* xs, int64_t n, float* out) {
+  using radixlm_cpu::Vec;
+  Vec acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = Vec::zero();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const Vec va = Vec::load(a + i);
+    for (int c = 0; c < C; ++c) acc[c] = acc[c].fma(va, Vec::load(xs[c] + i));
+  }
+  for (int c = 0; c < C; ++c) {
+    float lanes[16];
+    acc[c].store(lanes);
+    float sum = 0.f;
+    for (int l = 0; l < 16; ++l) sum += lanes[l];
+    for (int64_t t = i; t < n; ++t) sum += a[t] * xs[c][t];
+    out[c] = sum;
+  }
+}
+
+// Rows of one adapter that share a pass over its weights.
+constexpr int64_t LORA_ROWS = 8;
+
+// out[r] += B[s] @ (A[s] @ x[r]) for each row r with a slot s >= 0: two float32 sums per
+// output (dots) over the row's own values, rounded once into out. Consecutive rows of one
+// slot go through the weights together, up to LORA_ROWS at a time. Rows without an adapter
+// are left alone, so a base-model row is the same with or without adapter rows beside it.
+template <typename A>
+void lora_add(Tensor& out, const Tensor& x, const Tensor& la, const Tensor& lb,
+              const int64_t* slots) {
+  const int64_t rows = x.size(0), in = x.size(1), k = la.size(1), n = out.size(1);
+  TORCH_CHECK(out.is_contiguous() && x.is_contiguous() && la.size(2) == in &&
+                  lb.size(1) == k && lb.size(2) == n,
+              "lora: shapes do not match the layer");
+  const float* a = la.data_ptr<float>();
+  const float* b = lb.data_ptr<float>();
+  const A* xs = x.data_ptr<A>();
+  A* os = out.data_ptr<A>();
+  // Blocks (first row, rows) of up to LORA_ROWS consecutive rows with one slot.
+  std::vector<std::pair<int64_t, int64_t>> spans;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (slots[r] < 0) continue;
+    auto& last = spans.empty() ? spans.emplace_back(r, 0) : spans.back();
+    if (last.first + last.second == r && slots[last.first] == slots[r] &&
+        last.second < LORA_ROWS) {
+      ++last.second;
+    } else {
+      spans.emplace_back(r, 1);
+    }
+  }
+  const int64_t blocks = static_cast<int64_t>(spans.size());
+  if (blocks == 0) return;
+  std::vector<float> xf(rows * in), u(rows * k);
+  at::parallel_for(0, rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      if (slots[r] < 0) continue;
+      for (int64_t i = 0; i < in; ++i) xf[r * in + i] = to_f(xs[r * in + i]);
+    }
+  });
+  // One task: a block's rows through `outputs` consecutive rows of a weight [slots, *, width].
+  auto pass = [&](const std::vector<float>& inputs, int64_t width, const float* weights,
+                  int64_t total, int64_t per_task, auto&& store) {
+    const int64_t tasks_per_block = (total + per_task - 1) / per_task;
+    at::parallel_for(0, blocks * tasks_per_block, 1, [&](int64_t begin, int64_t end) {
+      const float* in_rows[LORA_ROWS];
+      float col[LORA_ROWS];
+      for (int64_t task = begin; task < end; ++task) {
+        const auto [r0, count] = spans[task / tasks_per_block];
+        const int64_t s = slots[r0], j0 = task % tasks_per_block * per_task;
+        for (int64_t c = 0; c < count; ++c) in_rows[c] = inputs.data() + (r0 + c) * width;
+        for (int64_t j = j0; j < std::min(total, j0 + per_task); ++j) {
+          in_chunks<8>(count, [&](auto chunk, int64_t first) {
+            dots<decltype(chunk)::value>(weights + (s * total + j) * width, in_rows + first,
+                                         width, col + first);
+          });
+          for (int64_t c = 0; c < count; ++c) store(r0 + c, j, col[c]);
+        }
+      }
+    });
+  };
+  pass(xf, in, a, k, 4, [&](int64_t r, int64_t j, float v) { u[r * k + j] = v; });
+  // out[r][o] += sum over j in order of u[r][j] * B[s][j][o]: 16 outputs per vector.
+  constexpr int64_t OUTPUTS_PER_TASK = 64;
+  const int64_t tasks_per_block = (n + OUTPUTS_PER_TASK - 1) / OUTPUTS_PER_TASK;
+  at::parallel_for(0, blocks * tasks_per_block, 1, [&](int64_t begin, int64_t end) {
+    using radixlm_cpu::Vec;
+    for (int64_t task = begin; task < end; ++task) {
+      const auto [r0, count] = spans[task / tasks_per_block];
+      const int64_t s = slots[r0], o_begin = task % tasks_per_block * OUTPUTS_PER_TASK;
+      const int64_t o_end = std::min(n, o_begin + OUTPUTS_PER_TASK);
+      for (int64_t r = r0; r < r0 + count; ++r) {
+        const float* ur = u.data() + r * k;
+        A* y = os + r * n;
+        int64_t o = o_begin;
+        for (; o + 16 <= o_end; o += 16) {
+          Vec acc = Vec::zero();
+          for (int64_t j = 0; j < k; ++j) {
+            acc = acc.fma(Vec::fill(ur[j]), Vec::load(b + (s * k + j) * n + o));
+          }
+          float lanes[16];
+          acc.store(lanes);
+          for (int l = 0; l < 16; ++l) y[o + l] = to_a<A>(to_f(y[o + l]) + lanes[l]);
+        }
+        for (; o < o_end; ++o) {
+          float sum = 0.f;
+          for (int64_t j = 0; j < k; ++j) sum = std::fma(ur[j], b[(s * k + j) * n + o], sum);
+          y[o] = to_a<A>(to_f(y[o]) + sum);
+        }
+      }
+    }
+  });
 }
 
 // act [T, I] = silu(gate) * up from gate_up [T, 2 I], rounding as the eager path does (the

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_engine import assert_no_leak
 
 from radixlm.runtime import Engine
 
 from conftest import save_tiny_hf_model
-from test_engine import assert_no_leak
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # name: (rank, alpha, targets, rslora)

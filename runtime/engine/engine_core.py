@@ -20,8 +20,8 @@ import torch
 from radixlm.runtime.attention import create_backend
 from radixlm.runtime.config.engine_config import EngineConfig
 from radixlm.runtime.engine.execution_setup import ExecutionSetup, deterministic_on
-from radixlm.runtime.engine.lora_registry import LoRARegistry
 from radixlm.runtime.engine.kv_sizing import max_model_len, pool_pages
+from radixlm.runtime.engine.lora_registry import LoRARegistry
 from radixlm.runtime.engine.overlap import follow_up_batch
 from radixlm.runtime.engine.structured_output import Compiled, StructuredOutput
 from radixlm.runtime.execution.step_result import LaunchedStep, StepResult

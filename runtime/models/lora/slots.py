@@ -2,10 +2,11 @@
 them.
 
 Every linear an adapter may touch holds, per slot, A stacked over its parts ([P * R, in]: part
-p's A in rows p R .. p R + r) and B ([out, P * R]: part p's rows read only their own block of
-columns, zeros elsewhere), R being the largest rank served. One product then serves every
+p's A in rows p R .. p R + r) and B transposed ([P * R, out]: part p's outputs read only their
+own block of rows, zeros elsewhere), R being the largest rank served. One product then serves every
 part and every rank: u = A x, out += B u; a smaller rank's padding and the other parts' blocks
-add exact zeros. Slots are filled on demand from the adapters kept on the host, and the least
+add exact zeros. (B is kept transposed so that the CPU kernel runs 16 outputs per vector.)
+Slots are filled on demand from the adapters kept on the host, and the least
 recently used slot not needed by the step is overwritten; the scheduler admits at most
 `num_slots` adapters into a running batch, so a step's adapters always fit.
 
@@ -45,7 +46,7 @@ class LoRALinear:
         self.rank = rank
         self.a = torch.zeros(num_slots, parts * rank, linear.in_features, dtype=dtype,
                              device=device)
-        self.b = torch.zeros(num_slots, linear.out_features, parts * rank, dtype=dtype,
+        self.b = torch.zeros(num_slots, parts * rank, linear.out_features, dtype=dtype,
                              device=device)
         self.owner = owner
 
@@ -56,7 +57,7 @@ class LoRALinear:
             r, rows = p.a.shape[0], p.b.shape[0]
             first = p.part * self.rank
             self.a[slot, first:first + r].copy_(p.a)
-            self.b[slot, p.row_start:p.row_start + rows, first:first + r].copy_(p.b)
+            self.b[slot, first:first + r, p.row_start:p.row_start + rows].copy_(p.b.T)
 
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out + this step's updates, row by row each adapter's own."""
@@ -65,7 +66,7 @@ class LoRALinear:
             return out
         for slot, rows in step.groups:
             xs = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
-            update = (xs.to(self.a.dtype) @ self.a[slot].T) @ self.b[slot].T
+            update = (xs.to(self.a.dtype) @ self.a[slot].T) @ self.b[slot]
             if isinstance(rows, slice):
                 out[rows] += update.to(out.dtype)
             else:

@@ -1,0 +1,147 @@
+"""Multi-LoRA serving: decode throughput with adapters mixed in one batch, against the base
+model alone, in one run.
+
+Random PEFT adapters (every projection of every layer targeted, rank R) are written for the
+model, then the same batch of greedy requests runs on one engine: without adapters (the
+base model, the baseline), with 1 adapter for every row, and with K distinct adapters spread
+over the rows (K up to the batch, max_loras_per_batch = K so they all run together). Reported:
+output tokens/s and the ratio to the base model, with the arithmetic the adapters add per
+token (2 R (in + P out) multiply-adds per linear, P its parts) beside the base model's, which
+is what the ratio could be at best if the updates ran as fast as the base's matmuls.
+
+    python benchmarks/lora.py                                  # CPU, the embedded model
+    python benchmarks/lora.py --ranks 16,64 --batch 16 --adapters 1,4,16
+    python benchmarks/lora.py --engine-options '{"model": "llama-3-8b", "load_format":
+        "dummy", "device": "cuda", "tokenizer": "..."}' --batch 256 --adapters 1,8,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from radixlm.runtime import Engine
+
+from results_dir import results_dir
+
+TARGETS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+           "mlp": ("gate_proj", "up_proj", "down_proj")}
+
+
+def shapes(cfg: Any) -> dict[str, tuple[int, int]]:
+    """(in, out) of each targeted projection of a layer."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    d, inter = cfg.hidden_size, cfg.intermediate_size
+    return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
+            "gate_proj": (d, inter), "up_proj": (d, inter), "down_proj": (inter, d)}
+
+
+def write_adapter(folder: Path, cfg: Any, rank: int, seed: int, dtype: torch.dtype) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg.num_layers):
+        for block, names in TARGETS.items():
+            for name in names:
+                fan_in, fan_out = shapes(cfg)[name]
+                key = f"base_model.model.model.layers.{layer}.{block}.{name}"
+                tensors[f"{key}.lora_A.weight"] = (
+                    torch.randn(rank, fan_in, generator=gen) / fan_in ** 0.5).to(dtype)
+                tensors[f"{key}.lora_B.weight"] = (
+                    torch.randn(fan_out, rank, generator=gen) / rank ** 0.5 * 0.1).to(dtype)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none",
+        "target_modules": [n for names in TARGETS.values() for n in names]}))
+    return folder
+
+
+def run(engine: Engine, prompts: list[list[int]], loras: list[str | None] | None,
+        new_tokens: int) -> float:
+    """Output tokens/s of the batch (greedy, every request its full length)."""
+    params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    engine.generate(input_ids=prompts[:2], sampling_params={**params, "max_new_tokens": 2},
+                    lora=None if loras is None else loras[:2])  # warm-up
+    engine.flush_cache()
+    start = time.perf_counter()
+    outs = engine.generate(input_ids=prompts, sampling_params=params, lora=loras)
+    seconds = time.perf_counter() - start
+    engine.flush_cache()
+    return sum(len(o.token_ids) for o in outs) / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", default="16,64")
+    parser.add_argument("--adapters", default="1,4,16",
+                        help="distinct adapters in the batch (each also a run)")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--engine-options", type=json.loads, default={},
+                        help="JSON of Engine options (model, device, ...); default: the "
+                             "embedded model on the CPU")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    ranks = [int(r) for r in args.ranks.split(",")]
+    counts = [int(k) for k in args.adapters.split(",")]
+    options = {"device": "cpu", **args.engine_options}
+    gen = torch.Generator().manual_seed(0)
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        with Engine(**options) as probe:
+            cfg = probe.model_config
+            prompts = [torch.randint(100, cfg.vocab_size - 100, (args.prompt_tokens,),
+                                     generator=gen).tolist() for _ in range(args.batch)]
+            results["base"] = {"tokens_per_s": run(probe, prompts, None, args.new_tokens)}
+            dtype = probe.dtype
+        print(f"base model              {results['base']['tokens_per_s']:9.1f} tokens/s")
+        base_macs = sum(i * o for i, o in shapes(cfg).values())
+        for rank in ranks:
+            # At most 8 distinct files; more adapters reuse them under other names (each
+            # name is its own adapter and slot to the engine).
+            files = [write_adapter(Path(tmp) / f"r{rank}-{i}", cfg, rank, i, dtype)
+                     for i in range(min(8, max(counts)))]
+            names = [f"r{rank}-{k}" for k in range(max(counts))]
+            modules = [f"{name}={files[k % len(files)]}" for k, name in enumerate(names)]
+            with Engine(**options, lora_modules=modules, max_loras_per_batch=max(counts),
+                        max_lora_rank=rank) as engine:
+                for count in counts:
+                    loras = [names[i % count] for i in range(args.batch)]
+                    tps = run(engine, prompts, loras, args.new_tokens)
+                    key = f"rank {rank}, {count} adapter{'s' if count > 1 else ''}"
+                    # Per token per layer: u = A x over every part, B u over every output.
+                    extra = sum(rank * (i + o) for i, o in shapes(cfg).values())
+                    results[key] = {"rank": rank, "adapters": count, "tokens_per_s": tps,
+                                    "vs_base": tps / results["base"]["tokens_per_s"],
+                                    "extra_macs_share": extra / base_macs}
+                    print(f"{key:<24}{tps:9.1f} tokens/s  {results[key]['vs_base']:5.2f}x base"
+                          f"  (+{extra / base_macs:.1%} multiply-adds)")
+    print(f"\n{'run':<24}{'tokens/s':>10}{'vs base':>9}{'+MACs':>8}")
+    for key, r in results.items():
+        print(f"{key:<24}{r['tokens_per_s']:>10.1f}{r.get('vs_base', 1.0):>8.2f}x"
+              f"{r.get('extra_macs_share', 0.0):>8.1%}")
+    device = options.get("device", "cpu")
+    record = {"benchmark": "lora", "date": datetime.date.today().isoformat(),
+              "machine": {"processor": platform.processor() or platform.machine(),
+                          "threads": torch.get_num_threads(),
+                          "gpu": torch.cuda.get_device_name() if device == "cuda" else None},
+              "config": {"batch": args.batch, "prompt_tokens": args.prompt_tokens,
+                         "new_tokens": args.new_tokens, "engine_options": options},
+              "results": results}
+    out = Path(args.out or results_dir() / f"lora_{device}_{record['date']}.json")
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
