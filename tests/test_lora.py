@@ -255,6 +255,7 @@ def test_server_serves_loads_and_unloads_adapters(chat_models):
                                          temperature=0).model == "b"
         status, error = post(server.url + "/v1/load_lora_adapter",
                              {"lora_name": "c", "lora_path": "/nonexistent"})
-        assert status == 400 and "no adapter_config.json" in error["error"]["message"]
+        assert status == 400 and error["error"]["param"] == "lora_path"
+        assert "no adapter_config.json" in error["error"]["message"]
         assert post(server.url + "/unload_lora_adapter", {"lora_name": "b"})[0] == 200
         assert {m.id for m in client.models.list().data} == {"base", "a"}

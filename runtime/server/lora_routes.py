@@ -59,7 +59,10 @@ async def _call(state: ServerState, method: str, **kwargs: str) -> None:
     try:
         await state.engine.call(method, **kwargs)
     except EngineCallError as exc:
-        param = "lora_path" if "lora_path" in exc.message and method == "load_lora" \
-            else "lora_name"
-        raise ApiError(exc.status, exc.message, param if exc.status == 400 else None,
-                       "invalid_lora" if exc.status == 400 else "engine_error") from None
+        if exc.status != 400:
+            raise ApiError(exc.status, exc.message, code="engine_error") from None
+        # The engine's messages start with the field at fault; an adapter that cannot be read
+        # or served is its path's fault.
+        name_at_fault = method == "unload_lora" or exc.message.startswith("lora_name")
+        raise ApiError(400, exc.message, "lora_name" if name_at_fault else "lora_path",
+                       "invalid_lora") from None
