@@ -6,8 +6,10 @@ model, then the same batch of greedy requests runs on one engine: without adapte
 base model, the baseline), with 1 adapter for every row, and with K distinct adapters spread
 over the rows (K up to the batch, max_loras_per_batch = K so they all run together). Reported:
 output tokens/s and the ratio to the base model, with the arithmetic the adapters add per
-token (2 R (in + P out) multiply-adds per linear, P its parts) beside the base model's, which
-is what the ratio could be at best if the updates ran as fast as the base's matmuls.
+token (R (in + out) multiply-adds per projection) beside the base model's, which is what the
+ratio could be at best if the updates ran as fast as the base's matmuls; and, for decode that
+streams weights (the GPU), the bound from bytes: the base model's weights against those plus
+every distinct adapter's, each read once per step.
 
     python benchmarks/lora.py                                  # CPU, the embedded model
     python benchmarks/lora.py --ranks 16,64 --batch 16 --adapters 1,4,16
@@ -104,6 +106,8 @@ def main() -> None:
                                      generator=gen).tolist() for _ in range(args.batch)]
             results["base"] = {"tokens_per_s": run(probe, prompts, None, args.new_tokens)}
             dtype = probe.dtype
+            base_bytes = sum(p.numel() * p.element_size()
+                             for p in probe.core.runner.model.parameters())
         print(f"base model              {results['base']['tokens_per_s']:9.1f} tokens/s")
         base_macs = sum(i * o for i, o in shapes(cfg).values())
         for rank in ranks:
@@ -121,15 +125,18 @@ def main() -> None:
                     key = f"rank {rank}, {count} adapter{'s' if count > 1 else ''}"
                     # Per token per layer: u = A x over every part, B u over every output.
                     extra = sum(rank * (i + o) for i, o in shapes(cfg).values())
+                    adapter_bytes = extra * cfg.num_layers * dtype.itemsize
                     results[key] = {"rank": rank, "adapters": count, "tokens_per_s": tps,
                                     "vs_base": tps / results["base"]["tokens_per_s"],
-                                    "extra_macs_share": extra / base_macs}
+                                    "extra_macs_share": extra / base_macs,
+                                    "bytes_bound": base_bytes / (base_bytes
+                                                                 + count * adapter_bytes)}
                     print(f"{key:<24}{tps:9.1f} tokens/s  {results[key]['vs_base']:5.2f}x base"
                           f"  (+{extra / base_macs:.1%} multiply-adds)")
-    print(f"\n{'run':<24}{'tokens/s':>10}{'vs base':>9}{'+MACs':>8}")
+    print(f"\n{'run':<24}{'tokens/s':>10}{'vs base':>9}{'+MACs':>8}{'bytes bound':>13}")
     for key, r in results.items():
         print(f"{key:<24}{r['tokens_per_s']:>10.1f}{r.get('vs_base', 1.0):>8.2f}x"
-              f"{r.get('extra_macs_share', 0.0):>8.1%}")
+              f"{r.get('extra_macs_share', 0.0):>8.1%}{r.get('bytes_bound', 1.0):>12.2f}x")
     device = options.get("device", "cpu")
     record = {"benchmark": "lora", "date": datetime.date.today().isoformat(),
               "machine": {"processor": platform.processor() or platform.machine(),

@@ -102,3 +102,15 @@ def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor,
     x8 = (x.double() / scale).clamp(-fmax, fmax).to(fp8)
     out = (x8.double() * scale) @ (weight.double() * weight_scale.double()[:, None]).t()
     return out.to(x.dtype)
+
+
+def lora_add_reference(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                       token_slots: list[int]) -> torch.Tensor:
+    """out plus the update of kernels/lora.py, row by row with float32 sums:
+    u = x A^T rounded to the weights' dtype, then u B (a [S, W, in], b [S, W, out])."""
+    result = out.float().clone()
+    for row, slot in enumerate(token_slots):
+        if slot >= 0:
+            u = (x[row].float() @ a[slot].float().T).to(a.dtype).float()
+            result[row] += u @ b[slot].float()
+    return result.to(out.dtype)

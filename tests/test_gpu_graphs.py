@@ -63,18 +63,18 @@ def test_graph_replay_equals_eager_bitwise(tmp_path, backend, dtype):
                 max_running_requests=24, attention_backend=backend) as engine:
         core = engine.core
         graphs = core.runner.cuda_graphs
-        assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8, 16, 24]
+        assert graphs is not None and sorted(bs for bs, _ in graphs.graphs) == [1, 2, 4, 8, 16, 24]
         model = core.runner.model
         for num, seed in [(1, 0), (3, 1), (8, 2), (13, 3), (24, 4)]:
             inputs = _decode_inputs(core, num, seed)
             bs = graphs.padded_size(num)
             with torch.inference_mode():
                 replayed = graphs.forward(*inputs).clone()
-                graph = graphs.graphs.pop(bs)  # the same padded batch, eagerly
+                graph = graphs.graphs.pop((bs, False))  # the same padded batch, eagerly
                 try:
                     eager = graphs.forward(*inputs).clone()
                 finally:
-                    graphs.graphs[bs] = graph
+                    graphs.graphs[bs, False] = graph
                 assert torch.equal(replayed, eager), f"batch {num} (padded to {bs})"
                 assert torch.equal(model.compute_logits(replayed), model.compute_logits(eager))
             for request, row in zip(inputs[0], inputs[3]):

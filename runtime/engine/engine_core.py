@@ -82,9 +82,8 @@ class EngineCore:
         self.leases = (None if self.cache is None else
                        LeaseTable(self.cache, int(num_pages * config.lease_memory_fraction)))
         self.scheduler = Scheduler(config, self.kv)
-        self.runner = setup.runner(loaded, attn, self.kv_cache, self.table)
-        if self.lora is not None:
-            self.runner.use_lora(self.lora.slots)
+        self.runner = setup.runner(loaded, attn, self.kv_cache, self.table,
+                                   None if self.lora is None else self.lora.slots)
         self.speculator = (None if config.speculative is None
                            else setup.speculator(draft, self.runner, self.kv, mc.vocab_size))
         self.requests: dict[str, Request] = {}

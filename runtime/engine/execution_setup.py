@@ -26,6 +26,7 @@ from radixlm.runtime.execution.model_runner import ModelRunner
 from radixlm.runtime.execution.speculative.draft_model import DraftModel
 from radixlm.runtime.execution.speculative.speculator import Speculator
 from radixlm.runtime.models.loader import LoadedModel
+from radixlm.runtime.models.lora.slots import LoRASlots
 from radixlm.runtime.parallel.sharded import ShardedModel
 from radixlm.runtime.scheduling.kv_manager import KVManager
 from radixlm.runtime.scheduling.pages import ReqToTokenTable
@@ -88,9 +89,10 @@ class ExecutionSetup:
         return kv_cache
 
     def runner(self, loaded: LoadedModel, attn: Any, kv_cache: KVCache,
-               table: ReqToTokenTable) -> ModelRunner:
+               table: ReqToTokenTable, lora: LoRASlots | None = None) -> ModelRunner:
         """The model runner, with the CPU decode kernel or the decode graphs where they apply;
-        with tensor parallelism, the other ranks allocate their KV and capture alongside."""
+        with tensor parallelism, the other ranks allocate their KV and capture alongside.
+        lora: the adapters' slots, when the engine serves any."""
         config, device, tp_group = self.config, self.device, self.tp_group
         runner = ModelRunner(loaded.model, attn, kv_cache, table, device)
         if device.type == "cpu" and not config.disable_cpu_kernel:
@@ -103,7 +105,9 @@ class ExecutionSetup:
         if self.graphs:
             runner.cuda_graphs = DecodeGraphs(
                 loaded.model.model if tp_group else loaded.model, attn, kv_cache,
-                table, **self.graph_args, followers=tp_group)
+                table, **self.graph_args, followers=tp_group, lora=lora)
+        if lora is not None:
+            runner.use_lora(lora)
         return runner
 
     def speculator(self, draft: LoadedModel | None, runner: ModelRunner, kv: KVManager,

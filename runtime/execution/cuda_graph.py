@@ -21,6 +21,10 @@ near its weight-streaming time. A graph replays fixed kernels on fixed addresses
   step's device inputs and slot-table rows to the other ranks (`followers`), which copy them
   into their own buffers and replay (`replay_received`): they hold no slot table of their own.
 
+- With LoRA adapters served, each size is captured twice: without them (base-model steps pay
+  nothing) and with the adapters' kernels reading rows and tiles from the slots' fixed buffers
+  (models/lora/slots.py), filled before each replay of a step that uses adapters.
+
 Only steps where every sequence has exactly one new token (decode, or a one-token prompt)
 go through here; the model runner sends every other step down the eager path.
 `capture=False` keeps the padding and buffers but runs the forward eagerly: that is how the
@@ -37,6 +41,7 @@ import torch
 from radixlm.runtime.attention.backend import AttentionBackend, ForwardBatch
 from radixlm.runtime.attention.kv_cache import KVCache
 from radixlm.runtime.models.llama import LlamaForCausalLM
+from radixlm.runtime.models.lora.slots import LoRASlots
 from radixlm.runtime.scheduling.pages import ReqToTokenTable
 
 if TYPE_CHECKING:
@@ -60,11 +65,13 @@ def capture_sizes(limit: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, model: LlamaForCausalLM, attn: AttentionBackend, kv_cache: KVCache,
                  table: ReqToTokenTable | None, scratch_slot: int, max_batch_size: int,
-                 max_len: int, capture: bool = True, followers: Any = None) -> None:
+                 max_len: int, capture: bool = True, followers: Any = None,
+                 lora: LoRASlots | None = None) -> None:
         """scratch_slot: a KV slot outside every page the allocator hands out. max_len: the
         longest context a sequence can have (the engine's max_model_len). table: None on a
         tensor-parallel rank other than 0 (it replays what rank 0 sends). followers: rank 0's
-        tensor_parallel.TensorParallelGroup, to send each replayed step to."""
+        tensor_parallel.TensorParallelGroup, to send each replayed step to. lora: the adapters'
+        slots, when the engine serves any."""
         self.model = model
         self.followers = followers
         self.attn = attn
@@ -87,8 +94,12 @@ class DecodeGraphs:
         # not rewritten under an in-flight copy.
         self._copied = [torch.cuda.Event() if pinned else None for _ in range(2)]
         self._turn = 0
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}  # each graph's hidden states [bs, d]
+        self.lora = lora
+        if lora is not None:
+            lora.graph_buffers(self.max_bs)
+        # Keyed by (batch size, with adapters)
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}  # hidden states [bs, d]
         if capture:
             self._capture_all()
 
@@ -101,10 +112,12 @@ class DecodeGraphs:
     @torch.inference_mode()
     def forward(self, requests: Sequence[Request], input_ids: Sequence[int],
                 positions: Sequence[int], rows: Sequence[int], kv_lens: Sequence[int],
-                pending_tokens: torch.Tensor | None = None) -> torch.Tensor:
+                pending_tokens: torch.Tensor | None = None,
+                adapters: bool = False) -> torch.Tensor:
         """Hidden states [len(requests), d] of one decode step (one new token per request, at
         positions[i] of request i, whose slot-table row is rows[i]). pending_tokens, a device
-        tensor, replaces input_ids when the tokens are not on the host yet."""
+        tensor, replaces input_ids when the tokens are not on the host yet. adapters: the
+        step uses LoRA adapters (as the slots' prepared step says)."""
         num = len(requests)
         bs = self.padded_size(num)
         page = self.page_size
@@ -118,7 +131,7 @@ class DecodeGraphs:
         if self.followers is not None:
             self.followers.graph_step(self.inputs[:SENT_ROWS, :bs],
                                       self.slot_table[:num, :width], batch.kv_lens)
-        return self._run(batch, num)
+        return self._run(batch, num, adapters)
 
     @torch.inference_mode()
     def replay_received(self, inputs: torch.Tensor, table_rows: torch.Tensor,
@@ -136,12 +149,15 @@ class DecodeGraphs:
             kv_cache=self.kv_cache)
         self._run(batch, num)
 
-    def _run(self, batch: ForwardBatch, num: int) -> torch.Tensor:
+    def _run(self, batch: ForwardBatch, num: int, adapters: bool = False) -> torch.Tensor:
         bs = len(batch.q_lens)
         self.attn.plan_cuda_graph(batch, self.inputs[KV_LENS, :bs])
-        if bs in self.graphs:
-            self.graphs[bs].replay()
-            return self.outputs[bs][:num]
+        key = (bs, adapters)
+        if key in self.graphs:
+            if adapters:
+                self.lora.stage_graph()
+            self.graphs[key].replay()
+            return self.outputs[key][:num]
         return self.model(batch, self.attn)[:num]
 
     def _stage(self, bs: int, input_ids: Sequence[int], positions: Sequence[int],
@@ -172,19 +188,31 @@ class DecodeGraphs:
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
+        variants = [False] if self.lora is None else [False, True]
         # Largest first: the smaller graphs then fit in the memory pool the largest left.
         for bs in reversed(self.sizes):
             batch = self._stage(bs, [0] * bs, [0] * bs, [1] * bs, [self.scratch_slot] * bs,
                                 [0] * bs)
             self.attn.plan_cuda_graph(batch, self.inputs[KV_LENS, :bs])
-            # A warm-up run outside the capture compiles the Triton / FlashInfer kernels for
-            # this shape; nothing may compile or allocate host-synchronously while capturing.
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                self.model(batch, self.attn)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.outputs[bs] = self.model(batch, self.attn)
-            self.graphs[bs] = graph
+            for adapters in variants:
+                if adapters:  # every tile unused while capturing: the kernels only launch
+                    self.lora.step = self.lora.graph_step(bs)
+                try:
+                    self._capture(bs, adapters, batch, pool, stream)
+                finally:
+                    if adapters:
+                        self.lora.step = None
         torch.cuda.synchronize(self.device)
+
+    def _capture(self, bs: int, adapters: bool, batch: ForwardBatch, pool: Any,
+                 stream: torch.cuda.Stream) -> None:
+        # A warm-up run outside the capture compiles the Triton / FlashInfer kernels for this
+        # shape; nothing may compile or allocate host-synchronously while capturing.
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self.model(batch, self.attn)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            self.outputs[bs, adapters] = self.model(batch, self.attn)
+        self.graphs[bs, adapters] = graph

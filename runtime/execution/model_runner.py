@@ -72,15 +72,17 @@ class ModelRunner:
         sample_rows, prompt_rows = inputs.sample_rows, inputs.prompt_rows
         pending = scheduled.pending_tokens
         graphs = self.cuda_graphs
+        adapters = False
         if self.lora is not None:
             self.lora.prepare([r.lora for r in scheduled.requests], scheduled.num_new_tokens)
-            if self.lora.step is not None:
+            adapters = self.lora.step is not None
+            if adapters and graphs is not None and graphs.lora is None:
                 graphs = None  # the graphs were captured without the adapters' updates
         token_rows = (None if graphs is None or prompt_rows
                       else one_row_per_token(scheduled, inputs, graphs.max_bs))
         batch = None
         if token_rows is not None:
-            hidden = graphs.forward(*token_rows, pending)
+            hidden = graphs.forward(*token_rows, pending, adapters=adapters)
         else:
             batch = self._device_batch(inputs, pending)
             if self.cpu_decode is not None:

@@ -61,8 +61,8 @@ class LoRAPart:
 
     part: int
     row_start: int
-    a: torch.Tensor  # [r, in] float32
-    b: torch.Tensor  # [rows, r] float32, the scaling folded in
+    a: torch.Tensor  # [r, in], the file's dtype
+    b: torch.Tensor  # [rows, r], the scaling folded in
 
 
 @dataclass(eq=False)
@@ -123,7 +123,7 @@ def load_adapter(name: str, path: str | Path, model: torch.nn.Module) -> LoRAAda
             raise ValueError(f"lora {name!r}: module {module_name!r} has lora_"
                              f"{''.join(ab)} but not both lora_A and lora_B")
         target, part = _our_linear(name, module_name, model, modules)
-        a, b = ab["A"].float(), ab["B"].float()
+        a, b = ab["A"], ab["B"].float()
         rank = a.shape[0]
         if a.dim() != 2 or b.dim() != 2 or b.shape[1] != rank:
             raise ValueError(f"lora {name!r}: {module_name}: lora_A {tuple(a.shape)} and "
@@ -138,10 +138,13 @@ def load_adapter(name: str, path: str | Path, model: torch.nn.Module) -> LoRAAda
                 f"trained for another base model "
                 f"(base_model_name_or_path: {config.get('base_model_name_or_path')!r})")
         scaling = _scaling(config, module_name, rank)
+        # Kept in the file's dtype (a bfloat16 adapter takes half the host memory of float32);
+        # the scaling is folded into B in float32 first.
+        dtype = a.dtype if a.is_floating_point() else torch.float32
         row_start = linear.offsets[part] if part is not None else 0
         adapter.modules.setdefault(target, []).append(
-            LoRAPart(part=part or 0, row_start=row_start, a=a.contiguous(),
-                     b=(b * scaling).contiguous()))
+            LoRAPart(part=part or 0, row_start=row_start, a=a.to(dtype).contiguous(),
+                     b=(b * scaling).to(dtype).contiguous()))
         adapter.rank = max(adapter.rank, rank)
     return adapter
 

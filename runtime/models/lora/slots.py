@@ -11,8 +11,11 @@ recently used slot not needed by the step is overwritten; the scheduler admits a
 `num_slots` adapters into a running batch, so a step's adapters always fit.
 
 `LoRAStep` is what one forward needs: which slot each token row uses (-1: the base model), and
-the rows grouped by slot. A linear with a LoRALinear adds its update through it: one pair of
-matmuls per adapter in the step, never a loop over rows.
+the rows grouped by slot. A linear with a LoRALinear adds its update through it: on a GPU, the
+Triton shrink and expand kernels over the whole batch (kernels/lora.py, the rank padded to a
+multiple of their 16-rank blocks); elsewhere one pair of matmuls per adapter in the step, never
+a loop over rows. For CUDA graphs the rows and tiles go into buffers allocated once
+(`graph_step`, `stage_graph`), and a graph is captured with the most tiles its batch can need.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Sequence
 
 import torch
 
+from radixlm.kernels.lora import BLOCK_R, TILE_FIELDS, group_rows, max_tiles
 from radixlm.runtime.models.layers.linear import Linear
 from radixlm.runtime.models.lora.adapter import LoRAAdapter
 
@@ -35,6 +39,10 @@ class LoRAStep:
     # (slot, rows): contiguous (start, stop) when the slot's rows are one run, else an index
     # tensor of them.
     groups: list[tuple[int, slice | torch.Tensor]] = field(default_factory=list)
+    # On a GPU (kernels/lora.py): the adapted rows slot by slot, and their tiles.
+    rows: torch.Tensor | None = None  # int32
+    tiles: torch.Tensor | None = None  # [>= num_tiles, 3] int32
+    num_tiles: int = 0
 
 
 class LoRALinear:
@@ -49,6 +57,10 @@ class LoRALinear:
         self.b = torch.zeros(num_slots, parts * rank, linear.out_features, dtype=dtype,
                              device=device)
         self.owner = owner
+        # Output columns each part's B may write (kernels/lora.py reads a part's ranks only
+        # for them): the part's own, widened when an adapter's module spans several parts.
+        self._cols = [[linear.offsets[p], linear.offsets[p + 1]] for p in range(parts)]
+        self.part_cols = torch.tensor(self._cols, dtype=torch.int32, device=device)
 
     def fill(self, slot: int, adapter_parts: Sequence) -> None:
         self.a[slot].zero_()
@@ -58,12 +70,21 @@ class LoRALinear:
             first = p.part * self.rank
             self.a[slot, first:first + r].copy_(p.a)
             self.b[slot, first:first + r, p.row_start:p.row_start + rows].copy_(p.b.T)
+            cols = self._cols[p.part]
+            if p.row_start < cols[0] or p.row_start + rows > cols[1]:
+                cols[:] = min(cols[0], p.row_start), max(cols[1], p.row_start + rows)
+                self.part_cols.copy_(torch.tensor(self._cols, dtype=torch.int32))
 
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out + this step's updates, row by row each adapter's own."""
         step = self.owner.step
-        if step is None or not step.groups:
+        if step is None:
             return out
+        if step.tiles is not None:
+            from radixlm.kernels.lora import lora_add
+
+            return lora_add(x, out, self.a, self.b, step.rows, step.tiles, step.num_tiles,
+                            self.owner.ranks, self.part_cols, self.rank)
         for slot, rows in step.groups:
             xs = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
             update = (xs.to(self.a.dtype) @ self.a[slot].T) @ self.b[slot]
@@ -84,11 +105,18 @@ class LoRASlots:
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.device = device
+        self.use_kernels = device.type == "cuda"
+        # The rows each part's A takes in a slot (a multiple of the kernels' rank block).
+        stride = -(-max_rank // BLOCK_R) * BLOCK_R if self.use_kernels else max_rank
         self.linears: dict[str, LoRALinear] = {}
         for name, module in model.named_modules():
             if isinstance(module, Linear) and _adaptable(name):
                 module.lora = self.linears[name] = LoRALinear(
-                    module, num_slots, max_rank, dtype, device, self)
+                    module, num_slots, stride, dtype, device, self)
+        self.ranks = torch.zeros(num_slots, dtype=torch.int32, device=device)
+        # CUDA graphs' rows and tiles (graph_buffers)
+        self._graph_rows: torch.Tensor | None = None
+        self._graph_tiles: torch.Tensor | None = None
         self.step: LoRAStep | None = None
         # slot -> adapter in it, least recently used first
         self._resident: OrderedDict[int, LoRAAdapter] = OrderedDict()
@@ -112,6 +140,14 @@ class LoRASlots:
         per_row: list[int] = []
         for adapter, count in zip(adapters, counts):
             per_row.extend([-1 if adapter is None else slots[id(adapter)]] * count)
+        if self.use_kernels:
+            rows, tiles = group_rows(per_row)
+            self.step = LoRAStep(
+                rows=torch.tensor(rows, dtype=torch.int32).to(self.device),
+                tiles=torch.tensor(tiles, dtype=torch.int32).to(self.device),
+                num_tiles=len(tiles))
+            self._host_step = rows, tiles
+            return
         token_slots = torch.tensor(per_row, dtype=torch.int64)
         groups: list[tuple[int, slice | torch.Tensor]] = []
         for slot in sorted(set(slots.values())):
@@ -120,6 +156,28 @@ class LoRASlots:
             run = last - first + 1 == len(rows)
             groups.append((slot, slice(first, last + 1) if run else rows.to(self.device)))
         self.step = LoRAStep(token_slots.to(self.device), groups)
+
+    def graph_buffers(self, max_batch_size: int) -> None:
+        """Allocate the rows and tiles CUDA graphs read, for up to max_batch_size rows."""
+        self._graph_rows = torch.zeros(max_batch_size, dtype=torch.int32, device=self.device)
+        self._graph_tiles = torch.full((max_tiles(max_batch_size, self.num_slots), TILE_FIELDS),
+                                       -1, dtype=torch.int32, device=self.device)
+
+    def graph_step(self, batch_size: int) -> LoRAStep:
+        """The step a graph of batch_size rows is captured with: the fixed buffers, and as
+        many tiles as batch_size rows can need (unused ones are -1 when replayed)."""
+        assert self._graph_rows is not None and self._graph_tiles is not None
+        return LoRAStep(rows=self._graph_rows, tiles=self._graph_tiles,
+                        num_tiles=max_tiles(batch_size, self.num_slots))
+
+    def stage_graph(self) -> None:
+        """Copy the prepared step's rows and tiles into the graphs' buffers."""
+        assert self._graph_rows is not None and self._graph_tiles is not None
+        rows, tiles = self._host_step
+        padded = tiles + [(-1, 0, 0)] * (self._graph_tiles.shape[0] - len(tiles))
+        self._graph_tiles.copy_(torch.tensor(padded, dtype=torch.int32), non_blocking=True)
+        self._graph_rows[:len(rows)].copy_(torch.tensor(rows, dtype=torch.int32),
+                                          non_blocking=True)
 
     def forget(self, adapter: LoRAAdapter) -> None:
         """An unloaded adapter's slot becomes free (no running request uses it any more)."""
@@ -138,6 +196,7 @@ class LoRASlots:
                 del self._resident[slot]
             for name, linear in self.linears.items():
                 linear.fill(slot, adapter.modules.get(name, ()))
+            self.ranks[slot] = adapter.rank
         self._resident[slot] = adapter
         self._resident.move_to_end(slot)
         return slot

@@ -1,0 +1,167 @@
+"""LoRA updates for a batch whose rows use different adapters: shrink (u = A x) and expand
+(out += B u), each one launch over the whole batch (SGMV style).
+
+The rows are grouped by adapter slot on the host: `rows` lists the batch's row indices slot
+by slot, and `tiles` [num_tiles, 3] cuts that list into tiles of at most BLOCK_M rows of one
+slot, as (slot, first, stop) into `rows`; a tile whose slot is -1 does nothing, so a CUDA
+graph can be captured with as many tiles as its batch size could ever need and replayed with
+fewer. Rows of the base model are in no tile and are not touched.
+
+Weights, per linear (see runtime/models/lora/slots.py): A [slots, P * R, in] (part p's A in
+rows p R .. p R + rank) and B transposed [slots, P * R, out]. `ranks[slot]` is the slot's
+adapter rank, so a rank-16 adapter in rank-64 slots reads a quarter of the weights.
+`part_cols[p]` = (first, stop) output columns part p's B may write: expand reads part p's
+rank block only for output tiles inside them, so a fused qkv or gate_up layer does not read
+the zeros of its B outside each part.
+
+Shrink splits `in` over SPLIT_K programs (a batch-1 GEMV needs the parallelism) that write
+float32 partial sums [SPLIT_K, rows, P * R]; expand adds them in split order before rounding u
+to the weights' dtype (as the unfused x @ A^T would) — no atomics, so the result does not
+depend on which program ran first.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 16  # rows per tile (tl.dot's smallest M)
+BLOCK_R = 16  # ranks per program: the slots' rank R is a multiple of it
+TILE_FIELDS = 3
+
+
+def split_k(in_features: int) -> int:
+    """Programs `in` is split over in shrink: about 1024 inputs each, at most 16."""
+    return max(1, min(16, triton.cdiv(in_features, 1024)))
+
+
+def group_rows(token_slots: list[int]) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """(rows, tiles) for a batch whose row i uses slot token_slots[i] (-1: no adapter): the
+    adapted rows slot by slot, and tiles (slot, first, stop) of at most BLOCK_M of them."""
+    by_slot: dict[int, list[int]] = {}
+    for row, slot in enumerate(token_slots):
+        if slot >= 0:
+            by_slot.setdefault(slot, []).append(row)
+    rows: list[int] = []
+    tiles: list[tuple[int, int, int]] = []
+    for slot in sorted(by_slot):
+        first = len(rows)
+        rows.extend(by_slot[slot])
+        tiles.extend((slot, start, min(start + BLOCK_M, len(rows)))
+                     for start in range(first, len(rows), BLOCK_M))
+    return rows, tiles
+
+
+def max_tiles(num_rows: int, num_slots: int) -> int:
+    """The most tiles `group_rows` gives for num_rows rows over num_slots slots."""
+    return min(num_rows, triton.cdiv(num_rows, BLOCK_M) + num_slots)
+
+
+@triton.jit
+def _shrink_kernel(x_ptr, a_ptr, rows_ptr, tiles_ptr, ranks_ptr, partial_ptr,
+                   num_rows, in_features, stride_x, width, rank_stride, k_per_split,
+                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    tile = tl.program_id(0)
+    rank_block = tl.program_id(1)
+    split = tl.program_id(2)
+    slot = tl.load(tiles_ptr + tile * 3)
+    if slot >= 0:
+        rank = tl.load(ranks_ptr + slot)
+        if (rank_block * BLOCK_R) % rank_stride < rank:
+            first = tl.load(tiles_ptr + tile * 3 + 1)
+            stop = tl.load(tiles_ptr + tile * 3 + 2)
+            m = first + tl.arange(0, BLOCK_M)
+            m_ok = m < stop
+            rows = tl.load(rows_ptr + m, mask=m_ok, other=0).to(tl.int64)
+            r = rank_block * BLOCK_R + tl.arange(0, BLOCK_R)
+            a_base = a_ptr + slot.to(tl.int64) * width * in_features
+            acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            k_first = split * k_per_split
+            k_stop = tl.minimum(k_first + k_per_split, in_features)
+            for k in range(k_first, k_stop, BLOCK_K):
+                kk = k + tl.arange(0, BLOCK_K)
+                k_ok = kk < k_stop
+                xs = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :],
+                             mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                a = tl.load(a_base + r[None, :] * in_features + kk[:, None],
+                            mask=k_ok[:, None], other=0.0)
+                acc = tl.dot(xs, a, acc, input_precision=DOT_PRECISION)
+            out = partial_ptr + (split * num_rows + rows[:, None]) * width + r[None, :]
+            tl.store(out, acc, mask=m_ok[:, None])
+
+
+@triton.jit
+def _expand_kernel(partial_ptr, b_ptr, out_ptr, rows_ptr, tiles_ptr, ranks_ptr, part_cols_ptr,
+                   num_rows, out_features, stride_out, width, rank_stride,
+                   NUM_PARTS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    tile = tl.program_id(0)
+    col_block = tl.program_id(1)
+    slot = tl.load(tiles_ptr + tile * 3)
+    if slot >= 0:
+        rank = tl.load(ranks_ptr + slot)
+        first = tl.load(tiles_ptr + tile * 3 + 1)
+        stop = tl.load(tiles_ptr + tile * 3 + 2)
+        m = first + tl.arange(0, BLOCK_M)
+        m_ok = m < stop
+        rows = tl.load(rows_ptr + m, mask=m_ok, other=0).to(tl.int64)
+        n_first = col_block * BLOCK_N
+        n = n_first + tl.arange(0, BLOCK_N)
+        n_ok = n < out_features
+        n_stop = tl.minimum(n_first + BLOCK_N, out_features)
+        b_base = b_ptr + slot.to(tl.int64) * width * out_features
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for p in tl.static_range(NUM_PARTS):
+            cols_first = tl.load(part_cols_ptr + 2 * p)
+            cols_stop = tl.load(part_cols_ptr + 2 * p + 1)
+            if (cols_first < n_stop) & (cols_stop > n_first):
+                for j in range(0, rank, BLOCK_R):
+                    r = p * rank_stride + j + tl.arange(0, BLOCK_R)
+                    u = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+                    for s in tl.static_range(SPLIT_K):
+                        u += tl.load(partial_ptr + (s * num_rows + rows[:, None]) * width
+                                     + r[None, :], mask=m_ok[:, None], other=0.0)
+                    w = tl.load(b_base + r[:, None] * out_features + n[None, :],
+                                mask=n_ok[None, :], other=0.0)
+                    acc = tl.dot(u.to(w.dtype), w, acc, input_precision=DOT_PRECISION)
+        ptrs = out_ptr + rows[:, None] * stride_out + n[None, :]
+        mask = m_ok[:, None] & n_ok[None, :]
+        current = tl.load(ptrs, mask=mask, other=0.0)
+        tl.store(ptrs, (current.to(tl.float32) + acc).to(current.dtype), mask=mask)
+
+
+def lora_add(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+             rows: torch.Tensor, tiles: torch.Tensor, num_tiles: int, ranks: torch.Tensor,
+             part_cols: torch.Tensor, rank_stride: int) -> torch.Tensor:
+    """out[row] += B[slot] (A[slot] x[row]) for each row of the first `num_tiles` tiles, in
+    place; returns out.
+
+    x [T, in] and out [T, out] with contiguous columns; a [S, W, in] and b [S, W, out]
+    contiguous (W = parts * rank_stride); rows and tiles [>= num_tiles, 3] int32 (as in the
+    module docstring); ranks [S] int32; part_cols [parts, 2] int32.
+    """
+    num_rows, in_features = x.shape
+    out_features = out.shape[1]
+    width = a.shape[1]
+    if num_rows == 0 or num_tiles == 0:
+        return out
+    assert x.stride(1) == 1 and out.stride(1) == 1 and a.is_contiguous() and b.is_contiguous()
+    assert rank_stride % BLOCK_R == 0 and width % rank_stride == 0
+    splits = split_k(in_features)
+    block_k = 64 if in_features <= 2048 else 128
+    k_per_split = triton.cdiv(triton.cdiv(in_features, splits), block_k) * block_k
+    splits = triton.cdiv(in_features, k_per_split)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    partials = torch.empty((splits, num_rows, width), dtype=torch.float32, device=x.device)
+    _shrink_kernel[(num_tiles, width // BLOCK_R, splits)](
+        x, a, rows, tiles, ranks, partials, num_rows, in_features, x.stride(0), width,
+        rank_stride, k_per_split, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=block_k,
+        DOT_PRECISION=precision)
+    block_n = 64 if out_features <= 2048 else 128
+    _expand_kernel[(num_tiles, triton.cdiv(out_features, block_n))](
+        partials, b, out, rows, tiles, ranks, part_cols, num_rows, out_features, out.stride(0),
+        width, rank_stride, NUM_PARTS=part_cols.shape[0], SPLIT_K=splits, BLOCK_M=BLOCK_M,
+        BLOCK_R=BLOCK_R, BLOCK_N=block_n, DOT_PRECISION=precision)
+    return out

@@ -1,0 +1,82 @@
+"""LoRA on CUDA (`pytest -m gpu`): the shrink/expand kernels at an 8B model's sizes in
+bfloat16 against the plain-torch reference, and the engine with adapters in its decode graphs
+against peft and against itself with the graphs off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_engine import assert_no_leak
+from test_lora import models, modules, peft_logprobs  # noqa: F401 (models is a fixture)
+
+from radixlm.runtime import Engine
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize("in_features,parts", [(4096, [4096, 1024, 1024]), (14336, [4096])])
+def test_kernels_bf16_at_8b_sizes(in_features, parts):
+    from radixlm.kernels.lora import TILE_FIELDS, group_rows, lora_add
+    from radixlm.kernels.reference import lora_add_reference
+
+    gen = torch.Generator().manual_seed(0)
+    ranks, stride = [16, 64, 8, 64], 64
+    slots, out_features = len(ranks), sum(parts)
+    a = torch.zeros(slots, len(parts) * stride, in_features)
+    b = torch.zeros(slots, len(parts) * stride, out_features)
+    cols = [0]
+    for size in parts:
+        cols.append(cols[-1] + size)
+    for slot, rank in enumerate(ranks):
+        for p in range(len(parts)):
+            a[slot, p * stride:p * stride + rank] = torch.randn(rank, in_features,
+                                                                generator=gen) / 64
+            b[slot, p * stride:p * stride + rank, cols[p]:cols[p + 1]] = torch.randn(
+                rank, parts[p], generator=gen) / 8
+    token_slots = torch.randint(-1, slots, (77,), generator=gen).tolist()
+    x = torch.randn(len(token_slots), in_features, generator=gen)
+    out = torch.randn(len(token_slots), out_features, generator=gen)
+    dev = dict(device="cuda", dtype=torch.bfloat16)
+    x, out, a, b = x.to(**dev), out.to(**dev), a.to(**dev), b.to(**dev)
+    rows, tiles = group_rows(token_slots)
+    got = lora_add(x, out.clone(), a, b, torch.tensor(rows, dtype=torch.int32, device="cuda"),
+                   torch.tensor(tiles, dtype=torch.int32, device="cuda").view(-1, TILE_FIELDS),
+                   len(tiles), torch.tensor(ranks, dtype=torch.int32, device="cuda"),
+                   torch.tensor([[cols[p], cols[p + 1]] for p in range(len(parts))],
+                                dtype=torch.int32, device="cuda"), stride)
+    want = lora_add_reference(x, out, a, b, token_slots)
+    err = ((got.float() - want.float()).norm() / (want.float() - out.float()).norm()).item()
+    assert err < 2e-2, err
+    base = torch.tensor([s < 0 for s in token_slots], device="cuda")
+    assert torch.equal(got[base], out[base])  # base-model rows are not touched
+
+
+def test_engine_with_graphs_matches_peft_and_eager(models):  # noqa: F811
+    """float32 (the kernels' ieee products): scores within 1e-3 of peft; a mixed batch's
+    decode, replayed through the adapters' graphs, gives the tokens and (within 1e-4) the
+    logprobs of the eager path."""
+    ids = torch.randint(3, 512, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    options = dict(device="cuda", dtype="float32", attention_backend="triton",
+                   max_running_requests=8, lora_modules=modules(models, "a", "b", "c"))
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 23, 9, 17, 14)]
+    loras = ["a", "b", None, "a", "c"]
+    params = {"temperature": 0, "max_new_tokens": 8, "min_new_tokens": 8, "logprobs": True}
+    results = {}
+    for graphs in (True, False):
+        with Engine(str(models["base"]), disable_cuda_graph=not graphs, **options) as engine:
+            if graphs:
+                captured = engine.core.runner.cuda_graphs.graphs
+                assert (1, True) in captured and (8, True) in captured
+                for name in (None, "a", "b", "c"):
+                    got = engine.score(ids[:12], [ids[12:]], lora=name)[0]
+                    want = peft_logprobs(models, name, ids, 12)
+                    assert max(abs(x - y) for x, y in zip(got, want)) < 1e-3, name
+            outs = engine.generate(input_ids=prompts, sampling_params=params, lora=loras)
+            results[graphs] = [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs]
+            assert_no_leak(engine)
+    for (tokens, logprobs), (eager_tokens, eager_logprobs) in zip(results[True],
+                                                                  results[False]):
+        assert tokens == eager_tokens
+        assert max(abs(x - y) for x, y in zip(logprobs, eager_logprobs)) < 1e-4
