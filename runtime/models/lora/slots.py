@@ -105,7 +105,7 @@ class LoRASlots:
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.device = device
-        self.use_kernels = device.type == "cuda"
+        self.use_kernels = uses_kernels(device)
         # The rows each part's A takes in a slot (a multiple of the kernels' rank block).
         stride = -(-max_rank // BLOCK_R) * BLOCK_R if self.use_kernels else max_rank
         self.linears: dict[str, LoRALinear] = {}
@@ -200,6 +200,11 @@ class LoRASlots:
         self._resident[slot] = adapter
         self._resident.move_to_end(slot)
         return slot
+
+
+def uses_kernels(device: torch.device) -> bool:
+    """Whether the updates run in the Triton kernels (on a GPU) or as torch matmuls."""
+    return device.type == "cuda"
 
 
 def _adaptable(module_name: str) -> bool:
