@@ -29,6 +29,10 @@ SAMPLING_ALIASES = {
 # entries, so asking for it changes nothing.
 LANGUAGE_ONLY_FIELDS = frozenset({"return_text_in_logprobs"})
 
+# The LoRA adapter a call runs with, by name: a field of gen and tool_call (and of run()'s
+# defaults, for every call of the program), kept beside the sampling fields but not one.
+ADAPTER = "lora"
+
 # Regexes behind `dtype=`: bounded, so a constrained number can't run to max_tokens. A number
 # may end with one space or newline, so a model that wants to end it can (EOS is rarely
 # likely mid-sentence); the value and the text appended are the number without it.
@@ -97,7 +101,10 @@ class Gen(Expr):
     convert: bool = True
 
     def params(self, defaults: dict[str, Any]) -> SamplingParams:
-        return SamplingParams.from_dict({**defaults, **self.sampling})
+        return sampling_params({**defaults, **self.sampling})
+
+    def adapter(self, defaults: dict[str, Any]) -> str | None:
+        return {**defaults, **self.sampling}.get(ADAPTER)
 
 
 @dataclass(frozen=True)
@@ -105,6 +112,10 @@ class Select(Expr):
     name: str | None
     choices: tuple[str, ...]
     method: ChoicesMethod
+    lora: str | None = None
+
+    def adapter(self, defaults: dict[str, Any]) -> str | None:
+        return self.lora or defaults.get(ADAPTER)
 
 
 @dataclass(frozen=True)
@@ -131,7 +142,10 @@ class ToolCalls(Expr):
     sampling: dict[str, Any] = field(default_factory=dict)
 
     def params(self, defaults: dict[str, Any]) -> SamplingParams:
-        return SamplingParams.from_dict({**defaults, **self.sampling})
+        return sampling_params({**defaults, **self.sampling})
+
+    def adapter(self, defaults: dict[str, Any]) -> str | None:
+        return {**defaults, **self.sampling}.get(ADAPTER)
 
 
 @dataclass(frozen=True)
@@ -149,12 +163,27 @@ class VarScopeEnd(Expr):
     name: str
 
 
+def sampling_params(fields: dict[str, Any]) -> SamplingParams:
+    """The SamplingParams of normalized fields (the adapter is not one of them)."""
+    return SamplingParams.from_dict({k: v for k, v in fields.items() if k != ADAPTER})
+
+
+def check_adapter(value: Any, where: str) -> str | None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ValueError(f"{where}: lora must be a LoRA adapter's name, got {value!r:.60}")
+    return value
+
+
 def normalize_sampling(kwargs: dict[str, Any], where: str) -> dict[str, Any]:
     """Map aliases onto SamplingParams names and check every value now, naming the field.
-    A None value is left out (unset), as in SGLang's signatures."""
+    A None value is left out (unset), as in SGLang's signatures. `lora` (the adapter) is
+    kept as it is."""
     out: dict[str, Any] = {}
     for key, value in kwargs.items():
         if value is None or key in LANGUAGE_ONLY_FIELDS:
+            continue
+        if key == ADAPTER:
+            out[ADAPTER] = check_adapter(value, where)
             continue
         name = SAMPLING_ALIASES.get(key, key)
         if name not in FIELD_NAMES:
@@ -165,7 +194,7 @@ def normalize_sampling(kwargs: dict[str, Any], where: str) -> dict[str, Any]:
             raise TypeError(f"{where}: {key!r} and its alias both given")
         out[name] = value
     try:
-        SamplingParams.from_dict(out)
+        sampling_params(out)
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
     return out
@@ -187,16 +216,18 @@ def gen(name: str | None = None, *args: Any, **kwargs: Any) -> Gen | Select:
     max_tokens, min_tokens, return_logprob, grammar for ebnf), by name or in SGLang's
     positional order (`gen("answer", 64)` is max_tokens=64). `choices=[...]` is `select`;
     `dtype=int|float|bool|str` (or its name) constrains the text with a regex and converts
-    the value."""
+    the value. `lora="name"` runs it with that LoRA adapter of the server's (run()'s
+    `lora=` sets one for every call of the program)."""
     kwargs = _positional("gen", GEN_POSITIONAL, args, kwargs)
     choices = kwargs.pop("choices", None)
     dtype = kwargs.pop("dtype", None)
     if choices is not None:
         method = kwargs.pop("choices_method", None) or token_length_normalized
         temperature = kwargs.pop("temperature", None) or 0.0
+        lora = kwargs.pop(ADAPTER, None)
         if dtype is not None or any(v is not None for v in kwargs.values()):
             raise TypeError("gen: choices= takes no sampling fields or dtype; use select()")
-        return select(name, choices, temperature, method)
+        return select(name, choices, temperature, method, lora=lora)
     if kwargs.pop("choices_method", None) is not None:
         raise TypeError("gen: choices_method= goes with choices=")
     _check_name(name, "gen")
@@ -224,10 +255,12 @@ def gen_string(name: str | None = None, *args: Any, **kwargs: Any) -> Gen:
 
 def select(name: str | None = None, choices: Sequence[str] | None = None,
            temperature: float = 0.0,
-           choices_method: ChoicesMethod = token_length_normalized) -> Select:
+           choices_method: ChoicesMethod = token_length_normalized, *,
+           lora: str | None = None) -> Select:
     """Pick one of `choices` by the model's likelihood of each, scored in one engine call
     over the shared prefix. The chosen text is appended and stored in `name`. Selection is
-    deterministic: `temperature` (SGLang's argument) must be 0."""
+    deterministic: `temperature` (SGLang's argument) must be 0. `lora`: score with that LoRA
+    adapter."""
     _check_name(name, "select")
     if (choices is None or isinstance(choices, str)
             or not all(isinstance(c, str) and c for c in choices) or not choices):
@@ -240,7 +273,7 @@ def select(name: str | None = None, choices: Sequence[str] | None = None,
     if not isinstance(choices_method, ChoicesMethod):
         raise TypeError("select: choices_method must be rl.token_length_normalized, "
                         "rl.greedy_token_selection or rl.unconditional_likelihood_normalized")
-    return Select(name, tuple(choices), choices_method)
+    return Select(name, tuple(choices), choices_method, check_adapter(lora, "select"))
 
 
 def _role(role: str, content: Any = None) -> Role | RoleBegin:

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from radixlm import segments
 from radixlm.backends import speculation
-from radixlm.backends.backend import Backend, Prompt, current_program
+from radixlm.backends.backend import Backend, Prompt, current_program, using_adapter
 from radixlm.chat import RoleRenderer
 from radixlm.expr import (
     Concat,
@@ -310,7 +310,8 @@ class Interpreter:
                 gens = [e for e in inner if isinstance(e, Gen)]
                 plain = all(isinstance(e, (Text, Gen)) for e in inner)
                 if plain and gens and len(inner) > 1 and all(
-                        speculation.speculable(g.params(self.defaults)) for g in gens):
+                        speculation.speculable(g.params(self.defaults)) for g in gens) \
+                        and len({g.adapter(self.defaults) for g in gens}) == 1:
                     return end - start + 1
                 return 0
         return 0
@@ -318,9 +319,11 @@ class Interpreter:
     async def _speculate_message(self, exprs: list[Expr]) -> None:
         parts = [e.text if isinstance(e, Text) else e.params(self.defaults)
                  for e in exprs[1:-1] if isinstance(e, (Text, Gen))]
+        adapter = next(e for e in exprs if isinstance(e, Gen)).adapter(self.defaults)
         try:
-            answers = await speculation.speculate_message(self.backend, self.messages, parts,
-                                                          self.spec_tokens or 0)
+            with using_adapter(adapter):
+                answers = await speculation.speculate_message(self.backend, self.messages,
+                                                              parts, self.spec_tokens or 0)
         except Exception as exc:  # noqa: BLE001 - fails this state, as a call would
             self.fail(exc)
             return
@@ -341,11 +344,13 @@ class Interpreter:
 
     def _start_segment(self, segment: segments.Segment,
                        exprs: list[Expr]) -> segments.SegmentStream | None:
-        if self.backend.supports_segments:
-            return self.backend.start_segment(segment)
-        if any(isinstance(e, (RoleBegin, RoleEnd)) for e in exprs):
-            return None
-        return self.backend.speculate(segment, self.spec_tokens or 0)
+        # The plan keeps one adapter per segment: its steps' (the stream's task inherits it).
+        with using_adapter(segments.adapter_of(self, exprs)):
+            if self.backend.supports_segments:
+                return self.backend.start_segment(segment)
+            if any(isinstance(e, (RoleBegin, RoleEnd)) for e in exprs):
+                return None
+            return self.backend.speculate(segment, self.spec_tokens or 0)
 
     async def _run_one(self, expr: Expr) -> None:
         try:
@@ -401,8 +406,9 @@ class Interpreter:
 
         # A number's text is only known once its end is (see expr.NUMBER_END): not streamed.
         number = expr.dtype in (int, float)
-        result = await self.backend.agenerate(prompt, params,
-                                              on_delta if self.stream and not number else None)
+        with using_adapter(expr.adapter(self.defaults)):
+            result = await self.backend.agenerate(
+                prompt, params, on_delta if self.stream and not number else None)
         text = result.text.rstrip(" \n") if number else result.text
         done = "".join(streamed)
         if not text.startswith(done):  # never expected; keep the text exact anyway
@@ -419,8 +425,9 @@ class Interpreter:
         # is an unnatural tokenization the model gives little probability to.
         stem = self.text.rstrip(" ")
         space = self.text[len(stem):]
-        scores = await self.backend.ascore(stem, [space + c for c in expr.choices],
-                                           expr.method.needs_unconditional)
+        with using_adapter(expr.adapter(self.defaults)):
+            scores = await self.backend.ascore(stem, [space + c for c in expr.choices],
+                                               expr.method.needs_unconditional)
         result = expr.method(scores)
         choice = expr.choices[result.index]
         self._append(choice, expr.name)
@@ -435,7 +442,9 @@ class Interpreter:
             raise ValueError("tool_call must be the whole content of an assistant message: "
                              "s += rl.assistant(rl.tool_call(...))")
         prompt = Prompt(self.text, self._open_messages(), self.role)
-        result = await self.backend.acall_tools(prompt, expr.tools, expr.params(self.defaults))
+        with using_adapter(expr.adapter(self.defaults)):
+            result = await self.backend.acall_tools(prompt, expr.tools,
+                                                    expr.params(self.defaults))
         calls = result.meta.get("tool_calls") or []
         if not calls:  # the model answered with text
             self._append(result.text, expr.name, result.meta)

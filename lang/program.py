@@ -23,8 +23,9 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from tqdm.auto import tqdm
 
 from radixlm.backends import background
-from radixlm.backends.backend import Backend, Prompt, resolve_backend
+from radixlm.backends.backend import Backend, Prompt, resolve_backend, using_adapter
 from radixlm.expr import (
+    ADAPTER,
     FIELD_NAMES,
     LANGUAGE_ONLY_FIELDS,
     SAMPLING_ALIASES,
@@ -221,7 +222,8 @@ class Program:
         for key, value in kwargs.items():
             if key in self.arg_names:
                 program[key] = value
-            elif key in FIELD_NAMES or key in SAMPLING_ALIASES or key in LANGUAGE_ONLY_FIELDS:
+            elif (key in FIELD_NAMES or key in SAMPLING_ALIASES or key in LANGUAGE_ONLY_FIELDS
+                  or key == ADAPTER):
                 sampling[key] = value
             else:
                 raise TypeError(f"{self.fn.__name__}() got an unexpected argument {key!r}: "
@@ -285,7 +287,11 @@ class Program:
         if any(p is None for p in prefixes):
             return None
         shared = _common_prefix(prefixes)
-        return await backend.apin_prefix(shared) if shared else None
+        adapters = {sampling.get(ADAPTER) for _, sampling in prepared}
+        if not shared or len(adapters) != 1:
+            return None
+        with using_adapter(adapters.pop()):  # cached under the adapter the runs use
+            return await backend.apin_prefix(shared)
 
     async def _trace(self, backend: Backend, call_args: inspect.BoundArguments) -> str | None:
         """The prompt of the program's first gen/select: run it against a backend that

@@ -80,9 +80,12 @@ async def plan(interp: Any, exprs: Sequence[Expr]) -> tuple[int, Segment, Render
     recorder.shadow = shadow
     start_text = shadow.text
     covered = 0
+    adapter = adapter_of(interp, exprs)
     for expr in exprs:
         if not _plannable(expr) or (_is_step(expr) and len(recorder.steps) == MAX_STEPS):
             break
+        if _is_step(expr) and expr.adapter(interp.defaults) != adapter:
+            break  # a segment is one sequence's KV, computed under one adapter
         recorder.expr = expr
         try:
             await shadow._execute(expr)
@@ -96,6 +99,12 @@ async def plan(interp: Any, exprs: Sequence[Expr]) -> tuple[int, Segment, Render
     if len(steps) < 2:
         return None
     return covered, Segment(start_text, tuple(steps), stream=interp.stream), recorder.render
+
+
+def adapter_of(interp: Any, exprs: Sequence[Expr]) -> str | None:
+    """The LoRA adapter of the first step among `exprs` (a segment's, see `plan`)."""
+    first = next((e for e in exprs if _is_step(e)), None)
+    return None if first is None else first.adapter(interp.defaults)
 
 
 def _is_step(expr: Expr) -> bool:

@@ -11,7 +11,17 @@ from concurrent.futures import Future
 from typing import Any, AsyncIterator, Iterator, Sequence
 
 from radixlm.backends import background
-from radixlm.expr import Expr, Role, RoleBegin, RoleEnd, VarScopeBegin, VarScopeEnd, to_expr
+from radixlm.backends.backend import using_adapter
+from radixlm.expr import (
+    ADAPTER,
+    Expr,
+    Role,
+    RoleBegin,
+    RoleEnd,
+    VarScopeBegin,
+    VarScopeEnd,
+    to_expr,
+)
 from radixlm.interpreter import Interpreter, ProgramError
 
 log = logging.getLogger(__name__)
@@ -67,7 +77,8 @@ class Run:
 
     async def _pin(self, text: str) -> Any:
         try:
-            return await self.backend.apin_prefix(text)
+            with using_adapter(self.defaults.get(ADAPTER)):  # where the branches will look
+                return await self.backend.apin_prefix(text)
         except Exception as exc:  # noqa: BLE001 - a failed pin only costs the hint
             log.warning("prefix pin failed: %s", exc)
             return None

@@ -11,6 +11,7 @@ import pytest
 import torch
 from test_engine import assert_no_leak
 
+import radixlm as rl
 from radixlm.runtime import Engine
 
 from conftest import save_tiny_hf_model
@@ -216,19 +217,56 @@ def post(url: str, body: dict, key: str | None = "key") -> tuple[int, dict]:
         return exc.code, json.loads(exc.read())
 
 
+@rl.function
+def mixed(s):
+    """Two gens under adapter a (one segment), one under the program's adapter, a select."""
+    s += "Name three colors:" + rl.gen("a1", max_tokens=4, lora="a")
+    s += rl.gen("a2", max_tokens=4, lora="a")
+    s += "\nAnd" + rl.gen("other", max_tokens=4)
+    s += "\nPick:" + rl.select("pick", ["red", "blue", "green"], lora="a")
+
+
+def mixed_by_calls(engine: Engine, default: str | None) -> dict[str, str]:
+    """What `mixed` gives made of one engine call per gen and select."""
+    params = {"temperature": 0, "max_new_tokens": 4}
+    text, got = "Name three colors:", {}
+    for name, before, lora in (("a1", "", "a"), ("a2", "", "a"), ("other", "\nAnd", default)):
+        text += before
+        got[name] = engine.generate(text, params, lora=lora).text
+        text += got[name]
+    from radixlm.runtime.engine.tokenization import encode_prompt
+
+    choices = [engine.tokenizer.encode(c, add_special_tokens=False)
+               for c in ("red", "blue", "green")]
+    scores = engine.score(encode_prompt(engine.tokenizer, text + "\nPick:"), choices, lora="a")
+    best = max(range(3), key=lambda i: sum(scores[i]) / len(scores[i]))
+    got["pick"] = ("red", "blue", "green")[best]
+    return got
+
+
 def test_server_serves_loads_and_unloads_adapters(chat_models):
     """--lora-modules over HTTP: /v1/models lists the adapter under its parent, `model` on the
     OpenAI routes and `lora_path` on /generate pick it (the engine's tokens), and the load and
-    unload routes (API key, --allow-runtime-lora-loading) change what is served."""
+    unload routes (API key, --allow-runtime-lora-loading) change what is served. Programs
+    choose adapters per gen and select (`lora=`) and per run, on the engine, over the native
+    routes (segments) and over the OpenAI routes, with the engine's per-call answers."""
     import openai
 
     from radixlm.backends.server_process import ServerProcess
 
     prompt = "Name three colors:"
     params = {"temperature": 0, "max_new_tokens": 8}
-    with Engine(str(chat_models["base"]), lora_modules=modules(chat_models, "a")) as engine:
+    with Engine(str(chat_models["base"]), lora_modules=modules(chat_models, "a", "b")) as engine:
         want = {name: engine.generate(prompt, params, lora=name) for name in (None, "a")}
+        calls = {default: mixed_by_calls(engine, default) for default in (None, "b")}
+        backend = rl.Engine(engine=engine)
+        for default, expected in calls.items():
+            state = mixed.run(backend=backend, temperature=0, lora=default)
+            assert {k: state[k] for k in expected} == expected, default
+        failed = mixed.run(backend=backend, temperature=0, lora="nope")
+        assert "no adapter named 'nope'" in str(failed.error())
     assert want[None].token_ids != want["a"].token_ids
+    assert calls[None]["other"] != calls["b"]["other"]
     args = ["--model", str(chat_models["base"]), "--served-model-name", "base",
             "--lora-modules", *modules(chat_models, "a"), "--allow-runtime-lora-loading",
             "--api-key", "key"]
@@ -244,6 +282,12 @@ def test_server_serves_loads_and_unloads_adapters(chat_models):
         completion = client.completions.create(model="a", prompt=prompt, max_tokens=8,
                                                temperature=0)
         assert completion.model == "a" and completion.choices[0].text == want["a"].text
+        endpoint = rl.RuntimeEndpoint(server.url, api_key="key")
+        state = mixed.run(backend=endpoint, temperature=0)
+        assert {k: state[k] for k in calls[None]} == calls[None]
+        compatible = rl.OpenAI("base", base_url=server.url + "/v1", api_key="key")
+        state = mixed.run(backend=compatible, temperature=0)
+        assert state["a1"] == calls[None]["a1"] and state["other"] == calls[None]["other"]
         status, error = post(server.url + "/generate", {"text": prompt, "lora_path": "b"})
         assert status == 400 and error["error"]["param"] == "lora_path"
         load = {"lora_name": "b", "lora_path": str(chat_models["b"])}

@@ -214,6 +214,22 @@ def logprob_meta(entries: Sequence[tuple[float | None, int, Any]], total: int,
 current_program: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "radixlm_program", default=None)
 
+# The LoRA adapter (by name) a backend call runs with, set by the interpreter around each call
+# from the expression's `lora` (or run()'s): backends send it with the call's requests.
+current_lora: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "radixlm_lora", default=None)
+
+
+@contextlib.contextmanager
+def using_adapter(name: str | None) -> Iterator[None]:
+    """Calls made inside run with LoRA adapter `name` (None: the base model)."""
+    token = current_lora.set(name)
+    try:
+        yield
+    finally:
+        current_lora.reset(token)
+
+
 # The backend of `set_default_backend`, for the whole process; `use_backend` overrides it in
 # its own context (thread or task).
 _process_default: Backend | None = None

@@ -12,6 +12,7 @@ from radixlm.backends.backend import (
     Generation,
     OnDelta,
     Prompt,
+    current_lora,
     current_program,
     logprob_meta,
 )
@@ -56,7 +57,7 @@ class EngineBackend(Backend):
             raise ValueError("n: a gen produces one completion; use s.fork(n) for several")
         if on_delta is None:
             out = await self.engine.async_generate(prompt.text, params,
-                                                   program_id=current_program.get())
+                                                   **_tags())
             assert not isinstance(out, list)
         else:
             out = await self._stream(prompt.text, params, on_delta)
@@ -77,7 +78,7 @@ class EngineBackend(Backend):
         since the last piece; the prompt's with the first)."""
         sent = 0  # logprob entries passed on with earlier pieces
         async for out in self.engine.generate_stream(text, params,
-                                                     program_id=current_program.get()):
+                                                     **_tags()):
             meta = self._meta(out, sent, prompt=sent == 0) if out.delta else {}
             if out.delta:
                 sent = len(out.logprobs or ())
@@ -120,10 +121,9 @@ class EngineBackend(Backend):
         if empty:
             raise ValueError(f"choices: {empty[0]!r} encodes to no tokens")
         prefix_ids = encode_prompt(self.tokenizer, prefix) if prefix else self._no_context()
-        program = current_program.get()
-        conditional = await self.engine.async_score(prefix_ids, choice_ids, program_id=program)
-        prior = (await self.engine.async_score(self._no_context(), choice_ids,
-                                               program_id=program) if unconditional else None)
+        conditional = await self.engine.async_score(prefix_ids, choice_ids, **_tags())
+        prior = (await self.engine.async_score(self._no_context(), choice_ids, **_tags())
+                 if unconditional else None)
         return ChoiceScores(conditional, prior)
 
     def _no_context(self) -> list[int]:
@@ -154,7 +154,7 @@ class EngineBackend(Backend):
         if trigger is not None and self.engine.is_special_token(trigger):
             params = params.replace(skip_special_tokens=False)  # the calls are parsed from it
         out = _finished(await self.engine.async_generate(text, params,
-                                                         program_id=current_program.get()))
+                                                         **_tags()))
         content, calls = (tool_formats.parse(plan.format, out.text,
                                              [t["name"] for t in tools.tools],
                                              cut=out.finish_reason == "length")
@@ -167,7 +167,8 @@ class EngineBackend(Backend):
     async def apin_prefix(self, text: str) -> Any:
         if not self.supports_cache_hints or not text:
             return None
-        return await self.engine.async_pin_prefix(text, ttl=LEASE_TTL_S)
+        return await self.engine.async_pin_prefix(text, ttl=LEASE_TTL_S,
+                                                  lora=current_lora.get())
 
     async def arelease_prefix(self, handle: Any) -> None:
         if handle is not None:  # a quick call on the engine thread, waited for off the loop
@@ -208,12 +209,17 @@ class _EngineOps:
                 last = out
         else:
             last = await self.backend.engine.async_generate(text, params,
-                                                            program_id=current_program.get())
+                                                            **_tags())
         assert last is not None and not isinstance(last, list)
         yield GenPiece("", {}, StepResult(_finished(last).text, self.backend._meta(last)))
 
     async def score(self, prefix: str, choices: list[str], unconditional: bool) -> ChoiceScores:
         return await self.backend.ascore(prefix, choices, unconditional)
+
+
+def _tags() -> dict[str, Any]:
+    """What every engine call of the running program carries: its id and its adapter."""
+    return {"program_id": current_program.get(), "lora": current_lora.get()}
 
 
 def _finished(out: Any) -> Output:

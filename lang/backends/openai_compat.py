@@ -20,7 +20,14 @@ import os
 from typing import Any, AsyncIterator, Sequence
 
 from radixlm.backends import speculation
-from radixlm.backends.backend import Backend, BackendError, Generation, OnDelta, Prompt
+from radixlm.backends.backend import (
+    Backend,
+    BackendError,
+    Generation,
+    OnDelta,
+    Prompt,
+    current_lora,
+)
 from radixlm.backends.http import HttpClient
 from radixlm.runtime.config.sampling_params import SamplingParams
 from radixlm.runtime.programs.choices import ChoiceScores
@@ -110,7 +117,7 @@ class OpenAI(Backend):
             *(self._choice_logprobs(prefix, c) for c in choices))))
 
     async def _choice_logprobs(self, prefix: str, choice: str) -> list[float]:
-        body = {"model": self.model, "prompt": prefix + choice, "max_tokens": 0,
+        body = {"model": self._model(), "prompt": prefix + choice, "max_tokens": 0,
                 "echo": True, "logprobs": 0, "temperature": 0}
         try:
             result = await self.http.post("/completions", body)
@@ -128,7 +135,12 @@ class OpenAI(Backend):
         return picked
 
     def _body(self, params: SamplingParams) -> dict[str, Any]:
-        return request_body(self.model, params)
+        return request_body(self._model(), params)
+
+    def _model(self) -> str:
+        """The model to ask for: the call's LoRA adapter, which OpenAI-compatible servers
+        (ours, vLLM) serve under its own name, else the backend's model."""
+        return current_lora.get() or self.model
 
 
 class _Calls:

@@ -12,7 +12,14 @@ import dataclasses
 from typing import Any, AsyncIterator, Sequence
 
 from radixlm.backends import background
-from radixlm.backends.backend import Backend, BackendError, Generation, OnDelta, Prompt
+from radixlm.backends.backend import (
+    Backend,
+    BackendError,
+    Generation,
+    OnDelta,
+    Prompt,
+    current_lora,
+)
 from radixlm.backends.http import HttpClient
 from radixlm.backends.openai_compat import chat_with_tools, request_body
 from radixlm.runtime.config.sampling_params import SamplingParams
@@ -42,7 +49,7 @@ class RuntimeEndpoint(Backend):
                         on_delta: OnDelta | None = None) -> Generation:
         if params.n != 1:
             raise ValueError("n: a gen produces one completion; use s.fork(n) for several")
-        body = {"text": prompt.text, **_generate_fields(params),
+        body = {"text": prompt.text, **_generate_fields(params), **_adapter(),
                 "stream": on_delta is not None}
         if on_delta is None:
             return _generation(await self.http.post("/generate", body))
@@ -61,13 +68,15 @@ class RuntimeEndpoint(Backend):
                  for step in segment.steps]
         # Cancelling the stream hangs up, which makes the server stop the step in flight.
         return SegmentStream(_segment_events(self.http.stream("/generate_program", {
-            "text": segment.text, "steps": steps, "stream": segment.stream})))
+            "text": segment.text, "steps": steps, "stream": segment.stream, **_adapter()})))
 
     async def acall_tools(self, prompt: Prompt, tools: Any, params: SamplingParams
                           ) -> Generation:
         # The server's OpenAI route does it all: the template's tools, the calls' structural tag.
+        # The OpenAI routes pick an adapter by model name.
         return await chat_with_tools(self.http, "/v1/chat/completions",
-                                     request_body("m", params), prompt, tools)
+                                     request_body(current_lora.get() or "m", params), prompt,
+                                     tools)
 
     async def ascore(self, prefix: str, choices: Sequence[str],
                      unconditional: bool) -> ChoiceScores:
@@ -78,7 +87,8 @@ class RuntimeEndpoint(Backend):
         return ChoiceScores(conditional, prior)
 
     async def _score(self, prefix: dict[str, Any], choices: Sequence[str]) -> list[list[float]]:
-        result = await self.http.post("/score", {**prefix, "continuations": list(choices)})
+        result = await self.http.post("/score", {**prefix, "continuations": list(choices),
+                                                 **_adapter()})
         return result["logprobs"]
 
     def _no_context(self) -> list[int]:
@@ -96,7 +106,8 @@ class RuntimeEndpoint(Backend):
     async def apin_prefix(self, text: str) -> Any:
         if not self.supports_cache_hints or not text:
             return None
-        result = await self.http.post("/pin_prefix", {"text": text, "ttl": LEASE_TTL_S})
+        result = await self.http.post("/pin_prefix", {"text": text, "ttl": LEASE_TTL_S,
+                                                      **_adapter()})
         return result["lease_id"]
 
     async def arelease_prefix(self, handle: Any) -> None:
@@ -120,6 +131,12 @@ class RuntimeEndpoint(Backend):
     def get_model_name(self) -> str:
         """The model's path or name, as the server reports it (SGLang's method)."""
         return self.info["model_path"]
+
+
+def _adapter() -> dict[str, Any]:
+    """The running call's LoRA adapter as the native routes take it (nothing for none)."""
+    name = current_lora.get()
+    return {} if name is None else {"lora_path": name}
 
 
 def _generate_fields(params: SamplingParams) -> dict[str, Any]:

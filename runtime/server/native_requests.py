@@ -56,6 +56,15 @@ def parse_tags(f: Fields, program_header: str | None = None) -> dict[str, Any]:
             "priority": f.integer("priority", 0, lo=-MAX_PRIORITY, hi=MAX_PRIORITY)}
 
 
+def one_lora(body: dict[str, Any], adapters: Any) -> str | None:
+    """A request's one `lora_path` (an adapter's name, or null), checked like parse_loras."""
+    if isinstance(body.get("lora_path"), list):
+        raise bad("lora_path: one adapter's name is expected here, not a list", "lora_path",
+                  "invalid_type")
+    loras = parse_loras(body.get("lora_path"), 1, adapters)
+    return None if loras is None else loras[0]
+
+
 def parse_loras(value: Any, count: int, adapters: Any) -> list[str | None] | None:
     """SGLang's `lora_path`: an adapter's name for every prompt, or a list with one name (or
     null) per prompt; each must be one the server serves (`adapters`)."""
@@ -268,10 +277,10 @@ def logprob_token_ids(samples: list[Sample]) -> set[int]:
 
 # -- the program-language routes ---------------------------------------------------------------
 
-def parse_pin(body: dict[str, Any], vocab_size: int) -> tuple[str | None, list[int] | None,
-                                                             str | None, float]:
+def parse_pin(body: dict[str, Any], vocab_size: int, adapters: Any = ()
+              ) -> tuple[str | None, list[int] | None, str | None, float, str | None]:
     f = Fields(body)
-    f.only(("text", "input_ids", "cache_salt", "ttl"))
+    f.only(("text", "input_ids", "cache_salt", "ttl", "lora_path"))
     if f.has("text") == f.has("input_ids"):
         raise bad("pass exactly one of text and input_ids", "text", "missing_field")
     text = f.string("text")
@@ -281,14 +290,14 @@ def parse_pin(body: dict[str, Any], vocab_size: int) -> tuple[str | None, list[i
     ttl = f.number("ttl", 600.0, hi=MAX_LEASE_TTL)
     if ttl <= 0:
         raise bad(f"ttl must be a positive number of seconds, got {ttl}", "ttl")
-    return text, ids, f.string("cache_salt"), float(ttl)
+    return text, ids, f.string("cache_salt"), float(ttl), one_lora(body, adapters)
 
 
-def parse_score(body: dict[str, Any], vocab_size: int,
-                program_header: str | None = None) -> dict[str, Any]:
+def parse_score(body: dict[str, Any], vocab_size: int, program_header: str | None = None,
+                adapters: Any = ()) -> dict[str, Any]:
     f = Fields(body)
     f.only(("prefix", "prefix_ids", "continuations", "continuation_ids", "cache_salt",
-            "program_id", "priority"))
+            "program_id", "priority", "lora_path"))
     if f.has("prefix") == f.has("prefix_ids"):
         raise bad("pass exactly one of prefix and prefix_ids", "prefix", "missing_field")
     if f.has("continuations") == f.has("continuation_ids"):
@@ -313,4 +322,4 @@ def parse_score(body: dict[str, Any], vocab_size: int,
     _check_batch(len(texts or ids), "continuations" if texts else "continuation_ids")
     return {"prefix": prefix, "prefix_ids": prefix_ids, "continuations": texts,
             "continuation_ids": ids, "cache_salt": f.string("cache_salt"),
-            **parse_tags(f, program_header)}
+            "lora": one_lora(body, adapters), **parse_tags(f, program_header)}

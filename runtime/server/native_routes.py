@@ -170,13 +170,14 @@ async def flush_cache(request: web.Request) -> web.Response:
 async def pin_prefix(request: web.Request) -> web.Response:
     state = state_of(request)
     info = state.require_engine()
-    text, ids, cache_salt, ttl = native.parse_pin(await read_json(request), info.vocab_size)
+    text, ids, cache_salt, ttl, lora = native.parse_pin(await read_json(request),
+                                                        info.vocab_size, state.adapters)
     if text is not None:
         ids = await state.codec.encode_prompt(text, "text")
     assert ids is not None
     check_prompt_len(len(ids), info.max_model_len, "text" if text is not None else "input_ids")
     pin = asyncio.ensure_future(call_engine(state, "pin_prefix", input_ids=ids,
-                                            cache_salt=cache_salt, ttl=ttl))
+                                            cache_salt=cache_salt, ttl=ttl, lora=lora))
     try:
         lease_id = await asyncio.shield(pin)
     except asyncio.CancelledError:
@@ -232,7 +233,7 @@ async def score_logprobs(state: ServerState, body: Any, program_header: str | No
                          ) -> list[list[float]]:
     """A /score body's answer: the logprobs of each continuation's tokens."""
     info = state.require_engine()
-    spec = native.parse_score(body, info.vocab_size, program_header)
+    spec = native.parse_score(body, info.vocab_size, program_header, state.adapters)
     param = "continuations" if spec["continuations"] is not None else "continuation_ids"
     count = len(spec["continuations"] or spec["continuation_ids"])
     # One engine request per continuation: bounded and queued like generation's samples.
@@ -256,7 +257,7 @@ async def score_logprobs(state: ServerState, body: Any, program_header: str | No
     return await call_engine(state, "score", counted=(f"score-{uuid.uuid4().hex}", count),
                              prefix_ids=prefix_ids, continuation_ids=continuation_ids,
                              cache_salt=spec["cache_salt"], program_id=spec["program_id"],
-                             priority=spec["priority"])
+                             priority=spec["priority"], lora=spec["lora"])
 
 
 async def apply_chat_template(request: web.Request) -> web.Response:

@@ -6,6 +6,7 @@ as the per-call routes, so it gets the same answer without a round trip.
 
     POST /generate_program
     {"text": "<the state's text>",
+     "lora_path": "<adapter name, for every step; optional>",
      "steps": [{"before": "<text>", "gen": {<a /generate body without text and stream>},
                 "number": false},
                {"before": "<text>", "select": {"choices": ["yes", "no"],
@@ -38,7 +39,7 @@ from radixlm.runtime.programs.segment import (
     run_segment,
 )
 from radixlm.runtime.protocol.fields import ApiError, Fields, bad
-from radixlm.runtime.server.native_requests import PROGRAM_HEADER, parse_tags
+from radixlm.runtime.server.native_requests import PROGRAM_HEADER, one_lora, parse_tags
 from radixlm.runtime.server.native_routes import (
     generation_events,
     generation_results,
@@ -49,7 +50,7 @@ from radixlm.runtime.server.state import ServerState
 from radixlm.runtime.server.web_util import read_json, state_of, stream_events
 
 # What a step's gen body may not hold: the segment sets them.
-SEGMENT_SET = ("text", "input_ids", "stream")
+SEGMENT_SET = ("text", "input_ids", "stream", "lora_path")
 
 
 def add_routes(app: web.Application) -> None:
@@ -62,12 +63,13 @@ async def generate_program(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     segment = parse_segment(body)
     tags = parse_tags(Fields(body), request.headers.get(PROGRAM_HEADER))
+    tags["lora_path"] = one_lora(body, state.adapters)
     return await stream_events(request, _events(state, segment, tags))
 
 
 def parse_segment(body: Any) -> Segment:
     f = Fields(body)
-    f.only(("text", "steps", "stream", "program_id", "priority"))
+    f.only(("text", "steps", "stream", "program_id", "priority", "lora_path"))
     text = f.string("text", "")
     stream = f.boolean("stream", True)
     steps = f.get("steps", (list,), required=True, what="an array of steps")
@@ -123,7 +125,8 @@ class _ServerOps:
 
     def __init__(self, state: ServerState, tags: dict[str, Any]) -> None:
         self.state = state
-        self.tags = {k: v for k, v in tags.items() if v}  # the segment's program and priority
+        # The segment's program, priority and adapter, sent with every step's call.
+        self.tags = {k: v for k, v in tags.items() if v}
 
     async def generate(self, text: str, params: dict[str, Any],
                        stream: bool) -> AsyncIterator[GenPiece]:
