@@ -303,3 +303,31 @@ def test_server_serves_loads_and_unloads_adapters(chat_models):
         assert "no adapter_config.json" in error["error"]["message"]
         assert post(server.url + "/unload_lora_adapter", {"lora_name": "b"})[0] == 200
         assert {m.id for m in client.models.list().data} == {"base", "a"}
+
+
+def test_tensor_parallel_ranks_hold_their_share_of_each_adapter(models):
+    """tp_size=2 on gloo, float32: each rank holds its share of every adapter (B's rows of a
+    column-parallel layer, A's columns of a row-parallel one) and fills its slots as rank 0
+    does (two slots for three adapters: refilled mid-run). Scores match peft; a mixed batch's
+    tokens equal one rank's."""
+    ids = torch.randint(3, 512, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 17, 9, 12)]
+    loras = ["a", "c", None, "b"]
+    params = {"temperature": 0, "max_new_tokens": 6, "min_new_tokens": 6}
+    options = dict(device="cpu", dtype="float32", max_loras_per_batch=2,
+                   lora_modules=modules(models, "a", "b", "c"))
+    with pytest.raises(ValueError, match="allow_runtime_lora_loading"):
+        Engine(str(models["base"]), tp_size=2, allow_runtime_lora_loading=True)
+    with Engine(str(models["base"]), tp_size=2, **options) as engine:
+        scores = {name: engine.score(ids[:12], [ids[12:]], lora=name)[0]
+                  for name in ("a", "b", "c")}
+        sharded = [o.token_ids for o in engine.generate(input_ids=prompts,
+                                                        sampling_params=params, lora=loras)]
+        assert_no_leak(engine)
+    for name, values in scores.items():
+        want = peft_logprobs(models, name, ids, 12)
+        assert max(abs(x - y) for x, y in zip(values, want)) < 1e-4, name
+    with Engine(str(models["base"]), disable_cpu_kernel=True, **options) as engine:
+        assert [o.token_ids for o in engine.generate(input_ids=prompts, sampling_params=params,
+                                                     lora=loras)] == sharded

@@ -273,7 +273,9 @@ class EngineConfig:
                              f"max_loaded_loras is {self.max_loaded_loras}")
         if not self.lora_enabled:
             return
-        for clash, why in ((self.tp_size > 1, "tp_size > 1 (not supported yet)"),
+        for clash, why in ((self.tp_size > 1 and self.allow_runtime_lora_loading,
+                            "tp_size > 1 together with allow_runtime_lora_loading (with "
+                            "tensor parallelism, serve adapters given in lora_modules)"),
                            (self.speculative == "draft", "speculative='draft': the draft "
                             "model has no adapters"),
                            (self.deterministic, "deterministic=True (the adapter updates "

@@ -26,6 +26,7 @@ from radixlm.runtime.engine.overlap import follow_up_batch
 from radixlm.runtime.engine.structured_output import Compiled, StructuredOutput
 from radixlm.runtime.execution.step_result import LaunchedStep, StepResult
 from radixlm.runtime.models.loader import LoadedModel
+from radixlm.runtime.parallel.sharded import ShardedModel
 from radixlm.runtime.scheduling.disk_tier import DiskTier, model_key
 from radixlm.runtime.scheduling.kv_manager import KVManager
 from radixlm.runtime.scheduling.leases import LeaseTable
@@ -52,7 +53,9 @@ class EngineCore:
         self.device = device
         self.page_size = config.page_size
         # Adapters first: on a GPU their slots take memory the KV pool must not count on.
-        self.lora = (LoRARegistry(config, loaded.model, device, dtype)
+        # (With tensor parallelism: rank 0's own shard, not the stand-in that drives it.)
+        shard = loaded.model.model if isinstance(loaded.model, ShardedModel) else loaded.model
+        self.lora = (LoRARegistry(config, shard, device, dtype)
                      if config.lora_enabled else None)
         num_pages = pool_pages(config, [mc] + ([draft.config] if draft else []), dtype, device)
         self.max_model_len = max_model_len(config, mc, num_pages * config.page_size)

@@ -108,6 +108,7 @@ class ExecutionSetup:
                 table, **self.graph_args, followers=tp_group, lora=lora)
         if lora is not None:
             runner.use_lora(lora)
+            lora.followers = tp_group  # every step's slots go to the other ranks
         return runner
 
     def speculator(self, draft: LoadedModel | None, runner: ModelRunner, kv: KVManager,

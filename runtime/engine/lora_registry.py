@@ -44,6 +44,9 @@ class LoRARegistry:
         slot_dtype = torch.float32 if device.type == "cpu" else dtype
         self.slots = LoRASlots(model, config.max_loras_per_batch, self.max_rank, slot_dtype,
                                device)
+        # Tensor parallelism names adapters by their index in this list, the same on every
+        # rank (runtime loading is off there).
+        self.slots.catalog = [self.adapters[n] for n in sorted(self.adapters)]
         for adapter in self.adapters.values():
             log.info("LoRA adapter %r: rank %d, %d layers' modules, from %s", adapter.name,
                      adapter.rank, len(adapter.modules), adapter.path)

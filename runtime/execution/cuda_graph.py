@@ -147,7 +147,8 @@ class DecodeGraphs:
             q_lens=[1] * bs, kv_lens=kv_lens,
             out_slots=self.inputs[OUT_SLOTS, :bs], slot_table=self.slot_table[:bs],
             kv_cache=self.kv_cache)
-        self._run(batch, num)
+        # The step's slots came just before (LoRASlots.follow), as rank 0 prepared them.
+        self._run(batch, num, self.lora is not None and self.lora.step is not None)
 
     def _run(self, batch: ForwardBatch, num: int, adapters: bool = False) -> torch.Tensor:
         bs = len(batch.q_lens)

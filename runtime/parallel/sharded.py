@@ -5,10 +5,12 @@ samples, and computes its shard of every forward. Before each forward it broadca
 (`StepChannel`): the flat token ids, positions, lengths, and the KV slots the step writes and
 reads, all already resolved from rank 0's slot table, so the other ranks keep no table of their
 own; they only hold their shard of the weights and of the KV pool (the same number of slots).
-Before each logits computation it broadcasts the hidden rows to score: the vocab-parallel
-output head gathers every rank's logits, and only rank 0 samples from them. A step whose rows
-all take the plain argmax (greedy, nothing that changes logits, no logprobs) gathers only each
-rank's (max, index) per row instead.
+With LoRA adapters, each forward is preceded by its rows' adapter slots and the slots to
+fill (every rank loaded the same adapters at start, each its own share of them, and fills its
+slots as rank 0 does). Before each logits computation it broadcasts the hidden rows to score:
+the vocab-parallel output head gathers every rank's logits, and only rank 0 samples from them.
+A step whose rows all take the plain argmax (greedy, nothing that changes logits, no logprobs)
+gathers only each rank's (max, index) per row instead.
 
 Startup: rank 0 launches `python -m radixlm.runtime.parallel.worker` per rank with the env://
 variables, joins the process group, and broadcasts the engine config; every rank loads its own
@@ -47,7 +49,7 @@ from radixlm.runtime.models.loader import ARCHITECTURE_PRESETS, resolve_model
 
 log = logging.getLogger(__name__)
 
-FORWARD, LOGITS, HEARTBEAT, STOP, GRAPH, GREEDY = 1, 2, 3, 4, 5, 6
+FORWARD, LOGITS, HEARTBEAT, STOP, GRAPH, GREEDY, LORA = 1, 2, 3, 4, 5, 6, 7
 HEADER = 4  # int64 words: (command, a, b, c)
 # Workers launched here (not by hand for a multi-node run) watch this process id and exit
 # when it goes away, so a killed engine leaves no orphans.
@@ -121,6 +123,20 @@ class StepChannel:
         inputs, table_rows = packed.split([rows * bs, num * width])
         return inputs.view(rows, bs), table_rows.view(num, width), kv_lens
 
+    def send_lora(self, per_row: list[int], fills: list[tuple[int, int]]) -> None:
+        """The next forward's LoRA slots: each token row's (-1: none), and the slots to fill
+        first, as (slot, adapter index)."""
+        self.send_header(LORA, len(per_row), len(fills))
+        values = per_row + [v for fill in fills for v in fill]
+        if values:
+            self._send_host(values)
+
+    def recv_lora(self, header: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
+        _, rows, fills = header[:3]
+        values = self._recv_host(rows + 2 * fills) if rows + fills else []
+        pairs = values[rows:]
+        return values[:rows], [(pairs[2 * i], pairs[2 * i + 1]) for i in range(fills)]
+
     def send_hidden(self, hidden: torch.Tensor, command: int = LOGITS) -> None:
         """The rows to score: their logits (LOGITS) or only their argmax (GREEDY)."""
         self.send_header(command, hidden.shape[0], hidden.shape[1])
@@ -176,6 +192,9 @@ class TensorParallelGroup:
     def graph_step(self, inputs: torch.Tensor, table_rows: torch.Tensor,
                    kv_lens: list[int]) -> None:
         self._broadcast(lambda: self.channel.send_graph_step(inputs, table_rows, kv_lens))
+
+    def lora_step(self, per_row: list[int], fills: list[tuple[int, int]]) -> None:
+        self._broadcast(lambda: self.channel.send_lora(per_row, fills))
 
     def hidden_for_logits(self, hidden: torch.Tensor, command: int = LOGITS) -> None:
         self._broadcast(lambda: self.channel.send_hidden(hidden, command))

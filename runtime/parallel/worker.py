@@ -24,6 +24,7 @@ from radixlm.runtime.attention import create_backend
 from radixlm.runtime.attention.kv_cache import KVCache, kv_storage_dtype
 from radixlm.runtime.config.engine_config import EngineConfig
 from radixlm.runtime.distributed.groups import destroy_group, init_group, setup_all_reduce
+from radixlm.runtime.engine.lora_registry import LoRARegistry
 from radixlm.runtime.execution.cuda_graph import SENT_ROWS, DecodeGraphs
 from radixlm.runtime.models.loader import load_model
 from radixlm.runtime.parallel.sharded import (
@@ -32,6 +33,7 @@ from radixlm.runtime.parallel.sharded import (
     GREEDY,
     HEARTBEAT,
     LOGITS,
+    LORA,
     PARENT_ENV,
     STOP,
     StepChannel,
@@ -88,9 +90,13 @@ def serve(rank: int, world_size: int, local_rank: int) -> None:
         kv_cache.set_scales(*loaded.kv_scales)
     attn = create_backend(config.attention_backend, scale=mc.head_dim ** -0.5, device=device,
                           dtype=dtype, head_dim=mc.head_dim)
+    # The same adapters as rank 0's, this rank's share of each (after the KV pool, as
+    # rank 0 sized it with the slots already allocated).
+    lora = (LoRARegistry(config, model, device, dtype).slots if config.lora_enabled
+            else None)
     # Captured at the same time as rank 0's graphs: their all-reduces pair up.
     graphs = (None if start["graph_args"] is None else
-              DecodeGraphs(model, attn, kv_cache, None, **start["graph_args"]))
+              DecodeGraphs(model, attn, kv_cache, None, **start["graph_args"], lora=lora))
     channel = StepChannel(device, dtype, tp.host_group)
     while True:
         header = channel.recv_header()
@@ -99,6 +105,8 @@ def serve(rank: int, world_size: int, local_rank: int) -> None:
             batch = channel.recv_forward(header, kv_cache)
             attn.plan(batch)
             model(batch, attn)
+        elif command == LORA:
+            lora.follow(*channel.recv_lora(header))
         elif command == GRAPH:
             graphs.replay_received(*channel.recv_graph_step(header, SENT_ROWS))
         elif command == LOGITS:

@@ -129,6 +129,7 @@ def load_adapter(name: str, path: str | Path, model: torch.nn.Module) -> LoRAAda
             raise ValueError(f"lora {name!r}: {module_name}: lora_A {tuple(a.shape)} and "
                              f"lora_B {tuple(b.shape)} are not [r, in] and [out, r]")
         linear = modules[target]
+        a, b = _my_share(name, module_name, linear, part, a, b)
         rows = linear.offsets[part + 1] - linear.offsets[part] if part is not None \
             else linear.out_features
         if a.shape[1] != linear.in_features or b.shape[0] != rows:
@@ -147,6 +148,29 @@ def load_adapter(name: str, path: str | Path, model: torch.nn.Module) -> LoRAAda
                      b=(b * scaling).to(dtype).contiguous()))
         adapter.rank = max(adapter.rank, rank)
     return adapter
+
+
+def _my_share(name: str, module_name: str, linear: Linear, part: int | None,
+              a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A and B for this tensor-parallel rank's share of the layer, as its weights are split:
+    a column-parallel layer holds some output rows of each part (B's rows; A whole), a
+    row-parallel one some input columns (A's columns, whose update is then a partial sum
+    all-reduced with the layer's; B whole)."""
+    shard = linear.shard
+    if shard is None:
+        return a, b
+    if shard.in_start is not None:
+        if a.shape[1] < shard.in_start + linear.in_features:
+            return a, b  # the shape check names the mismatch
+        return a[:, shard.in_start:shard.in_start + linear.in_features], b
+    if part is None and len(linear.output_sizes) > 1:
+        raise ValueError(f"lora {name!r}: {module_name} spans the parts of a fused layer, "
+                         "which is not supported with tensor parallelism")
+    p = part or 0
+    first, rows = shard.part_starts[p], linear.output_sizes[p]
+    if b.shape[0] < first + rows:
+        return a, b
+    return a, b[first:first + rows]
 
 
 def _check_config(name: str, config: dict[str, Any]) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -114,6 +114,10 @@ class LoRASlots:
                 module.lora = self.linears[name] = LoRALinear(
                     module, num_slots, stride, dtype, device, self)
         self.ranks = torch.zeros(num_slots, dtype=torch.int32, device=device)
+        # Tensor parallelism: rank 0's group, which every step's slots are sent to, and the
+        # adapters by index, the same list on every rank (the slots' fills name them by it).
+        self.followers: Any = None
+        self.catalog: list[LoRAAdapter] = []
         # CUDA graphs' rows and tiles (graph_buffers)
         self._graph_rows: torch.Tensor | None = None
         self._graph_tiles: torch.Tensor | None = None
@@ -129,17 +133,33 @@ class LoRASlots:
 
     def prepare(self, adapters: Sequence[LoRAAdapter | None], counts: Sequence[int]) -> None:
         """Set up the next forward: `counts[i]` consecutive token rows use `adapters[i]`."""
-        if not any(a is not None for a in adapters):
+        per_row: list[int] = []
+        fills: list[tuple[int, LoRAAdapter]] = []
+        if any(a is not None for a in adapters):
+            needed = {id(a): a for a in adapters if a is not None}
+            if len(needed) > self.num_slots:
+                raise RuntimeError(f"{len(needed)} adapters in one step; "
+                                   f"{self.num_slots} slots (the scheduler bounds this)")
+            slots = {key: self._load(a, needed, fills) for key, a in needed.items()}
+            for adapter, count in zip(adapters, counts):
+                per_row.extend([-1 if adapter is None else slots[id(adapter)]] * count)
+        if self.followers is not None:
+            self.followers.lora_step(per_row, [(slot, self.catalog.index(adapter))
+                                               for slot, adapter in fills])
+        self._set_rows(per_row)
+
+    def follow(self, per_row: list[int], fills: list[tuple[int, int]]) -> None:
+        """A tensor-parallel rank's side of rank 0's `prepare`: the same slot fills (slot,
+        catalog index) and rows."""
+        for slot, index in fills:
+            self._fill(slot, self.catalog[index])
+        self._set_rows(per_row)
+
+    def _set_rows(self, per_row: list[int]) -> None:
+        """The step of rows using slots per_row[i] (-1: none); None without any adapter."""
+        if not per_row or max(per_row) < 0:
             self.step = None
             return
-        needed = {id(a): a for a in adapters if a is not None}
-        if len(needed) > self.num_slots:
-            raise RuntimeError(f"{len(needed)} adapters in one step; "
-                               f"{self.num_slots} slots (the scheduler bounds this)")
-        slots = {key: self._load(a, needed) for key, a in needed.items()}
-        per_row: list[int] = []
-        for adapter, count in zip(adapters, counts):
-            per_row.extend([-1 if adapter is None else slots[id(adapter)]] * count)
         if self.use_kernels:
             rows, tiles = group_rows(per_row)
             self.step = LoRAStep(
@@ -150,7 +170,7 @@ class LoRASlots:
             return
         token_slots = torch.tensor(per_row, dtype=torch.int64)
         groups: list[tuple[int, slice | torch.Tensor]] = []
-        for slot in sorted(set(slots.values())):
+        for slot in sorted({s for s in per_row if s >= 0}):
             rows = (token_slots == slot).nonzero().flatten()
             first, last = int(rows[0]), int(rows[-1])
             run = last - first + 1 == len(rows)
@@ -179,13 +199,19 @@ class LoRASlots:
         self._graph_rows[:len(rows)].copy_(torch.tensor(rows, dtype=torch.int32),
                                           non_blocking=True)
 
+    def _fill(self, slot: int, adapter: LoRAAdapter) -> None:
+        for name, linear in self.linears.items():
+            linear.fill(slot, adapter.modules.get(name, ()))
+        self.ranks[slot] = adapter.rank
+
     def forget(self, adapter: LoRAAdapter) -> None:
         """An unloaded adapter's slot becomes free (no running request uses it any more)."""
         slot = self.slot_of(adapter)
         if slot is not None:
             del self._resident[slot]
 
-    def _load(self, adapter: LoRAAdapter, needed: dict[int, LoRAAdapter]) -> int:
+    def _load(self, adapter: LoRAAdapter, needed: dict[int, LoRAAdapter],
+              fills: list[tuple[int, LoRAAdapter]]) -> int:
         slot = self.slot_of(adapter)
         if slot is None:
             free = [s for s in range(self.num_slots) if s not in self._resident]
@@ -194,9 +220,8 @@ class LoRASlots:
             else:  # the least recently used one this step does not need
                 slot = next(s for s, a in self._resident.items() if id(a) not in needed)
                 del self._resident[slot]
-            for name, linear in self.linears.items():
-                linear.fill(slot, adapter.modules.get(name, ()))
-            self.ranks[slot] = adapter.rank
+            self._fill(slot, adapter)
+            fills.append((slot, adapter))
         self._resident[slot] = adapter
         self._resident.move_to_end(slot)
         return slot
