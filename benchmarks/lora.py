@@ -97,6 +97,7 @@ def main() -> None:
     ranks = [int(r) for r in args.ranks.split(",")]
     counts = [int(k) for k in args.adapters.split(",")]
     options = {"device": "cpu", **args.engine_options}
+    device = options["device"]
     gen = torch.Generator().manual_seed(0)
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -128,16 +129,19 @@ def main() -> None:
                     adapter_bytes = extra * cfg.num_layers * dtype.itemsize
                     results[key] = {"rank": rank, "adapters": count, "tokens_per_s": tps,
                                     "vs_base": tps / results["base"]["tokens_per_s"],
-                                    "extra_macs_share": extra / base_macs,
-                                    "bytes_bound": base_bytes / (base_bytes
-                                                                 + count * adapter_bytes)}
+                                    "extra_macs_share": extra / base_macs}
+                    if device == "cuda":  # a CPU step is bound by compute, not these bytes
+                        results[key]["bytes_bound"] = base_bytes / (base_bytes
+                                                                    + count * adapter_bytes)
                     print(f"{key:<24}{tps:9.1f} tokens/s  {results[key]['vs_base']:5.2f}x base"
                           f"  (+{extra / base_macs:.1%} multiply-adds)")
-    print(f"\n{'run':<24}{'tokens/s':>10}{'vs base':>9}{'+MACs':>8}{'bytes bound':>13}")
+    bound = device == "cuda"
+    print(f"\n{'run':<24}{'tokens/s':>10}{'vs base':>9}{'+MACs':>8}"
+          + (f"{'bytes bound':>13}" if bound else ""))
     for key, r in results.items():
         print(f"{key:<24}{r['tokens_per_s']:>10.1f}{r.get('vs_base', 1.0):>8.2f}x"
-              f"{r.get('extra_macs_share', 0.0):>8.1%}{r.get('bytes_bound', 1.0):>12.2f}x")
-    device = options.get("device", "cpu")
+              f"{r.get('extra_macs_share', 0.0):>8.1%}"
+              + (f"{r.get('bytes_bound', 1.0):>12.2f}x" if bound else ""))
     record = {"benchmark": "lora", "date": datetime.date.today().isoformat(),
               "machine": {"processor": platform.processor() or platform.machine(),
                           "threads": torch.get_num_threads(),

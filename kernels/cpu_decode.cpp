@@ -26,9 +26,11 @@
 //   k_cache / v_cache [layers, slots, Hkv, D] (A), out_slots [T], token_seq [T] (the row's
 //   sequence), positions [T] (the row attends to its sequence's positions 0..position),
 //   pages [S, P] int64 (page ids of each sequence's context);
-//   LoRA adapters (none: an empty list): lora[8 i .. 8 i + 8) = A and B of layer i's qkv, o,
-//     gate_up and down, float32, A [slots, K, in] and B [slots, K, out] (runtime/models/lora/
-//     slots.py), and lora_slots [T] int64: each row's slot, -1 for none.
+//   LoRA adapters (none: an empty list): lora[12 i .. 12 i + 12) = A, B and part columns of
+//     layer i's qkv, o, gate_up and down: float32 A [slots, P R, in] and B [slots, P R, out]
+//     (runtime/models/lora/slots.py), int32 cols [P, 2] (the output columns part p's rows of
+//     B may write); then, last, int32 ranks [slots] (each slot's adapter rank); and
+//     lora_slots [T] int64: each row's slot, -1 for none.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>
@@ -432,13 +434,18 @@ constexpr int64_t LORA_ROWS = 8;
 // output (dots) over the row's own values, rounded once into out. Consecutive rows of one
 // slot go through the weights together, up to LORA_ROWS at a time. Rows without an adapter
 // are left alone, so a base-model row is the same with or without adapter rows beside it.
+// Only the slot's rank of each part is read, and an output reads only the parts that may
+// write it (the rest of B is zeros).
 template <typename A>
 void lora_add(Tensor& out, const Tensor& x, const Tensor& la, const Tensor& lb,
-              const int64_t* slots) {
+              const Tensor& cols, const int32_t* ranks, const int64_t* slots) {
   const int64_t rows = x.size(0), in = x.size(1), k = la.size(1), n = out.size(1);
+  const int64_t parts = cols.size(0), stride = k / parts;
   TORCH_CHECK(out.is_contiguous() && x.is_contiguous() && la.size(2) == in &&
-                  lb.size(1) == k && lb.size(2) == n,
+                  lb.size(1) == k && lb.size(2) == n && k % parts == 0 &&
+                  cols.scalar_type() == at::kInt,
               "lora: shapes do not match the layer");
+  const int32_t* col = cols.data_ptr<int32_t>();
   const float* a = la.data_ptr<float>();
   const float* b = lb.data_ptr<float>();
   const A* xs = x.data_ptr<A>();
@@ -464,7 +471,8 @@ void lora_add(Tensor& out, const Tensor& x, const Tensor& la, const Tensor& lb,
       for (int64_t i = 0; i < in; ++i) xf[r * in + i] = to_f(xs[r * in + i]);
     }
   });
-  // One task: a block's rows through `outputs` consecutive rows of a weight [slots, *, width].
+  // One task: a block's rows through `outputs` consecutive rows of A [slots, k, in], but
+  // the rank padding of each part.
   auto pass = [&](const std::vector<float>& inputs, int64_t width, const float* weights,
                   int64_t total, int64_t per_task, auto&& store) {
     const int64_t tasks_per_block = (total + per_task - 1) / per_task;
@@ -476,6 +484,7 @@ void lora_add(Tensor& out, const Tensor& x, const Tensor& la, const Tensor& lb,
         const int64_t s = slots[r0], j0 = task % tasks_per_block * per_task;
         for (int64_t c = 0; c < count; ++c) in_rows[c] = inputs.data() + (r0 + c) * width;
         for (int64_t j = j0; j < std::min(total, j0 + per_task); ++j) {
+          if (j % stride >= ranks[s]) continue;  // never read by the expand below
           in_chunks<8>(count, [&](auto chunk, int64_t first) {
             dots<decltype(chunk)::value>(weights + (s * total + j) * width, in_rows + first,
                                          width, col + first);
@@ -495,14 +504,22 @@ void lora_add(Tensor& out, const Tensor& x, const Tensor& la, const Tensor& lb,
       const auto [r0, count] = spans[task / tasks_per_block];
       const int64_t s = slots[r0], o_begin = task % tasks_per_block * OUTPUTS_PER_TASK;
       const int64_t o_end = std::min(n, o_begin + OUTPUTS_PER_TASK);
+      // The rows of B that may write these outputs: each overlapping part's first ranks.
+      int64_t firsts[8], used = 0;
+      for (int64_t p = 0; p < parts && used < 8; ++p) {
+        if (col[2 * p] < o_end && col[2 * p + 1] > o_begin) firsts[used++] = p * stride;
+      }
+      const int64_t rank = ranks[s];
       for (int64_t r = r0; r < r0 + count; ++r) {
         const float* ur = u.data() + r * k;
         A* y = os + r * n;
         int64_t o = o_begin;
         for (; o + 16 <= o_end; o += 16) {
           Vec acc = Vec::zero();
-          for (int64_t j = 0; j < k; ++j) {
-            acc = acc.fma(Vec::fill(ur[j]), Vec::load(b + (s * k + j) * n + o));
+          for (int64_t q = 0; q < used; ++q) {
+            for (int64_t j = firsts[q]; j < firsts[q] + rank; ++j) {
+              acc = acc.fma(Vec::fill(ur[j]), Vec::load(b + (s * k + j) * n + o));
+            }
           }
           float lanes[16];
           acc.store(lanes);
@@ -510,7 +527,11 @@ void lora_add(Tensor& out, const Tensor& x, const Tensor& la, const Tensor& lb,
         }
         for (; o < o_end; ++o) {
           float sum = 0.f;
-          for (int64_t j = 0; j < k; ++j) sum = std::fma(ur[j], b[(s * k + j) * n + o], sum);
+          for (int64_t q = 0; q < used; ++q) {
+            for (int64_t j = firsts[q]; j < firsts[q] + rank; ++j) {
+              sum = std::fma(ur[j], b[(s * k + j) * n + o], sum);
+            }
+          }
           y[o] = to_a<A>(to_f(y[o]) + sum);
         }
       }
@@ -550,13 +571,15 @@ Tensor forward_rows(Tensor hidden, const Tensor& cos, const Tensor& sin,
                     int64_t kv_heads, int64_t head_dim, double eps, double scale,
                     const std::vector<Tensor>& lora, const Tensor& lora_slots) {
   const int64_t* slots = lora.empty() ? nullptr : lora_slots.data_ptr<int64_t>();
+  const int32_t* ranks = lora.empty() ? nullptr : lora.back().data_ptr<int32_t>();
   // y = the stored linear j of layer i at x, plus the rows' adapter updates.
   auto project = [&](const Tensor& x, const std::vector<Tensor>& t, size_t at, int64_t planes,
                      int64_t width, size_t i, int j) {
     Tensor y = linear(x, t, at, planes, width);
     if (slots != nullptr) {
       y = y.contiguous();
-      lora_add<A>(y, x.contiguous(), lora[8 * i + 2 * j], lora[8 * i + 2 * j + 1], slots);
+      const size_t at = 12 * i + 3 * j;
+      lora_add<A>(y, x.contiguous(), lora[at], lora[at + 1], lora[at + 2], ranks, slots);
     }
     return y;
   };
@@ -602,9 +625,10 @@ Tensor forward(Tensor hidden, const Tensor& cos, const Tensor& sin,
   TORCH_CHECK(specs.size() == 4 * layers.size() && widths.size() == specs.size(),
               "specs and widths: four entries per layer");
   TORCH_CHECK(heads / kv_heads <= 64, "at most 64 query heads per KV head");  // inv_sum
-  TORCH_CHECK(lora.empty() || (lora.size() == 8 * layers.size() &&
-                               lora_slots.numel() == hidden.size(0)),
-              "lora: eight tensors per layer and a slot per row");
+  TORCH_CHECK(lora.empty() || (lora.size() == 12 * layers.size() + 1 &&
+                               lora_slots.numel() == hidden.size(0) &&
+                               lora.back().scalar_type() == at::kInt),
+              "lora: twelve tensors per layer, the ranks, and a slot per row");
   if (hidden.scalar_type() == at::kFloat) {
     return forward_rows<float>(hidden, cos, sin, layers, specs, widths, k_cache, v_cache,
                                out_slots, token_seq, positions, pages, final_norm, page_size,

@@ -92,16 +92,18 @@ class CpuDecode:
                                    *self._adapters())
 
     def _adapters(self) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """The kernel's LoRA arguments for this step: A and B of each layer's four linears,
-        and each row's slot; none when no row of the step has an adapter."""
+        """The kernel's LoRA arguments for this step: A, B and the part columns of each
+        layer's four linears, then the slots' ranks; and each row's slot; none when no row of
+        the step has an adapter."""
         step = None if self.lora is None else self.lora.step
         if step is None:
             return self._no_lora
         if self._lora_tensors is None:  # the slots' tensors never move: listed once
             linears = self.lora.linears
-            self._lora_tensors = [t for i in range(len(self.layers)) for name in _LINEAR_NAMES
-                                  for t in (linears[f"model.layers.{i}.{name}"].a,
-                                            linears[f"model.layers.{i}.{name}"].b)]
+            self._lora_tensors = [
+                t for i in range(len(self.layers)) for name in _LINEAR_NAMES
+                for linear in (linears[f"model.layers.{i}.{name}"],)
+                for t in (linear.a, linear.b, linear.part_cols)] + [self.lora.ranks]
         return self._lora_tensors, step.token_slots
 
 
