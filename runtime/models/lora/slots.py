@@ -26,6 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
+from radixlm.kernels.host_copy import to_device
 from radixlm.kernels.lora import BLOCK_R, TILE_FIELDS, group_rows, max_tiles
 from radixlm.runtime.models.layers.linear import Linear
 from radixlm.runtime.models.lora.adapter import LoRAAdapter
@@ -68,8 +69,9 @@ class LoRALinear:
         for p in adapter_parts:
             r, rows = p.a.shape[0], p.b.shape[0]
             first = p.part * self.rank
-            self.a[slot, first:first + r].copy_(p.a)
-            self.b[slot, first:first + r, p.row_start:p.row_start + rows].copy_(p.b.T)
+            self.a[slot, first:first + r].copy_(_staged(p.a, self.a), non_blocking=True)
+            self.b[slot, first:first + r, p.row_start:p.row_start + rows].copy_(
+                _staged(p.b.T, self.b), non_blocking=True)
             cols = self._cols[p.part]
             if p.row_start < cols[0] or p.row_start + rows > cols[1]:
                 cols[:] = min(cols[0], p.row_start), max(cols[1], p.row_start + rows)
@@ -162,10 +164,9 @@ class LoRASlots:
             return
         if self.use_kernels:
             rows, tiles = group_rows(per_row)
-            self.step = LoRAStep(
-                rows=torch.tensor(rows, dtype=torch.int32).to(self.device),
-                tiles=torch.tensor(tiles, dtype=torch.int32).to(self.device),
-                num_tiles=len(tiles))
+            self.step = LoRAStep(rows=to_device(rows, torch.int32, self.device),
+                                 tiles=to_device(tiles, torch.int32, self.device),
+                                 num_tiles=len(tiles))
             self._host_step = rows, tiles
             return
         token_slots = torch.tensor(per_row, dtype=torch.int64)
@@ -195,9 +196,8 @@ class LoRASlots:
         assert self._graph_rows is not None and self._graph_tiles is not None
         rows, tiles = self._host_step
         padded = tiles + [(-1, 0, 0)] * (self._graph_tiles.shape[0] - len(tiles))
-        self._graph_tiles.copy_(torch.tensor(padded, dtype=torch.int32), non_blocking=True)
-        self._graph_rows[:len(rows)].copy_(torch.tensor(rows, dtype=torch.int32),
-                                          non_blocking=True)
+        self._graph_tiles.copy_(to_device(padded, torch.int32, self.device))
+        self._graph_rows[:len(rows)].copy_(to_device(rows, torch.int32, self.device))
 
     def _fill(self, slot: int, adapter: LoRAAdapter) -> None:
         for name, linear in self.linears.items():
@@ -225,6 +225,14 @@ class LoRASlots:
         self._resident[slot] = adapter
         self._resident.move_to_end(slot)
         return slot
+
+
+def _staged(host: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """An adapter's host tensor ready for a non-blocking copy into the slots: in pinned
+    memory on a GPU (a copy from pageable memory would first wait for the GPU's queued
+    work, the step in flight), in the slots' dtype."""
+    host = host.to(slots.dtype)
+    return host.pin_memory() if slots.is_cuda else host
 
 
 def uses_kernels(device: torch.device) -> bool:
