@@ -15,6 +15,9 @@ every distinct adapter's, each read once per step.
     python benchmarks/lora.py --ranks 16,64 --batch 16 --adapters 1,4,16
     python benchmarks/lora.py --engine-options '{"model": "llama-3-8b", "load_format":
         "dummy", "device": "cuda", "tokenizer": "..."}' --batch 256 --adapters 1,8,64
+
+On a GPU the kernels are first timed alone at an 8B model's layer shapes: a step's updates
+against its base products and against the floor of reading each adapter once.
 """
 
 from __future__ import annotations
@@ -81,6 +84,68 @@ def run(engine: Engine, prompts: list[list[int]], loras: list[str | None] | None
     return sum(len(o.token_ids) for o in outs) / seconds
 
 
+# An 8B Llama's decoder layer: (in, parts' outputs) of its four linears.
+LAYER_8B = {"qkv": (4096, [4096, 1024, 1024]), "o": (4096, [4096]),
+            "gate_up": (4096, [14336, 14336]), "down": (14336, [4096])}
+
+
+def kernel_table(ranks: list[int], counts: list[int], batch: int, layers: int = 32
+                 ) -> dict[str, Any]:
+    """The GPU kernels alone (kernels/lora.py), an 8B model's layer shapes in bfloat16: one
+    step's updates (the four linears of `layers` layers, replayed as a CUDA graph) against
+    the same step's base products, and against the floor of reading every distinct
+    adapter's weights once at the card's copy bandwidth (measured here)."""
+    from radixlm.kernels.lora import TILE_FIELDS, group_rows, lora_add
+
+    from gpu_timing import capture, median_replay_ms
+
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    src, dst = (torch.empty(1 << 30, dtype=torch.uint8, device=dev) for _ in range(2))
+    copy_ms = median_replay_ms(capture(lambda: dst.copy_(src), 4), 5) / 4
+    bandwidth = 2 * src.numel() / (copy_ms / 1e3)
+    x_in = {n: torch.randn(batch, i, dtype=bf16, device=dev) for n, (i, _) in LAYER_8B.items()}
+    weights = {n: torch.randn(sum(o), i, dtype=bf16, device=dev) / i ** 0.5
+               for n, (i, o) in LAYER_8B.items()}
+    base_ms = median_replay_ms(capture(lambda: [torch.nn.functional.linear(x_in[n], weights[n])
+                                                for n in LAYER_8B], layers), 5)
+    table: dict[str, Any] = {"copy_bandwidth_bytes_s": bandwidth,
+                             "base_linears_ms": base_ms, "runs": {}}
+    for rank in ranks:
+        for count in counts:
+            slots = {}
+            for n, (i, parts) in LAYER_8B.items():
+                width = len(parts) * rank
+                cols, first = [], 0
+                for size in parts:
+                    cols.append([first, first + size])
+                    first += size
+                slots[n] = (torch.randn(count, width, i, dtype=bf16, device=dev) / i ** 0.5,
+                            torch.randn(count, width, first, dtype=bf16, device=dev) / 64,
+                            torch.tensor(cols, dtype=torch.int32, device=dev))
+            rows, tiles = group_rows([r % count for r in range(batch)])
+            rows_t = torch.tensor(rows, dtype=torch.int32, device=dev)
+            tiles_t = torch.tensor(tiles, dtype=torch.int32, device=dev).view(-1, TILE_FIELDS)
+            ranks_t = torch.full((count,), rank, dtype=torch.int32, device=dev)
+            outs = {n: torch.zeros(batch, sum(o), dtype=bf16, device=dev)
+                    for n, (_, o) in LAYER_8B.items()}
+
+            def step() -> None:
+                for n in LAYER_8B:
+                    a, b, cols = slots[n]
+                    lora_add(x_in[n], outs[n], a, b, rows_t, tiles_t, len(tiles), ranks_t,
+                             cols, rank)
+
+            ms = median_replay_ms(capture(step, layers), 5)
+            adapter_bytes = sum(rank * (i + sum(o)) for i, o in LAYER_8B.values()) * 2 * count
+            floor = layers * adapter_bytes / bandwidth * 1e3
+            table["runs"][f"rank {rank}, {count} adapters"] = {
+                "ms": ms, "floor_ms": floor, "vs_base_linears": ms / base_ms}
+            print(f"kernels rank {rank:>3}, {count:>3} adapters: {ms:7.3f} ms per step "
+                  f"(floor {floor:6.3f} ms, {floor / ms:4.0%} of it; base products "
+                  f"{base_ms:6.3f} ms)")
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", default="16,64")
@@ -100,6 +165,13 @@ def main() -> None:
     device = options["device"]
     gen = torch.Generator().manual_seed(0)
     results: dict[str, Any] = {}
+    kernels = None
+    if device == "cuda":
+        try:
+            kernels = kernel_table(ranks, counts, args.batch)
+        except Exception as exc:  # noqa: BLE001 - recorded; the engine runs still tell
+            print(f"kernel timing failed: {exc!r}")
+            kernels = {"error": repr(exc)}
     with tempfile.TemporaryDirectory() as tmp:
         with Engine(**options) as probe:
             cfg = probe.model_config
@@ -148,7 +220,7 @@ def main() -> None:
                           "gpu": torch.cuda.get_device_name() if device == "cuda" else None},
               "config": {"batch": args.batch, "prompt_tokens": args.prompt_tokens,
                          "new_tokens": args.new_tokens, "engine_options": options},
-              "results": results}
+              "results": results, "kernels": kernels}
     out = Path(args.out or results_dir() / f"lora_{device}_{record['date']}.json")
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}")
