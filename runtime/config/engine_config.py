@@ -277,9 +277,7 @@ class EngineConfig:
                             "tp_size > 1 together with allow_runtime_lora_loading (with "
                             "tensor parallelism, serve adapters given in lora_modules)"),
                            (self.speculative == "draft", "speculative='draft': the draft "
-                            "model has no adapters"),
-                           (self.deterministic, "deterministic=True (the adapter updates "
-                            "are not batch-invariant on CUDA yet)")):
+                            "model has no adapters")):
             if clash:
                 raise ValueError(f"lora_modules / allow_runtime_lora_loading cannot be used "
                                  f"with {why}")

@@ -123,6 +123,7 @@ class LoRASlots:
         # CUDA graphs' rows and tiles (graph_buffers)
         self._graph_rows: torch.Tensor | None = None
         self._graph_tiles: torch.Tensor | None = None
+        self._host_step: tuple[list[int], list[tuple[int, int, int]]] = ([], [])
         self.step: LoRAStep | None = None
         # slot -> adapter in it, least recently used first
         self._resident: OrderedDict[int, LoRAAdapter] = OrderedDict()
