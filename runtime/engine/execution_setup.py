@@ -26,7 +26,7 @@ from radixlm.runtime.execution.model_runner import ModelRunner
 from radixlm.runtime.execution.speculative.draft_model import DraftModel
 from radixlm.runtime.execution.speculative.speculator import Speculator
 from radixlm.runtime.models.loader import LoadedModel
-from radixlm.runtime.models.lora.slots import LoRASlots
+from radixlm.runtime.models.lora.slots import LoRASlots, describe
 from radixlm.runtime.parallel.sharded import ShardedModel
 from radixlm.runtime.scheduling.kv_manager import KVManager
 from radixlm.runtime.scheduling.pages import ReqToTokenTable
@@ -99,7 +99,8 @@ class ExecutionSetup:
             runner.cpu_decode = _cpu_decode(loaded.model, attn, kv_cache)
         if tp_group is not None:
             numel = self.rows * loaded.config.hidden_size  # a decode step's activations
-            tp_group.start(kv_cache.num_slots, self.graph_args, self.all_reduce, numel)
+            tp_group.start(kv_cache.num_slots, self.graph_args, self.all_reduce, numel,
+                           None if lora is None else describe(lora))
             log.info("tensor parallelism: %d ranks, %s all-reduce", tp_group.size,
                      setup_all_reduce(self.all_reduce, numel, self.dtype, device))
         if self.graphs:

@@ -17,7 +17,7 @@ import torch
 
 from radixlm.runtime.config.engine_config import EngineConfig
 from radixlm.runtime.models.lora.adapter import LoRAAdapter, load_adapter
-from radixlm.runtime.models.lora.slots import LoRASlots
+from radixlm.runtime.models.lora.slots import LoRASlots, slot_dtype
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +40,8 @@ class LoRARegistry:
         self.max_rank = config.max_lora_rank or largest
         for adapter in self.adapters.values():
             self._check_rank(adapter)
-        # The CPU kernel reads float32 slots; on a GPU the updates run in the model's dtype.
-        slot_dtype = torch.float32 if device.type == "cpu" else dtype
-        self.slots = LoRASlots(model, config.max_loras_per_batch, self.max_rank, slot_dtype,
-                               device)
+        self.slots = LoRASlots(model, config.max_loras_per_batch, self.max_rank,
+                               slot_dtype(device, dtype), device)
         # Tensor parallelism names adapters by their index in this list, the same on every
         # rank (runtime loading is off there).
         self.slots.catalog = [self.adapters[n] for n in sorted(self.adapters)]

@@ -82,7 +82,7 @@ class ModelRunner:
                       else one_row_per_token(scheduled, inputs, graphs.max_bs))
         batch = None
         if token_rows is not None:
-            hidden = graphs.forward(*token_rows, pending, adapters=adapters)
+            hidden = graphs.forward(*token_rows, pending, adapters)
         else:
             batch = self._device_batch(inputs, pending)
             if self.cpu_decode is not None:

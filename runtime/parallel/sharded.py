@@ -177,13 +177,14 @@ class TensorParallelGroup:
             raise
 
     def start(self, num_slots: int, graph_args: dict | None, all_reduce: str,
-              all_reduce_numel: int) -> None:
+              all_reduce_numel: int, lora: dict | None = None) -> None:
         """Tell the workers how many KV slots to allocate (rank 0 sized the pool), which
-        all-reduce to set up for activations of up to all_reduce_numel elements, and how to
-        capture decode graphs (None: no graphs). Then every rank sets up its all-reduce, and
+        all-reduce to set up for activations of up to all_reduce_numel elements, how to
+        capture decode graphs (None: no graphs) and which LoRA slots and adapters to hold
+        (models.lora.slots.describe; None: none). Then every rank sets up its all-reduce, and
         the workers capture alongside rank 0 and wait for steps."""
         message = {"num_slots": num_slots, "graph_args": graph_args, "all_reduce": all_reduce,
-                   "all_reduce_numel": all_reduce_numel}
+                   "all_reduce_numel": all_reduce_numel, "lora": lora}
         self._broadcast(lambda: dist.broadcast_object_list([message], src=0))
 
     def forward(self, batch: ForwardBatch) -> None:

@@ -24,9 +24,9 @@ from radixlm.runtime.attention import create_backend
 from radixlm.runtime.attention.kv_cache import KVCache, kv_storage_dtype
 from radixlm.runtime.config.engine_config import EngineConfig
 from radixlm.runtime.distributed.groups import destroy_group, init_group, setup_all_reduce
-from radixlm.runtime.engine.lora_registry import LoRARegistry
 from radixlm.runtime.execution.cuda_graph import SENT_ROWS, DecodeGraphs
 from radixlm.runtime.models.loader import load_model
+from radixlm.runtime.models.lora.slots import follower_slots
 from radixlm.runtime.parallel.sharded import (
     FORWARD,
     GRAPH,
@@ -92,8 +92,8 @@ def serve(rank: int, world_size: int, local_rank: int) -> None:
                           dtype=dtype, head_dim=mc.head_dim)
     # The same adapters as rank 0's, this rank's share of each (after the KV pool, as
     # rank 0 sized it with the slots already allocated).
-    lora = (LoRARegistry(config, model, device, dtype).slots if config.lora_enabled
-            else None)
+    lora = (None if start["lora"] is None
+            else follower_slots(model, start["lora"], dtype, device))
     # Captured at the same time as rank 0's graphs: their all-reduces pair up.
     graphs = (None if start["graph_args"] is None else
               DecodeGraphs(model, attn, kv_cache, None, **start["graph_args"], lora=lora))

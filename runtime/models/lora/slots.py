@@ -29,7 +29,7 @@ import torch
 from radixlm.kernels.host_copy import to_device
 from radixlm.kernels.lora import BLOCK_R, TILE_FIELDS, group_rows, max_tiles
 from radixlm.runtime.models.layers.linear import Linear
-from radixlm.runtime.models.lora.adapter import LoRAAdapter
+from radixlm.runtime.models.lora.adapter import LoRAAdapter, load_adapter
 
 
 @dataclass
@@ -226,6 +226,27 @@ class LoRASlots:
         self._resident[slot] = adapter
         self._resident.move_to_end(slot)
         return slot
+
+
+def slot_dtype(device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
+    """The slots' dtype: the CPU kernel reads float32; on a GPU the model's own."""
+    return torch.float32 if device.type == "cpu" else model_dtype
+
+
+def follower_slots(model: torch.nn.Module, spec: dict[str, Any], model_dtype: torch.dtype,
+                   device: torch.device) -> LoRASlots:
+    """A tensor-parallel rank's slots, as rank 0 describes its own (`describe`): the same
+    adapters, in the same order, each loaded as this rank's share of it."""
+    slots = LoRASlots(model, spec["slots"], spec["rank"], slot_dtype(device, model_dtype),
+                      device)
+    slots.catalog = [load_adapter(name, path, model) for name, path in spec["adapters"]]
+    return slots
+
+
+def describe(slots: LoRASlots) -> dict[str, Any]:
+    """What another tensor-parallel rank needs to build the same slots."""
+    return {"slots": slots.num_slots, "rank": slots.max_rank,
+            "adapters": [(a.name, a.path) for a in slots.catalog]}
 
 
 def _staged(host: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
