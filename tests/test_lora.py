@@ -83,7 +83,7 @@ def test_logprobs_match_peft(models, kernel):
 def test_mixed_batch_equals_each_row_alone(models):
     """bfloat16 on the CPU kernel: every row's tokens and logprobs are the same bits in a
     batch that mixes adapters (and the base model) as alone; with one slot, the adapters
-    take turns and still give the same."""
+    take turns and still give the same; and with n-gram speculation."""
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 23, 9, 40, 14)]
     loras = ["a", "b", None, "a", "c"]
@@ -104,6 +104,11 @@ def test_mixed_batch_equals_each_row_alone(models):
     assert mixed == alone
     assert len({tuple(t) for t, _ in alone}) > 1
     with Engine(str(models["base"]), max_loras_per_batch=1, **options) as engine:
+        assert tokens(engine.generate(input_ids=prompts, sampling_params=params,
+                                      lora=loras)) == alone
+        assert_no_leak(engine)
+    # n-gram speculation verifies several tokens of a row per step, each with its adapter
+    with Engine(str(models["base"]), speculative="ngram", **options) as engine:
         assert tokens(engine.generate(input_ids=prompts, sampling_params=params,
                                       lora=loras)) == alone
         assert_no_leak(engine)
