@@ -129,9 +129,7 @@ def _convert(path: pathlib.Path, out_dir: pathlib.Path) -> None:
             shape = data.shape
         if shape != expected:
             raise ValueError(f"{tensor.name}: shape {shape}, expected {expected} from config")
-        if arch in _PERMUTED_ARCHITECTURES and base in ("attn_q", "attn_k"):
-            # Whole rows move, so this works on rows of blocks too.
-            data = _unpermute_rotary_rows(data, heads if base == "attn_q" else kv_heads)
+        data = rows_to_hf(arch, base, data, heads, kv_heads)  # whole rows: blocks too
         for part_base, part in gguf_families.split_fused(arch, base, data, config):
             for hf_name, array in _hf_tensors(layer, part_base, kind, part, layer_table):
                 tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(array))
@@ -311,6 +309,21 @@ def _expected_shape(arch: str, base: str, is_bias: bool,
         **gguf_families.expected_shapes(arch, config),
     }
     return shapes[base][:1] if is_bias else shapes[base]
+
+
+def layer_module(arch: str, base: str) -> str | None:
+    """The HF module under model.layers.N that a layer tensor named `base` ("attn_q", ...)
+    of a dense `arch` file loads into; None for names the tables do not know."""
+    return (_LAYER_TENSORS | gguf_families.layer_tensors(arch)).get(base)
+
+
+def rows_to_hf(arch: str, base: str, rows: np.ndarray, heads: int, kv_heads: int
+               ) -> np.ndarray:
+    """A layer tensor's output rows (a weight's, a bias's, a LoRA's B) in HF's order: q/k of
+    the architectures llama.cpp stores in its rotary layout are reordered, the rest kept."""
+    if arch in _PERMUTED_ARCHITECTURES and base in ("attn_q", "attn_k"):
+        return _unpermute_rotary_rows(rows, heads if base == "attn_q" else kv_heads)
+    return rows
 
 
 def _unpermute_rotary_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:

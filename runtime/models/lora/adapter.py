@@ -1,4 +1,5 @@
-"""A LoRA adapter in PEFT's format, read and checked against the model it will run on.
+"""A LoRA adapter in PEFT's format (or llama.cpp's GGUF, gguf_adapter.py), read and checked
+against the model it will run on.
 
 A PEFT adapter is a folder with `adapter_config.json` (rank `r`, `lora_alpha`, `use_rslora`,
 `target_modules`, ...) and `adapter_model.safetensors`, whose tensors are named
@@ -27,6 +28,7 @@ import torch
 from safetensors import safe_open
 
 from radixlm.runtime.models.layers.linear import Linear
+from radixlm.runtime.models.lora.gguf_adapter import read_gguf_adapter
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -83,41 +85,30 @@ class LoRAAdapter:
 
 
 def load_adapter(name: str, path: str | Path, model: torch.nn.Module) -> LoRAAdapter:
-    """Read the PEFT adapter in folder `path` for `model` (a CausalLM); ValueError naming the
-    field or tensor when it cannot run on it."""
-    folder = Path(path)
-    config_path, weights_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
-    if not config_path.is_file():
-        raise ValueError(f"lora {name!r}: no {CONFIG_FILE} in {str(folder)!r} (a PEFT LoRA "
-                         "adapter folder is expected)")
-    if not weights_path.is_file():
-        hint = " (adapter_model.bin is not read: save with safe_serialization)" if (
-            folder / "adapter_model.bin").is_file() else ""
-        raise ValueError(f"lora {name!r}: no {WEIGHTS_FILE} in {str(folder)!r}{hint}")
-    if weights_path.stat().st_size > MAX_ADAPTER_BYTES:
-        raise ValueError(f"lora {name!r}: {WEIGHTS_FILE} is larger than "
-                         f"{MAX_ADAPTER_BYTES >> 30} GiB")
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"lora {name!r}: {CONFIG_FILE} is not valid JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"lora {name!r}: {CONFIG_FILE} must hold a JSON object")
-    _check_config(name, config)
-    digest = hashlib.blake2b(config_path.read_bytes() + weights_path.read_bytes(),
-                             digest_size=16).hexdigest()
-    adapter = LoRAAdapter(name=name, path=str(folder), rank=0, digest=digest)
-    modules = dict(model.named_modules())
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    with safe_open(str(weights_path), framework="pt") as f:
-        for key in f.keys():
-            match = _TENSOR.match(key)
-            if match is None:
-                raise ValueError(f"lora {name!r}: tensor {key!r} is not a LoRA A or B weight "
-                                 "(embedding LoRA, bias and DoRA magnitudes are not supported)")
-            pairs.setdefault(match["module"], {})[match["which"]] = f.get_tensor(key)
+    """Read the LoRA adapter at `path` for `model` (a CausalLM): a PEFT folder, or a GGUF
+    adapter file of llama.cpp's; ValueError naming the field or tensor when it cannot run on
+    it."""
+    source = Path(path)
+    if source.suffix == ".gguf" and source.is_file():
+        config = {}
+        if source.stat().st_size > MAX_ADAPTER_BYTES:
+            raise ValueError(f"lora {name!r}: {source.name} is larger than "
+                             f"{MAX_ADAPTER_BYTES >> 30} GiB")
+        pairs, alpha = read_gguf_adapter(name, source, model.config.num_heads,
+                                         model.config.num_kv_heads)
+        digest = hashlib.blake2b(source.read_bytes(), digest_size=16).hexdigest()
+
+        def scaling(module_name: str, rank: int) -> float:
+            return alpha / rank if alpha else 1.0  # llama.cpp's rule
+    else:
+        config, pairs, digest = _read_peft(name, source)
+
+        def scaling(module_name: str, rank: int) -> float:
+            return _scaling(config, module_name, rank)
     if not pairs:
-        raise ValueError(f"lora {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
+        raise ValueError(f"lora {name!r}: {source.name} holds no LoRA weights")
+    adapter = LoRAAdapter(name=name, path=str(source), rank=0, digest=digest)
+    modules = dict(model.named_modules())
     for module_name, ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise ValueError(f"lora {name!r}: module {module_name!r} has lora_"
@@ -138,16 +129,49 @@ def load_adapter(name: str, path: str | Path, model: torch.nn.Module) -> LoRAAda
                 f"outputs, the model's layer {linear.in_features} to {rows}: the adapter was "
                 f"trained for another base model "
                 f"(base_model_name_or_path: {config.get('base_model_name_or_path')!r})")
-        scaling = _scaling(config, module_name, rank)
         # Kept in the file's dtype (a bfloat16 adapter takes half the host memory of float32);
         # the scaling is folded into B in float32 first.
         dtype = a.dtype if a.is_floating_point() else torch.float32
         row_start = linear.offsets[part] if part is not None else 0
         adapter.modules.setdefault(target, []).append(
             LoRAPart(part=part or 0, row_start=row_start, a=a.to(dtype).contiguous(),
-                     b=(b * scaling).to(dtype).contiguous()))
+                     b=(b * scaling(module_name, rank)).to(dtype).contiguous()))
         adapter.rank = max(adapter.rank, rank)
     return adapter
+
+
+def _read_peft(name: str, folder: Path
+               ) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]], str]:
+    """(adapter_config.json, {module: {"A", "B"}}, digest of the files) of a PEFT folder."""
+    config_path, weights_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
+    if not config_path.is_file():
+        raise ValueError(f"lora {name!r}: no {CONFIG_FILE} in {str(folder)!r} (a PEFT LoRA "
+                         "adapter folder, or a GGUF adapter file, is expected)")
+    if not weights_path.is_file():
+        hint = " (adapter_model.bin is not read: save with safe_serialization)" if (
+            folder / "adapter_model.bin").is_file() else ""
+        raise ValueError(f"lora {name!r}: no {WEIGHTS_FILE} in {str(folder)!r}{hint}")
+    if weights_path.stat().st_size > MAX_ADAPTER_BYTES:
+        raise ValueError(f"lora {name!r}: {WEIGHTS_FILE} is larger than "
+                         f"{MAX_ADAPTER_BYTES >> 30} GiB")
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"lora {name!r}: {CONFIG_FILE} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"lora {name!r}: {CONFIG_FILE} must hold a JSON object")
+    _check_config(name, config)
+    digest = hashlib.blake2b(config_path.read_bytes() + weights_path.read_bytes(),
+                             digest_size=16).hexdigest()
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    with safe_open(str(weights_path), framework="pt") as f:
+        for key in f.keys():
+            match = _TENSOR.match(key)
+            if match is None:
+                raise ValueError(f"lora {name!r}: tensor {key!r} is not a LoRA A or B weight "
+                                 "(embedding LoRA, bias and DoRA magnitudes are not supported)")
+            pairs.setdefault(match["module"], {})[match["which"]] = f.get_tensor(key)
+    return config, pairs, digest
 
 
 def _my_share(name: str, module_name: str, linear: Linear, part: int | None,
