@@ -107,6 +107,9 @@ def test_mixed_batch_equals_each_row_alone(models):
         assert tokens(engine.generate(input_ids=prompts, sampling_params=params,
                                       lora=loras)) == alone
         assert_no_leak(engine)
+        stats = engine.stats()  # one slot: each adapter in turn, a at least twice
+        assert stats["lora_slots"] == 1 and stats["lora_adapters_loaded"] == 3
+        assert stats["lora_slot_loads"] >= 3
     # n-gram speculation verifies several tokens of a row per step, each with its adapter
     with Engine(str(models["base"]), speculative="ngram", **options) as engine:
         assert tokens(engine.generate(input_ids=prompts, sampling_params=params,
@@ -255,6 +258,8 @@ def test_server_serves_loads_and_unloads_adapters(chat_models):
     unload routes (API key, --allow-runtime-lora-loading) change what is served. Programs
     choose adapters per gen and select (`lora=`) and per run, on the engine, over the native
     routes (segments) and over the OpenAI routes, with the engine's per-call answers."""
+    import urllib.request
+
     import openai
 
     from radixlm.backends.server_process import ServerProcess
@@ -308,6 +313,12 @@ def test_server_serves_loads_and_unloads_adapters(chat_models):
         assert "no adapter_config.json" in error["error"]["message"]
         assert post(server.url + "/unload_lora_adapter", {"lora_name": "b"})[0] == 200
         assert {m.id for m in client.models.list().data} == {"base", "a"}
+        scrape = urllib.request.Request(server.url + "/metrics",
+                                        headers={"Authorization": "Bearer key"})
+        with urllib.request.urlopen(scrape, timeout=30) as response:
+            metrics = response.read().decode()
+        assert 'radixlm_lora_adapters_loaded{model_name="base"} 1.0' in metrics
+        assert "radixlm_lora_slot_loads_total" in metrics
 
 
 def test_tensor_parallel_ranks_hold_their_share_of_each_adapter(models):

@@ -452,5 +452,6 @@ class EngineCore:
             **self.structured.stats(),
             **(self.speculator.stats() if self.speculator is not None else {}),
             **(self.tier.stats() if self.tier is not None else {}),
+            **(self.lora.stats() if self.lora is not None else {}),
             **self.structured.engine_stats(),
         }

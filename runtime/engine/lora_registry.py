@@ -86,6 +86,10 @@ class LoRARegistry:
                 raise ValueError(f"lora_name: no adapter named {name!r} is loaded")
         log.info("LoRA adapter %r unloaded", name)
 
+    def stats(self) -> dict[str, int]:
+        return {"lora_adapters_loaded": len(self.adapters), "lora_slots": self.slots.num_slots,
+                "lora_slot_loads": self.slots.loads}
+
     def listing(self) -> list[dict[str, Any]]:
         return [{"name": a.name, "path": a.path, "rank": a.rank}
                 for a in self.adapters.values()]

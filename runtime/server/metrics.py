@@ -61,6 +61,8 @@ ENGINE_COUNTERS = {
                                  "written: the writer fell behind, or the disk is full"),
     "disk_bad_files": ("radixlm_disk_cache_bad_files", "Truncated, corrupt or foreign files "
                        "found, skipped and removed"),
+    "lora_slot_loads": ("radixlm_lora_slot_loads", "LoRA adapters copied into a device slot "
+                        "(growing fast: more adapters in use than max_loras_per_batch)"),
     # Per program only in the stats (/get_server_info): a label per program id would grow
     # without bound.
     "program_calls": ("radixlm_program_calls", "Finished requests that named a program"),
@@ -123,6 +125,8 @@ class Metrics:
                               "served from the prefix cache since start")
         self.spec_acceptance = gauge("radixlm_spec_decode_acceptance_rate", "Accepted over "
                                      "drafted speculative tokens since start")
+        self.lora_loaded = gauge("radixlm_lora_adapters_loaded", "LoRA adapters loaded "
+                                 "(served by name)")
         self._engine_counters = {stat: counter(name, doc)
                                  for stat, (name, doc) in ENGINE_COUNTERS.items()}
         self._engine_seen: dict[str, float] = {}
@@ -145,6 +149,7 @@ class Metrics:
             self._kv_pages.labels(self.model_name, state).set(stats.get(f"kv_pages_{state}", 0))
         self.hit_rate.set(cache_hit_rate(stats))
         self.spec_acceptance.set(stats.get("spec_acceptance_rate", 0.0))
+        self.lora_loaded.set(stats.get("lora_adapters_loaded", 0))
         for stat, metric in self._engine_counters.items():
             value = float(stats.get(stat, 0))
             grown = value - self._engine_seen.get(stat, 0.0)

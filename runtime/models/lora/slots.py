@@ -124,6 +124,7 @@ class LoRASlots:
         self._graph_rows: torch.Tensor | None = None
         self._graph_tiles: torch.Tensor | None = None
         self._host_step: tuple[list[int], list[tuple[int, int, int]]] = ([], [])
+        self.loads = 0  # adapters copied into a slot (many per step: raise num_slots)
         self.step: LoRAStep | None = None
         # slot -> adapter in it, least recently used first
         self._resident: OrderedDict[int, LoRAAdapter] = OrderedDict()
@@ -223,6 +224,7 @@ class LoRASlots:
                 del self._resident[slot]
             self._fill(slot, adapter)
             fills.append((slot, adapter))
+            self.loads += 1
         self._resident[slot] = adapter
         self._resident.move_to_end(slot)
         return slot
