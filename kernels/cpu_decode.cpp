@@ -27,10 +27,10 @@
 //   sequence), positions [T] (the row attends to its sequence's positions 0..position),
 //   pages [S, P] int64 (page ids of each sequence's context);
 //   LoRA adapters (none: an empty list): lora[12 i .. 12 i + 12) = A, B and part columns of
-//     layer i's qkv, o, gate_up and down: float32 A [slots, P R, in] and B [slots, P R, out]
-//     (runtime/models/lora/slots.py), int32 cols [P, 2] (the output columns part p's rows of
-//     B may write); then, last, int32 ranks [slots] (each slot's adapter rank); and
-//     lora_slots [T] int64: each row's slot, -1 for none.
+//     layer i's qkv, o, gate_up and down: A [slots, P R, in] and B [slots, P R, out] (float32
+//     or bfloat16; runtime/models/lora/slots.py), int32 cols [P, 2] (the output columns part
+//     p's rows of B may write); then, last, int32 ranks [slots] (each slot's adapter rank);
+//     and lora_slots [T] int64: each row's slot, -1 for none.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>
@@ -407,14 +407,14 @@ Tensor attention(const Tensor& qkv, const Tensor& k_layer, const Tensor& v_layer
 // out[c] = sum of a[i] * xs[c][i] over i < n, for C rows at once (a read once for all of
 // them): per row 16 lanes of fused multiply-adds over i in order, then the lanes and the tail
 // in order. A row's sum is the same whatever C is and whatever the other rows hold.
-template <int C>
-void dots(const float* a, const float* const* xs, int64_t n, float* out) {
+template <int C, typename W>
+void dots(const W* a, const float* const* xs, int64_t n, float* out) {
   using radixlm_cpu::Vec;
   Vec acc[C];
   for (int c = 0; c < C; ++c) acc[c] = Vec::zero();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const Vec va = Vec::load(a + i);
+    const Vec va = load16(a + i);
     for (int c = 0; c < C; ++c) acc[c] = acc[c].fma(va, Vec::load(xs[c] + i));
   }
   for (int c = 0; c < C; ++c) {
@@ -422,7 +422,7 @@ void dots(const float* a, const float* const* xs, int64_t n, float* out) {
     acc[c].store(lanes);
     float sum = 0.f;
     for (int l = 0; l < 16; ++l) sum += lanes[l];
-    for (int64_t t = i; t < n; ++t) sum += a[t] * xs[c][t];
+    for (int64_t t = i; t < n; ++t) sum += to_f(a[t]) * xs[c][t];
     out[c] = sum;
   }
 }
@@ -435,8 +435,9 @@ constexpr int64_t LORA_ROWS = 8;
 // slot go through the weights together, up to LORA_ROWS at a time. Rows without an adapter
 // are left alone, so a base-model row is the same with or without adapter rows beside it.
 // Only the slot's rank of each part is read, and an output reads only the parts that may
-// write it (the rest of B is zeros).
-template <typename A>
+// write it (the rest of B is zeros). W: the slots' dtype (float32, or bfloat16 for half the
+// bytes; widened exactly, so the sums are the same either way for the same weights).
+template <typename A, typename W>
 void lora_add(Tensor& out, const Tensor& x, const Tensor& la, const Tensor& lb,
               const Tensor& cols, const int32_t* ranks, const int64_t* slots) {
   const int64_t rows = x.size(0), in = x.size(1), k = la.size(1), n = out.size(1);
@@ -446,8 +447,8 @@ void lora_add(Tensor& out, const Tensor& x, const Tensor& la, const Tensor& lb,
                   cols.scalar_type() == at::kInt,
               "lora: shapes do not match the layer");
   const int32_t* col = cols.data_ptr<int32_t>();
-  const float* a = la.data_ptr<float>();
-  const float* b = lb.data_ptr<float>();
+  const W* a = la.data_ptr<W>();
+  const W* b = lb.data_ptr<W>();
   const A* xs = x.data_ptr<A>();
   A* os = out.data_ptr<A>();
   // Blocks (first row, rows) of up to LORA_ROWS consecutive rows with one slot.
@@ -473,7 +474,7 @@ void lora_add(Tensor& out, const Tensor& x, const Tensor& la, const Tensor& lb,
   });
   // One task: a block's rows through `outputs` consecutive rows of A [slots, k, in], but
   // the rank padding of each part.
-  auto pass = [&](const std::vector<float>& inputs, int64_t width, const float* weights,
+  auto pass = [&](const std::vector<float>& inputs, int64_t width, const W* weights,
                   int64_t total, int64_t per_task, auto&& store) {
     const int64_t tasks_per_block = (total + per_task - 1) / per_task;
     at::parallel_for(0, blocks * tasks_per_block, 1, [&](int64_t begin, int64_t end) {
@@ -518,7 +519,7 @@ void lora_add(Tensor& out, const Tensor& x, const Tensor& la, const Tensor& lb,
           Vec acc = Vec::zero();
           for (int64_t q = 0; q < used; ++q) {
             for (int64_t j = firsts[q]; j < firsts[q] + rank; ++j) {
-              acc = acc.fma(Vec::fill(ur[j]), Vec::load(b + (s * k + j) * n + o));
+              acc = acc.fma(Vec::fill(ur[j]), load16(b + (s * k + j) * n + o));
             }
           }
           float lanes[16];
@@ -529,7 +530,7 @@ void lora_add(Tensor& out, const Tensor& x, const Tensor& la, const Tensor& lb,
           float sum = 0.f;
           for (int64_t q = 0; q < used; ++q) {
             for (int64_t j = firsts[q]; j < firsts[q] + rank; ++j) {
-              sum = std::fma(ur[j], b[(s * k + j) * n + o], sum);
+              sum = std::fma(ur[j], to_f(b[(s * k + j) * n + o]), sum);
             }
           }
           y[o] = to_a<A>(to_f(y[o]) + sum);
@@ -579,7 +580,13 @@ Tensor forward_rows(Tensor hidden, const Tensor& cos, const Tensor& sin,
     if (slots != nullptr) {
       y = y.contiguous();
       const size_t at = 12 * i + 3 * j;
-      lora_add<A>(y, x.contiguous(), lora[at], lora[at + 1], lora[at + 2], ranks, slots);
+      if (lora[at].scalar_type() == at::kBFloat16) {
+        lora_add<A, BFloat16>(y, x.contiguous(), lora[at], lora[at + 1], lora[at + 2], ranks,
+                              slots);
+      } else {
+        lora_add<A, float>(y, x.contiguous(), lora[at], lora[at + 1], lora[at + 2], ranks,
+                           slots);
+      }
     }
     return y;
   };

@@ -231,8 +231,11 @@ class LoRASlots:
 
 
 def slot_dtype(device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
-    """The slots' dtype: the CPU kernel reads float32; on a GPU the model's own."""
-    return torch.float32 if device.type == "cpu" else model_dtype
+    """The slots' dtype: the model's own (the CPU kernel reads float32 or bfloat16 slots,
+    widened exactly and summed in float32)."""
+    if device.type == "cpu" and model_dtype not in (torch.float32, torch.bfloat16):
+        return torch.float32
+    return model_dtype
 
 
 def follower_slots(model: torch.nn.Module, spec: dict[str, Any], model_dtype: torch.dtype,
