@@ -3,8 +3,9 @@
 
 A request names its adapter; `resolve` turns the name into the adapter object the request
 keeps, so unloading or replacing a name never changes what a running request computes: the
-adapter leaves host memory and its slot once nothing uses it. Loading and unloading happen on
-the caller's thread; the engine thread only reads the adapters requests carry.
+adapter leaves host memory once no request holds it and its slot (if it has one) has been
+given to another adapter. Loading and unloading happen on the caller's thread; the engine
+thread only reads the adapters requests carry.
 """
 
 from __future__ import annotations

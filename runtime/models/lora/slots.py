@@ -206,12 +206,6 @@ class LoRASlots:
             linear.fill(slot, adapter.modules.get(name, ()))
         self.ranks[slot] = adapter.rank
 
-    def forget(self, adapter: LoRAAdapter) -> None:
-        """An unloaded adapter's slot becomes free (no running request uses it any more)."""
-        slot = self.slot_of(adapter)
-        if slot is not None:
-            del self._resident[slot]
-
     def _load(self, adapter: LoRAAdapter, needed: dict[int, LoRAAdapter],
               fills: list[tuple[int, LoRAAdapter]]) -> int:
         slot = self.slot_of(adapter)
