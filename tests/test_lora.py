@@ -325,7 +325,7 @@ def test_tensor_parallel_ranks_hold_their_share_of_each_adapter(models):
     """tp_size=2 on gloo, float32: each rank holds its share of every adapter (B's rows of a
     column-parallel layer, A's columns of a row-parallel one) and fills its slots as rank 0
     does (two slots for three adapters: refilled mid-run). Scores match peft; a mixed batch's
-    tokens equal one rank's."""
+    tokens equal one rank's; an adapter loaded while serving reaches every rank."""
     ids = torch.randint(3, 512, (40,), generator=torch.Generator().manual_seed(0)).tolist()
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 17, 9, 12)]
@@ -333,13 +333,20 @@ def test_tensor_parallel_ranks_hold_their_share_of_each_adapter(models):
     params = {"temperature": 0, "max_new_tokens": 6, "min_new_tokens": 6}
     options = dict(device="cpu", dtype="float32", max_loras_per_batch=2,
                    lora_modules=modules(models, "a", "b", "c"))
-    with pytest.raises(ValueError, match="allow_runtime_lora_loading"):
-        Engine(str(models["base"]), tp_size=2, allow_runtime_lora_loading=True)
-    with Engine(str(models["base"]), tp_size=2, **options) as engine:
+    with Engine(str(models["base"]), tp_size=2, allow_runtime_lora_loading=True,
+                **options) as engine:
         scores = {name: engine.score(ids[:12], [ids[12:]], lora=name)[0]
                   for name in ("a", "b", "c")}
         sharded = [o.token_ids for o in engine.generate(input_ids=prompts,
                                                         sampling_params=params, lora=loras)]
+        # Loaded while serving: every rank takes its share, at a catalog index an unloaded
+        # adapter no request holds leaves free.
+        engine.unload_lora("b")
+        engine.load_lora("a2", str(models["a"]))  # in b's place
+        assert len(engine.core.lora.slots.catalog) == 3
+        assert engine.score(ids[:12], [ids[12:]], lora="a2")[0] == scores["a"]
+        with pytest.raises(ValueError, match="no adapter_config.json"):
+            engine.load_lora("d", "/nonexistent")
         assert_no_leak(engine)
     for name, values in scores.items():
         want = peft_logprobs(models, name, ids, 12)

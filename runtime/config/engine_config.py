@@ -273,14 +273,9 @@ class EngineConfig:
                              f"max_loaded_loras is {self.max_loaded_loras}")
         if not self.lora_enabled:
             return
-        for clash, why in ((self.tp_size > 1 and self.allow_runtime_lora_loading,
-                            "tp_size > 1 together with allow_runtime_lora_loading (with "
-                            "tensor parallelism, serve adapters given in lora_modules)"),
-                           (self.speculative == "draft", "speculative='draft': the draft "
-                            "model has no adapters")):
-            if clash:
-                raise ValueError(f"lora_modules / allow_runtime_lora_loading cannot be used "
-                                 f"with {why}")
+        if self.speculative == "draft":
+            raise ValueError("lora_modules / allow_runtime_lora_loading cannot be used with "
+                             "speculative='draft': the draft model has no adapters")
 
     def _check_speculative_options(self) -> None:
         if self.speculative is not None:

@@ -211,8 +211,13 @@ class Engine:
 
     def load_lora(self, name: str, path: str) -> None:
         """Serve the PEFT adapter in folder `path` as `name` (needs allow_runtime_lora_loading;
-        PermissionError otherwise, ValueError naming the field when it cannot be served)."""
-        self._lora_registry().load(name, path)
+        PermissionError otherwise, ValueError naming the field when it cannot be served).
+        With tensor parallelism every rank loads its share, between two steps."""
+        registry = self._lora_registry()
+        if registry.slots.followers is None:
+            registry.load(name, path)
+        else:
+            self._call(lambda core: core.load_lora(name, path))
 
     def unload_lora(self, name: str) -> None:
         """Stop serving adapter `name`: new requests naming it are refused; requests already

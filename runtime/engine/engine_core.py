@@ -145,6 +145,20 @@ class EngineCore:
     def release_lease(self, lease_id: str) -> bool:
         return self.leases is not None and self.leases.release(lease_id)
 
+    def load_lora(self, name: Any, path: Any) -> None:
+        """Load an adapter while serving with tensor parallelism (on the engine thread,
+        between steps): rank 0 reads and checks it, then every rank loads its share at the
+        same catalog index; if any rank cannot, it is unloaded again and the error raised."""
+        assert self.lora is not None and self.lora.slots.followers is not None
+        adapter = self.lora.load(name, path)
+        held = {id(r.lora) for r in self.requests.values() if r.lora is not None}
+        index = self.lora.catalog_index(held - {id(adapter)})
+        self.lora.slots.set_catalog(index, adapter)
+        if not self.lora.slots.followers.lora_load(index, name, path):
+            self.lora.unload(name)
+            raise ValueError(f"lora_path: a tensor-parallel rank could not load {path!r} "
+                             "(is it on every host?)")
+
     def release_program(self, program_id: str) -> bool:
         """The program ended: drop the pin that kept its context warm (program_ttl)."""
         lease = self._warm.pop(program_id, None)

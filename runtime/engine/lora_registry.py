@@ -44,7 +44,7 @@ class LoRARegistry:
         self.slots = LoRASlots(model, config.max_loras_per_batch, self.max_rank,
                                slot_dtype(device, dtype), device)
         # Tensor parallelism names adapters by their index in this list, the same on every
-        # rank (runtime loading is off there).
+        # rank (EngineCore.load_lora extends it).
         self.slots.catalog = [self.adapters[n] for n in sorted(self.adapters)]
         for adapter in self.adapters.values():
             log.info("LoRA adapter %r: rank %d, %d layers' modules, from %s", adapter.name,
@@ -79,6 +79,16 @@ class LoRARegistry:
             self.adapters[name] = adapter
         log.info("LoRA adapter %r loaded: rank %d, from %s", name, adapter.rank, path)
         return adapter
+
+    def catalog_index(self, held: set[int]) -> int:
+        """Where a new adapter goes in the slots' catalog (tensor parallelism): in place of
+        an unloaded adapter that no request holds (`held`: ids of the adapters requests
+        carry), else at the end; the catalog stays as long as the adapters in use."""
+        live = {id(a) for a in self.adapters.values()}
+        for index, old in enumerate(self.slots.catalog):
+            if id(old) not in live and id(old) not in held:
+                return index
+        return len(self.slots.catalog)
 
     def unload(self, name: Any) -> None:
         self._check_runtime()

@@ -7,7 +7,8 @@ reads, all already resolved from rank 0's slot table, so the other ranks keep no
 own; they only hold their shard of the weights and of the KV pool (the same number of slots).
 With LoRA adapters, each forward is preceded by its rows' adapter slots and the slots to
 fill (every rank loaded the same adapters at start, each its own share of them, and fills its
-slots as rank 0 does). Before each logits computation it broadcasts the hidden rows to score:
+slots as rank 0 does; an adapter loaded while serving reaches every rank between two steps).
+Before each logits computation it broadcasts the hidden rows to score:
 the vocab-parallel output head gathers every rank's logits, and only rank 0 samples from them.
 A step whose rows all take the plain argmax (greedy, nothing that changes logits, no logprobs)
 gathers only each rank's (max, index) per row instead.
@@ -49,7 +50,7 @@ from radixlm.runtime.models.loader import ARCHITECTURE_PRESETS, resolve_model
 
 log = logging.getLogger(__name__)
 
-FORWARD, LOGITS, HEARTBEAT, STOP, GRAPH, GREEDY, LORA = 1, 2, 3, 4, 5, 6, 7
+FORWARD, LOGITS, HEARTBEAT, STOP, GRAPH, GREEDY, LORA, LORA_LOAD = 1, 2, 3, 4, 5, 6, 7, 8
 HEADER = 4  # int64 words: (command, a, b, c)
 # Workers launched here (not by hand for a multi-node run) watch this process id and exit
 # when it goes away, so a killed engine leaves no orphans.
@@ -197,6 +198,15 @@ class TensorParallelGroup:
     def lora_step(self, per_row: list[int], fills: list[tuple[int, int]]) -> None:
         self._broadcast(lambda: self.channel.send_lora(per_row, fills))
 
+    def lora_load(self, index: int, name: str, path: str) -> bool:
+        """Every other rank loads the adapter at `path` as catalog entry `index`; whether all
+        of them could (they agree on it, so no rank keeps what another could not load)."""
+        def send() -> None:
+            self.channel.send_header(LORA_LOAD)
+            dist.broadcast_object_list([(index, name, path)], src=0)
+        self._broadcast(send)
+        return self.run(lambda: agree(True, self.info.host_group))
+
     def hidden_for_logits(self, hidden: torch.Tensor, command: int = LOGITS) -> None:
         self._broadcast(lambda: self.channel.send_hidden(hidden, command))
 
@@ -275,6 +285,13 @@ class TensorParallelGroup:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def agree(ok: bool, group: Any) -> bool:
+    """True when every rank of the group says ok."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
 
 
 class ShardedModel:

@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from radixlm.runtime.config.engine_config import EngineConfig
 from radixlm.runtime.distributed.groups import destroy_group, init_group, setup_all_reduce
 from radixlm.runtime.execution.cuda_graph import SENT_ROWS, DecodeGraphs
 from radixlm.runtime.models.loader import load_model
+from radixlm.runtime.models.lora.adapter import load_adapter
 from radixlm.runtime.models.lora.slots import follower_slots
 from radixlm.runtime.parallel.sharded import (
     FORWARD,
@@ -34,9 +36,11 @@ from radixlm.runtime.parallel.sharded import (
     HEARTBEAT,
     LOGITS,
     LORA,
+    LORA_LOAD,
     PARENT_ENV,
     STOP,
     StepChannel,
+    agree,
 )
 
 log = logging.getLogger("radixlm.runtime.parallel.worker")
@@ -107,6 +111,8 @@ def serve(rank: int, world_size: int, local_rank: int) -> None:
             model(batch, attn)
         elif command == LORA:
             lora.follow(*channel.recv_lora(header))
+        elif command == LORA_LOAD:
+            _load_lora(lora, model, tp.host_group)
         elif command == GRAPH:
             graphs.replay_received(*channel.recv_graph_step(header, SENT_ROWS))
         elif command == LOGITS:
@@ -117,6 +123,21 @@ def serve(rank: int, world_size: int, local_rank: int) -> None:
             return
         elif command != HEARTBEAT:
             raise RuntimeError(f"unknown tensor-parallel command {command}")
+
+
+def _load_lora(lora: Any, model: Any, host_group: Any) -> None:
+    """Rank 0's load_lora: this rank's share of the adapter at the same catalog index, kept
+    only if every rank could load it."""
+    box: list = [None]
+    dist.broadcast_object_list(box, src=0)
+    index, name, path = box[0]
+    try:
+        adapter = load_adapter(name, path, model)
+    except Exception:  # noqa: BLE001 - reported to rank 0 through the agreement
+        log.exception("LoRA adapter %r could not be loaded from %s", name, path)
+        adapter = None
+    if agree(adapter is not None, host_group):
+        lora.set_catalog(index, adapter)
 
 
 def main() -> None:

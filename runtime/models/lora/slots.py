@@ -206,6 +206,18 @@ class LoRASlots:
             linear.fill(slot, adapter.modules.get(name, ()))
         self.ranks[slot] = adapter.rank
 
+    def set_catalog(self, index: int, adapter: LoRAAdapter) -> None:
+        """Put an adapter at `index` of the catalog (its end, or in place of one no request
+        holds any more, which leaves its slot if it had one)."""
+        if index == len(self.catalog):
+            self.catalog.append(adapter)
+            return
+        old = self.catalog[index]
+        slot = self.slot_of(old)
+        if slot is not None:
+            del self._resident[slot]
+        self.catalog[index] = adapter
+
     def _load(self, adapter: LoRAAdapter, needed: dict[int, LoRAAdapter],
               fills: list[tuple[int, LoRAAdapter]]) -> int:
         slot = self.slot_of(adapter)
