@@ -95,7 +95,8 @@ def kernel_table(ranks: list[int], counts: list[int], batch: int, layers: int = 
     step's updates (the four linears of `layers` layers, replayed as a CUDA graph) against
     the same step's base products, and against the floor of reading every distinct
     adapter's weights once at the card's copy bandwidth (measured here)."""
-    from radixlm.kernels.lora import TILE_FIELDS, group_rows, lora_add
+    from radixlm.kernels.lora import lora_add
+    from radixlm.kernels.lora_rows import TILE_FIELDS, group_rows
 
     from gpu_timing import capture, median_replay_ms
 

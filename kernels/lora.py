@@ -1,11 +1,11 @@
 """LoRA updates for a batch whose rows use different adapters: shrink (u = A x) and expand
 (out += B u), each one launch over the whole batch (SGMV style).
 
-The rows are grouped by adapter slot on the host: `rows` lists the batch's row indices slot
-by slot, and `tiles` [num_tiles, 3] cuts that list into tiles of at most BLOCK_M rows of one
-slot, as (slot, first, stop) into `rows`; a tile whose slot is -1 does nothing, so a CUDA
-graph can be captured with as many tiles as its batch size could ever need and replayed with
-fewer. Rows of the base model are in no tile and are not touched.
+The rows are grouped by adapter slot on the host (lora_rows.py): `rows` lists the batch's
+row indices slot by slot, and `tiles` [num_tiles, 3] cuts that list into tiles of at most
+BLOCK_M rows of one slot, as (slot, first, stop) into `rows`; a tile whose slot is -1 does
+nothing, so a CUDA graph can be captured with as many tiles as its batch size could ever need
+and replayed with fewer. Rows of the base model are in no tile and are not touched.
 
 Weights, per linear (see runtime/models/lora/slots.py): A [slots, P * R, in] (part p's A in
 rows p R .. p R + rank) and B transposed [slots, P * R, out]. `ranks[slot]` is the slot's
@@ -26,36 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 16  # rows per tile (tl.dot's smallest M)
-BLOCK_R = 16  # ranks per program: the slots' rank R is a multiple of it
-TILE_FIELDS = 3
+from radixlm.kernels.lora_rows import BLOCK_M, BLOCK_R
 
 
 def split_k(in_features: int) -> int:
     """Programs `in` is split over in shrink: about 1024 inputs each, at most 16."""
     return max(1, min(16, triton.cdiv(in_features, 1024)))
-
-
-def group_rows(token_slots: list[int]) -> tuple[list[int], list[tuple[int, int, int]]]:
-    """(rows, tiles) for a batch whose row i uses slot token_slots[i] (-1: no adapter): the
-    adapted rows slot by slot, and tiles (slot, first, stop) of at most BLOCK_M of them."""
-    by_slot: dict[int, list[int]] = {}
-    for row, slot in enumerate(token_slots):
-        if slot >= 0:
-            by_slot.setdefault(slot, []).append(row)
-    rows: list[int] = []
-    tiles: list[tuple[int, int, int]] = []
-    for slot in sorted(by_slot):
-        first = len(rows)
-        rows.extend(by_slot[slot])
-        tiles.extend((slot, start, min(start + BLOCK_M, len(rows)))
-                     for start in range(first, len(rows), BLOCK_M))
-    return rows, tiles
-
-
-def max_tiles(num_rows: int, num_slots: int) -> int:
-    """The most tiles `group_rows` gives for num_rows rows over num_slots slots."""
-    return min(num_rows, triton.cdiv(num_rows, BLOCK_M) + num_slots)
 
 
 @triton.jit

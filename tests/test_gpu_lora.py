@@ -8,6 +8,7 @@ import pytest
 import torch
 from test_engine import assert_no_leak
 from test_lora import models, modules, peft_logprobs  # noqa: F401 (models is a fixture)
+from test_lora_kernels import kernel_args, random_slots
 
 from radixlm.runtime import Engine
 
@@ -17,34 +18,19 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.mark.parametrize("in_features,parts", [(4096, [4096, 1024, 1024]), (14336, [4096])])
 def test_kernels_bf16_at_8b_sizes(in_features, parts):
-    from radixlm.kernels.lora import TILE_FIELDS, group_rows, lora_add
+    from radixlm.kernels.lora import lora_add
     from radixlm.kernels.reference import lora_add_reference
 
     gen = torch.Generator().manual_seed(0)
     ranks, stride = [16, 64, 8, 64], 64
-    slots, out_features = len(ranks), sum(parts)
-    a = torch.zeros(slots, len(parts) * stride, in_features)
-    b = torch.zeros(slots, len(parts) * stride, out_features)
-    cols = [0]
-    for size in parts:
-        cols.append(cols[-1] + size)
-    for slot, rank in enumerate(ranks):
-        for p in range(len(parts)):
-            a[slot, p * stride:p * stride + rank] = torch.randn(rank, in_features,
-                                                                generator=gen) / 64
-            b[slot, p * stride:p * stride + rank, cols[p]:cols[p + 1]] = torch.randn(
-                rank, parts[p], generator=gen) / 8
-    token_slots = torch.randint(-1, slots, (77,), generator=gen).tolist()
+    a, b, cols = random_slots(ranks, stride, in_features, parts, gen, 1 / 64, 1 / 8)
+    token_slots = torch.randint(-1, len(ranks), (77,), generator=gen).tolist()
     x = torch.randn(len(token_slots), in_features, generator=gen)
-    out = torch.randn(len(token_slots), out_features, generator=gen)
+    out = torch.randn(len(token_slots), sum(parts), generator=gen)
     dev = dict(device="cuda", dtype=torch.bfloat16)
     x, out, a, b = x.to(**dev), out.to(**dev), a.to(**dev), b.to(**dev)
-    rows, tiles = group_rows(token_slots)
-    got = lora_add(x, out.clone(), a, b, torch.tensor(rows, dtype=torch.int32, device="cuda"),
-                   torch.tensor(tiles, dtype=torch.int32, device="cuda").view(-1, TILE_FIELDS),
-                   len(tiles), torch.tensor(ranks, dtype=torch.int32, device="cuda"),
-                   torch.tensor([[cols[p], cols[p + 1]] for p in range(len(parts))],
-                                dtype=torch.int32, device="cuda"), stride)
+    got = lora_add(x, out.clone(), a, b, *kernel_args(token_slots, ranks, cols, "cuda"),
+                   stride)
     want = lora_add_reference(x, out, a, b, token_slots)
     err = ((got.float() - want.float()).norm() / (want.float() - out.float()).norm()).item()
     assert err < 2e-2, err

@@ -354,3 +354,23 @@ def test_tensor_parallel_ranks_hold_their_share_of_each_adapter(models):
     with Engine(str(models["base"]), disable_cpu_kernel=True, **options) as engine:
         assert [o.token_ids for o in engine.generate(input_ids=prompts, sampling_params=params,
                                                      lora=loras)] == sharded
+
+
+def test_adapters_run_where_triton_is_not_installed(models):
+    """A plain install has no Triton (it is a GPU and test dependency): the engine and its CPU
+    LoRA path must import and run without it."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+sys.modules["triton"] = None  # any import of it fails
+from radixlm.runtime import Engine
+with Engine({str(models["base"])!r}, device="cpu", lora_modules=["a={models["a"]}"]) as engine:
+    out = engine.generate(input_ids=[5, 6, 7], sampling_params={{"max_new_tokens": 2}}, lora="a")
+print(len(out.token_ids))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "2"

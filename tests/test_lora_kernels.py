@@ -7,37 +7,59 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from interpreter_cases import collect_cases, main, results_under_interpreter
 
 
+def random_slots(ranks: list[int], stride: int, in_features: int, part_sizes: list[int],
+                 gen: torch.Generator, a_scale: float = 1.0, b_scale: float = 1.0
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
+    """Slots as runtime/models/lora/slots.py lays them out (A [S, P R, in], B [S, P R, out],
+    zeros beyond each slot's rank and outside each part's columns) filled at random, and the
+    parts' (first, stop) output columns."""
+    parts, out_features = len(part_sizes), sum(part_sizes)
+    a = torch.zeros(len(ranks), parts * stride, in_features)
+    b = torch.zeros(len(ranks), parts * stride, out_features)
+    cols, first = [], 0
+    for size in part_sizes:
+        cols.append([first, first + size])
+        first += size
+    for slot, rank in enumerate(ranks):
+        for p, (lo, hi) in enumerate(cols):
+            rows = slice(p * stride, p * stride + rank)
+            a[slot, rows] = torch.randn(rank, in_features, generator=gen) * a_scale
+            b[slot, rows, lo:hi] = torch.randn(rank, hi - lo, generator=gen) * b_scale
+    return a, b, cols
+
+
+def kernel_args(token_slots: list[int], ranks: list[int], cols: list[list[int]],
+                device: str = "cpu", spare_tiles: int = 0) -> tuple:
+    """lora_add's rows, tiles, tile count, ranks and part columns for a batch, with
+    `spare_tiles` unused tiles after the real ones (a captured graph's padding)."""
+    from radixlm.kernels.lora_rows import TILE_FIELDS, group_rows
+
+    rows, tiles = group_rows(token_slots)
+    tiles = tiles + [(-1, 0, 0)] * spare_tiles
+    int32 = dict(dtype=torch.int32, device=device)
+    return (torch.tensor(rows + [0], **int32),
+            torch.tensor(tiles, **int32).reshape(-1, TILE_FIELDS), len(tiles),
+            torch.tensor(ranks, **int32), torch.tensor(cols, **int32))
+
+
 def _case(token_slots: list[int], in_features: int, part_sizes: list[int], stride: int,
           ranks: list[int], spare_tiles: int = 0, seed: int = 0) -> str:
-    from radixlm.kernels.lora import TILE_FIELDS, group_rows, lora_add
+    from radixlm.kernels.lora import lora_add
     from radixlm.kernels.reference import lora_add_reference
 
     gen = torch.Generator().manual_seed(seed)
-    slots, parts, out_features = len(ranks), len(part_sizes), sum(part_sizes)
-    a = torch.zeros(slots, parts * stride, in_features)
-    b = torch.zeros(slots, parts * stride, out_features)
-    cols = [0]
-    for size in part_sizes:
-        cols.append(cols[-1] + size)
-    for slot, rank in enumerate(ranks):
-        for p in range(parts):
-            rows = slice(p * stride, p * stride + rank)
-            a[slot, rows] = torch.randn(rank, in_features, generator=gen)
-            b[slot, rows, cols[p]:cols[p + 1]] = torch.randn(rank, part_sizes[p], generator=gen)
+    a, b, cols = random_slots(ranks, stride, in_features, part_sizes, gen)
     x = torch.randn(len(token_slots), in_features, generator=gen)
-    out = torch.randn(len(token_slots), out_features, generator=gen)
-    rows, tiles = group_rows(token_slots)
-    tiles += [(-1, 0, 0)] * spare_tiles
+    out = torch.randn(len(token_slots), sum(part_sizes), generator=gen)
     want = lora_add_reference(x, out, a, b, token_slots)
-    got = lora_add(x, out.clone(), a, b, torch.tensor(rows + [0], dtype=torch.int32),
-                   torch.tensor(tiles, dtype=torch.int32).reshape(-1, TILE_FIELDS), len(tiles),
-                   torch.tensor(ranks, dtype=torch.int32),
-                   torch.tensor([[cols[p], cols[p + 1]] for p in range(parts)],
-                                dtype=torch.int32), stride)
+    got = lora_add(x, out.clone(), a, b,
+                   *kernel_args(token_slots, ranks, cols, spare_tiles=spare_tiles), stride)
     err = ((got - want).norm() / (want - out).norm()).item()
     assert err < 1e-5, f"relative error {err:.2e}"
     return f"rel err {err:.1e}"
@@ -59,6 +81,25 @@ def case_split_input_and_spare_tiles():
 def case_parts_inside_one_output_tile():
     """Parts narrower than an output tile: both rank blocks are read for the shared tile."""
     return _case([0, 0, 1], 24, [24, 40], 16, [16, 8])
+
+
+@given(st.lists(st.integers(-1, 5), max_size=80))
+def test_rows_grouped_by_slot_in_tiles(token_slots):
+    """group_rows against a naive grouping: every adapted row once, slot by slot in row order,
+    tiles of at most 16 rows of one slot covering them, within max_tiles."""
+    from radixlm.kernels.lora_rows import BLOCK_M, group_rows, max_tiles
+
+    rows, tiles = group_rows(token_slots)
+    want = [r for slot in sorted(set(token_slots) - {-1})
+            for r, s in enumerate(token_slots) if s == slot]
+    assert rows == want
+    covered = []
+    for slot, first, stop in tiles:
+        assert 0 < stop - first <= BLOCK_M
+        assert all(token_slots[r] == slot for r in rows[first:stop])
+        covered.extend(range(first, stop))
+    assert covered == list(range(len(rows)))
+    assert len(tiles) <= max_tiles(len(token_slots), 6)
 
 
 CASES = collect_cases(globals())

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import torch
 
 from radixlm.kernels.host_copy import to_device
-from radixlm.kernels.lora import BLOCK_R, TILE_FIELDS, group_rows, max_tiles
+from radixlm.kernels.lora_rows import BLOCK_R, TILE_FIELDS, group_rows, max_tiles
 from radixlm.runtime.models.layers.linear import Linear
 from radixlm.runtime.models.lora.adapter import LoRAAdapter, load_adapter
 
@@ -40,7 +40,8 @@ class LoRAStep:
     # (slot, rows): contiguous (start, stop) when the slot's rows are one run, else an index
     # tensor of them.
     groups: list[tuple[int, slice | torch.Tensor]] = field(default_factory=list)
-    # On a GPU (kernels/lora.py): the adapted rows slot by slot, and their tiles.
+    # On a GPU (kernels/lora.py): the adapted rows slot by slot, and their tiles, on the
+    # device (None until a linear first needs them: LoRASlots.uploaded).
     rows: torch.Tensor | None = None  # int32
     tiles: torch.Tensor | None = None  # [>= num_tiles, 3] int32
     num_tiles: int = 0
@@ -82,9 +83,10 @@ class LoRALinear:
         step = self.owner.step
         if step is None:
             return out
-        if step.tiles is not None:
-            from radixlm.kernels.lora import lora_add
+        if self.owner.use_kernels:
+            from radixlm.kernels.lora import lora_add  # Triton: only where the kernels run
 
+            step = self.owner.uploaded(step)
             return lora_add(x, out, self.a, self.b, step.rows, step.tiles, step.num_tiles,
                             self.owner.ranks, self.part_cols, self.rank)
         for slot, rows in step.groups:
@@ -165,11 +167,10 @@ class LoRASlots:
             self.step = None
             return
         if self.use_kernels:
-            rows, tiles = group_rows(per_row)
-            self.step = LoRAStep(rows=to_device(rows, torch.int32, self.device),
-                                 tiles=to_device(tiles, torch.int32, self.device),
-                                 num_tiles=len(tiles))
-            self._host_step = rows, tiles
+            # Sent to the device by the first linear that runs eagerly (`uploaded`); a graph
+            # replay copies them into its own buffers instead (`stage_graph`).
+            self._host_step = group_rows(per_row)
+            self.step = LoRAStep(num_tiles=len(self._host_step[1]))
             return
         token_slots = torch.tensor(per_row, dtype=torch.int64)
         groups: list[tuple[int, slice | torch.Tensor]] = []
@@ -179,6 +180,14 @@ class LoRASlots:
             run = last - first + 1 == len(rows)
             groups.append((slot, slice(first, last + 1) if run else rows.to(self.device)))
         self.step = LoRAStep(token_slots.to(self.device), groups)
+
+    def uploaded(self, step: LoRAStep) -> LoRAStep:
+        """The step with its rows and tiles on the device (sent once per step)."""
+        if step.tiles is None:
+            rows, tiles = self._host_step
+            step.rows = to_device(rows, torch.int32, self.device)
+            step.tiles = to_device(tiles, torch.int32, self.device)
+        return step
 
     def graph_buffers(self, max_batch_size: int) -> None:
         """Allocate the rows and tiles CUDA graphs read, for up to max_batch_size rows."""
