@@ -147,9 +147,9 @@ class EngineConfig:
     # one, which runs the whole batch without its graph (an H200 at batch 64 ran constrained
     # decoding at 0.59x of unconstrained with it, 0.96x without).
     enable_jump_forward: bool | None = None
-    # LoRA adapters to serve over the base model, as NAME=PATH (a PEFT adapter folder);
-    # requests pick one by name (Engine.generate(lora=...), `model` on the OpenAI routes,
-    # `lora_path` on /generate). See docs/lora.md.
+    # LoRA adapters to serve over the base model, as NAME=PATH (a PEFT adapter folder, or a
+    # llama.cpp GGUF adapter file); requests pick one by name (Engine.generate(lora=...),
+    # `model` on the OpenAI routes, `lora_path` on /generate). See docs/lora.md.
     lora_modules: tuple[str, ...] | None = None
     # Adapters one batch may mix (the slots on the device; more wait for a slot).
     max_loras_per_batch: int = 8

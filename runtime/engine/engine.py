@@ -210,8 +210,9 @@ class Engine:
         return self._call(lambda core: core.release_program(program_id))
 
     def load_lora(self, name: str, path: str) -> None:
-        """Serve the PEFT adapter in folder `path` as `name` (needs allow_runtime_lora_loading;
-        PermissionError otherwise, ValueError naming the field when it cannot be served).
+        """Serve the adapter at `path` (a PEFT folder or a GGUF adapter file) as `name` (needs
+        allow_runtime_lora_loading; PermissionError otherwise, ValueError naming the field
+        when it cannot be served).
         With tensor parallelism every rank loads its share, between two steps."""
         registry = self._lora_registry()
         if registry.slots.followers is None:

@@ -1,8 +1,8 @@
 """Loading and unloading LoRA adapters while serving: vLLM's `/v1/load_lora_adapter` and
 `/v1/unload_lora_adapter`, also under SGLang's `/load_lora_adapter` and `/unload_lora_adapter`.
 
-Both take `lora_name` (and `lora_path`, a PEFT adapter folder on the server's machine, to
-load). They are refused with 403 unless the server was started with
+Both take `lora_name` (and, to load, `lora_path`: a PEFT adapter folder or a GGUF adapter
+file on the server's machine). They are refused with 403 unless the server was started with
 --allow-runtime-lora-loading, and like every route but /health they need the API key when the
 server has one. A loaded adapter is served at once: `model` on the OpenAI routes, `lora_path`
 on /generate.
