@@ -149,7 +149,8 @@ class LoRASlots:
             slots = {key: self._load(a, needed, fills) for key, a in needed.items()}
             for adapter, count in zip(adapters, counts):
                 per_row.extend([-1 if adapter is None else slots[id(adapter)]] * count)
-        if self.followers is not None:
+        # (Nothing to send when this step and the one before run no adapter.)
+        if self.followers is not None and (per_row or self.step is not None):
             self.followers.lora_step(per_row, [(slot, self.catalog.index(adapter))
                                                for slot, adapter in fills])
         self._set_rows(per_row)
