@@ -19,8 +19,10 @@
 //
 // Inputs (T token rows of S sequences; d hidden; H / Hkv heads of D):
 //   hidden [T, d] (A): the token embeddings; cos/sin [T, D/2] float32 at their positions;
-//   layers[i]: {input norm [d], post-attention norm [d], qkv bias ([0] when none), then the
-//     tensors of qkv, o, gate_up and down}; specs[4 i + j] says how linear j is stored:
+//   layers[i]: {input norm [d], post-attention norm [d], qkv bias ([0] when none), q and k
+//     head norms ([D] each, [0] when none: Qwen3), then the tensors of qkv, o, gate_up and
+//     down}; windows[i]: layer i's sliding window (a row at position p attends to positions
+//     p - window + 1 .. p; 0: no window); specs[4 i + j] says how linear j is stored:
 //     0: one dense tile tensor (cpu_linear.h); p > 0: p int4 planes (codes, scales, zeros);
 //     widths[4 i + j]: its output width;
 //   k_cache / v_cache [layers, slots, Hkv, D] (A), out_slots [T], token_seq [T] (the row's
@@ -30,15 +32,22 @@
 //     layer i's qkv, o, gate_up and down: A [slots, P R, in] and B [slots, P R, out] (float32
 //     or bfloat16; runtime/models/lora/slots.py), int32 cols [P, 2] (the output columns part
 //     p's rows of B may write); then, last, int32 ranks [slots] (each slot's adapter rank);
-//     and lora_slots [T] int64: each row's slot, -1 for none.
+//     and lora_slots [T] int64: each row's slot, -1 for none;
+//   reduce (None without tensor parallelism): called with the o and down projections' partial
+//     sums [T, d] over this rank's heads and MLP columns, returns their sum over the ranks.
+//     With H, Hkv and the linears this rank's shares, the step is this rank's part of the
+//     model's; a reduce whose order of ranks is fixed keeps every row's result independent
+//     of the rest of the step (runtime/execution/cpu_decode.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <pybind11/functional.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <utility>
 #include <vector>
 
@@ -118,12 +127,16 @@ void add_rms_norm(Tensor& x, const Tensor* add, const Tensor& weight, Tensor& ou
   });
 }
 
-// Rotate the q and k heads of qkv [T, (H + 2 Hkv) * D] in place (half-split layout), then
-// write k and v to their cache slots.
+// Normalize (when q_norm and k_norm are given: RMSNorm over each head, rounded as
+// add_rms_norm rounds) and rotate the q and k heads of qkv [T, (H + 2 Hkv) * D] in place
+// (half-split layout), then write k and v to their cache slots.
 template <typename A>
 void rotary_and_store(Tensor& qkv, const Tensor& cos, const Tensor& sin, int64_t heads,
                       int64_t kv_heads, int64_t head_dim, Tensor& k_layer, Tensor& v_layer,
-                      const Tensor& out_slots) {
+                      const Tensor& out_slots, const Tensor& q_norm, const Tensor& k_norm,
+                      double eps) {
+  const A* qw = q_norm.numel() > 0 ? q_norm.data_ptr<A>() : nullptr;
+  const A* kw = k_norm.numel() > 0 ? k_norm.data_ptr<A>() : nullptr;
   const int64_t rows = qkv.size(0), width = qkv.size(1), half = head_dim / 2;
   auto* q = qkv.data_ptr<A>();
   const auto* c = cos.data_ptr<float>();
@@ -139,6 +152,16 @@ void rotary_and_store(Tensor& qkv, const Tensor& cos, const Tensor& sin, int64_t
       const float* sr = s + r * half;
       for (int64_t h = 0; h < heads + kv_heads; ++h) {
         A* x = row + h * head_dim;
+        if (qw != nullptr) {
+          const A* w = h < heads ? qw : kw;
+          float sum = 0.f;
+          for (int64_t i = 0; i < head_dim; ++i) sum += to_f(x[i]) * to_f(x[i]);
+          const float inv =
+              1.f / std::sqrt(sum / static_cast<float>(head_dim) + static_cast<float>(eps));
+          for (int64_t i = 0; i < head_dim; ++i) {
+            x[i] = to_a<A>(to_f(w[i]) * to_f(to_a<A>(to_f(x[i]) * inv)));
+          }
+        }
         for (int64_t i = 0; i < half; ++i) {
           const float x1 = to_f(x[i]), x2 = to_f(x[i + half]);
           x[i] = to_a<A>(x1 * cr[i] - x2 * sr[i]);
@@ -153,7 +176,8 @@ void rotary_and_store(Tensor& qkv, const Tensor& cos, const Tensor& sin, int64_t
 }
 
 // out [T, H * D] = attention of each row's q (the first H heads of qkv) over its sequence's
-// positions 0..position, read straight from their cache slots in position order.
+// positions 0..position (the last `window` of them when window > 0), read straight from
+// their cache slots in position order.
 //
 // A task is a block of up to QUERY_BLOCK consecutive rows of one sequence (a prefill chunk's
 // rows share their keys) and one KV head; its queries are the rows' heads of that KV head.
@@ -264,12 +288,12 @@ void score_chunk(const float* q, const int64_t* queries, const float* keys, int6
 template <typename A, int C, int V>
 void value_chunk(const float* scores, int64_t padded, const int64_t* queries,
                  const float* inv_sum, const A* values, const int64_t* value_rows,
-                 int64_t longest, int64_t d0, A* const* outs) {
+                 int64_t first, int64_t longest, int64_t d0, A* const* outs) {
   using radixlm_cpu::Vec;
   Vec acc[C][V];
   for (int c = 0; c < C; ++c)
     for (int v = 0; v < V; ++v) acc[c][v] = Vec::zero();
-  for (int64_t j = 0; j < longest; ++j) {
+  for (int64_t j = first; j < longest; ++j) {
     const A* row = values + value_rows[j] + d0;
     Vec value[V];
     for (int v = 0; v < V; ++v) value[v] = load16(row + 16 * v);
@@ -293,7 +317,7 @@ template <typename A>
 Tensor attention(const Tensor& qkv, const Tensor& k_layer, const Tensor& v_layer,
                  const Tensor& pages, const Tensor& token_seq, const Tensor& positions,
                  int64_t page_size, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                 double scale) {
+                 double scale, int64_t window) {
   TORCH_CHECK(head_dim % 16 == 0, "head_dim: a multiple of 16");
   const int64_t rows = qkv.size(0), width = qkv.size(1), group = heads / kv_heads;
   const int64_t num_pages = pages.size(1);
@@ -327,6 +351,12 @@ Tensor attention(const Tensor& qkv, const Tensor& k_layer, const Tensor& v_layer
       const int64_t r0 = starts[block], n = starts[block + 1] - r0, s = seqs[r0];
       const int64_t longest = pos[r0 + n - 1] + 1;
       const int64_t padded = (longest + 15) / 16 * 16, queries = n * group;
+      // Position j of row r is seen when first(r) <= j <= pos(r); the block's rows are in
+      // position order, so its first row has the earliest first position.
+      auto first_of = [&](int64_t r) {
+        return window > 0 ? std::max<int64_t>(0, pos[r0 + r] - window + 1) : int64_t(0);
+      };
+      const int64_t block_first = first_of(0) / 16 * 16;
       // Element offset of position j's head kvh in the cache layers.
       slot_rows.resize(longest);
       for (int64_t j = 0; j < longest; ++j) {
@@ -346,13 +376,13 @@ Tensor attention(const Tensor& qkv, const Tensor& k_layer, const Tensor& v_layer
         }
       }
       scores.assign(queries * padded, 0.f);
-      for (int64_t j0 = 0; j0 < longest; j0 += 16) {
+      for (int64_t j0 = block_first; j0 < longest; j0 += 16) {
         const int64_t count = std::min<int64_t>(16, longest - j0);
         transposed_keys(kc, slot_rows.data() + j0, count, head_dim, offsets_fit_int32,
                         keys.data());
         live.clear();  // queries of the rows whose context reaches these positions
         for (int64_t r = 0; r < n; ++r) {
-          if (pos[r0 + r] < j0) continue;
+          if (pos[r0 + r] < j0 || first_of(r) >= j0 + 16) continue;
           for (int64_t h = 0; h < group; ++h) live.push_back(r * group + h);
         }
         in_chunks<8>(static_cast<int64_t>(live.size()), [&](auto c, int64_t first) {
@@ -362,15 +392,15 @@ Tensor attention(const Tensor& qkv, const Tensor& k_layer, const Tensor& v_layer
       }
       inv_sum.resize(queries);
       for (int64_t r = 0; r < n; ++r) {
-        const int64_t len = pos[r0 + r] + 1;
+        const int64_t len = pos[r0 + r] + 1, first = first_of(r);
         for (int64_t h = 0; h < group; ++h) {
           float* sc = scores.data() + (r * group + h) * padded;
           float top = -INFINITY;
-          for (int64_t j = 0; j < len; ++j) top = std::max(top, sc[j]);
+          for (int64_t j = first; j < len; ++j) top = std::max(top, sc[j]);
           float lanes[16] = {};
           for (int64_t j = 0; j < padded; j += 16) {
             for (int l = 0; l < 16; ++l) {
-              const float e = j + l < len ? exp_fixed(sc[j + l] - top) : 0.f;
+              const float e = j + l < len && j + l >= first ? exp_fixed(sc[j + l] - top) : 0.f;
               sc[j + l] = e;
               lanes[l] += e;
             }
@@ -389,7 +419,8 @@ Tensor attention(const Tensor& qkv, const Tensor& k_layer, const Tensor& v_layer
           in_chunks<16 / V>(queries, [&](auto c, int64_t first) {
             value_chunk<A, decltype(c)::value, V>(scores.data(), padded, live.data() + first,
                                                   inv_sum.data(), vc, slot_rows.data(),
-                                                  longest, d0, outs.data() + first);
+                                                  block_first, longest, d0,
+                                                  outs.data() + first);
           });
         };
         switch (std::min<int64_t>(4, (head_dim - d0) / 16)) {
@@ -566,11 +597,13 @@ template <typename A>
 Tensor forward_rows(Tensor hidden, const Tensor& cos, const Tensor& sin,
                     const std::vector<std::vector<Tensor>>& layers,
                     const std::vector<int64_t>& specs, const std::vector<int64_t>& widths,
-                    Tensor k_cache, Tensor v_cache, const Tensor& out_slots,
+                    const std::vector<int64_t>& windows, Tensor k_cache, Tensor v_cache,
+                    const Tensor& out_slots,
                     const Tensor& token_seq, const Tensor& positions, const Tensor& pages,
                     const Tensor& final_norm, int64_t page_size, int64_t heads,
                     int64_t kv_heads, int64_t head_dim, double eps, double scale,
-                    const std::vector<Tensor>& lora, const Tensor& lora_slots) {
+                    const std::vector<Tensor>& lora, const Tensor& lora_slots,
+                    const std::function<Tensor(const Tensor&)>& reduce) {
   const int64_t* slots = lora.empty() ? nullptr : lora_slots.data_ptr<int64_t>();
   const int32_t* ranks = lora.empty() ? nullptr : lora.back().data_ptr<int32_t>();
   // y = the stored linear j of layer i at x, plus the rows' adapter updates.
@@ -598,21 +631,24 @@ Tensor forward_rows(Tensor hidden, const Tensor& cos, const Tensor& sin,
     const int64_t* p = specs.data() + 4 * i;  // planes of qkv, o, gate_up, down
     const int64_t* n = widths.data() + 4 * i;
     add_rms_norm<A>(h, residual_in.defined() ? &residual_in : nullptr, t[0], x, eps);
-    size_t at_ = 3;
+    size_t at_ = 5;
     Tensor qkv = project(x, t, at_, p[0], n[0], i, 0);
     at_ += stored_tensors(p[0]);
     if (t[2].numel() > 0) qkv.add_(t[2]);
     qkv = qkv.contiguous();
     Tensor k_layer = k_cache[i], v_layer = v_cache[i];
-    rotary_and_store<A>(qkv, cos, sin, heads, kv_heads, head_dim, k_layer, v_layer, out_slots);
+    rotary_and_store<A>(qkv, cos, sin, heads, kv_heads, head_dim, k_layer, v_layer, out_slots,
+                        t[3], t[4], eps);
     Tensor attn = attention<A>(qkv, k_layer, v_layer, pages, token_seq, positions, page_size,
-                               heads, kv_heads, head_dim, scale);
+                               heads, kv_heads, head_dim, scale, windows[i]);
     Tensor o = project(attn, t, at_, p[1], n[1], i, 1);
+    if (reduce) o = reduce(o);
     at_ += stored_tensors(p[1]);
     add_rms_norm<A>(h, &o, t[1], x, eps);
     Tensor gate_up = project(x, t, at_, p[2], n[2], i, 2);
     at_ += stored_tensors(p[2]);
     residual_in = project(silu_and_mul<A>(gate_up), t, at_, p[3], n[3], i, 3);
+    if (reduce) residual_in = reduce(residual_in);
   }
   Tensor out = at::empty_like(h);
   add_rms_norm<A>(h, residual_in.defined() ? &residual_in : nullptr, final_norm, out, eps);
@@ -622,29 +658,31 @@ Tensor forward_rows(Tensor hidden, const Tensor& cos, const Tensor& sin,
 Tensor forward(Tensor hidden, const Tensor& cos, const Tensor& sin,
                const std::vector<std::vector<Tensor>>& layers,
                const std::vector<int64_t>& specs, const std::vector<int64_t>& widths,
-               Tensor k_cache, Tensor v_cache, const Tensor& out_slots,
+               const std::vector<int64_t>& windows, Tensor k_cache, Tensor v_cache,
+               const Tensor& out_slots,
                const Tensor& token_seq, const Tensor& positions, const Tensor& pages,
                const Tensor& final_norm, int64_t page_size, int64_t heads, int64_t kv_heads,
                int64_t head_dim, double eps, double scale, const std::vector<Tensor>& lora,
-               const Tensor& lora_slots) {
+               const Tensor& lora_slots, const std::function<Tensor(const Tensor&)>& reduce) {
   TORCH_CHECK(hidden.is_contiguous() && hidden.scalar_type() == k_cache.scalar_type(),
               "hidden must be contiguous, of the KV cache's dtype");
-  TORCH_CHECK(specs.size() == 4 * layers.size() && widths.size() == specs.size(),
-              "specs and widths: four entries per layer");
+  TORCH_CHECK(specs.size() == 4 * layers.size() && widths.size() == specs.size() &&
+                  windows.size() == layers.size(),
+              "specs and widths: four entries per layer; windows: one");
   TORCH_CHECK(heads / kv_heads <= 64, "at most 64 query heads per KV head");  // inv_sum
   TORCH_CHECK(lora.empty() || (lora.size() == 12 * layers.size() + 1 &&
                                lora_slots.numel() == hidden.size(0) &&
                                lora.back().scalar_type() == at::kInt),
               "lora: twelve tensors per layer, the ranks, and a slot per row");
   if (hidden.scalar_type() == at::kFloat) {
-    return forward_rows<float>(hidden, cos, sin, layers, specs, widths, k_cache, v_cache,
+    return forward_rows<float>(hidden, cos, sin, layers, specs, widths, windows, k_cache, v_cache,
                                out_slots, token_seq, positions, pages, final_norm, page_size,
-                               heads, kv_heads, head_dim, eps, scale, lora, lora_slots);
+                               heads, kv_heads, head_dim, eps, scale, lora, lora_slots, reduce);
   }
   TORCH_CHECK(hidden.scalar_type() == at::kBFloat16, "hidden: bfloat16 or float32");
-  return forward_rows<BFloat16>(hidden, cos, sin, layers, specs, widths, k_cache, v_cache,
+  return forward_rows<BFloat16>(hidden, cos, sin, layers, specs, widths, windows, k_cache, v_cache,
                                 out_slots, token_seq, positions, pages, final_norm, page_size,
-                                heads, kv_heads, head_dim, eps, scale, lora, lora_slots);
+                                heads, kv_heads, head_dim, eps, scale, lora, lora_slots, reduce);
 }
 
 }  // namespace

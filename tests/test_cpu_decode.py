@@ -75,7 +75,7 @@ def _decode_both(model, kernel, lengths: list[int]) -> tuple[torch.Tensor, torch
 
 
 @pytest.mark.parametrize("family, lengths", [("llama", [5, 17, 9]), ("qwen2", [5, 17, 9]),
-                                             ("llama", [300, 700])])
+                                             ("qwen3", [5, 17, 9]), ("llama", [300, 700])])
 def test_kernel_matches_eager_on_dense_bfloat16(tmp_path, kernel, family, lengths):
     folder = save_tiny_hf_model(tmp_path / family, family)
     model = load_model(str(folder), "auto", torch.bfloat16, torch.device("cpu")).model
@@ -97,7 +97,7 @@ def test_kernel_matches_eager_on_gguf_blocks(kernel, tiny_gguf, monkeypatch, tmp
 
 
 def test_what_the_kernel_does_not_cover(tmp_path):
-    folder = save_tiny_hf_model(tmp_path / "qwen3", "qwen3")
+    folder = save_tiny_hf_model(tmp_path / "llama-bias", "llama", mlp_bias=True)
     model = load_model(str(folder), "auto", torch.bfloat16, torch.device("cpu")).model
     cfg = model.config
     attn = TorchNativeAttention(0.1)
@@ -105,11 +105,30 @@ def test_what_the_kernel_does_not_cover(tmp_path):
     def cache(dtype):
         return KVCache(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, dtype,
                        torch.device("cpu"), page_size=4)
-    assert "q/k norms" in unsupported(model, attn, cache(torch.bfloat16))
+    assert "MLP biases" in unsupported(model, attn, cache(torch.bfloat16))
     llama = load_model(str(save_tiny_hf_model(tmp_path / "llama", "llama")), "auto",
                        torch.float32, torch.device("cpu")).model
     assert unsupported(llama, attn, cache(torch.float32)) is None  # float32 is covered
     assert "not both" in unsupported(llama, attn, cache(torch.bfloat16))
+
+
+def test_sliding_windows_match_eager_and_do_not_depend_on_the_step(tmp_path, kernel):
+    """A window of 8 positions: prefills and decode steps past it against the eager path,
+    and a row's hidden state the same bits however its sequence was stepped."""
+    folder = save_tiny_hf_model(tmp_path, "mistral", sliding_window=8)
+    model = load_model(str(folder), "auto", torch.bfloat16, torch.device("cpu")).model
+    assert [layer.self_attn.attends.sliding_window for layer in model.model.layers] == [8, 8]
+    fast, eager = _decode_both(model, kernel, [5, 17, 30])
+    assert (fast.float() - eager.float()).abs().max() <= 0.03 * eager.abs().max()
+    gen = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, model.config.vocab_size, (40,), generator=gen) for _ in range(3)]
+    alone = _rows_of(model, kernel, [[(0, 40)]], ids[:1], torch.bfloat16)
+    for steps in ([[(0, 7)], [(0, 13)], [(0, 20)]], [[(0, 30)]] + [[(0, 1)]] * 10,
+                  [[(1, 25), (0, 10)], [(0, 30), (1, 1), (2, 40)]]):
+        rows = _rows_of(model, kernel, steps, ids, torch.bfloat16)
+        for position in range(40):
+            if (0, position) in rows:
+                assert torch.equal(rows[(0, position)], alone[(0, position)]), (steps, position)
 
 
 def test_engine_decodes_through_the_kernel(kernel):

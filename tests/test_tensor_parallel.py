@@ -22,6 +22,7 @@ from radixlm.runtime.distributed.groups import TPInfo, active_all_reduce, valid_
 from radixlm.runtime.engine.engine import Engine
 from radixlm.runtime.models.layers.linear import Linear, LinearShard
 from radixlm.runtime.models.quantization.quant_config import QuantConfig
+from radixlm.runtime.parallel.sharded import ShardedKernel
 
 from conftest import save_tiny_hf_model
 
@@ -131,6 +132,30 @@ def test_tp2_greedy_matches_tp1(tmp_path, family, overrides, tp_options):
         if tp_options:
             assert engine.stats()["overlapped_steps"] > 0
     assert all(p.poll() is not None for p in workers)  # clean shutdown, no orphans
+
+
+def test_tp2_request_is_the_same_bits_alone_or_in_a_batch(tmp_path):
+    """For one TP size a request's tokens and logprobs do not depend on its batch: every
+    rank runs the CPU kernel over its shard, and the partial sums are added in rank order.
+    Alone on a cold cache against beside others, warm, with chunks cut by a shared budget."""
+    folder = save_tiny_hf_model(tmp_path, "llama", vocab_size=512)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (7, 45, 23, 60)]
+    params = dict(max_new_tokens=12, temperature=0, logprobs=True, top_logprobs_num=3)
+    options = dict(_options(tp_size=2, max_num_batched_tokens=32), dtype="bfloat16")
+    with Engine(str(folder), **options) as engine:
+        assert isinstance(engine.core.runner.cpu_decode, ShardedKernel)
+        alone = []
+        for prompt in prompts:
+            engine.flush_cache()
+            alone.extend(engine.generate(input_ids=[prompt], sampling_params=params))
+        others = [prompts[1][:30] + [9, 9, 9], [5] * 40, prompts[3][:50]]
+        outs = engine.generate(input_ids=others[:2] + prompts + others[2:],
+                               sampling_params=params)[2:6]
+    assert outs[3].cached_tokens > 0  # the last prompt run alone is still cached
+    for one, batched in zip(alone, outs):
+        assert batched.token_ids == one.token_ids
+        assert batched.logprobs == one.logprobs  # exact floats, top alternatives included
 
 
 def test_tp4_greedy_matches_tp1(tmp_path):

@@ -242,6 +242,19 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def ordered_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum x over the group in rank order, accumulating in float32 and rounding once to x's
+    dtype: every rank gets the same bits, and each element's sum does not depend on the
+    tensor's size (a library all-reduce picks its algorithm, and with it the order of the
+    additions, by message size). The deterministic CPU kernel reduces through this."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    total = parts[0].float()
+    for part in parts[1:]:
+        total += part
+    return total.to(x.dtype)
+
+
 def all_gather_last(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
     """Concatenate every rank's `x` along the last dimension: [..., n] -> [..., size * n]."""
     return torch.cat(_gathered(x, tp), dim=-1)

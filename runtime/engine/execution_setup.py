@@ -11,23 +11,23 @@ from typing import Any
 
 import torch
 
-from radixlm.kernels import cpu_decode as cpu_decode_kernel
 from radixlm.runtime.attention import create_backend
 from radixlm.runtime.attention.kv_cache import KVCache, kv_storage_dtype
 from radixlm.runtime.config.engine_config import EngineConfig
 from radixlm.runtime.distributed.groups import (
     check_nccl_in_graphs,
     choose_all_reduce,
+    ordered_all_reduce,
     setup_all_reduce,
 )
-from radixlm.runtime.execution.cpu_decode import CpuDecode, unsupported
+from radixlm.runtime.execution.cpu_decode import build as build_cpu_decode
 from radixlm.runtime.execution.cuda_graph import DecodeGraphs
 from radixlm.runtime.execution.model_runner import ModelRunner
 from radixlm.runtime.execution.speculative.draft_model import DraftModel
 from radixlm.runtime.execution.speculative.speculator import Speculator
 from radixlm.runtime.models.loader import LoadedModel
 from radixlm.runtime.models.lora.slots import LoRASlots, describe
-from radixlm.runtime.parallel.sharded import ShardedModel
+from radixlm.runtime.parallel.sharded import ShardedKernel, ShardedModel
 from radixlm.runtime.scheduling.kv_manager import KVManager
 from radixlm.runtime.scheduling.pages import ReqToTokenTable
 
@@ -95,14 +95,23 @@ class ExecutionSetup:
         lora: the adapters' slots, when the engine serves any."""
         config, device, tp_group = self.config, self.device, self.tp_group
         runner = ModelRunner(loaded.model, attn, kv_cache, table, device)
+        kernel = None
         if device.type == "cpu" and not config.disable_cpu_kernel:
-            runner.cpu_decode = _cpu_decode(loaded.model, attn, kv_cache)
+            kernel = (build_cpu_decode(loaded.model, attn, kv_cache) if tp_group is None
+                      else build_cpu_decode(loaded.model.model, attn, kv_cache,
+                                            ordered_all_reduce))
         if tp_group is not None:
             numel = self.rows * loaded.config.hidden_size  # a decode step's activations
             tp_group.start(kv_cache.num_slots, self.graph_args, self.all_reduce, numel,
                            None if lora is None else describe(lora))
             log.info("tensor parallelism: %d ranks, %s all-reduce", tp_group.size,
                      setup_all_reduce(self.all_reduce, numel, self.dtype, device))
+            # Every rank runs the kernel over its shard, or none does (parallel/worker.py).
+            if device.type == "cpu" and tp_group.cpu_kernel_everywhere(kernel is not None):
+                kernel = ShardedKernel(kernel, tp_group)
+            else:
+                kernel = None
+        runner.cpu_decode = kernel
         if self.graphs:
             runner.cuda_graphs = DecodeGraphs(
                 loaded.model.model if tp_group else loaded.model, attn, kv_cache,
@@ -140,15 +149,3 @@ class ExecutionSetup:
         return Speculator(config.speculative, config.num_speculative_tokens, kv,
                           config.max_num_batched_tokens, draft_model,
                           config.speculative_adaptive)
-
-
-def _cpu_decode(model: Any, attn: Any, kv_cache: KVCache) -> CpuDecode | None:
-    """The C++ decode kernel for this model, when it covers it and builds here."""
-    reason = unsupported(model, attn, kv_cache)
-    if reason is None:
-        kernel = cpu_decode_kernel.load()
-        if kernel is not None:
-            return CpuDecode(model, kv_cache, kernel)
-        reason = "it did not build"
-    log.debug("CPU decode kernel off: %s", reason)
-    return None

@@ -9,14 +9,22 @@ of the step holds, so that a request's tokens and logprobs are the same bit for 
 its batch, chunking, cache hits or speculation (docs/deterministic.md). Models and settings it
 does not cover (`unsupported`) run the eager path, without that guarantee. The engine turns it
 off with `disable_cpu_kernel`.
+
+With tensor parallelism every rank runs the kernel over its shard, and the row-parallel
+layers' partial sums go through the `reduce` it is given between layers: a sum in a fixed
+order of ranks (distributed.groups.ordered_all_reduce), so that for one TP size a row's
+result still does not depend on the rest of the step.
 """
 
 from __future__ import annotations
 
+import logging
 from types import ModuleType
+from typing import Callable
 
 import torch
 
+from radixlm.kernels import cpu_decode as cpu_decode_kernel
 from radixlm.runtime.attention.backend import AttentionBackend, ForwardBatch
 from radixlm.runtime.attention.kv_cache import KVCache
 from radixlm.runtime.attention.torch_native import TorchNativeAttention
@@ -24,10 +32,15 @@ from radixlm.runtime.models.layers.linear import Linear
 from radixlm.runtime.models.llama import LlamaForCausalLM
 from radixlm.runtime.models.quantization.cpu_weights import CpuWeights
 
+log = logging.getLogger(__name__)
+
 ACTIVATIONS = (torch.bfloat16, torch.float32)
+# A tensor-parallel rank's sum over the ranks of a row-parallel layer's partial outputs.
+Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
-def unsupported(model: torch.nn.Module, attn: AttentionBackend, kv_cache: KVCache) -> str | None:
+def unsupported(model: torch.nn.Module, attn: AttentionBackend, kv_cache: KVCache,
+                reduce: Reduce | None = None) -> str | None:
     """Why the kernel cannot run this model (None when it can)."""
     if type(model) is not LlamaForCausalLM:
         return f"{type(model).__name__} is not a Llama-family decoder"
@@ -38,8 +51,10 @@ def unsupported(model: torch.nn.Module, attn: AttentionBackend, kv_cache: KVCach
             or kv_cache.k.dtype != dtype):
         return "the model and its KV cache are not both bfloat16 or both float32 on the CPU"
     cfg = model.config
-    if model.tp is not None or cfg.qk_norm or cfg.mlp_bias or cfg.sliding_window:
-        return "tensor parallelism, q/k norms, MLP biases and sliding windows are not covered"
+    if cfg.mlp_bias:
+        return "MLP biases are not covered"
+    if model.tp is not None and reduce is None:
+        return "tensor parallelism needs the ranks' reduce"
     if cfg.num_heads // cfg.num_kv_heads > 64:
         return "more than 64 query heads per KV head"
     if not all(_coverable(linear, dtype) for layer in model.model.layers
@@ -48,21 +63,48 @@ def unsupported(model: torch.nn.Module, attn: AttentionBackend, kv_cache: KVCach
     return None
 
 
+def load_kernel() -> ModuleType | None:
+    """The compiled kernel (built on first use, then cached); None where it cannot build."""
+    return cpu_decode_kernel.load()
+
+
+def build(model: torch.nn.Module, attn: AttentionBackend, kv_cache: KVCache,
+          reduce: Reduce | None = None) -> CpuDecode | None:
+    """The kernel for this model (a tensor-parallel rank's shard with `reduce`), when it
+    covers the model and builds here; None otherwise (the eager path runs)."""
+    reason = unsupported(model, attn, kv_cache, reduce)
+    if reason is None:
+        kernel = load_kernel()
+        if kernel is not None:
+            return CpuDecode(model, kv_cache, kernel, reduce)
+        reason = "it did not build"
+    log.debug("CPU decode kernel off: %s", reason)
+    return None
+
+
 class CpuDecode:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, kernel: ModuleType) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, kernel: ModuleType,
+                 reduce: Reduce | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.kernel = kernel
+        self.reduce = reduce
         cfg = model.config
         dtype = model.model.embed_tokens.weight.dtype
-        self.shape = (kv_cache.page_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                      cfg.rms_norm_eps, cfg.head_dim ** -0.5)
+        attention = model.model.layers[0].self_attn  # this rank's heads
+        self.shape = (kv_cache.page_size, attention.num_heads, attention.num_kv_heads,
+                      cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim ** -0.5)
         self.layers, self.specs, self.widths = [], [], []
-        no_bias = torch.empty(0, dtype=dtype)
+        self.windows = [layer.self_attn.attends.sliding_window or 0
+                        for layer in model.model.layers]
+        none = torch.empty(0, dtype=dtype)
         for layer in model.model.layers:
-            qkv = layer.self_attn.qkv_proj
+            attention = layer.self_attn
+            qkv = attention.qkv_proj
             tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                       no_bias if qkv.bias is None else qkv.bias]
+                       none if qkv.bias is None else qkv.bias]
+            tensors += ([none, none] if attention.q_norm is None
+                        else [attention.q_norm.weight, attention.k_norm.weight])
             for linear in _linears(layer):
                 planes, width, stored = _tiled(linear, dtype)
                 self.specs.append(planes)
@@ -87,9 +129,9 @@ class CpuDecode:
         token_seq = torch.repeat_interleave(torch.arange(len(batch.q_lens)),
                                             torch.tensor(batch.q_lens))
         return self.kernel.forward(hidden, cos, sin, self.layers, self.specs, self.widths,
-                                   kv.k, kv.v, batch.out_slots, token_seq, batch.positions,
-                                   pages, model.model.norm.weight, *self.shape,
-                                   *self._adapters())
+                                   self.windows, kv.k, kv.v, batch.out_slots, token_seq,
+                                   batch.positions, pages, model.model.norm.weight, *self.shape,
+                                   *self._adapters(), self.reduce)
 
     def _adapters(self) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The kernel's LoRA arguments for this step: A, B and the part columns of each
@@ -141,7 +183,7 @@ def _tiled(linear: Linear, dtype: torch.dtype) -> tuple[int, int, list[torch.Ten
 def _tile_head(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
     """Give a float output head the kernel's tiles too: torch's float32 GEMM sums in an order
     that depends on the number of rows."""
-    head = model._head()
-    if head.packed_logits is None and head.tp is None:
+    head = model._head()  # with tensor parallelism, this rank's shard of the vocabulary
+    if head.packed_logits is None:
         head.packed_logits = CpuWeights(dense=head.weight.detach(),
                                         float32=dtype == torch.float32)

@@ -45,6 +45,7 @@ from radixlm.runtime.distributed.groups import (
     rendezvous_env,
     valid_tp_sizes,
 )
+from radixlm.runtime.execution.cpu_decode import load_kernel as load_cpu_kernel
 from radixlm.runtime.models.architecture.model_config import ModelConfig
 from radixlm.runtime.models.loader import ARCHITECTURE_PRESETS, resolve_model
 
@@ -168,6 +169,10 @@ class TensorParallelGroup:
             self.workers = {rank: _launch_worker(rank, env) for rank in range(1, self.size)}
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)  # NCCL's objects go to the current device
+        elif device.type == "cpu" and not config.disable_cpu_kernel:
+            # Built (the first time on this machine) before the ranks start, so that they
+            # load it from the cache well within their startup timeouts.
+            load_cpu_kernel()
         try:
             self.info: TPInfo = init_group(0, self.size, backend, config.tp_timeout, env)
             self.channel = StepChannel(device, dtype, self.info.host_group)
@@ -206,6 +211,13 @@ class TensorParallelGroup:
             dist.broadcast_object_list([(index, name, path)], src=0)
         self._broadcast(send)
         return self.run(lambda: agree(True, self.info.host_group))
+
+    def cpu_kernel_everywhere(self, here: bool) -> bool:
+        """Whether every rank runs the CPU forward kernel (`here`: whether rank 0 can);
+        called right after `start`, as the workers build theirs. One that cannot (no
+        compiler on its host) makes every rank run the eager path: the two reduce
+        differently, so the ranks must agree."""
+        return self.run(lambda: agree(here, self.info.host_group))
 
     def hidden_for_logits(self, hidden: torch.Tensor, command: int = LOGITS) -> None:
         self._broadcast(lambda: self.channel.send_hidden(hidden, command))
@@ -315,6 +327,28 @@ class ShardedModel:
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         self.group.hidden_for_logits(hidden, GREEDY)
         return self.group.run(lambda: self.model.greedy_tokens(hidden))
+
+
+class ShardedKernel:
+    """Rank 0's CPU forward kernel (execution.cpu_decode) over its shard: each step is
+    first sent to the other ranks, whose kernels run it over theirs (their reduces pair up
+    with rank 0's)."""
+
+    def __init__(self, kernel: Any, group: TensorParallelGroup) -> None:
+        self.kernel = kernel
+        self.group = group
+
+    @property
+    def lora(self) -> Any:
+        return self.kernel.lora
+
+    @lora.setter
+    def lora(self, slots: Any) -> None:
+        self.kernel.lora = slots
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        self.group.forward(batch)
+        return self.group.run(lambda: self.kernel.forward(batch))
 
 
 def _resolved(config: EngineConfig) -> EngineConfig:

@@ -24,7 +24,13 @@ import torch.distributed as dist
 from radixlm.runtime.attention import create_backend
 from radixlm.runtime.attention.kv_cache import KVCache, kv_storage_dtype
 from radixlm.runtime.config.engine_config import EngineConfig
-from radixlm.runtime.distributed.groups import destroy_group, init_group, setup_all_reduce
+from radixlm.runtime.distributed.groups import (
+    destroy_group,
+    init_group,
+    ordered_all_reduce,
+    setup_all_reduce,
+)
+from radixlm.runtime.execution.cpu_decode import build as build_cpu_decode
 from radixlm.runtime.execution.cuda_graph import SENT_ROWS, DecodeGraphs
 from radixlm.runtime.models.loader import load_model
 from radixlm.runtime.models.lora.adapter import load_adapter
@@ -101,14 +107,27 @@ def serve(rank: int, world_size: int, local_rank: int) -> None:
     # Captured at the same time as rank 0's graphs: their all-reduces pair up.
     graphs = (None if start["graph_args"] is None else
               DecodeGraphs(model, attn, kv_cache, None, **start["graph_args"], lora=lora))
+    # On the CPU every rank runs the forward kernel over its shard, or none does (rank 0's
+    # TensorParallelGroup.cpu_kernel_everywhere).
+    kernel = None
+    if device.type == "cpu":
+        kernel = (None if config.disable_cpu_kernel
+                  else build_cpu_decode(model, attn, kv_cache, ordered_all_reduce))
+        if not agree(kernel is not None, tp.host_group):
+            kernel = None
+        elif lora is not None:
+            kernel.lora = lora
     channel = StepChannel(device, dtype, tp.host_group)
     while True:
         header = channel.recv_header()
         command = header[0]
         if command == FORWARD:
             batch = channel.recv_forward(header, kv_cache)
-            attn.plan(batch)
-            model(batch, attn)
+            if kernel is not None:
+                kernel.forward(batch)
+            else:
+                attn.plan(batch)
+                model(batch, attn)
         elif command == LORA:
             lora.follow(*channel.recv_lora(header))
         elif command == LORA_LOAD:
