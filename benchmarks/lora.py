@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import platform
 import tempfile
@@ -71,17 +72,31 @@ def write_adapter(folder: Path, cfg: Any, rank: int, seed: int, dtype: torch.dty
 
 
 def run(engine: Engine, prompts: list[list[int]], loras: list[str | None] | None,
-        new_tokens: int) -> float:
-    """Output tokens/s of the batch (greedy, every request its full length)."""
+        new_tokens: int) -> dict[str, float]:
+    """Output tokens/s of the batch (greedy, every request its full length), and the split:
+    the batch's prefill (the same batch with one new token) and its decode tokens/s. Every
+    adapter of the batch is in a slot before the clock starts (the serving steady state;
+    the first use of an adapter uploads it)."""
     params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
-    engine.generate(input_ids=prompts[:2], sampling_params={**params, "max_new_tokens": 2},
-                    lora=None if loras is None else loras[:2])  # warm-up
+    distinct = list(dict.fromkeys(loras or [None]))
+    engine.generate(input_ids=[prompts[0]] * len(distinct),
+                    sampling_params={**params, "max_new_tokens": 2},
+                    lora=None if loras is None else distinct)  # warm-up, every slot filled
+
+    def timed(new: int) -> tuple[float, int]:
+        engine.flush_cache()
+        start = time.perf_counter()
+        outs = engine.generate(input_ids=prompts, sampling_params={**params,
+                                                                   "max_new_tokens": new},
+                               lora=loras)
+        seconds = time.perf_counter() - start
+        return seconds, sum(len(o.token_ids) for o in outs)
+
+    prefill_s, _ = timed(1)
+    seconds, tokens = timed(new_tokens)
     engine.flush_cache()
-    start = time.perf_counter()
-    outs = engine.generate(input_ids=prompts, sampling_params=params, lora=loras)
-    seconds = time.perf_counter() - start
-    engine.flush_cache()
-    return sum(len(o.token_ids) for o in outs) / seconds
+    return {"tokens_per_s": tokens / seconds, "prefill_s": prefill_s,
+            "decode_tokens_per_s": (tokens - len(prompts)) / max(seconds - prefill_s, 1e-9)}
 
 
 # An 8B Llama's decoder layer: (in, parts' outputs) of its four linears.
@@ -178,7 +193,7 @@ def main() -> None:
             cfg = probe.model_config
             prompts = [torch.randint(100, cfg.vocab_size - 100, (args.prompt_tokens,),
                                      generator=gen).tolist() for _ in range(args.batch)]
-            results["base"] = {"tokens_per_s": run(probe, prompts, None, args.new_tokens)}
+            results["base"] = run(probe, prompts, None, args.new_tokens)
             dtype = probe.dtype
             base_bytes = sum(p.numel() * p.element_size()
                              for p in probe.core.runner.model.parameters())
@@ -195,24 +210,38 @@ def main() -> None:
                         max_lora_rank=rank) as engine:
                 for count in counts:
                     loras = [names[i % count] for i in range(args.batch)]
-                    tps = run(engine, prompts, loras, args.new_tokens)
+                    timing = run(engine, prompts, loras, args.new_tokens)
+                    tps = timing["tokens_per_s"]
                     key = f"rank {rank}, {count} adapter{'s' if count > 1 else ''}"
                     # Per token per layer: u = A x over every part, B u over every output.
                     extra = sum(rank * (i + o) for i, o in shapes(cfg).values())
                     adapter_bytes = extra * cfg.num_layers * dtype.itemsize
-                    results[key] = {"rank": rank, "adapters": count, "tokens_per_s": tps,
-                                    "vs_base": tps / results["base"]["tokens_per_s"],
+                    base = results["base"]
+                    results[key] = {"rank": rank, "adapters": count, **timing,
+                                    "vs_base": tps / base["tokens_per_s"],
+                                    "decode_vs_base": timing["decode_tokens_per_s"]
+                                    / base["decode_tokens_per_s"],
+                                    "prefill_vs_base": base["prefill_s"] / timing["prefill_s"],
                                     "extra_macs_share": extra / base_macs}
                     if device == "cuda":  # a CPU step is bound by compute, not these bytes
                         results[key]["bytes_bound"] = base_bytes / (base_bytes
                                                                     + count * adapter_bytes)
                     print(f"{key:<24}{tps:9.1f} tokens/s  {results[key]['vs_base']:5.2f}x base"
-                          f"  (+{extra / base_macs:.1%} multiply-adds)")
+                          f" (decode {results[key]['decode_vs_base']:4.2f}x, prefill "
+                          f"{results[key]['prefill_vs_base']:4.2f}x; "
+                          f"+{extra / base_macs:.1%} multiply-adds)")
+            # The next rank's engine needs this one's memory back before it starts.
+            gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+                print(f"after closing it: {torch.cuda.memory_allocated() / 2**30:.2f} GiB "
+                      "still allocated")
     bound = device == "cuda"
-    print(f"\n{'run':<24}{'tokens/s':>10}{'vs base':>9}{'+MACs':>8}"
+    print(f"\n{'run':<24}{'tokens/s':>10}{'vs base':>9}{'decode':>8}{'prefill':>9}{'+MACs':>8}"
           + (f"{'bytes bound':>13}" if bound else ""))
     for key, r in results.items():
         print(f"{key:<24}{r['tokens_per_s']:>10.1f}{r.get('vs_base', 1.0):>8.2f}x"
+              f"{r.get('decode_vs_base', 1.0):>7.2f}x{r.get('prefill_vs_base', 1.0):>8.2f}x"
               f"{r.get('extra_macs_share', 0.0):>8.1%}"
               + (f"{r.get('bytes_bound', 1.0):>12.2f}x" if bound else ""))
     record = {"benchmark": "lora", "date": datetime.date.today().isoformat(),
