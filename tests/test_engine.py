@@ -11,7 +11,7 @@ import weakref
 import pytest
 import torch
 
-from radixlm.runtime import Engine, SamplingParams
+from radixlm.runtime import Engine, EngineClosedError, SamplingParams
 
 PROMPTS = [
     "The quick brown fox",
@@ -365,17 +365,22 @@ def test_replace_checks_only_the_changed_fields(monkeypatch):
 
 
 def test_a_closed_engine_is_freed_without_a_garbage_collection(tiny_chat_model):
-    """Closing and dropping an engine frees its KV pool at once: no reference cycle keeps it
-    alive until a collection (on a GPU that pool is most of the card's memory)."""
+    """Closing an engine frees its weights and KV pool at once, even while the Engine object
+    is still referenced (the name a `with` block leaves): no reference cycle keeps them alive
+    until a collection (on a GPU that pool is most of the card's memory, and the next
+    engine sizes its own by what is free)."""
     gc.collect()
     gc.disable()
     try:
         engine = Engine(str(tiny_chat_model), max_total_tokens=2048, page_size=16)
         engine.generate("hello", {"max_new_tokens": 2, "json_object": True})  # grammar path
         kv_cache, core = weakref.ref(engine.core.kv_cache), weakref.ref(engine.core)
+        weights = weakref.ref(next(engine.core.runner.model.parameters()))
         engine.close()
-        del engine
-        assert core() is None and kv_cache() is None
+        assert core() is None and kv_cache() is None and weights() is None
+        assert engine.stats()["requests_finished"] == 1 and not engine.has_work
+        with pytest.raises(EngineClosedError):
+            engine.generate("hello")
     finally:
         gc.enable()
 

@@ -65,7 +65,7 @@ class Engine:
             if self._tp is not None:
                 self._tp.shutdown(graceful=False)
             raise
-        self.core = self._engine_thread.core
+        self.core: EngineCore | None = self._engine_thread.core
         self.max_model_len = self.core.max_model_len
         self._factory = RequestFactory(self.tokenizer, self.model_config.vocab_size,
                                        frozenset(self._eos_ids()), self.max_model_len,
@@ -227,13 +227,15 @@ class Engine:
 
     def loras(self) -> list[dict[str, Any]]:
         """The adapters served: name, path and rank of each."""
-        return [] if self.core.lora is None else self.core.lora.listing()
+        registry = self._live_core().lora
+        return [] if registry is None else registry.listing()
 
     def _lora_registry(self) -> Any:
-        if self.core.lora is None:
+        registry = self._live_core().lora
+        if registry is None:
             raise PermissionError("this engine serves no adapters: start it with "
                                   "allow_runtime_lora_loading to load them while serving")
-        return self.core.lora
+        return registry
 
     def score(self, prefix_ids: Sequence[int], continuation_ids: Sequence[Sequence[int]], *,
               cache_salt: str | None = None, request_id: str | None = None,
@@ -314,12 +316,15 @@ class Engine:
         self._call(EngineCore.flush_cache)
 
     def stats(self) -> dict[str, Any]:
-        return self.core.stats()
+        """The engine's counters and gauges; after close, as they were when it stopped."""
+        core = self.core
+        return core.stats() if core is not None else dict(self._engine_thread.final_stats)
 
     @property
     def has_work(self) -> bool:
         """Requests running or waiting (read from any thread: a snapshot)."""
-        return self.core.has_work
+        core = self.core
+        return core is not None and core.has_work
 
     @property
     def loop_rounds(self) -> int:
@@ -331,6 +336,8 @@ class Engine:
         """Stop the engine thread and free what it holds. Safe from any thread and more than
         once; calls waiting on the engine raise EngineClosedError, and so do later calls."""
         _open_engines.discard(self)
+        # The engine thread lets go of the core (and with it the device memory) as it ends.
+        self.core = None
         self._engine_thread.stop()
 
     def __enter__(self) -> "Engine":
@@ -338,6 +345,12 @@ class Engine:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+    def _live_core(self) -> EngineCore:
+        core = self.core
+        if core is None:
+            raise EngineClosedError("the engine is closed")
+        return core
 
     def _build_core(self) -> EngineCore:
         """Load the models and build the core (on the engine thread)."""
@@ -363,17 +376,17 @@ class Engine:
                                           program_id=program_id, priority=priority,
                                           loras=self._adapters(lora, len(prompts)))
         if any(r.params.constrained for r in requests):
-            self.core.grammar_engine()  # built here, not on the engine thread
+            self._live_core().grammar_engine()  # built here, not on the engine thread
         return requests
 
     def _adapters(self, lora: Any, count: int) -> list[Any] | None:
         """Each prompt's adapter from `lora`: a name for all, or a list with one per prompt."""
         if lora is None:
             return None
-        if self.core.lora is None:
+        registry = self._live_core().lora
+        if registry is None:
             raise ValueError("lora: this engine serves no adapters (start it with "
                              "lora_modules or allow_runtime_lora_loading)")
-        registry = self.core.lora
         names = list(lora) if isinstance(lora, (list, tuple)) else [lora] * count
         if len(names) != count:
             raise ValueError(f"lora: got {len(names)} adapter names for {count} prompts")

@@ -12,6 +12,8 @@ import queue
 import threading
 from typing import Any, Callable
 
+import torch
+
 from radixlm.runtime.engine.engine_core import EngineCore
 from radixlm.runtime.parallel.sharded import TensorParallelGroup
 from radixlm.runtime.scheduling.request import Request
@@ -44,7 +46,8 @@ class EngineThread:
         # Rounds of the engine loop so far: a watchdog on another thread reads it (with
         # has_work) to tell a busy engine from a stalled one.
         self.rounds = 0
-        self.core: EngineCore
+        self.core: EngineCore | None = None  # None again once the loop has ended
+        self.final_stats: dict[str, Any] = {}  # the core's last stats, kept when it goes
         # The engine thread loads the model too, so that it is the only thread of ours that
         # runs torch's parallel CPU work: OpenMP gives each such thread a pool of its own, and
         # once the pools together hold more threads than there are cores, every worker stops
@@ -120,6 +123,18 @@ class EngineThread:
             self.core.shutdown()
             if self._tp is not None:
                 self._tp.shutdown()
+            self._release()
+
+    def _release(self) -> None:
+        """Let go of the core and everything it holds (weights, KV pool, graphs, adapter
+        slots) as the loop ends: an Engine that stays referenced after close (the name a
+        `with Engine() as engine` block leaves behind) must not keep a GPU's memory from the
+        next engine, which sizes its KV pool by what the device has free."""
+        self.final_stats = self.core.stats()
+        device = self.core.device
+        self.core = None  # no reference cycle holds it (tests/test_engine.py): freed here
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _loop(self) -> None:
         core = self.core
