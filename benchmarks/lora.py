@@ -2,10 +2,12 @@
 model alone, in one run.
 
 Random PEFT adapters (every projection of every layer targeted, rank R) are written for the
-model, then the same batch of greedy requests runs on one engine: without adapters (the
-base model, the baseline), with 1 adapter for every row, and with K distinct adapters spread
-over the rows (K up to the batch, max_loras_per_batch = K so they all run together). Reported:
-output tokens/s and the ratio to the base model, with the arithmetic the adapters add per
+model, then the same batch of greedy requests runs on an engine serving them: without
+adapters (the base model, the baseline: same engine, same KV pool), with 1 adapter for every
+row, and with K distinct adapters spread over the rows (K up to the batch,
+max_loras_per_batch = K so they all run together); and once on an engine without adapters
+(its KV pool is larger: the slots take none of the memory). Reported: output tokens/s, the
+prefill and decode parts, and the ratio to the base model, with the arithmetic the adapters add per
 token (R (in + out) multiply-adds per projection) beside the base model's, which is what the
 ratio could be at best if the updates ran as fast as the base's matmuls; and, for decode that
 streams weights (the GPU), the bound from bytes: the base model's weights against those plus
@@ -207,6 +209,8 @@ def main() -> None:
             modules = [f"{name}={files[k % len(files)]}" for k, name in enumerate(names)]
             with Engine(**options, lora_modules=modules, max_loras_per_batch=max(counts),
                         max_lora_rank=rank) as engine:
+                base = results[f"rank {rank} engine, no adapter"] = run(
+                    engine, prompts, None, args.new_tokens)
                 for count in counts:
                     loras = [names[i % count] for i in range(args.batch)]
                     timing = run(engine, prompts, loras, args.new_tokens)
@@ -215,7 +219,6 @@ def main() -> None:
                     # Per token per layer: u = A x over every part, B u over every output.
                     extra = sum(rank * (i + o) for i, o in shapes(cfg).values())
                     adapter_bytes = extra * cfg.num_layers * dtype.itemsize
-                    base = results["base"]
                     results[key] = {"rank": rank, "adapters": count, **timing,
                                     "vs_base": tps / base["tokens_per_s"],
                                     "decode_vs_base": timing["decode_tokens_per_s"]
