@@ -20,6 +20,7 @@ a loop over rows. For CUDA graphs the rows and tiles go into buffers allocated o
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -58,7 +59,9 @@ class LoRALinear:
                              device=device)
         self.b = torch.zeros(num_slots, parts * rank, linear.out_features, dtype=dtype,
                              device=device)
-        self.owner = owner
+        # A proxy: the slots hold their linears, and a cycle would keep every slot's memory
+        # until a garbage collection after the engine closes.
+        self.owner = weakref.proxy(owner)
         # Output columns each part's B may write (kernels/lora.py reads a part's ranks only
         # for them): the part's own, widened when an adapter's module spans several parts.
         self._cols = [[linear.offsets[p], linear.offsets[p + 1]] for p in range(parts)]
