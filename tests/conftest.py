@@ -31,6 +31,7 @@ FAMILIES = {
                     sliding_window=None),
     "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2"),
     "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=32),
+    "phi3": dict(architectures=["Phi3ForCausalLM"], model_type="phi3", pad_token_id=0),
 }
 
 

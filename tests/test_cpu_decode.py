@@ -75,7 +75,8 @@ def _decode_both(model, kernel, lengths: list[int]) -> tuple[torch.Tensor, torch
 
 
 @pytest.mark.parametrize("family, lengths", [("llama", [5, 17, 9]), ("qwen2", [5, 17, 9]),
-                                             ("qwen3", [5, 17, 9]), ("llama", [300, 700])])
+                                             ("qwen3", [5, 17, 9]), ("phi3", [5, 17, 9]),
+                                             ("llama", [300, 700])])
 def test_kernel_matches_eager_on_dense_bfloat16(tmp_path, kernel, family, lengths):
     folder = save_tiny_hf_model(tmp_path / family, family)
     model = load_model(str(folder), "auto", torch.bfloat16, torch.device("cpu")).model

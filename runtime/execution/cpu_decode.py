@@ -42,7 +42,7 @@ Reduce = Callable[[torch.Tensor], torch.Tensor]
 def unsupported(model: torch.nn.Module, attn: AttentionBackend, kv_cache: KVCache,
                 reduce: Reduce | None = None) -> str | None:
     """Why the kernel cannot run this model (None when it can)."""
-    if type(model) is not LlamaForCausalLM:
+    if not isinstance(model, LlamaForCausalLM):  # Phi-3's loads differently, runs the same
         return f"{type(model).__name__} is not a Llama-family decoder"
     if not isinstance(attn, TorchNativeAttention):
         return "the attention backend is not torch"
