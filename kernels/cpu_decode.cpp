@@ -23,7 +23,8 @@
 //     head norms ([D] each, [0] when none: Qwen3), then the tensors of qkv, o, gate_up and
 //     down}; windows[i]: layer i's sliding window (a row at position p attends to positions
 //     p - window + 1 .. p; 0: no window); specs[4 i + j] says how linear j is stored:
-//     0: one dense tile tensor (cpu_linear.h); p > 0: p int4 planes (codes, scales, zeros);
+//     0: one dense tile tensor (cpu_linear.h); p > 0: p integer planes (codes, hi, scales,
+//     zeros);
 //     widths[4 i + j]: its output width;
 //   k_cache / v_cache [layers, slots, Hkv, D] (A), out_slots [T], token_seq [T] (the row's
 //   sequence), positions [T] (the row attends to its sequence's positions 0..position),
@@ -96,10 +97,10 @@ Tensor linear(const Tensor& x, const std::vector<Tensor>& tensors, size_t first,
               int64_t width) {
   if (planes == 0) return radixlm_cpu::dense_linear(x, tensors[first], width, false);
   return radixlm_cpu::planes_linear(x, tensors[first], tensors[first + 1], tensors[first + 2],
-                                    width, false);
+                                    tensors[first + 3], width, false);
 }
 
-size_t stored_tensors(int64_t planes) { return planes == 0 ? 1 : 3; }
+size_t stored_tensors(int64_t planes) { return planes == 0 ? 1 : 4; }
 
 // out[r] = weight * rms_norm(x[r]) (with x[r] += add[r] first when add is given: the
 // residual stream then keeps the sum).

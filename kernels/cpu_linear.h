@@ -11,15 +11,22 @@
 //
 // Weights are tiles of 16 output channels, one channel per 32-bit lane, inputs in pairs
 // (k, k + 1) for the bfloat16 dot-product instruction:
-//   4-bit planes (the GGUF blocks; W = sum_p (q_p - 8) * scale_p + zero_p per group):
-//     codes  int32 [tiles, planes, K / 8, 16]: lane j holds channel j's codes of inputs
-//            k0..k0+7, the even inputs' in bits 0-15 (k0 + 2i in bits 4i..4i+3), the odd
-//            ones' in bits 16-31;
-//     scales float [tiles, K / group, planes, 16]; zeros float [tiles, K / group, 16] (the
-//            planes' zeros summed).
+//   Integer planes (the GGUF blocks; W = sum_p (q_p - 8) * scale_p + zero_p per group): a
+//   4-bit low plane and, for 5- to 8-bit codes, a high plane of HB = 1, 2 or 4 bits (the
+//   codes' bits above the low four: 5-bit codes need one, 6-bit two):
+//     codes  int32 [tiles, 1, K / 8, 16]: the low plane; lane j holds channel j's codes of
+//            inputs k0..k0+7, the even inputs' in bits 0-15 (k0 + 2i in bits 4i..4i+3), the
+//            odd ones' in bits 16-31;
+//     hi     int32: [0] for one plane; HB = 4: [tiles, K / 8, 16] laid out as the low plane;
+//            HB = 1 or 2: [tiles, K HB / 32, 16], input k0 + m of a word's 32 / HB in bits
+//            HB m .. HB m + HB - 1 (a pair's two codes side by side);
+//     scales float [tiles, K / group, S, 16]: S = 2, each plane's; or S = 1, the low plane's,
+//            the high plane's being 16 times it (the files' codes are 16 hi + lo);
+//     zeros float [tiles, K / group, 16] (the planes' zeros summed).
 //     An output is, per group in order: sum over planes of scale * part, where part sums
 //     (q - 8) * x over the group's input pairs in order, then + zero * (x's sum over the
-//     group, in order).
+//     group, in order). A high plane's q is its code (0..2^HB - 1), so its layout changes
+//     the bytes read, never a product or a sum.
 //   dense bfloat16: weight [tiles, K / 2, 32] (lane j: channel j's weights of k and k + 1);
 //   dense float32: weight [tiles, K, 16]. An output sums w * x over the inputs (pairs) in
 //     order.
@@ -77,6 +84,21 @@ struct Vec {
     // vpermps reads the low 4 bits of each index lane: the shifted lane is its own index.
     return {_mm512_permutexvar_ps(_mm512_srli_epi32(bits, shift), table)};
   }
+  // HB-bit code at bit `shift` of each lane of a high plane's word, as (q - 8).
+  template <int HB>
+  static Vec bits(const int32_t* word, int shift) {
+    alignas(64) static const float table[16] = {
+        float((0 & ((1 << HB) - 1)) - 8), float((1 & ((1 << HB) - 1)) - 8),
+        float((2 & ((1 << HB) - 1)) - 8), float((3 & ((1 << HB) - 1)) - 8),
+        float((4 & ((1 << HB) - 1)) - 8), float((5 & ((1 << HB) - 1)) - 8),
+        float((6 & ((1 << HB) - 1)) - 8), float((7 & ((1 << HB) - 1)) - 8),
+        float((8 & ((1 << HB) - 1)) - 8), float((9 & ((1 << HB) - 1)) - 8),
+        float((10 & ((1 << HB) - 1)) - 8), float((11 & ((1 << HB) - 1)) - 8),
+        float((12 & ((1 << HB) - 1)) - 8), float((13 & ((1 << HB) - 1)) - 8),
+        float((14 & ((1 << HB) - 1)) - 8), float((15 & ((1 << HB) - 1)) - 8)};
+    const __m512i w = _mm512_loadu_si512(reinterpret_cast<const void*>(word));
+    return {_mm512_permutexvar_ps(_mm512_srli_epi32(w, shift), _mm512_load_ps(table))};
+  }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   Vec fma(const Vec& a, const Vec& b) const { return {_mm512_fmadd_ps(a.v, b.v, v)}; }
 };
@@ -98,6 +120,15 @@ struct Vec {
     }
     return r;
   }
+  template <int HB>
+  static Vec bits(const int32_t* word, int shift) {
+    Vec r;
+    for (int l = 0; l < LANES; ++l) {
+      r.v[l] = static_cast<float>((static_cast<uint32_t>(word[l]) >> shift) &
+                                  ((1u << HB) - 1u)) - 8.f;
+    }
+    return r;
+  }
   void store(float* p) const { std::memcpy(p, v, sizeof(v)); }
   Vec fma(const Vec& a, const Vec& b) const {
     Vec r;
@@ -114,6 +145,20 @@ constexpr bool PAIR_INSTRUCTION = true;
 inline __m512i nibble_table() {
   alignas(64) uint16_t t[32];
   for (int e = 0; e < 32; ++e) t[e] = at::BFloat16(static_cast<float>(e % 16 - 8)).x;
+  return _mm512_load_si512(t);
+}
+// 16 bfloat16 pairs for a high plane of HB bits: entry e holds (e's low code - 8) in its low
+// half and (its next code - 8) in its high half, so that a word shifted to a pair's codes is
+// its own vpermd index (only the index's low 4 bits count).
+template <int HB>
+inline __m512i pair_table() {
+  alignas(64) uint32_t t[16];
+  constexpr uint32_t mask = (1u << HB) - 1u;
+  for (uint32_t e = 0; e < 16; ++e) {
+    const uint16_t lo = at::BFloat16(static_cast<float>(int(e & mask) - 8)).x;
+    const uint16_t hi = at::BFloat16(static_cast<float>(int((e >> HB) & mask) - 8)).x;
+    t[e] = lo | (static_cast<uint32_t>(hi) << 16);
+  }
   return _mm512_load_si512(t);
 }
 #else
@@ -136,28 +181,58 @@ inline void store_sums(const Vec (&acc)[T][R], float* out, int64_t out_stride) {
     for (int r = 0; r < R; ++r) acc[t][r].store(out + r * out_stride + t * LANES);
 }
 
-// Adds group g's results to the sums: acc += part_p * scale_p for each plane, then
-// acc += zero * xsum.
-template <int T, int R, int P, typename Part>
+// Adds group g's results to the sums: acc += part_p * scale_p for each of the P planes,
+// then acc += zero * xsum. DS: the scales hold the low plane's only, the high plane's being
+// 16 times it (computed here: exact, so the sums are those of the stored form).
+template <int T, int R, int P, bool DS, typename Part>
 inline void add_group(Vec (&acc)[T][R], int64_t g, const Part& part, const float* scales,
                       const float* zeros, const float* xsum, int64_t groups,
                       int64_t tile_groups) {
+  constexpr int S = P == 2 && !DS ? 2 : 1;  // scales stored per group
   for (int t = 0; t < T; ++t) {
-    const float* s = scales + (t * tile_groups + g) * P * LANES;
+    const float* s = scales + (t * tile_groups + g) * S * LANES;
     const Vec zero = Vec::load(zeros + (t * tile_groups + g) * LANES);
+    Vec scale[P];
+    scale[0] = Vec::load(s);
+    if constexpr (P == 2) {
+      scale[1] = DS ? Vec::zero().fma(scale[0], Vec::fill(16.f)) : Vec::load(s + LANES);
+    }
     for (int r = 0; r < R; ++r) {
-      for (int p = 0; p < P; ++p) acc[t][r] = acc[t][r].fma(part(t, p, r), Vec::load(s + p * LANES));
+      for (int p = 0; p < P; ++p) acc[t][r] = acc[t][r].fma(part(t, p, r), scale[p]);
       acc[t][r] = acc[t][r].fma(zero, Vec::fill(xsum[r * groups + g]));
     }
   }
 }
 
-// T tiles x R rows of a 4-bit-plane linear, float32 lanes: out[r][t * 16 + lane].
-template <int T, int R, int P>
+// Where a plane linear's tensors start for a block of tiles (see the header).
+struct PlaneTiles {
+  const int32_t* codes;  // low plane, [tiles, K / 8, 16]
+  const int32_t* hi;     // high plane (HB > 0)
+  const float* scales;
+  const float* zeros;
+  int64_t tile_codes, tile_hi, tile_groups;
+};
+
+// The high plane's word holding input k of tile t, and the shift of k's code in it.
+template <int HB>
+inline const int32_t* hi_word(const PlaneTiles& w, int t, int64_t k, int* shift) {
+  if constexpr (HB == 4) {  // the low plane's layout: k is even here (a pair's first)
+    *shift = 4 * ((k % 8) / 2);
+    return w.hi + t * w.tile_hi + (k / 8) * LANES;
+  } else {
+    constexpr int per_word = 32 / HB;
+    *shift = HB * static_cast<int>(k % per_word);
+    return w.hi + t * w.tile_hi + (k / per_word) * LANES;
+  }
+}
+
+// T tiles x R rows of a plane linear (HB: the high plane's bits, 0 for none), float32 lanes:
+// out[r][t * 16 + lane].
+template <int T, int R, int HB, bool DS>
 void planes_block(const float* x, const float* xsum, int64_t k_in, int64_t group,
-                  int64_t k_begin, int64_t k_end, const int32_t* codes, const float* scales,
-                  const float* zeros, int64_t tile_codes, int64_t tile_groups, float* out,
+                  int64_t k_begin, int64_t k_end, const PlaneTiles& w, float* out,
                   int64_t out_stride) {
+  constexpr int P = HB == 0 ? 1 : 2;
   const int64_t groups = k_in / group;
   Vec acc[T][R];
   load_sums(acc, k_begin == 0, out, out_stride);
@@ -168,20 +243,33 @@ void planes_block(const float* x, const float* xsum, int64_t k_in, int64_t group
         for (int r = 0; r < R; ++r) part[t][p][r] = Vec::zero();
     for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 8) {
       for (int i = 0; i < 4; ++i) {
-        for (int t = 0; t < T; ++t)
-          for (int p = 0; p < P; ++p) {
-            const int32_t* c = codes + t * tile_codes + (p * (k_in / 8) + k0 / 8) * LANES;
-            const Vec even = Vec::nibble(c, 4 * i), odd = Vec::nibble(c, 16 + 4 * i);
+        for (int t = 0; t < T; ++t) {
+          const int32_t* c = w.codes + t * w.tile_codes + (k0 / 8) * LANES;
+          Vec even[P], odd[P];
+          even[0] = Vec::nibble(c, 4 * i);
+          odd[0] = Vec::nibble(c, 16 + 4 * i);
+          if constexpr (HB == 4) {
+            int shift;
+            const int32_t* h = hi_word<4>(w, t, k0 + 2 * i, &shift);
+            even[1] = Vec::nibble(h, shift);
+            odd[1] = Vec::nibble(h, 16 + shift);
+          } else if constexpr (HB > 0) {
+            int shift;
+            const int32_t* h = hi_word<HB>(w, t, k0 + 2 * i, &shift);
+            even[1] = Vec::bits<HB>(h, shift);
+            odd[1] = Vec::bits<HB>(h, shift + HB);
+          }
+          for (int p = 0; p < P; ++p)
             for (int r = 0; r < R; ++r) {
               const float* xr = x + r * k_in + k0 + 2 * i;
-              part[t][p][r] = part[t][p][r].fma(even, Vec::fill(xr[0]))
-                                           .fma(odd, Vec::fill(xr[1]));
+              part[t][p][r] = part[t][p][r].fma(even[p], Vec::fill(xr[0]))
+                                           .fma(odd[p], Vec::fill(xr[1]));
             }
-          }
+        }
       }
     }
-    add_group<T, R, P>(acc, g, [&](int t, int p, int r) { return part[t][p][r]; }, scales,
-                       zeros, xsum, groups, tile_groups);
+    add_group<T, R, P, DS>(acc, g, [&](int t, int p, int r) { return part[t][p][r]; },
+                           w.scales, w.zeros, xsum, groups, w.tile_groups);
   }
   store_sums(acc, out, out_stride);
 }
@@ -215,13 +303,15 @@ void dense_block(const float* x, int64_t k_in, int64_t k_begin, int64_t k_end,
 
 #if defined(__AVX512BF16__)
 // The same blocks for bfloat16 inputs, one vdpbf16ps per input pair.
-template <int T, int R, int P>
+template <int T, int R, int HB, bool DS>
 void planes_block_pairs(const at::BFloat16* x, const float* xsum, int64_t k_in, int64_t group,
-                        int64_t k_begin, int64_t k_end, const int32_t* codes,
-                        const float* scales, const float* zeros, int64_t tile_codes,
-                        int64_t tile_groups, float* out, int64_t out_stride) {
+                        int64_t k_begin, int64_t k_end, const PlaneTiles& pw, float* out,
+                        int64_t out_stride) {
+  constexpr int P = HB == 0 ? 1 : 2;
   const int64_t groups = k_in / group;
   const __m512i table = nibble_table();
+  __m512i hi_table = table;
+  if constexpr (HB == 1 || HB == 2) hi_table = pair_table<HB>();
   Vec acc[T][R];
   load_sums(acc, k_begin == 0, out, out_stride);
   for (int64_t g = k_begin / group; g < k_end / group; ++g) {
@@ -231,18 +321,28 @@ void planes_block_pairs(const at::BFloat16* x, const float* xsum, int64_t k_in, 
         for (int r = 0; r < R; ++r) part[t][p][r] = _mm512_setzero_ps();
     for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 8) {
       __m512i w[T][P];
-      for (int t = 0; t < T; ++t)
-        for (int p = 0; p < P; ++p) {
-          w[t][p] = _mm512_loadu_si512(reinterpret_cast<const void*>(
-              codes + t * tile_codes + (p * (k_in / 8) + k0 / 8) * LANES));
+      int shift = 0;  // of input k0's code in its high-plane word (HB 1 or 2)
+      for (int t = 0; t < T; ++t) {
+        w[t][0] = _mm512_loadu_si512(
+            reinterpret_cast<const void*>(pw.codes + t * pw.tile_codes + (k0 / 8) * LANES));
+        if constexpr (HB > 0) {
+          w[t][1] = _mm512_loadu_si512(
+              reinterpret_cast<const void*>(hi_word<HB>(pw, t, k0, &shift)));
         }
+      }
       for (int i = 0; i < 4; ++i) {
         __m512bh q[T][P];
-        for (int t = 0; t < T; ++t)
-          for (int p = 0; p < P; ++p) {
-            const __m512i index = i == 0 ? w[t][p] : _mm512_srli_epi16(w[t][p], 4 * i);
-            q[t][p] = (__m512bh)_mm512_permutexvar_epi16(index, table);
+        for (int t = 0; t < T; ++t) {
+          const __m512i index = i == 0 ? w[t][0] : _mm512_srli_epi16(w[t][0], 4 * i);
+          q[t][0] = (__m512bh)_mm512_permutexvar_epi16(index, table);
+          if constexpr (HB == 4) {
+            const __m512i hindex = i == 0 ? w[t][1] : _mm512_srli_epi16(w[t][1], 4 * i);
+            q[t][1] = (__m512bh)_mm512_permutexvar_epi16(hindex, table);
+          } else if constexpr (HB > 0) {
+            const __m512i hindex = _mm512_srli_epi32(w[t][1], shift + 2 * HB * i);
+            q[t][1] = (__m512bh)_mm512_permutexvar_epi32(hindex, hi_table);
           }
+        }
         for (int r = 0; r < R; ++r) {
           int32_t pair;
           std::memcpy(&pair, x + r * k_in + k0 + 2 * i, sizeof(pair));
@@ -254,8 +354,8 @@ void planes_block_pairs(const at::BFloat16* x, const float* xsum, int64_t k_in, 
         }
       }
     }
-    add_group<T, R, P>(acc, g, [&](int t, int p, int r) { return Vec{part[t][p][r]}; },
-                       scales, zeros, xsum, groups, tile_groups);
+    add_group<T, R, P, DS>(acc, g, [&](int t, int p, int r) { return Vec{part[t][p][r]}; },
+                           pw.scales, pw.zeros, xsum, groups, pw.tile_groups);
   }
   store_sums(acc, out, out_stride);
 }
@@ -364,18 +464,23 @@ inline std::vector<float> as_float(const at::Tensor& x) {
   return out;
 }
 
-// y [M, N] = x @ W.T for 4-bit planes (see the header); N = n_out, the tiles hold it rounded
-// up to 16.
+// y [M, N] = x @ W.T for integer planes (see the header); N = n_out, the tiles hold it
+// rounded up to 16.
 inline at::Tensor planes_linear(const at::Tensor& x_in, const at::Tensor& codes,
-                                const at::Tensor& scales, const at::Tensor& zeros,
-                                int64_t n_out, bool float_out) {
+                                const at::Tensor& hi, const at::Tensor& scales,
+                                const at::Tensor& zeros, int64_t n_out, bool float_out) {
   const at::Tensor x = x_in.contiguous();
   const int64_t rows = x.size(0), k_in = x.size(1);
-  const int64_t tiles = codes.size(0), planes = codes.size(1);
-  const int64_t groups = scales.size(1), group = k_in / groups;
-  TORCH_CHECK(codes.size(2) * 8 == k_in && group % 8 == 0 && groups * group == k_in,
+  const int64_t tiles = codes.size(0), groups = scales.size(1), group = k_in / groups;
+  TORCH_CHECK(codes.size(1) == 1 && codes.size(2) * 8 == k_in && group % 8 == 0 &&
+                  groups * group == k_in,
               "planes_linear: shapes");
-  TORCH_CHECK(planes == 1 || planes == 2, "planes_linear: one or two planes");
+  const int hb = hi.numel() == 0 ? 0 : static_cast<int>(hi.size(1) * 32 / k_in);
+  const bool derived = hb > 0 && scales.size(2) == 1;
+  TORCH_CHECK(hb == 0 || ((hb == 1 || hb == 2 || hb == 4) && hi.size(0) == tiles &&
+                          hi.size(1) * 32 == hb * k_in),
+              "planes_linear: a high plane of 1, 2 or 4 bits");
+  TORCH_CHECK(scales.size(2) == (hb > 0 && !derived ? 2 : 1), "planes_linear: scales");
   const std::vector<float> xf = as_float(x);
   std::vector<float> xsum(rows * groups);
   for (int64_t r = 0; r < rows; ++r)
@@ -384,39 +489,48 @@ inline at::Tensor planes_linear(const at::Tensor& x_in, const at::Tensor& codes,
       for (int64_t k = g * group; k < (g + 1) * group; ++k) s += xf[r * k_in + k];
       xsum[r * groups + g] = s;
     }
-  const int64_t width = tiles * LANES, tile_codes = planes * (k_in / 8) * LANES;
+  const int64_t width = tiles * LANES;
+  const PlaneTiles all{codes.data_ptr<int32_t>(), hb > 0 ? hi.data_ptr<int32_t>() : nullptr,
+                       scales.data_ptr<float>(), zeros.data_ptr<float>(), (k_in / 8) * LANES,
+                       hb > 0 ? hi.size(1) * LANES : 0, groups};
+  const int64_t tile_scales = groups * scales.size(2) * LANES;
   // Not zeroed: every block writes its outputs before it reads them.
   const at::Tensor out_t = at::empty({rows, width}, at::kFloat);
   float* out = out_t.data_ptr<float>();
-  const int32_t* c = codes.data_ptr<int32_t>();
-  const float* s = scales.data_ptr<float>();
-  const float* z = zeros.data_ptr<float>();
   const bool pairs = PAIR_INSTRUCTION && x.scalar_type() == at::kBFloat16;
-  auto run = [&](auto p_const) {
-    constexpr int P = decltype(p_const)::value;
+  auto run = [&](auto hb_const, auto ds_const) {
+    constexpr int HB = decltype(hb_const)::value;
+    constexpr bool DS = decltype(ds_const)::value;
     const int64_t chunk = std::max(group, CHUNK_INPUTS / group * group);
-    for_each_block<P + 1>(rows, tiles, k_in, chunk, [&](auto t_const, auto r_const, int64_t t0,
-                                                   int64_t r0, int64_t k0, int64_t k1) {
-      constexpr int T = decltype(t_const)::value, R = decltype(r_const)::value;
-      float* o = out + r0 * width + t0 * LANES;
+    for_each_block<(HB > 0 ? 2 : 1) + 1>(
+        rows, tiles, k_in, chunk,
+        [&](auto t_const, auto r_const, int64_t t0, int64_t r0, int64_t k0, int64_t k1) {
+          constexpr int T = decltype(t_const)::value, R = decltype(r_const)::value;
+          float* o = out + r0 * width + t0 * LANES;
+          PlaneTiles w = all;
+          w.codes += t0 * all.tile_codes;
+          if (HB > 0) w.hi += t0 * all.tile_hi;
+          w.scales += t0 * tile_scales;
+          w.zeros += t0 * groups * LANES;
 #if defined(__AVX512BF16__)
-      if (pairs) {
-        planes_block_pairs<T, R, P>(x.data_ptr<at::BFloat16>() + r0 * k_in,
-                                    xsum.data() + r0 * groups, k_in, group, k0, k1,
-                                    c + t0 * tile_codes, s + t0 * groups * P * LANES,
-                                    z + t0 * groups * LANES, tile_codes, groups, o, width);
-        return;
-      }
+          if (pairs) {
+            planes_block_pairs<T, R, HB, DS>(x.data_ptr<at::BFloat16>() + r0 * k_in,
+                                             xsum.data() + r0 * groups, k_in, group, k0, k1,
+                                             w, o, width);
+            return;
+          }
 #endif
-      planes_block<T, R, P>(xf.data() + r0 * k_in, xsum.data() + r0 * groups, k_in, group,
-                            k0, k1, c + t0 * tile_codes, s + t0 * groups * P * LANES,
-                            z + t0 * groups * LANES, tile_codes, groups, o, width);
-    });
+          planes_block<T, R, HB, DS>(xf.data() + r0 * k_in, xsum.data() + r0 * groups, k_in,
+                                     group, k0, k1, w, o, width);
+        });
   };
-  if (planes == 1) {
-    run(std::integral_constant<int, 1>{});
-  } else {
-    run(std::integral_constant<int, 2>{});
+  using Yes = std::true_type;
+  using No = std::false_type;
+  switch (hb) {
+    case 0: run(Int<0>{}, No{}); break;
+    case 1: derived ? run(Int<1>{}, Yes{}) : run(Int<1>{}, No{}); break;
+    case 2: derived ? run(Int<2>{}, Yes{}) : run(Int<2>{}, No{}); break;
+    default: derived ? run(Int<4>{}, Yes{}) : run(Int<4>{}, No{}); break;
   }
   return rounded(out_t, n_out, float_out ? at::kFloat : x.scalar_type());
 }

@@ -180,6 +180,36 @@ def test_linear_rows_do_not_depend_on_the_batch(kernel, planes, group, rows):
                                full[start:stop])
 
 
+@pytest.mark.parametrize("bits, group", [(1, 32), (2, 16), (4, 32)])
+def test_compact_high_planes_give_the_same_bits(kernel, bits, group):
+    """5- and 6-bit codes' high plane in 1 or 2 bits, its scales derived from the low plane's
+    (16 times them): the same outputs, bit for bit, as two nibble planes with both scales
+    stored, for fewer bytes; and each row still its own."""
+    from radixlm.runtime.models.quantization.cpu_weights import (
+        Plane,
+        dequantize_planes,
+        tile_planes,
+    )
+
+    gen = torch.Generator().manual_seed(bits)
+    n, k = 37, 128
+    scale = torch.rand(n, k // group, generator=gen) * 0.02
+    planes = [Plane(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8), scale,
+                    torch.randn(n, k // group, generator=gen) * 0.01),
+              Plane(torch.randint(0, 1 << bits, (n, k), generator=gen, dtype=torch.uint8),
+                    16 * scale, torch.randn(n, k // group, generator=gen) * 0.01)]
+    compact, wide = tile_planes(planes), tile_planes(planes, compact=False)
+    assert compact[1].shape[1] == k * bits // 32 and compact[2].shape[2] == 1
+    assert wide[1].shape[1] == k // 8 and wide[2].shape[2] == 2
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(19, k, generator=gen).to(dtype)
+        full = kernel.planes_linear(x, *compact, n, True)
+        assert torch.equal(full, kernel.planes_linear(x, *wide, n, True))
+        want = x.double() @ dequantize_planes(planes).double().t()
+        assert (full.double() - want).abs().max() <= 1e-5 * want.abs().max()
+        assert torch.equal(kernel.planes_linear(x[3:4], *compact, n, True), full[3:4])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_dense_rows_do_not_depend_on_the_batch(kernel, dtype):
     from radixlm.runtime.models.quantization.cpu_weights import tile_dense

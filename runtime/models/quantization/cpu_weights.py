@@ -2,9 +2,11 @@
 planes or of dense bfloat16 weights (kernels/cpu_linear.h), or, where that kernel cannot be
 built (no C++ compiler), torch's CPU int4 kernel.
 
-Integer formats are held as 4-bit planes: 4-bit codes as one plane, 5- to 8-bit codes as two
-(hi and lo nibbles; see gguf_blocks), the plane sum being W = sum_p (q_p - 8) * scale_p +
-zero_p per group of 32-256 inputs. FP8 has no fast CPU matmul (`_scaled_mm` on CPU takes
+Integer formats are held as planes: 4-bit codes as one plane, 5- to 8-bit codes as two (the
+low nibble, and the bits above it; see gguf_blocks), the plane sum being W = sum_p (q_p - 8) *
+scale_p + zero_p per group of 16-256 inputs. Our kernel stores a high plane in the bits its
+codes need (1 for 5-bit formats, 2 for 6-bit) and derives its scales, 16 times the low
+plane's: the bytes a step reads shrink, the sums do not change. FP8 has no fast CPU matmul (`_scaled_mm` on CPU takes
 milliseconds per linear): it runs as bfloat16 weights, half the bytes of float32. Activations
 are cast to bfloat16 for the matmul and back to the model's dtype.
 
@@ -85,24 +87,48 @@ def regrouped(plane: Plane, group: int) -> Plane:
                  plane.zero.repeat_interleave(repeat, dim=1))
 
 
-def tile_planes(planes: list[Plane]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Our kernel's form of planes (kernels/cpu_linear.h): codes int32 [tiles, planes, K / 8,
-    16], scales float32 [tiles, K / group, planes, 16], zeros float32 [tiles, K / group, 16]
-    (the planes' zeros summed). Channels past N (up to a whole tile) have scale and zero 0."""
+def tile_planes(planes: list[Plane], compact: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Our kernel's form of one or two planes (kernels/cpu_linear.h): the low plane's codes
+    int32 [tiles, 1, K / 8, 16]; the high plane's (empty for one plane) in as few bits as its
+    codes need (1 for 5-bit formats, 2 for 6-bit, else 4; `compact=False`: always 4); scales
+    float32 [tiles, K / group, S, 16], S = 1 when the high plane's scales are 16 times the
+    low one's (every format's split of its codes, so the kernel derives them; S = 2 with
+    `compact=False`); zeros float32 [tiles, K / group, 16] (the planes' zeros summed).
+    Channels past N (up to a whole tile) have scale and zero 0."""
     rows, columns = planes[0].codes.shape
     tiles = -(-rows // LANES)
     pad = tiles * LANES - rows
-    shifts = torch.tensor(_NIBBLE_SHIFTS, dtype=torch.int64)
-    codes, scales, zeros = [], [], 0
-    for plane in planes:
-        c = F.pad(plane.codes.to(torch.int64), (0, 0, 0, pad), value=8)
-        words = (c.view(tiles, LANES, columns // 8, 8) << shifts).sum(-1)
-        words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
-        codes.append(words.transpose(1, 2))
-        scales.append(_lanes_last(plane.scale, pad, tiles))
-        zeros = zeros + _lanes_last(plane.zero, pad, tiles)
-    return (torch.stack(codes, 1).contiguous(), torch.stack(scales, 2).contiguous(),
+    low = _words(planes[0].codes, pad, tiles, 4).unsqueeze(1)
+    zeros = sum(_lanes_last(plane.zero, pad, tiles) for plane in planes)
+    scales = [_lanes_last(plane.scale, pad, tiles) for plane in planes]
+    hi = torch.empty(0, dtype=torch.int32)
+    if len(planes) == 2:
+        bits = 4
+        if compact:
+            top = int(planes[1].codes.max())
+            fits = [b for b in (1, 2) if top < 1 << b and columns * b % 32 == 0]
+            bits = fits[0] if fits else 4
+            if torch.equal(planes[1].scale, 16 * planes[0].scale):
+                scales = scales[:1]
+        hi = _words(planes[1].codes, pad, tiles, bits)
+    return (low.contiguous(), hi.contiguous(), torch.stack(scales, 2).contiguous(),
             zeros.contiguous())
+
+
+def _words(codes: torch.Tensor, pad: int, tiles: int, bits: int) -> torch.Tensor:
+    """[N, K] codes as a plane's int32 words [tiles, K bits / 32, 16] (cpu_linear.h): 4 bits
+    in the nibble layout of pairs, 1 or 2 bits in input order."""
+    columns = codes.shape[1]
+    c = F.pad(codes.to(torch.int64), (0, 0, 0, pad), value=8 if bits == 4 else 0)
+    if bits == 4:
+        shifts = torch.tensor(_NIBBLE_SHIFTS, dtype=torch.int64)
+    else:
+        shifts = torch.arange(0, 32, bits, dtype=torch.int64)
+    per_word = 32 // bits
+    words = (c.view(tiles, LANES, columns // per_word, per_word) << shifts).sum(-1)
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    return words.transpose(1, 2)
 
 
 def tile_dense(weight: torch.Tensor) -> torch.Tensor:
@@ -157,9 +183,9 @@ class CpuWeights(nn.Module):
         self.dense = None
         self.group = planes[0].codes.shape[1] // planes[0].scale.shape[1]
         if self.tiled:
-            for name, tensor in zip(("codes", "scales", "zeros"), tile_planes(planes)):
+            for name, tensor in zip(("codes", "hi", "scales", "zeros"), tile_planes(planes)):
                 self.register_buffer(name, tensor)
-            self._tensors = [self.codes, self.scales, self.zeros]
+            self._tensors = [self.codes, self.hi, self.scales, self.zeros]
             return
         for index, (codes, scale, zero) in enumerate(planes):
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
@@ -186,7 +212,7 @@ class CpuWeights(nn.Module):
 
     def kernel_form(self) -> tuple[int, int, list[torch.Tensor]] | None:
         """(planes, N, tensors) as the C++ forward kernel reads a tiled linear: 0 planes and
-        the dense tiles, or the planes' (codes, scales, zeros); None without tiles or with a
+        the dense tiles, or the planes' (codes, hi, scales, zeros); None without tiles or with a
         permutation."""
         if not self.tiled or self.perm is not None:
             return None
@@ -201,7 +227,7 @@ class CpuWeights(nn.Module):
         if self.tiled and self.dense is not None:
             out = self.kernel.dense_linear(x2, self.dense, self.out_features, float_out)
         elif self.tiled:
-            out = self.kernel.planes_linear(x2, self.codes, self.scales, self.zeros,
+            out = self.kernel.planes_linear(x2, self.codes, self.hi, self.scales, self.zeros,
                                             self.out_features, float_out)
         elif self.dense is not None:
             out = F.linear(x2, self.dense)
