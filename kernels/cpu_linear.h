@@ -20,12 +20,13 @@
 //     hi     int32: [0] for one plane; HB = 4: [tiles, K / 8, 16] laid out as the low plane;
 //            HB = 1 or 2: [tiles, K HB / 32, 16], input k0 + m of a word's 32 / HB in bits
 //            HB m .. HB m + HB - 1 (a pair's two codes side by side);
-//     scales float [tiles, K / group, S, 16]: S = 2, each plane's; or S = 1, the low plane's,
-//            the high plane's being 16 times it (the files' codes are 16 hi + lo);
+//     scales float [tiles, K / group, S, 16]: S = 2, the low plane's then the high one's; or
+//            S = 1, the low plane's, the high plane's being 16 times it (the files' codes
+//            are 16 hi + lo);
 //     zeros float [tiles, K / group, 16] (the planes' zeros summed).
-//     An output is, per group in order: sum over planes of scale * part, where part sums
-//     (q - 8) * x over the group's input pairs in order, then + zero * (x's sum over the
-//     group, in order). A high plane's q is its code (0..2^HB - 1), so its layout changes
+//     An output is, per group in order: the high plane's scale * part, the low plane's, where
+//     part sums (q - 8) * x over the group's input pairs in order, then + zero * (x's sum
+//     over the group, in order). A high plane's q is its code (0..2^HB - 1), so its layout changes
 //     the bytes read, never a product or a sum.
 //   dense bfloat16: weight [tiles, K / 2, 32] (lane j: channel j's weights of k and k + 1);
 //   dense float32: weight [tiles, K, 16]. An output sums w * x over the inputs (pairs) in
@@ -181,9 +182,10 @@ inline void store_sums(const Vec (&acc)[T][R], float* out, int64_t out_stride) {
     for (int r = 0; r < R; ++r) acc[t][r].store(out + r * out_stride + t * LANES);
 }
 
-// Adds group g's results to the sums: acc += part_p * scale_p for each of the P planes,
-// then acc += zero * xsum. DS: the scales hold the low plane's only, the high plane's being
-// 16 times it (computed here: exact, so the sums are those of the stored form).
+// Adds group g's results to the sums: acc += part_p * scale_p for the high plane (p = 1),
+// then the low one (p = 0), then acc += zero * xsum. DS: the scales hold the low plane's
+// only, the high plane's being 16 times it (computed here: exact, so the sums are those of
+// the stored form).
 template <int T, int R, int P, bool DS, typename Part>
 inline void add_group(Vec (&acc)[T][R], int64_t g, const Part& part, const float* scales,
                       const float* zeros, const float* xsum, int64_t groups,
@@ -198,7 +200,8 @@ inline void add_group(Vec (&acc)[T][R], int64_t g, const Part& part, const float
       scale[1] = DS ? Vec::zero().fma(scale[0], Vec::fill(16.f)) : Vec::load(s + LANES);
     }
     for (int r = 0; r < R; ++r) {
-      for (int p = 0; p < P; ++p) acc[t][r] = acc[t][r].fma(part(t, p, r), scale[p]);
+      if constexpr (P == 2) acc[t][r] = acc[t][r].fma(part(t, 1, r), scale[1]);  // high first
+      acc[t][r] = acc[t][r].fma(part(t, 0, r), scale[0]);
       acc[t][r] = acc[t][r].fma(zero, Vec::fill(xsum[r * groups + g]));
     }
   }

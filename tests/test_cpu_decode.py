@@ -194,10 +194,11 @@ def test_compact_high_planes_give_the_same_bits(kernel, bits, group):
     gen = torch.Generator().manual_seed(bits)
     n, k = 37, 128
     scale = torch.rand(n, k // group, generator=gen) * 0.02
-    planes = [Plane(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8), scale,
-                    torch.randn(n, k // group, generator=gen) * 0.01),
-              Plane(torch.randint(0, 1 << bits, (n, k), generator=gen, dtype=torch.uint8),
-                    16 * scale, torch.randn(n, k // group, generator=gen) * 0.01)]
+    # As the formats split their codes: 16 hi + lo, the high plane first.
+    planes = [Plane(torch.randint(0, 1 << bits, (n, k), generator=gen, dtype=torch.uint8),
+                    16 * scale, torch.randn(n, k // group, generator=gen) * 0.01),
+              Plane(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8), scale,
+                    torch.randn(n, k // group, generator=gen) * 0.01)]
     compact, wide = tile_planes(planes), tile_planes(planes, compact=False)
     assert compact[1].shape[1] == k * bits // 32 and compact[2].shape[2] == 1
     assert wide[1].shape[1] == k // 8 and wide[2].shape[2] == 2

@@ -89,31 +89,32 @@ def regrouped(plane: Plane, group: int) -> Plane:
 
 def tile_planes(planes: list[Plane], compact: bool = True
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Our kernel's form of one or two planes (kernels/cpu_linear.h): the low plane's codes
-    int32 [tiles, 1, K / 8, 16]; the high plane's (empty for one plane) in as few bits as its
-    codes need (1 for 5-bit formats, 2 for 6-bit, else 4; `compact=False`: always 4); scales
-    float32 [tiles, K / group, S, 16], S = 1 when the high plane's scales are 16 times the
-    low one's (every format's split of its codes, so the kernel derives them; S = 2 with
-    `compact=False`); zeros float32 [tiles, K / group, 16] (the planes' zeros summed).
-    Channels past N (up to a whole tile) have scale and zero 0."""
+    """Our kernel's form of one or two planes (kernels/cpu_linear.h). The last plane is the
+    kernel's low plane: codes int32 [tiles, 1, K / 8, 16]. With two, the first (the files'
+    high codes, summed first) is its high plane, in as few bits as its codes need (1 for
+    5-bit formats, 2 for 6-bit, else 4; `compact=False`: always 4). Scales float32
+    [tiles, K / group, S, 16]: the low plane's, then the high one's (S = 2), or the low one's
+    alone (S = 1) when the high plane's are 16 times them (every format's split of its codes;
+    the kernel then derives them); zeros float32 [tiles, K / group, 16] (the planes' zeros
+    summed). Channels past N (up to a whole tile) have scale and zero 0."""
     rows, columns = planes[0].codes.shape
     tiles = -(-rows // LANES)
     pad = tiles * LANES - rows
-    low = _words(planes[0].codes, pad, tiles, 4).unsqueeze(1)
+    *high, low = planes
     zeros = sum(_lanes_last(plane.zero, pad, tiles) for plane in planes)
-    scales = [_lanes_last(plane.scale, pad, tiles) for plane in planes]
+    scales = [_lanes_last(low.scale, pad, tiles)]
     hi = torch.empty(0, dtype=torch.int32)
-    if len(planes) == 2:
-        bits = 4
+    if high:
+        bits, first = 4, high[0]
         if compact:
-            top = int(planes[1].codes.max())
+            top = int(first.codes.max())
             fits = [b for b in (1, 2) if top < 1 << b and columns * b % 32 == 0]
             bits = fits[0] if fits else 4
-            if torch.equal(planes[1].scale, 16 * planes[0].scale):
-                scales = scales[:1]
-        hi = _words(planes[1].codes, pad, tiles, bits)
-    return (low.contiguous(), hi.contiguous(), torch.stack(scales, 2).contiguous(),
-            zeros.contiguous())
+        if not (compact and torch.equal(first.scale, 16 * low.scale)):
+            scales.append(_lanes_last(first.scale, pad, tiles))
+        hi = _words(first.codes, pad, tiles, bits)
+    return (_words(low.codes, pad, tiles, 4).unsqueeze(1).contiguous(), hi.contiguous(),
+            torch.stack(scales, 2).contiguous(), zeros.contiguous())
 
 
 def _words(codes: torch.Tensor, pad: int, tiles: int, bits: int) -> torch.Tensor:
