@@ -23,7 +23,9 @@
 //     scales float [tiles, K / group, S, 16]: S = 2, the low plane's then the high one's; or
 //            S = 1, the low plane's, the high plane's being 16 times it (the files' codes
 //            are 16 hi + lo);
-//     zeros float [tiles, K / group, 16] (the planes' zeros summed).
+//     zeros float [tiles, K / group, 16] (the planes' zeros summed); or [tiles, 16], a
+//            factor per channel, when every group's zero is that factor times the low
+//            plane's scale (symmetric formats: Q8_0's is 8 s, Q5_0's 120 s).
 //     An output is, per group in order: the high plane's scale * part, the low plane's, where
 //     part sums (q - 8) * x over the group's input pairs in order, then + zero * (x's sum
 //     over the group, in order). A high plane's q is its code (0..2^HB - 1), so its layout changes
@@ -188,14 +190,16 @@ inline void store_sums(const Vec (&acc)[T][R], float* out, int64_t out_stride) {
 // the stored form).
 template <int T, int R, int P, bool DS, typename Part>
 inline void add_group(Vec (&acc)[T][R], int64_t g, const Part& part, const float* scales,
-                      const float* zeros, const float* xsum, int64_t groups,
-                      int64_t tile_groups) {
+                      const float* zeros, const float* zero_factors, const float* xsum,
+                      int64_t groups, int64_t tile_groups) {
   constexpr int S = P == 2 && !DS ? 2 : 1;  // scales stored per group
   for (int t = 0; t < T; ++t) {
     const float* s = scales + (t * tile_groups + g) * S * LANES;
-    const Vec zero = Vec::load(zeros + (t * tile_groups + g) * LANES);
     Vec scale[P];
     scale[0] = Vec::load(s);
+    const Vec zero = zero_factors != nullptr
+                         ? Vec::zero().fma(Vec::load(zero_factors + t * LANES), scale[0])
+                         : Vec::load(zeros + (t * tile_groups + g) * LANES);
     if constexpr (P == 2) {
       scale[1] = DS ? Vec::zero().fma(scale[0], Vec::fill(16.f)) : Vec::load(s + LANES);
     }
@@ -212,7 +216,8 @@ struct PlaneTiles {
   const int32_t* codes;  // low plane, [tiles, K / 8, 16]
   const int32_t* hi;     // high plane (HB > 0)
   const float* scales;
-  const float* zeros;
+  const float* zeros;         // per group, or nullptr with
+  const float* zero_factors;  // a factor per channel
   int64_t tile_codes, tile_hi, tile_groups;
 };
 
@@ -272,7 +277,7 @@ void planes_block(const float* x, const float* xsum, int64_t k_in, int64_t group
       }
     }
     add_group<T, R, P, DS>(acc, g, [&](int t, int p, int r) { return part[t][p][r]; },
-                           w.scales, w.zeros, xsum, groups, w.tile_groups);
+                           w.scales, w.zeros, w.zero_factors, xsum, groups, w.tile_groups);
   }
   store_sums(acc, out, out_stride);
 }
@@ -358,7 +363,8 @@ void planes_block_pairs(const at::BFloat16* x, const float* xsum, int64_t k_in, 
       }
     }
     add_group<T, R, P, DS>(acc, g, [&](int t, int p, int r) { return Vec{part[t][p][r]}; },
-                           pw.scales, pw.zeros, xsum, groups, pw.tile_groups);
+                           pw.scales, pw.zeros, pw.zero_factors, xsum, groups,
+                           pw.tile_groups);
   }
   store_sums(acc, out, out_stride);
 }
@@ -493,8 +499,12 @@ inline at::Tensor planes_linear(const at::Tensor& x_in, const at::Tensor& codes,
       xsum[r * groups + g] = s;
     }
   const int64_t width = tiles * LANES;
+  const bool factors = zeros.dim() == 2;
+  TORCH_CHECK(zeros.size(0) == tiles && (factors || zeros.size(1) == groups),
+              "planes_linear: zeros");
   const PlaneTiles all{codes.data_ptr<int32_t>(), hb > 0 ? hi.data_ptr<int32_t>() : nullptr,
-                       scales.data_ptr<float>(), zeros.data_ptr<float>(), (k_in / 8) * LANES,
+                       scales.data_ptr<float>(), factors ? nullptr : zeros.data_ptr<float>(),
+                       factors ? zeros.data_ptr<float>() : nullptr, (k_in / 8) * LANES,
                        hb > 0 ? hi.size(1) * LANES : 0, groups};
   const int64_t tile_scales = groups * scales.size(2) * LANES;
   // Not zeroed: every block writes its outputs before it reads them.
@@ -514,7 +524,11 @@ inline at::Tensor planes_linear(const at::Tensor& x_in, const at::Tensor& codes,
           w.codes += t0 * all.tile_codes;
           if (HB > 0) w.hi += t0 * all.tile_hi;
           w.scales += t0 * tile_scales;
-          w.zeros += t0 * groups * LANES;
+          if (factors) {
+            w.zero_factors += t0 * LANES;
+          } else {
+            w.zeros += t0 * groups * LANES;
+          }
 #if defined(__AVX512BF16__)
           if (pairs) {
             planes_block_pairs<T, R, HB, DS>(x.data_ptr<at::BFloat16>() + r0 * k_in,

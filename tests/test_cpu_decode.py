@@ -180,11 +180,13 @@ def test_linear_rows_do_not_depend_on_the_batch(kernel, planes, group, rows):
                                full[start:stop])
 
 
-@pytest.mark.parametrize("bits, group", [(1, 32), (2, 16), (4, 32)])
-def test_compact_high_planes_give_the_same_bits(kernel, bits, group):
+@pytest.mark.parametrize("bits, group, symmetric", [(1, 32, True), (2, 16, False),
+                                                    (4, 32, True), (4, 32, False)])
+def test_compact_high_planes_give_the_same_bits(kernel, bits, group, symmetric):
     """5- and 6-bit codes' high plane in 1 or 2 bits, its scales derived from the low plane's
-    (16 times them): the same outputs, bit for bit, as two nibble planes with both scales
-    stored, for fewer bytes; and each row still its own."""
+    (16 times them), and a symmetric format's zeros derived too (a factor per channel times
+    the scales): the same outputs, bit for bit, as two nibble planes with both scales and
+    every zero stored, for fewer bytes; and each row still its own."""
     from radixlm.runtime.models.quantization.cpu_weights import (
         Plane,
         dequantize_planes,
@@ -193,14 +195,18 @@ def test_compact_high_planes_give_the_same_bits(kernel, bits, group):
 
     gen = torch.Generator().manual_seed(bits)
     n, k = 37, 128
-    scale = torch.rand(n, k // group, generator=gen) * 0.02
+    # float16 scales, as the files store them: a small factor times one is exact
+    scale = (torch.rand(n, k // group, generator=gen) * 0.02).half().float()
+    zero = (torch.randint(0, 200, (n, 1), generator=gen) * scale if symmetric
+            else torch.randn(n, k // group, generator=gen) * 0.01)
     # As the formats split their codes: 16 hi + lo, the high plane first.
     planes = [Plane(torch.randint(0, 1 << bits, (n, k), generator=gen, dtype=torch.uint8),
-                    16 * scale, torch.randn(n, k // group, generator=gen) * 0.01),
+                    16 * scale, zero),
               Plane(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8), scale,
-                    torch.randn(n, k // group, generator=gen) * 0.01)]
+                    torch.zeros(n, k // group))]
     compact, wide = tile_planes(planes), tile_planes(planes, compact=False)
     assert compact[1].shape[1] == k * bits // 32 and compact[2].shape[2] == 1
+    assert compact[3].dim() == (2 if symmetric else 3)
     assert wide[1].shape[1] == k // 8 and wide[2].shape[2] == 2
     for dtype in (torch.bfloat16, torch.float32):
         x = torch.randn(19, k, generator=gen).to(dtype)

@@ -5,10 +5,13 @@ built (no C++ compiler), torch's CPU int4 kernel.
 Integer formats are held as planes: 4-bit codes as one plane, 5- to 8-bit codes as two (the
 low nibble, and the bits above it; see gguf_blocks), the plane sum being W = sum_p (q_p - 8) *
 scale_p + zero_p per group of 16-256 inputs. Our kernel stores a high plane in the bits its
-codes need (1 for 5-bit formats, 2 for 6-bit) and derives its scales, 16 times the low
-plane's: the bytes a step reads shrink, the sums do not change. FP8 has no fast CPU matmul (`_scaled_mm` on CPU takes
-milliseconds per linear): it runs as bfloat16 weights, half the bytes of float32. Activations
-are cast to bfloat16 for the matmul and back to the model's dtype.
+codes need (1 for 5-bit formats, 2 for 6-bit) and derives its scales (16 times the low
+plane's) and a symmetric format's zeros (a factor per channel times the scales): the bytes a
+step reads shrink, the sums do not change.
+
+FP8 has no fast CPU matmul (`_scaled_mm` on CPU takes milliseconds per linear): it runs as
+bfloat16 weights, half the bytes of float32. Activations are cast to bfloat16 for the matmul
+and back to the model's dtype.
 
 Our kernel computes each output with one fixed sequence of float32 multiply-adds whatever the
 number of rows (docs/deterministic.md), and is ~2x faster than torch's int4 kernel at one row
@@ -96,12 +99,17 @@ def tile_planes(planes: list[Plane], compact: bool = True
     [tiles, K / group, S, 16]: the low plane's, then the high one's (S = 2), or the low one's
     alone (S = 1) when the high plane's are 16 times them (every format's split of its codes;
     the kernel then derives them); zeros float32 [tiles, K / group, 16] (the planes' zeros
-    summed). Channels past N (up to a whole tile) have scale and zero 0."""
+    summed), or [tiles, 16] when each channel's zeros are one factor times its low scales
+    (symmetric formats: Q8_0's are 8 s, Q5_0's 120 s; `compact=False`: never). Channels
+    past N (up to a whole tile) have scale and zero 0."""
     rows, columns = planes[0].codes.shape
     tiles = -(-rows // LANES)
     pad = tiles * LANES - rows
     *high, low = planes
-    zeros = sum(_lanes_last(plane.zero, pad, tiles) for plane in planes)
+    zero = sum(plane.zero.float() for plane in planes)
+    factor = _zero_factor(zero, low.scale.float()) if compact else None
+    zeros = (_lanes_last(zero, pad, tiles) if factor is None
+             else F.pad(factor, (0, pad)).view(tiles, LANES))
     scales = [_lanes_last(low.scale, pad, tiles)]
     hi = torch.empty(0, dtype=torch.int32)
     if high:
@@ -115,6 +123,16 @@ def tile_planes(planes: list[Plane], compact: bool = True
         hi = _words(first.codes, pad, tiles, bits)
     return (_words(low.codes, pad, tiles, 4).unsqueeze(1).contiguous(), hi.contiguous(),
             torch.stack(scales, 2).contiguous(), zeros.contiguous())
+
+
+def _zero_factor(zero: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+    """f [N] with zero == f[:, None] * scale exactly (as float32 products: what the kernel
+    computes), or None when some channel's zeros are not one factor times its scales."""
+    nonzero = scale != 0
+    first = nonzero.int().argmax(dim=1, keepdim=True)  # a group with a scale, where any is
+    factor = (zero.gather(1, first) / scale.gather(1, first)).squeeze(1)
+    factor = torch.where(nonzero.any(dim=1), factor, torch.zeros_like(factor))
+    return factor if torch.equal(factor[:, None] * scale, zero) else None
 
 
 def _words(codes: torch.Tensor, pad: int, tiles: int, bits: int) -> torch.Tensor:
