@@ -290,13 +290,10 @@ def _pack_output_head(net: nn.Module, heads: dict[str, GGUFBlocks]) -> None:
     name = "lm_head" if untied else "model.embed_tokens"
     blocks = heads.get(f"{name}.weight")
     if blocks is not None and name in modules:
-        planes = blocks.planes()
-        # An 8-bit head (two planes) runs faster as the bfloat16 table the module holds
-        # anyway (one multiply-add per weight pair instead of two unpacked planes), at one
-        # byte per weight more.
-        modules[name].packed_logits = (
-            CpuWeights(dense=modules[name].weight.detach()) if len(planes) > 1
-            else CpuWeights(planes))
+        # The file's own blocks, an 8-bit head's included: as compact planes (a 4-bit high
+        # plane, scales and zeros derived) a Q8_0 head of 49k x 576 is 32 MB against the
+        # bfloat16 table's 57 MB, and 0.53 against 0.70-0.77 ms a decode step on 2 cores.
+        modules[name].packed_logits = CpuWeights(blocks.planes())
 
 
 def _is_decoder_linear(name: str) -> bool:
