@@ -20,9 +20,10 @@
 //     hi     int32: [0] for one plane; HB = 4: [tiles, K / 8, 16] laid out as the low plane;
 //            HB = 1 or 2: [tiles, K HB / 32, 16], input k0 + m of a word's 32 / HB in bits
 //            HB m .. HB m + HB - 1 (a pair's two codes side by side);
-//     scales float [tiles, K / group, S, 16]: S = 2, the low plane's then the high one's; or
-//            S = 1, the low plane's, the high plane's being 16 times it (the files' codes
-//            are 16 hi + lo);
+//     scales float or float16 [tiles, K / group, S, 16] (float16 where every scale is one:
+//            the files' own, except K-quants' products of two): S = 2, the low plane's then
+//            the high one's; or S = 1, the low plane's, the high plane's being 16 times it
+//            (the files' codes are 16 hi + lo);
 //     zeros float [tiles, K / group, 16] (the planes' zeros summed); or [tiles, 16], a
 //            factor per channel, when every group's zero is that factor times the low
 //            plane's scale (symmetric formats: Q8_0's is 8 s, Q5_0's 120 s).
@@ -74,6 +75,9 @@ struct Vec {
   static Vec zero() { return {_mm512_setzero_ps()}; }
   static Vec fill(float x) { return {_mm512_set1_ps(x)}; }
   static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static Vec load(const at::Half* p) {
+    return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+  }
   // Channel j's even (low half) or odd (high half) bfloat16 of 32-bit lane j.
   static Vec bf16_half(const at::BFloat16* p, bool odd) {
     const __m512i bits = _mm512_loadu_si512(reinterpret_cast<const void*>(p));
@@ -111,6 +115,11 @@ struct Vec {
   static Vec zero() { return fill(0.f); }
   static Vec fill(float x) { Vec r; for (int l = 0; l < LANES; ++l) r.v[l] = x; return r; }
   static Vec load(const float* p) { Vec r; std::memcpy(r.v, p, sizeof(r.v)); return r; }
+  static Vec load(const at::Half* p) {
+    Vec r;
+    for (int l = 0; l < LANES; ++l) r.v[l] = static_cast<float>(p[l]);
+    return r;
+  }
   static Vec bf16_half(const at::BFloat16* p, bool odd) {
     Vec r;
     for (int l = 0; l < LANES; ++l) r.v[l] = static_cast<float>(p[2 * l + (odd ? 1 : 0)]);
@@ -184,24 +193,34 @@ inline void store_sums(const Vec (&acc)[T][R], float* out, int64_t out_stride) {
     for (int r = 0; r < R; ++r) acc[t][r].store(out + r * out_stride + t * LANES);
 }
 
+// A plane linear's scales, float32 or float16 (widened exactly).
+struct ScalesAt {
+  const float* f32;
+  const at::Half* f16;
+  Vec load(int64_t i) const { return f16 != nullptr ? Vec::load(f16 + i) : Vec::load(f32 + i); }
+  ScalesAt operator+(int64_t i) const {
+    return {f32 != nullptr ? f32 + i : nullptr, f16 != nullptr ? f16 + i : nullptr};
+  }
+};
+
 // Adds group g's results to the sums: acc += part_p * scale_p for the high plane (p = 1),
 // then the low one (p = 0), then acc += zero * xsum. DS: the scales hold the low plane's
 // only, the high plane's being 16 times it (computed here: exact, so the sums are those of
 // the stored form).
 template <int T, int R, int P, bool DS, typename Part>
-inline void add_group(Vec (&acc)[T][R], int64_t g, const Part& part, const float* scales,
+inline void add_group(Vec (&acc)[T][R], int64_t g, const Part& part, const ScalesAt& scales,
                       const float* zeros, const float* zero_factors, const float* xsum,
                       int64_t groups, int64_t tile_groups) {
   constexpr int S = P == 2 && !DS ? 2 : 1;  // scales stored per group
   for (int t = 0; t < T; ++t) {
-    const float* s = scales + (t * tile_groups + g) * S * LANES;
+    const int64_t s = (t * tile_groups + g) * S * LANES;
     Vec scale[P];
-    scale[0] = Vec::load(s);
+    scale[0] = scales.load(s);
     const Vec zero = zero_factors != nullptr
                          ? Vec::zero().fma(Vec::load(zero_factors + t * LANES), scale[0])
                          : Vec::load(zeros + (t * tile_groups + g) * LANES);
     if constexpr (P == 2) {
-      scale[1] = DS ? Vec::zero().fma(scale[0], Vec::fill(16.f)) : Vec::load(s + LANES);
+      scale[1] = DS ? Vec::zero().fma(scale[0], Vec::fill(16.f)) : scales.load(s + LANES);
     }
     for (int r = 0; r < R; ++r) {
       if constexpr (P == 2) acc[t][r] = acc[t][r].fma(part(t, 1, r), scale[1]);  // high first
@@ -215,7 +234,7 @@ inline void add_group(Vec (&acc)[T][R], int64_t g, const Part& part, const float
 struct PlaneTiles {
   const int32_t* codes;  // low plane, [tiles, K / 8, 16]
   const int32_t* hi;     // high plane (HB > 0)
-  const float* scales;
+  ScalesAt scales;
   const float* zeros;         // per group, or nullptr with
   const float* zero_factors;  // a factor per channel
   int64_t tile_codes, tile_hi, tile_groups;
@@ -502,8 +521,12 @@ inline at::Tensor planes_linear(const at::Tensor& x_in, const at::Tensor& codes,
   const bool factors = zeros.dim() == 2;
   TORCH_CHECK(zeros.size(0) == tiles && (factors || zeros.size(1) == groups),
               "planes_linear: zeros");
+  const bool half = scales.scalar_type() == at::kHalf;
+  TORCH_CHECK(half || scales.scalar_type() == at::kFloat, "planes_linear: scales' dtype");
+  const ScalesAt scales_at{half ? nullptr : scales.data_ptr<float>(),
+                           half ? scales.data_ptr<at::Half>() : nullptr};
   const PlaneTiles all{codes.data_ptr<int32_t>(), hb > 0 ? hi.data_ptr<int32_t>() : nullptr,
-                       scales.data_ptr<float>(), factors ? nullptr : zeros.data_ptr<float>(),
+                       scales_at, factors ? nullptr : zeros.data_ptr<float>(),
                        factors ? zeros.data_ptr<float>() : nullptr, (k_in / 8) * LANES,
                        hb > 0 ? hi.size(1) * LANES : 0, groups};
   const int64_t tile_scales = groups * scales.size(2) * LANES;
@@ -523,7 +546,7 @@ inline at::Tensor planes_linear(const at::Tensor& x_in, const at::Tensor& codes,
           PlaneTiles w = all;
           w.codes += t0 * all.tile_codes;
           if (HB > 0) w.hi += t0 * all.tile_hi;
-          w.scales += t0 * tile_scales;
+          w.scales = all.scales + t0 * tile_scales;
           if (factors) {
             w.zero_factors += t0 * LANES;
           } else {

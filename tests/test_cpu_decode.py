@@ -206,7 +206,7 @@ def test_compact_high_planes_give_the_same_bits(kernel, bits, group, symmetric):
                     torch.zeros(n, k // group))]
     compact, wide = tile_planes(planes), tile_planes(planes, compact=False)
     assert compact[1].shape[1] == k * bits // 32 and compact[2].shape[2] == 1
-    assert compact[3].dim() == (2 if symmetric else 3)
+    assert compact[3].dim() == (2 if symmetric else 3) and compact[2].dtype == torch.float16
     assert wide[1].shape[1] == k // 8 and wide[2].shape[2] == 2
     for dtype in (torch.bfloat16, torch.float32):
         x = torch.randn(19, k, generator=gen).to(dtype)

@@ -95,10 +95,11 @@ def tile_planes(planes: list[Plane], compact: bool = True
     """Our kernel's form of one or two planes (kernels/cpu_linear.h). The last plane is the
     kernel's low plane: codes int32 [tiles, 1, K / 8, 16]. With two, the first (the files'
     high codes, summed first) is its high plane, in as few bits as its codes need (1 for
-    5-bit formats, 2 for 6-bit, else 4; `compact=False`: always 4). Scales float32
-    [tiles, K / group, S, 16]: the low plane's, then the high one's (S = 2), or the low one's
-    alone (S = 1) when the high plane's are 16 times them (every format's split of its codes;
-    the kernel then derives them); zeros float32 [tiles, K / group, 16] (the planes' zeros
+    5-bit formats, 2 for 6-bit, else 4; `compact=False`: always 4). Scales [tiles, K / group,
+    S, 16]: the low plane's, then the high one's (S = 2), or the low one's alone (S = 1) when
+    the high plane's are 16 times them (every format's split of its codes; the kernel then
+    derives them); float16 when every one is a float16 (the files' own scales, but
+    K-quants'), else float32; zeros float32 [tiles, K / group, 16] (the planes' zeros
     summed), or [tiles, 16] when each channel's zeros are one factor times its low scales
     (symmetric formats: Q8_0's are 8 s, Q5_0's 120 s; `compact=False`: never). Channels
     past N (up to a whole tile) have scale and zero 0."""
@@ -121,8 +122,11 @@ def tile_planes(planes: list[Plane], compact: bool = True
         if not (compact and torch.equal(first.scale, 16 * low.scale)):
             scales.append(_lanes_last(first.scale, pad, tiles))
         hi = _words(first.codes, pad, tiles, bits)
+    scales = torch.stack(scales, 2).contiguous()
+    if compact and torch.equal(scales.half().float(), scales):
+        scales = scales.half()  # the files' own float16 scales: half the bytes, same values
     return (_words(low.codes, pad, tiles, 4).unsqueeze(1).contiguous(), hi.contiguous(),
-            torch.stack(scales, 2).contiguous(), zeros.contiguous())
+            scales, zeros.contiguous())
 
 
 def _zero_factor(zero: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
