@@ -263,29 +263,31 @@ def test_speculation_writes_a_chat_message_with_text_between_gens(server_url):
     """With num_api_spec_tokens, gens in the middle of an assistant message (which a chat API
     cannot continue) are one chat call whose reply is matched against the program's text."""
 
-    def character(s, system):  # SGLang's example for it
+    def character(s, system, ask):  # SGLang's example for it
         if system:
             s += rl.system("You are a helpful assistant.")
         s += rl.user("Construct a character within the following format:")
         s += rl.assistant("Name: Steve Jobs.\nBirthday: February 24, 1955.\nJob: Apple CEO.\n")
-        s += rl.user("Please generate new Name, Birthday and Job.\n")
+        s += rl.user(ask)
         s += rl.assistant("Name:" + rl.gen("name", stop="\n") + "\nBirthday:"
                           + rl.gen("birthday", stop="\n") + "\nJob:" + rl.gen("job", stop="\n"))
 
     remote = rl.RuntimeEndpoint(server_url)
     backend = rl.OpenAI(remote.get_model_name(), base_url=server_url + "/v1", api_key="x")
-    assert "start an assistant message" in str(
-        rl.function(character).run(system=False, backend=backend, temperature=0).error())
+    follows = "Please generate another character: Name, Birthday and Job.\n"
+    assert "start an assistant message" in str(rl.function(character).run(
+        system=False, ask=follows, backend=backend, temperature=0).error())
     speculating = rl.function(num_api_spec_tokens=64)(character)
     before = remote.stats()["requests_finished"]
-    state = speculating.run(system=False, backend=backend, temperature=0)
+    state = speculating.run(system=False, ask=follows, backend=backend, temperature=0)
     assert state.error() is None and remote.stats()["requests_finished"] - before == 1
-    assert [state["name"], state["birthday"], state["job"]] == [  # this small model copies
-        " Steve Jobs.", " February 24, 1955.", " Apple CEO."]
-    assert state.messages()[-1]["content"] == (
-        "Name: Steve Jobs.\nBirthday: February 24, 1955.\nJob: Apple CEO.")
-    # With the system message it writes something else: a clear error naming the reply.
-    error = speculating.run(system=True, backend=backend, temperature=0).error()
+    name, birthday, job = state["name"], state["birthday"], state["job"]
+    assert all(value.strip() for value in (name, birthday, job))
+    assert state.messages()[-1]["content"] == f"Name:{name}\nBirthday:{birthday}\nJob:{job}"
+    # Asked in SGLang's own words, this small model writes something else: a clear error
+    # naming the reply.
+    error = speculating.run(system=False, ask="Please generate new Name, Birthday and Job.\n",
+                            backend=backend, temperature=0).error()
     assert "does not follow the program's text" in str(error)
 
 
