@@ -28,6 +28,7 @@ import argparse
 import datetime
 import json
 import os
+import platform
 import time
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
@@ -242,7 +243,14 @@ def main() -> None:
     device = ("h200" if torch.cuda.is_available() and "H200" in torch.cuda.get_device_name()
               else args.device)
     nccl = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
-    record = {"model": args.model, "device": device, "dtype": args.dtype,
+    record = {"benchmark": "tp", "date": datetime.date.today().isoformat(),
+              "machine": {"processor": platform.processor() or platform.machine(),
+                          "cpus": os.cpu_count(),
+                          "gpu": torch.cuda.get_device_name() if torch.cuda.is_available()
+                          else None},
+              # RADIXLM_CPU_KERNEL=0: every rank runs the eager path (no C++ kernels)
+              "cpu_kernel": os.environ.get("RADIXLM_CPU_KERNEL", "1") != "0",
+              "model": args.model, "device": device, "dtype": args.dtype,
               "input_len": args.input_len, "output_len": args.output_len,
               "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
               "nccl_version": nccl_version(),
