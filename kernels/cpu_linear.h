@@ -94,14 +94,17 @@ struct Vec {
   // HB-bit code at bit `shift` of each lane of a high plane's word, as (q - 8).
   template <int HB>
   static Vec bits(const int32_t* word, int shift) {
-    // vpermps reads the low 4 bits of each index lane: entry e is (e's low HB bits) - 8.
-    static const __m512 table = [] {
-      alignas(64) float t[16];
-      for (int e = 0; e < 16; ++e) t[e] = static_cast<float>((e & ((1 << HB) - 1)) - 8);
-      return _mm512_load_ps(t);
-    }();
+    alignas(64) static const float table[16] = {
+        float((0 & ((1 << HB) - 1)) - 8), float((1 & ((1 << HB) - 1)) - 8),
+        float((2 & ((1 << HB) - 1)) - 8), float((3 & ((1 << HB) - 1)) - 8),
+        float((4 & ((1 << HB) - 1)) - 8), float((5 & ((1 << HB) - 1)) - 8),
+        float((6 & ((1 << HB) - 1)) - 8), float((7 & ((1 << HB) - 1)) - 8),
+        float((8 & ((1 << HB) - 1)) - 8), float((9 & ((1 << HB) - 1)) - 8),
+        float((10 & ((1 << HB) - 1)) - 8), float((11 & ((1 << HB) - 1)) - 8),
+        float((12 & ((1 << HB) - 1)) - 8), float((13 & ((1 << HB) - 1)) - 8),
+        float((14 & ((1 << HB) - 1)) - 8), float((15 & ((1 << HB) - 1)) - 8)};
     const __m512i w = _mm512_loadu_si512(reinterpret_cast<const void*>(word));
-    return {_mm512_permutexvar_ps(_mm512_srli_epi32(w, shift), table)};
+    return {_mm512_permutexvar_ps(_mm512_srli_epi32(w, shift), _mm512_load_ps(table))};
   }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   Vec fma(const Vec& a, const Vec& b) const { return {_mm512_fmadd_ps(a.v, b.v, v)}; }

@@ -7,12 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_engine import assert_no_leak
-from test_lora import (  # noqa: F401 (models is a fixture)
-    alone_and_mixed,
-    models,
-    modules,
-    peft_logprobs,
-)
+from test_lora import models, modules, peft_logprobs  # noqa: F401 (models is a fixture)
 from test_lora_kernels import kernel_args, random_slots
 
 from radixlm.runtime import Engine
@@ -83,5 +78,12 @@ def test_deterministic_mode_mixed_batch_equals_each_row_alone(models):  # noqa: 
     params = {"temperature": 0, "max_new_tokens": 10, "min_new_tokens": 10, "logprobs": True}
     with Engine(str(models["base"]), device="cuda", dtype="bfloat16", deterministic=True,
                 attention_backend="triton", lora_modules=modules(models, "a", "b", "c")) as eng:
-        alone, mixed = alone_and_mixed(eng, prompts, params, loras)
+        def tokens(outputs):
+            return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outputs]
+
+        alone = [tokens([eng.generate(input_ids=ids, sampling_params=params, lora=lora)])[0]
+                 for ids, lora in zip(prompts, loras)]
+        eng.flush_cache()
+        mixed = tokens(eng.generate(input_ids=prompts, sampling_params=params, lora=loras))
+        assert_no_leak(eng)
     assert mixed == alone

@@ -82,22 +82,6 @@ def test_logprobs_match_peft(models, kernel):
             assert max(abs(x - y) for x, y in zip(values, got[None])) > 1e-2, name
 
 
-def tokens(outputs) -> list[tuple[list[int], list[float]]]:
-    return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outputs]
-
-
-def alone_and_mixed(engine: Engine, prompts: list[list[int]], params: dict,
-                    loras: list[str | None]) -> tuple[list, list]:
-    """Each prompt's tokens and logprobs run alone, then all of them in one mixed batch on a
-    flushed cache; no KV page leaked."""
-    alone = [tokens([engine.generate(input_ids=ids, sampling_params=params, lora=lora)])[0]
-             for ids, lora in zip(prompts, loras)]
-    engine.flush_cache()
-    mixed = tokens(engine.generate(input_ids=prompts, sampling_params=params, lora=loras))
-    assert_no_leak(engine)
-    return alone, mixed
-
-
 def test_mixed_batch_equals_each_row_alone(models):
     """bfloat16 on the CPU kernel: every row's tokens and logprobs are the same bits in a
     batch that mixes adapters (and the base model) as alone; with one slot, the adapters
@@ -110,8 +94,15 @@ def test_mixed_batch_equals_each_row_alone(models):
     options = dict(device="cpu", dtype="bfloat16", page_size=4, chunked_prefill_size=16,
                    lora_modules=modules(models, "a", "b", "c"))
 
+    def tokens(outputs):
+        return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outputs]
+
     with Engine(str(models["base"]), **options) as engine:
-        alone, mixed = alone_and_mixed(engine, prompts, params, loras)
+        alone = [tokens([engine.generate(input_ids=ids, sampling_params=params, lora=lora)])[0]
+                 for ids, lora in zip(prompts, loras)]
+        engine.flush_cache()
+        mixed = tokens(engine.generate(input_ids=prompts, sampling_params=params, lora=loras))
+        assert_no_leak(engine)
     assert mixed == alone
     assert len({tuple(t) for t, _ in alone}) > 1
     with Engine(str(models["base"]), max_loras_per_batch=1, **options) as engine:
