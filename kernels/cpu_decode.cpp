@@ -1,6 +1,6 @@
 // A forward step of a Llama-style decoder on the CPU in one call: every layer's norm, qkv,
-// rotary, KV store, attention, o, norm, gate_up, SiLU-and-mul and down, then the final norm,
-// for any mix of rows: decode tokens, prefill chunks, speculative drafts being verified.
+// rotary, KV store, attention, o, norm, gate_up, SiLU-and-mul and down, then the final norm
+// (or, for a pipeline stage before the last, the residual stream), for any mix of rows: decode tokens, prefill chunks, speculative drafts being verified.
 //
 // Why: at batch 1 on a small model each layer is ~40 tensor ops of a few microseconds of work,
 // and from Python each costs several microseconds of dispatch; the matmuls are only a third of
@@ -125,6 +125,17 @@ void add_rms_norm(Tensor& x, const Tensor* add, const Tensor& weight, Tensor& ou
         ys[r * d + i] = to_a<A>(to_f(w[i]) * to_f(to_a<A>(to_f(xr[i]) * inv)));
       }
     }
+  });
+}
+
+// x += add, rounded to A per element as add_rms_norm's add rounds.
+template <typename A>
+void add_into(Tensor& x, const Tensor& add) {
+  const int64_t rows = x.size(0), d = x.size(1);
+  A* xs = x.data_ptr<A>();
+  const A* as = add.data_ptr<A>();
+  at::parallel_for(0, rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin * d; i < end * d; ++i) xs[i] = to_a<A>(to_f(xs[i]) + to_f(as[i]));
   });
 }
 
@@ -650,6 +661,12 @@ Tensor forward_rows(Tensor hidden, const Tensor& cos, const Tensor& sin,
     at_ += stored_tensors(p[2]);
     residual_in = project(silu_and_mul<A>(gate_up), t, at_, p[3], n[3], i, 3);
     if (reduce) residual_in = reduce(residual_in);
+  }
+  if (final_norm.numel() == 0) {
+    // A pipeline stage before the last: the residual stream, its pending add rounded as the
+    // next layer's norm would round it.
+    if (residual_in.defined()) add_into<A>(h, residual_in);
+    return h;
   }
   Tensor out = at::empty_like(h);
   add_rms_norm<A>(h, residual_in.defined() ? &residual_in : nullptr, final_norm, out, eps);

@@ -95,6 +95,12 @@ class EngineConfig:
     # `tp_timeout` seconds (a lost rank) fails the running requests instead of hanging.
     tp_size: int = 1
     tp_timeout: float = 60.0
+    # Pipeline parallelism: the layers are split into `pp_size` consecutive stages, each held
+    # by `tp_size` ranks (tp_size x pp_size processes; runtime/parallel/pipeline.py). Stage 0
+    # (this process's) also holds the embedding and the output head and samples; each stage
+    # holds its own layers' KV. Up to `pp_size` batches of different requests are in flight,
+    # one per stage, so no stage waits for another's step to end.
+    pp_size: int = 1
     # The all-reduce of activations on CUDA: "symmetric" (PyTorch symmetric memory over
     # NVLink: each rank reads its peers' buffers; lower latency than NCCL for decode-sized
     # tensors, used up to the decode graphs' largest batch), "nccl", or "auto" (symmetric
@@ -185,6 +191,8 @@ class EngineConfig:
         _one_of(self.overlap_schedule, OVERLAP_MODES, "overlap_schedule")
         self._check_speculative_options()
         _positive_int(self.tp_size, "tp_size")
+        _positive_int(self.pp_size, "pp_size")
+        self._check_pipeline_options()
         _one_of(self.tp_all_reduce, ("auto", "symmetric", "nccl"), "tp_all_reduce")
         if (isinstance(self.tp_timeout, bool) or not isinstance(self.tp_timeout, (int, float))
                 or not self.tp_timeout > 0):
@@ -222,6 +230,18 @@ class EngineConfig:
             raise ValueError(f"max_total_tokens ({self.max_total_tokens}) must hold at least one "
                              f"page of {self.page_size} tokens")
 
+    def _check_pipeline_options(self) -> None:
+        if self.pp_size == 1:
+            return
+        for clash, why in ((self.speculative is not None, "speculative: a verify step needs "
+                            "the last stage's result before the next step is planned"),
+                           (self.lora_enabled, "lora_modules / allow_runtime_lora_loading: "
+                            "adapters are not split over stages yet"),
+                           (self.overlap_schedule == "on", "overlap_schedule='on': the "
+                            "pipeline keeps its own steps in flight")):
+            if clash:
+                raise ValueError(f"pp_size > 1 cannot be used with {why}")
+
     def _check_disk_cache_options(self) -> None:
         if self.disk_cache_dir is None:
             return
@@ -235,6 +255,7 @@ class EngineConfig:
         for clash, why in ((self.disable_radix_cache, "disable_radix_cache: it is the prefix "
                             "cache's lower tier"),
                            (self.tp_size > 1, "tp_size > 1: each rank holds a shard of the KV"),
+                           (self.pp_size > 1, "pp_size > 1: each stage holds its layers' KV"),
                            (self.speculative is not None, "speculative decoding: the draft "
                             "model's KV is not stored")):
             if clash:

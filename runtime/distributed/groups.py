@@ -22,13 +22,49 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
+class PipelineInfo:
+    """This process's place among the pipeline stages: `tp_size` ranks per stage, global
+    rank = stage * tp_size + tensor-parallel rank. `control` is a gloo group of every rank
+    that carries rank 0's step descriptions to the later stages point to point."""
+
+    stage: int
+    size: int
+    tp_size: int
+    control: Any = None
+
+    def rank(self, stage: int, tp_rank: int) -> int:
+        return stage * self.tp_size + tp_rank
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.size - 1
+
+
+def split_layers(num_layers: int, stages: int) -> list[tuple[int, int]]:
+    """Each stage's [first, end) layers: equal shares, the remainder on the last stages (the
+    first also embeds and scores)."""
+    if not 1 <= stages <= num_layers:
+        raise ValueError(f"pp_size ({stages}) must be between 1 and the model's number of "
+                         f"layers ({num_layers})")
+    base, extra = divmod(num_layers, stages)
+    bounds, start = [], 0
+    for stage in range(stages):
+        end = start + base + (1 if stage >= stages - extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+@dataclass(frozen=True)
 class TPInfo:
-    """This process's place in the tensor-parallel group (the default process group), and
-    the gloo group that carries host-side messages (the default group itself on CPU)."""
+    """This process's place in its tensor-parallel group (the default process group, or its
+    pipeline stage's ranks), and the gloo group that carries host-side messages within it
+    (the tensor-parallel group itself on CPU)."""
 
     rank: int
     size: int
     host_group: Any = None
+    pipeline: PipelineInfo | None = None
 
     def split(self, total: int, what: str) -> tuple[int, int]:
         """(start, length) of this rank's equal share of `total` items."""
@@ -87,9 +123,12 @@ def rendezvous_env(world_size: int) -> dict[str, str]:
 
 
 def init_group(rank: int, world_size: int, backend: str, timeout_s: float,
-               env: dict[str, str] | None = None) -> TPInfo:
+               env: dict[str, str] | None = None, pp_size: int = 1) -> TPInfo:
     """Join the default process group through env://. Every collective after this fails
-    after `timeout_s` instead of waiting forever on a dead peer."""
+    after `timeout_s` instead of waiting forever on a dead peer. With `pp_size` > 1 the
+    world is pp_size stages of world_size / pp_size ranks: each stage's ranks get a group
+    of their own for their layers' collectives (`tp_group`)."""
+    global _tp_group
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialized in this process; one "
                            "tensor-parallel engine per process")
@@ -105,6 +144,22 @@ def init_group(rank: int, world_size: int, backend: str, timeout_s: float,
         # waiting for its GPU to receive them first (see tensor_parallel.StepChannel).
         host_group = (dist.group.WORLD if backend == "gloo"
                       else dist.new_group(backend="gloo", timeout=timeout))
+        pipeline = None
+        if pp_size > 1:
+            tp_size = world_size // pp_size
+            # Every rank creates every group, in the same order (torch.distributed's rule).
+            stage_groups = []
+            for stage in range(pp_size):
+                ranks = list(range(stage * tp_size, (stage + 1) * tp_size))
+                device_group = dist.new_group(ranks, timeout=timeout)
+                host = (device_group if backend == "gloo"
+                        else dist.new_group(ranks, backend="gloo", timeout=timeout))
+                stage_groups.append((device_group, host))
+            control = dist.new_group(backend="gloo", timeout=timeout)
+            stage = rank // tp_size
+            _tp_group, host_group = stage_groups[stage]
+            pipeline = PipelineInfo(stage, pp_size, tp_size, control)
+            return TPInfo(rank % tp_size, tp_size, host_group, pipeline)
     finally:
         for key, value in saved.items():
             if value is None:
@@ -115,8 +170,8 @@ def init_group(rank: int, world_size: int, backend: str, timeout_s: float,
 
 
 def destroy_group() -> None:
-    global _symmetric, _active
-    _symmetric, _active = None, "none"
+    global _symmetric, _active, _tp_group
+    _symmetric, _active, _tp_group = None, "none", None
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -156,6 +211,14 @@ class SymmetricAllReduce:
 
 _symmetric: SymmetricAllReduce | None = None
 _active = "none"  # what setup_all_reduce chose, for logs and benchmarks
+# The group the layers' collectives run in: None for the default group (tensor parallelism
+# alone), this rank's pipeline stage's ranks otherwise.
+_tp_group: Any = None
+
+
+def tp_group() -> Any:
+    """The group of this rank's tensor-parallel collectives (None: the default group)."""
+    return _tp_group
 
 
 def active_all_reduce() -> str:
@@ -238,7 +301,7 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum x over the group, in place (returns x)."""
     if _symmetric is not None and _symmetric.fits(x):
         return _symmetric(x)
-    dist.all_reduce(x)
+    dist.all_reduce(x, group=_tp_group)
     return x
 
 
@@ -247,8 +310,8 @@ def ordered_all_reduce(x: torch.Tensor) -> torch.Tensor:
     dtype: every rank gets the same bits, and each element's sum does not depend on the
     tensor's size (a library all-reduce picks its algorithm, and with it the order of the
     additions, by message size). The deterministic CPU kernel reduces through this."""
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, x.contiguous())
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(_tp_group))]
+    dist.all_gather(parts, x.contiguous(), group=_tp_group)
     total = parts[0].float()
     for part in parts[1:]:
         total += part
@@ -267,5 +330,5 @@ def all_gather_rows(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
 
 def _gathered(x: torch.Tensor, tp: TPInfo) -> list[torch.Tensor]:
     parts = [torch.empty_like(x) for _ in range(tp.size)]
-    dist.all_gather(parts, x.contiguous())
+    dist.all_gather(parts, x.contiguous(), group=_tp_group)
     return parts

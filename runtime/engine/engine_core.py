@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,7 @@ def uses_decode_graphs(config: EngineConfig, device: torch.device, attn: Any) ->
     """Whether decode steps replay CUDA graphs (see cuda_graph). Off the GPU the graph
     runner can still run uncaptured: tests switch it on here to check its bookkeeping."""
     return (device.type == "cuda" and not config.disable_cuda_graph
-            and attn.supports_cuda_graph)
+            and attn.supports_cuda_graph and config.pp_size == 1)
 
 
 class EngineCore:
@@ -98,10 +98,14 @@ class EngineCore:
         self.structured = StructuredOutput(config, loaded.tokenizer, mc.vocab_size,
                                            self.counters, jump_forward)
         # Speculation needs each step's verified tokens on the host before the next step.
-        self.overlap = self.speculator is None and (
+        self.overlap = self.speculator is None and config.pp_size == 1 and (
             config.overlap_schedule == "on"
             or config.overlap_schedule == "auto" and device.type == "cuda")
         self._inflight: LaunchedStep | None = None  # launched, not yet post-processed
+        # Pipeline parallelism: up to one step per stage in flight, on disjoint requests,
+        # post-processed in launch order (see _step_pipelined).
+        self.pipeline_depth = config.pp_size
+        self._pipeline: deque[LaunchedStep] = deque()
 
     # -- requests in and out -------------------------------------------------------------
 
@@ -128,7 +132,8 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self._inflight is not None or self.kv.loading
+        return (self.scheduler.has_work or self._inflight is not None or bool(self._pipeline)
+                or self.kv.loading)
 
     def flush_cache(self) -> None:
         """Drop every cached prefix and every lease. Refused while requests are running or
@@ -177,6 +182,8 @@ class EngineCore:
         With overlap scheduling a step is left running on the device and post-processed in
         the next call, right after the step that follows it has been launched, so the host's
         bookkeeping hides behind the device's work (see `_follow_up`)."""
+        if self.pipeline_depth > 1:
+            return self._step_pipelined()
         if self._inflight is not None:
             follow_up = self._step_overlapped()
             if follow_up is not None:
@@ -205,15 +212,37 @@ class EngineCore:
             self.counters["overlapped_steps"] += 1
         return follow
 
-    def _schedule(self) -> ScheduledBatch | None:
+    def _step_pipelined(self) -> int:
+        """Pipeline parallelism: launch a batch of requests that are not in flight (rank 0
+        runs the first stage, then hands the batch on), while up to pipeline_depth - 1
+        earlier batches are still in the later stages; post-process the oldest once the
+        pipeline is full or nothing else can start. Each batch takes about a
+        1/pipeline_depth share of the requests, so every stage has one to work on."""
+        if len(self._pipeline) >= self.pipeline_depth:
+            self._complete(self._pipeline.popleft())
+        busy = {r for launched in self._pipeline for r in launched.scheduled.requests}
+        scheduled = self._schedule(busy, self.pipeline_depth)
+        if scheduled is None:
+            if not self._pipeline:
+                return 0
+            oldest = self._pipeline.popleft()
+            self._complete(oldest)
+            return oldest.scheduled.num_tokens
+        launched = self._run(scheduled)
+        if launched is not None:
+            self._pipeline.append(launched)
+        return scheduled.num_tokens
+
+    def _schedule(self, busy: set[Request] | None = None,
+                  shares: int = 1) -> ScheduledBatch | None:
         """The next batch, once the grammars that compiled are attached; None when nothing
-        can run now."""
+        can run now. `busy`, `shares`: see Scheduler.schedule."""
         if self.structured.compiling:
             self._attach_grammars()
         if self.kv.loading:
             self.kv.finish_loads()
-        scheduled = self.scheduler.schedule()
-        if scheduled is None:
+        scheduled = self.scheduler.schedule(busy or frozenset(), shares)
+        if scheduled is None and not busy:  # in-flight requests may be all there is
             self._unblock()
         return scheduled
 

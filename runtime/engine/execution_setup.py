@@ -64,8 +64,9 @@ class ExecutionSetup:
         # Tensor parallelism: rank 0's model is the stand-in that sends each call to the other
         # ranks; graphs capture the shard itself, and send each replay (see cuda_graph).
         self.tp_group = loaded.model.group if isinstance(loaded.model, ShardedModel) else None
-        self.all_reduce = (choose_all_reduce(config.tp_all_reduce, device)
-                           if self.tp_group is not None else "none")
+        # Symmetric memory spans every rank: pipeline stages reduce within their own.
+        self.all_reduce = ("none" if self.tp_group is None else "nccl" if config.pp_size > 1
+                           else choose_all_reduce(config.tp_all_reduce, device))
         check_nccl_in_graphs(self.all_reduce, graphs, device)  # before the KV pool is allocated
         # Verify steps replay as one decode row per token: up to 1 + k rows per request.
         self.rows = config.max_running_requests * (1 + (config.num_speculative_tokens
@@ -81,7 +82,8 @@ class ExecutionSetup:
         # With CUDA graphs, one page past the allocator's: padded rows write their K/V there.
         scratch_pages = 1 if self.graphs else 0
         kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype)
-        kv_cache = KVCache(mc.num_layers, (self.num_pages + scratch_pages) * config.page_size,
+        kv_cache = KVCache(len(mc.held_layers),
+                           (self.num_pages + scratch_pages) * config.page_size,
                            mc.num_kv_heads, mc.head_dim, self.dtype, self.device,
                            config.page_size, kv_dtype)
         if loaded.kv_scales is not None and kv_cache.quantized:
@@ -99,7 +101,8 @@ class ExecutionSetup:
         if device.type == "cpu" and not config.disable_cpu_kernel:
             kernel = (build_cpu_decode(loaded.model, attn, kv_cache) if tp_group is None
                       else build_cpu_decode(loaded.model.model, attn, kv_cache,
-                                            ordered_all_reduce))
+                                            ordered_all_reduce if tp_group.tp_size > 1
+                                            else None))
         if tp_group is not None:
             numel = self.rows * loaded.config.hidden_size  # a decode step's activations
             tp_group.start(kv_cache.num_slots, self.graph_args, self.all_reduce, numel,

@@ -18,7 +18,10 @@ def pool_pages(config: EngineConfig, models: list[Any], dtype: torch.dtype,
     if config.max_total_tokens is not None:
         return config.max_total_tokens // config.page_size
     storage = kv_storage_dtype(config.kv_cache_dtype, dtype)
-    per_slot = sum(KVCache.bytes_per_slot(mc.num_layers, mc.num_kv_heads, mc.head_dim, storage)
+    # With pipeline stages each rank holds its own layers' KV: the pool is sized for the
+    # stage with the most (every stage holds the same slots).
+    per_slot = sum(KVCache.bytes_per_slot(-(-mc.num_layers // config.pp_size), mc.num_kv_heads,
+                                          mc.head_dim, storage)
                    for mc in models)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)

@@ -30,7 +30,8 @@ def load_engine_models(config: EngineConfig, device: torch.device, dtype: torch.
                         max_positions=config.max_model_len, seed=config.seed,
                         quantization=config.quantization, tp=None if tp is None else tp.info,
                         revision=config.revision, tokenizer=config.tokenizer,
-                        chat_template=config.chat_template)
+                        chat_template=config.chat_template,
+                        layer_range=None if tp is None else tp.layer_ranges[0])
     model_config = loaded.config
     # A draft model is not sharded: it runs on rank 0 only, on the host's side of the
     # broadcasts (its steps involve no other rank).

@@ -111,18 +111,23 @@ class CpuDecode:
                 self.widths.append(width)
                 tensors.extend(stored)
             self.layers.append(tensors)
-        _tile_head(model, dtype)
+        self.final_norm = model.model.norm.weight if cfg.last_stage else none
+        if cfg.first_stage:  # later pipeline stages do not score
+            _tile_head(model, dtype)
         self.lora = None  # the adapters' slots (models.lora.slots.LoRASlots), when served
         self._lora_tensors: list[torch.Tensor] | None = None
         self._no_lora: tuple[list[torch.Tensor], torch.Tensor] = ([], torch.empty(0,
                                                                        dtype=torch.int64))
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Hidden states after the final norm, [T, d], of any step."""
+    def forward(self, batch: ForwardBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states after the final norm, [T, d], of any step. A pipeline stage starts
+        from the previous stage's `hidden` and, unless it is the last, returns the residual
+        stream (as CausalLM.forward does)."""
         model, kv = self.model, self.kv_cache
         page = kv.page_size
-        hidden = model.model.embed_tokens(batch.input_ids)
+        if hidden is None:
+            hidden = model.model.embed_tokens(batch.input_ids)
         cos, sin = model.rotary.cos[batch.positions], model.rotary.sin[batch.positions]
         width = -(-int(max(batch.kv_lens)) // page) * page
         pages = (batch.slot_table[:, :width:page] // page).contiguous()  # [S, P]
@@ -130,7 +135,7 @@ class CpuDecode:
                                             torch.tensor(batch.q_lens))
         return self.kernel.forward(hidden, cos, sin, self.layers, self.specs, self.widths,
                                    self.windows, kv.k, kv.v, batch.out_slots, token_seq,
-                                   batch.positions, pages, model.model.norm.weight, *self.shape,
+                                   batch.positions, pages, self.final_norm, *self.shape,
                                    *self._adapters(), self.reduce)
 
     def _adapters(self) -> tuple[list[torch.Tensor], torch.Tensor]:

@@ -32,7 +32,12 @@ from radixlm.runtime.execution.step_inputs import (
     device_batch,
     one_row_per_token,
 )
-from radixlm.runtime.execution.step_result import LaunchedStep, StepResult, token_logprobs
+from radixlm.runtime.execution.step_result import (
+    LaunchedStep,
+    PendingHidden,
+    StepResult,
+    token_logprobs,
+)
 from radixlm.runtime.models.llama import LlamaForCausalLM
 from radixlm.runtime.models.lora.slots import LoRASlots
 from radixlm.runtime.scheduling.pages import ReqToTokenTable
@@ -94,13 +99,20 @@ class ModelRunner:
             self.draft.extend(token_rows, lambda: batch or self._device_batch(inputs, pending),
                               pending)
         step = LaunchedStep(scheduled, self.device)
-        if sample_rows:
-            self._sample(hidden, sample_rows, step)
-        if inputs.verify_rows:
-            self._verify(hidden, inputs.verify_rows, step)
-        if prompt_rows:
-            self._prompt_logprobs(hidden, prompt_rows, step)
-        step.send_home()
+
+        def score(hidden: torch.Tensor) -> None:
+            if sample_rows:
+                self._sample(hidden, sample_rows, step)
+            if inputs.verify_rows:
+                self._verify(hidden, inputs.verify_rows, step)
+            if prompt_rows:
+                self._prompt_logprobs(hidden, prompt_rows, step)
+            step.send_home()
+
+        if isinstance(hidden, PendingHidden):  # the last pipeline stage computes it
+            step.deferred = lambda: score(hidden.wait())
+        else:
+            score(hidden)
         return step
 
     def _device_batch(self, inputs: StepInputs, pending: torch.Tensor | None) -> ForwardBatch:

@@ -4,6 +4,7 @@ its tokens and logprobs are read back to the host."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -27,6 +28,15 @@ class StepResult:
     verified_logprobs: dict[Request, list[TokenLogprob]] = field(default_factory=dict)
 
 
+class PendingHidden:
+    """Hidden states another process is still computing (the last pipeline stage's, for
+    rank 0 to score): `wait()` receives them. The step's sampling waits with it, until its
+    result is asked for, so that rank 0 goes on to launch other steps meanwhile."""
+
+    def __init__(self, wait: Callable[[], torch.Tensor]) -> None:
+        self.wait = wait
+
+
 class LaunchedStep:
     """A step whose device work is queued. `tokens` (device) can feed a following step
     before the host has seen them; `result()` waits for this step alone (not for steps queued
@@ -44,6 +54,8 @@ class LaunchedStep:
         self.prompt_tensors: tuple | None = None  # (rows, targets, chosen, top vals, top ids)
         self._host_tokens: torch.Tensor | None = None
         self._done: torch.cuda.Event | None = None
+        # The sampling still to do once the hidden states arrive (PendingHidden).
+        self.deferred: Callable[[], None] | None = None
 
     def send_home(self) -> None:
         """Start copying the outputs to pinned host memory; remember when they have landed."""
@@ -65,6 +77,9 @@ class LaunchedStep:
         self._done.record()
 
     def result(self) -> StepResult:
+        if self.deferred is not None:
+            deferred, self.deferred = self.deferred, None
+            deferred()
         if self._done is not None:
             self._done.synchronize()
             tokens = self._host_tokens

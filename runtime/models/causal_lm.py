@@ -63,8 +63,15 @@ class CausalLM(nn.Module):
         # batch-invariant matmul (use_batch_invariant); None: the head's own matmul.
         self.invariant_head: Callable[..., torch.Tensor] | None = None
 
-    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        """Hidden states after the final norm, [T, hidden_size]."""
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states after the final norm, [T, hidden_size].
+
+        A pipeline stage (config.layer_range) runs only its layers: from the previous
+        stage's `hidden` rather than the embedded tokens (all but the first stage), and up
+        to the residual stream its last layer leaves rather than the final norm (all but
+        the last stage). The stream is one tensor, rounded where one process's run rounds
+        it, so a split run computes the same bits."""
         raise NotImplementedError
 
     def use_fused_kernels(self, enabled: bool) -> None:
@@ -174,15 +181,17 @@ class CausalLM(nn.Module):
         layer it leaves out); None when it has none."""
         if not self.checkpoint_kv_scales:
             return None
-        layers = range(self.config.num_layers)
+        layers = range(len(self.config.held_layers))  # this stage's, as its KV cache holds
         return ([self.checkpoint_kv_scales.get(i, {}).get("k_scale", 1.0) for i in layers],
                 [self.checkpoint_kv_scales.get(i, {}).get("v_scale", 1.0) for i in layers])
 
     def expected_weight_keys(self) -> set[str]:
         """Every key a complete checkpoint sets: fused parameters once per part."""
         keys = set()
-        for name, (module, _) in self._parameters_with_owner().items():
+        for name, (module, param) in self._parameters_with_owner().items():
             param_name = name.rpartition(".")[2]
+            if isinstance(module, VocabEmbedding) and param.numel() == 0:
+                continue  # a later pipeline stage's: it neither embeds nor scores
             if isinstance(module, Linear) and not module.required_in_checkpoint(param_name):
                 continue
             if isinstance(module, MergedLinear):

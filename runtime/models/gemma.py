@@ -96,7 +96,7 @@ class GemmaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
         self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, gemma, i, dtype, quant, tp)
-                                    for i in range(cfg.num_layers))
+                                    for i in cfg.held_layers)
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
@@ -114,17 +114,20 @@ class GemmaForCausalLM(CausalLM):
         self.local_rotary = (self.rotary if local == (cfg.rope_theta, cfg.rope_scaling) else
                              RotaryEmbedding(cfg.head_dim, max_positions, *local))
 
-    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        hidden = self.model.embed_tokens(batch.input_ids)
-        # sqrt(d) is rounded to the activation dtype before the multiply, as in the reference.
-        hidden = hidden * torch.tensor(self.config.hidden_size ** 0.5, dtype=hidden.dtype)
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        if hidden is None:
+            hidden = self.model.embed_tokens(batch.input_ids)
+            # sqrt(d) is rounded to the activation dtype before the multiply, as in the
+            # reference.
+            hidden = hidden * torch.tensor(self.config.hidden_size ** 0.5, dtype=hidden.dtype)
         rope = self.rotary.cos_sin(batch.positions, hidden.dtype)
         local_rope = (rope if self.local_rotary is self.rotary
                       else self.local_rotary.cos_sin(batch.positions, hidden.dtype))
         for layer in self.model.layers:
             hidden = layer(hidden, local_rope if layer.window is not None else rope, batch,
                            attn)
-        return self.model.norm(hidden)
+        return self.model.norm(hidden) if self.config.last_stage else hidden
 
     def final_logits(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.gemma.final_softcap

@@ -136,7 +136,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, dtype, quant, tp) for i in range(cfg.num_layers))
+            LlamaDecoderLayer(cfg, i, dtype, quant, tp) for i in cfg.held_layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
@@ -161,18 +161,25 @@ class LlamaForCausalLM(CausalLM):
         for layer in self.model.layers:
             layer.self_attn.fused = layer.mlp.fused = fused
 
-    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        """Hidden states after the final norm, [T, hidden_size]."""
-        hidden = self.model.embed_tokens(batch.input_ids)
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states after the final norm, [T, hidden_size]. A pipeline stage starts from
+        the previous stage's `hidden` and, unless it is the last, returns the residual stream
+        its layers leave (see CausalLM.forward)."""
+        if hidden is None:
+            hidden = self.model.embed_tokens(batch.input_ids)
         rope = self.rotary.cos_sin(batch.positions, hidden.dtype)
         fused = self.fused
+        last = self.config.last_stage
         if fused is None:
             for layer in self.model.layers:
                 hidden = layer(hidden, rope, batch, attn)
-            return self.model.norm(hidden)
+            return self.model.norm(hidden) if last else hidden
         residual = None
         for layer in self.model.layers:
             hidden, residual = layer.forward_fused(hidden, residual, rope, batch, attn, fused)
+        if not last:  # the stream: the fused norm's add, rounded as it rounds
+            return hidden if residual is None else hidden + residual
         norm = self.model.norm
         if residual is None:  # no layers
             return fused.rms_norm(hidden, norm.weight, norm.eps)

@@ -7,6 +7,7 @@ FP8 checkpoint's weights are dequantized on their way in (quantization/block_fp8
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import re
@@ -155,17 +156,21 @@ def load_model(model: str | None, load_format: str, dtype: torch.dtype,
                device: torch.device, max_positions: int | None = None,
                seed: int = 0, quantization: str | None = None,
                tp: TPInfo | None = None, revision: str | None = None,
-               tokenizer: str | None = None, chat_template: str | None = None) -> LoadedModel:
+               tokenizer: str | None = None, chat_template: str | None = None,
+               layer_range: tuple[int, int] | None = None) -> LoadedModel:
     """Build the model and fill its weights. `quantization` forces a method (fp8, int8, awq,
     gptq); None takes whatever the checkpoint's config.json declares, if anything. With a
-    TPInfo of size > 1, build and load only this rank's shard. `tokenizer` and
-    `chat_template` replace the model's own (see load_tokenizer)."""
+    TPInfo of size > 1, build and load only this rank's shard; with a `layer_range` (a
+    pipeline stage), only those layers (ModelConfig.layer_range: the embedding and output
+    head on the first stage only). `tokenizer` and `chat_template` replace the model's own
+    (see load_tokenizer)."""
     if load_format == "dummy" and model in ARCHITECTURE_PRESETS:
         config, folder = ModelConfig.from_dict(ARCHITECTURE_PRESETS[model]), None
     else:
         folder = resolve_model(model, revision)
         config = ModelConfig.from_folder(folder)
     tok = load_tokenizer(folder, tokenizer, chat_template)
+    staged = layer_range is not None and tuple(layer_range) != (0, config.num_layers)
     packable = device.type == "cpu" and dtype == torch.bfloat16 and (tp is None or tp.size == 1)
     quant = resolve_quant_config(quantization, config.raw, dummy=load_format == "dummy",
                                  gguf_packable=packable)
@@ -175,11 +180,16 @@ def load_model(model: str | None, load_format: str, dtype: torch.dtype,
     if folder is not None and load_format != "dummy":
         check_checkpoint_shapes(config, *checkpoint_shapes(folder))
     # A lower bound on what the weights take: 4-bit where the run quantizes.
+    stages = config.num_layers / len(range(*layer_range)) if staged else 1
     check_fits(config, 0.5 if quant is not None else dtype.itemsize, positions,
                available_memory(device), f"the {device.type} device",
-               1 if tp is None else tp.size)
+               int((1 if tp is None else tp.size) * stages))
+    if staged:
+        config = dataclasses.replace(config, layer_range=tuple(layer_range))
     with torch.device(device):
         net = model_class(config.architecture)(config, dtype, positions, quant, tp)
+    if staged:
+        _drop_other_stages(net)
     if load_format == "dummy":
         _init_dummy(net, seed)
     else:
@@ -188,7 +198,7 @@ def load_model(model: str | None, load_format: str, dtype: torch.dtype,
         if block is not None:
             _log_block_fp8(block, dtype, quant)
             tensors = dequantized_tensors(tensors, block, dtype, device)
-        _load_checkpoint(net, folder, tensors, quant)
+        _load_checkpoint(net, folder, _this_stage(tensors, config), quant)
     _process_quantized_weights(net)
     if quant is not None and device.type == "cuda":
         torch.cuda.empty_cache()  # the float weights quantized away: free for the KV pool
@@ -251,6 +261,39 @@ def _log_block_fp8(fmt: BlockFp8, dtype: torch.dtype, quant: QuantConfig | None)
            f"to {name}, then requantized per output channel (quantization={quant.method!r})")
     log.warning("block-wise FP8 checkpoint (%d x %d blocks): there is no block-scaled FP8 "
                 "kernel, so its weights are dequantized at load: %s", *fmt.block, how)
+
+
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _this_stage(tensors: Iterator[tuple[str, Any]], config: ModelConfig
+                ) -> Iterator[tuple[str, Any]]:
+    """A pipeline stage's checkpoint tensors: its layers' renamed to the stage's own
+    numbering (model.layers.<i - first>.), the vocabulary-sized ones on the first stage only,
+    the rest skipped."""
+    held = config.held_layers
+    if len(held) == config.num_layers:
+        yield from tensors
+        return
+    for name, tensor in tensors:
+        layer = _LAYER_NAME.match(name)
+        if layer is not None:
+            index = int(layer.group(1))
+            if index in held:
+                yield f"model.layers.{index - held.start}.{name[layer.end():]}", tensor
+        elif config.first_stage or name not in _HEAD_WEIGHTS:
+            yield name, tensor
+
+
+def _drop_other_stages(net: nn.Module) -> None:
+    """A stage after the first neither embeds nor scores: free its vocabulary-sized weights
+    (built with the model, 2 GB for an 8B's embedding and head in bfloat16)."""
+    if net.config.first_stage:
+        return
+    for module in (net.model.embed_tokens, net.lm_head):
+        if module is not None:
+            module.weight = nn.Parameter(module.weight.new_empty(0, module.weight.shape[1]),
+                                         requires_grad=False)
 
 
 def _load_checkpoint(net: nn.Module, folder: Path, tensors: Iterator[tuple[str, Any]],

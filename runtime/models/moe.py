@@ -120,7 +120,7 @@ class MoEModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
         self.layers = nn.ModuleList(MoEDecoderLayer(cfg, moe, i, dtype, quant, tp)
-                                    for i in range(cfg.num_layers))
+                                    for i in cfg.held_layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
@@ -136,12 +136,14 @@ class MoEForCausalLM(CausalLM):
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta,
                                       cfg.rope_scaling)
 
-    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        hidden = self.model.embed_tokens(batch.input_ids)
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        if hidden is None:
+            hidden = self.model.embed_tokens(batch.input_ids)
         rope = self.rotary.cos_sin(batch.positions, hidden.dtype)
         for layer in self.model.layers:
             hidden = layer(hidden, rope, batch, attn)
-        return self.model.norm(hidden)
+        return self.model.norm(hidden) if self.config.last_stage else hidden
 
     def route(self, name: str, tensor: Any) -> Iterator[Routed]:
         # Mixtral's sparse block is `block_sparse_moe`; ours is `mlp` in every family.

@@ -43,11 +43,15 @@ from radixlm.runtime.distributed.groups import (
     destroy_group,
     init_group,
     rendezvous_env,
+    split_layers,
+    tp_group,
     valid_tp_sizes,
 )
 from radixlm.runtime.execution.cpu_decode import load_kernel as load_cpu_kernel
+from radixlm.runtime.execution.step_result import PendingHidden
 from radixlm.runtime.models.architecture.model_config import ModelConfig
 from radixlm.runtime.models.loader import ARCHITECTURE_PRESETS, resolve_model
+from radixlm.runtime.parallel.pipeline import PipelineChannel
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +71,12 @@ class StepChannel:
     anything; what rank 0 already has on its device (token ids, positions, KV slots, hidden
     rows) goes device to device (NCCL on CUDA), ordered on the GPUs' streams."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, host_group: Any) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype, host_group: Any,
+                 group: Any = None) -> None:
         self.device = device
         self.dtype = dtype
         self.host_group = host_group
+        self.group = group  # the device broadcasts' (None: the default group)
 
     def _send_host(self, values: list[int]) -> None:
         dist.broadcast(torch.tensor(values, dtype=torch.int64), src=0, group=self.host_group)
@@ -93,13 +99,13 @@ class StepChannel:
         self._send_host(batch.q_lens + batch.kv_lens)
         packed = torch.cat([batch.input_ids.to(torch.int64), batch.positions, batch.out_slots,
                             batch.slot_table.reshape(-1)])
-        dist.broadcast(packed, src=0)
+        dist.broadcast(packed, src=0, group=self.group)
 
     def recv_forward(self, header: list[int], kv_cache: KVCache) -> ForwardBatch:
         _, num, seqs, cols = header
         lens = self._recv_host(2 * seqs)
         packed = torch.empty(3 * num + seqs * cols, dtype=torch.int64, device=self.device)
-        dist.broadcast(packed, src=0)
+        dist.broadcast(packed, src=0, group=self.group)
         ids, positions, out_slots, table = packed.split([num, num, num, seqs * cols])
         return ForwardBatch(input_ids=ids, positions=positions, q_lens=lens[:seqs],
                             kv_lens=lens[seqs:], out_slots=out_slots,
@@ -114,14 +120,15 @@ class StepChannel:
         num, width = table_rows.shape
         self.send_header(GRAPH, bs, num, width)
         self._send_host(kv_lens)
-        dist.broadcast(torch.cat([inputs.reshape(-1), table_rows.reshape(-1)]), src=0)
+        dist.broadcast(torch.cat([inputs.reshape(-1), table_rows.reshape(-1)]), src=0,
+                       group=self.group)
 
     def recv_graph_step(self, header: list[int], rows: int
                         ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         _, bs, num, width = header
         kv_lens = self._recv_host(bs)
         packed = torch.empty(rows * bs + num * width, dtype=torch.int64, device=self.device)
-        dist.broadcast(packed, src=0)
+        dist.broadcast(packed, src=0, group=self.group)
         inputs, table_rows = packed.split([rows * bs, num * width])
         return inputs.view(rows, bs), table_rows.view(num, width), kv_lens
 
@@ -142,28 +149,39 @@ class StepChannel:
     def send_hidden(self, hidden: torch.Tensor, command: int = LOGITS) -> None:
         """The rows to score: their logits (LOGITS) or only their argmax (GREEDY)."""
         self.send_header(command, hidden.shape[0], hidden.shape[1])
-        dist.broadcast(hidden.contiguous(), src=0)
+        dist.broadcast(hidden.contiguous(), src=0, group=self.group)
 
     def recv_hidden(self, header: list[int]) -> torch.Tensor:
         hidden = torch.empty(header[1], header[2], dtype=self.dtype, device=self.device)
-        dist.broadcast(hidden, src=0)
+        dist.broadcast(hidden, src=0, group=self.group)
         return hidden
 
 
 class TensorParallelGroup:
-    """Rank 0's handle on the group: the worker processes and the step channel."""
+    """Rank 0's handle on the group: the worker processes and the step channels. With
+    pipeline parallelism (config.pp_size > 1) the group is every rank of every stage;
+    `channel` then reaches stage 0's other ranks and `pipe` the later stages
+    (parallel/pipeline.py)."""
 
     def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
-        config = _resolved(config)
-        _check_tp_size(config)  # before any process starts
+        # The workers run in rank 0's activation dtype, as resolved here (a GGUF model's
+        # "auto" depends on what the file declares).
+        config = dataclasses.replace(_resolved(config),
+                                     dtype=str(dtype).removeprefix("torch."))
+        shape = model_shape(config)
+        _check_sizes(config, shape)  # before any process starts
         self.config = config
-        self.size = config.tp_size
+        self.tp_size = config.tp_size
+        self.size = config.tp_size * config.pp_size
+        # Each stage's [first, end) layers; this process holds the first stage's.
+        self.layer_ranges = split_layers(shape.num_layers, config.pp_size)
         self.error: str | None = None  # set once a rank is lost; the group is then broken
         self._last_message = time.monotonic()
         backend = backend_for(device)
         env = rendezvous_env(self.size)
         # The workers learn the rest of the config from rank 0 once they have joined.
-        env.update(RADIXLM_TP_BACKEND=backend, RADIXLM_TP_TIMEOUT=str(config.tp_timeout))
+        env.update(RADIXLM_TP_BACKEND=backend, RADIXLM_TP_TIMEOUT=str(config.tp_timeout),
+                   RADIXLM_PP_SIZE=str(config.pp_size))
         self.workers: dict[int, subprocess.Popen] = {}
         if os.environ.get("RADIXLM_TP_EXTERNAL_WORKERS") != "1":
             self.workers = {rank: _launch_worker(rank, env) for rank in range(1, self.size)}
@@ -174,8 +192,14 @@ class TensorParallelGroup:
             # load it from the cache well within their startup timeouts.
             load_cpu_kernel()
         try:
-            self.info: TPInfo = init_group(0, self.size, backend, config.tp_timeout, env)
-            self.channel = StepChannel(device, dtype, self.info.host_group)
+            self.info: TPInfo = init_group(0, self.size, backend, config.tp_timeout, env,
+                                           config.pp_size)
+            self.channel = StepChannel(device, dtype, self.info.host_group, tp_group())
+            pipeline = self.info.pipeline
+            self.pipe = (None if pipeline is None else
+                         PipelineChannel(pipeline, 0, shape.hidden_size, device, dtype))
+            # Agreements need every rank, of every stage.
+            self._everyone = self.info.host_group if pipeline is None else pipeline.control
             dist.broadcast_object_list([config], src=0)
         except BaseException:
             self._kill_workers()
@@ -194,7 +218,25 @@ class TensorParallelGroup:
         self._broadcast(lambda: dist.broadcast_object_list([message], src=0))
 
     def forward(self, batch: ForwardBatch) -> None:
-        self._broadcast(lambda: self.channel.send_forward(batch))
+        def send() -> None:
+            if self.tp_size > 1:
+                self.channel.send_forward(batch)
+            if self.pipe is not None:
+                self.pipe.send_step(batch)
+        self._broadcast(send)
+
+    def hand_on(self, stream: torch.Tensor) -> PendingHidden:
+        """Send stage 0's output to stage 1; the last stage's output, once it comes back."""
+        pipe = self.pipe
+        self._broadcast(lambda: pipe.send_hidden(stream))
+        rows = stream.shape[0]
+        return PendingHidden(lambda: self.run(lambda: pipe.recv_hidden(rows, pipe.last_rank)))
+
+    def _send_header(self, command: int) -> None:
+        if self.tp_size > 1:
+            self.channel.send_header(command)
+        if self.pipe is not None:
+            self.pipe.send_header(command)
 
     def graph_step(self, inputs: torch.Tensor, table_rows: torch.Tensor,
                    kv_lens: list[int]) -> None:
@@ -217,16 +259,18 @@ class TensorParallelGroup:
         called right after `start`, as the workers build theirs. One that cannot (no
         compiler on its host) makes every rank run the eager path: the two reduce
         differently, so the ranks must agree."""
-        return self.run(lambda: agree(here, self.info.host_group))
+        return self.run(lambda: agree(here, self._everyone))
 
     def hidden_for_logits(self, hidden: torch.Tensor, command: int = LOGITS) -> None:
-        self._broadcast(lambda: self.channel.send_hidden(hidden, command))
+        """Stage 0's other ranks score the same rows (each holds a shard of the head)."""
+        if self.tp_size > 1:
+            self._broadcast(lambda: self.channel.send_hidden(hidden, command))
 
     def heartbeat(self, interval: float) -> None:
         """Keep idle workers' pending receive from timing out."""
         if self.error is None and time.monotonic() - self._last_message >= interval:
             try:
-                self._broadcast(lambda: self.channel.send_header(HEARTBEAT))
+                self._broadcast(lambda: self._send_header(HEARTBEAT))
             except RuntimeError as exc:
                 log.error("tensor parallelism: %s", exc)
 
@@ -236,7 +280,7 @@ class TensorParallelGroup:
         stopped = False
         if graceful and self.error is None:
             try:
-                self._broadcast(lambda: self.channel.send_header(STOP))
+                self._broadcast(lambda: self._send_header(STOP))
                 stopped = True
             except RuntimeError:
                 pass
@@ -316,9 +360,12 @@ class ShardedModel:
         self.group = group
         self.config = model.config
 
-    def __call__(self, batch: ForwardBatch, attn: Any) -> torch.Tensor:
+    def __call__(self, batch: ForwardBatch, attn: Any) -> torch.Tensor | PendingHidden:
+        """The hidden states to score; with pipeline stages after this one, the pending
+        output of the last."""
         self.group.forward(batch)
-        return self.group.run(lambda: self.model(batch, attn))
+        hidden = self.group.run(lambda: self.model(batch, attn))
+        return hidden if self.group.pipe is None else self.group.hand_on(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         self.group.hidden_for_logits(hidden)
@@ -346,9 +393,10 @@ class ShardedKernel:
     def lora(self, slots: Any) -> None:
         self.kernel.lora = slots
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch) -> torch.Tensor | PendingHidden:
         self.group.forward(batch)
-        return self.group.run(lambda: self.kernel.forward(batch))
+        hidden = self.group.run(lambda: self.kernel.forward(batch))
+        return hidden if self.group.pipe is None else self.group.hand_on(hidden)
 
 
 def _resolved(config: EngineConfig) -> EngineConfig:
@@ -359,11 +407,15 @@ def _resolved(config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(config, model=str(resolve_model(config.model, config.revision)))
 
 
-def _check_tp_size(config: EngineConfig) -> None:
+def model_shape(config: EngineConfig) -> ModelConfig:
+    """The model's config.json, read before anything is loaded (config.model resolved)."""
     if config.load_format == "dummy" and config.model in ARCHITECTURE_PRESETS:
-        shape = ModelConfig.from_dict(ARCHITECTURE_PRESETS[config.model])
-    else:
-        shape = ModelConfig.from_folder(config.model)
+        return ModelConfig.from_dict(ARCHITECTURE_PRESETS[config.model])
+    return ModelConfig.from_folder(config.model)
+
+
+def _check_sizes(config: EngineConfig, shape: ModelConfig) -> None:
+    split_layers(shape.num_layers, config.pp_size)
     valid = valid_tp_sizes(shape.num_heads, shape.num_kv_heads, shape.intermediate_size)
     if config.tp_size not in valid:
         raise ValueError(f"tp_size {config.tp_size} does not split this model ({shape.num_heads} "

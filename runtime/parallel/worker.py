@@ -16,12 +16,13 @@ import os
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from radixlm.runtime.attention import create_backend
+from radixlm.runtime.attention.backend import ForwardBatch
 from radixlm.runtime.attention.kv_cache import KVCache, kv_storage_dtype
 from radixlm.runtime.config.engine_config import EngineConfig
 from radixlm.runtime.distributed.groups import (
@@ -29,12 +30,15 @@ from radixlm.runtime.distributed.groups import (
     init_group,
     ordered_all_reduce,
     setup_all_reduce,
+    split_layers,
+    tp_group,
 )
 from radixlm.runtime.execution.cpu_decode import build as build_cpu_decode
 from radixlm.runtime.execution.cuda_graph import SENT_ROWS, DecodeGraphs
 from radixlm.runtime.models.loader import load_model
 from radixlm.runtime.models.lora.adapter import load_adapter
 from radixlm.runtime.models.lora.slots import follower_slots
+from radixlm.runtime.parallel.pipeline import PipelineChannel
 from radixlm.runtime.parallel.sharded import (
     FORWARD,
     GRAPH,
@@ -47,6 +51,7 @@ from radixlm.runtime.parallel.sharded import (
     STOP,
     StepChannel,
     agree,
+    model_shape,
 )
 
 log = logging.getLogger("radixlm.runtime.parallel.worker")
@@ -72,14 +77,18 @@ def serve(rank: int, world_size: int, local_rank: int) -> None:
     # The config is not known before joining: rank 0 passes the backend and its timeout
     # in the environment (set them by hand for a multi-node launch).
     timeout = float(os.environ.get("RADIXLM_TP_TIMEOUT", "600"))
+    pp_size = int(os.environ.get("RADIXLM_PP_SIZE", "1"))
     backend = os.environ.get("RADIXLM_TP_BACKEND") or (
         "nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
-    tp = init_group(rank, world_size, backend, timeout)
+    tp = init_group(rank, world_size, backend, timeout, pp_size=pp_size)
+    pipeline = tp.pipeline
     box: list = [None]
     dist.broadcast_object_list(box, src=0)
     config: EngineConfig = box[0]
+    layer_range = (None if pipeline is None else
+                   split_layers(model_shape(config).num_layers, pp_size)[pipeline.stage])
     device = _device(config, local_rank)
     if device.type == "cpu":
         # The ranks of one machine share its cores: oversubscribed intra-op threads make every
@@ -88,13 +97,14 @@ def serve(rank: int, world_size: int, local_rank: int) -> None:
     dtype = config.torch_dtype(device)
     loaded = load_model(config.model, config.load_format, dtype, device,
                         max_positions=config.max_model_len, seed=config.seed,
-                        quantization=config.quantization, tp=tp)
+                        quantization=config.quantization, tp=tp, layer_range=layer_range)
     mc, model = loaded.config, loaded.model
     dist.broadcast_object_list(box, src=0)
     start = box[0]
     setup_all_reduce(start["all_reduce"], start["all_reduce_numel"], dtype, device)
     kv_heads = tp.kv_heads(mc.num_kv_heads)[1]
-    kv_cache = KVCache(mc.num_layers, start["num_slots"], kv_heads, mc.head_dim, dtype, device,
+    kv_cache = KVCache(len(mc.held_layers), start["num_slots"], kv_heads, mc.head_dim, dtype,
+                       device,
                        config.page_size, kv_storage_dtype(config.kv_cache_dtype, dtype))
     if loaded.kv_scales is not None and kv_cache.quantized:
         kv_cache.set_scales(*loaded.kv_scales)
@@ -112,22 +122,33 @@ def serve(rank: int, world_size: int, local_rank: int) -> None:
     kernel = None
     if device.type == "cpu":
         kernel = (None if config.disable_cpu_kernel
-                  else build_cpu_decode(model, attn, kv_cache, ordered_all_reduce))
-        if not agree(kernel is not None, tp.host_group):
+                  else build_cpu_decode(model, attn, kv_cache,
+                                        ordered_all_reduce if tp.size > 1 else None))
+        if not agree(kernel is not None, tp.host_group if pipeline is None
+                     else pipeline.control):
             kernel = None
         elif lora is not None:
             kernel.lora = lora
-    channel = StepChannel(device, dtype, tp.host_group)
+
+    def forward(batch: ForwardBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        if kernel is not None:
+            return kernel.forward(batch, hidden)
+        attn.plan(batch)
+        return model(batch, attn, hidden)
+
+    pipe = (None if pipeline is None else
+            PipelineChannel(pipeline, tp.rank, mc.hidden_size, device, dtype))
+    if pipeline is not None and pipeline.stage > 0:
+        _serve_stage(pipe, kv_cache, forward)
+        return
+    channel = StepChannel(device, dtype, tp.host_group, tp_group())
     while True:
         header = channel.recv_header()
         command = header[0]
         if command == FORWARD:
-            batch = channel.recv_forward(header, kv_cache)
-            if kernel is not None:
-                kernel.forward(batch)
-            else:
-                attn.plan(batch)
-                model(batch, attn)
+            stream = forward(channel.recv_forward(header, kv_cache))
+            if pipe is not None:
+                pipe.send_hidden(stream)
         elif command == LORA:
             lora.follow(*channel.recv_lora(header))
         elif command == LORA_LOAD:
@@ -142,6 +163,23 @@ def serve(rank: int, world_size: int, local_rank: int) -> None:
             return
         elif command != HEARTBEAT:
             raise RuntimeError(f"unknown tensor-parallel command {command}")
+
+
+def _serve_stage(pipe: PipelineChannel, kv_cache: KVCache,
+                 forward: Callable[[ForwardBatch, torch.Tensor], torch.Tensor]) -> None:
+    """A rank of a pipeline stage after the first: each step rank 0 describes, from the
+    previous stage's output to this stage's (parallel/pipeline.py)."""
+    while True:
+        header = pipe.recv_header()
+        command = header[0]
+        if command == FORWARD:
+            batch = pipe.recv_step(header, kv_cache)
+            pipe.send_hidden(forward(batch, pipe.recv_hidden(batch.num_tokens)))
+        elif command == STOP:
+            pipe.flush()
+            return
+        elif command != HEARTBEAT:
+            raise RuntimeError(f"unknown pipeline command {command}")
 
 
 def _load_lora(lora: Any, model: Any, host_group: Any) -> None:

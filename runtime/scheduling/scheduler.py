@@ -83,30 +83,41 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def schedule(self) -> ScheduledBatch | None:
+    def schedule(self, busy: frozenset[Request] | set[Request] = frozenset(),
+                 shares: int = 1) -> ScheduledBatch | None:
+        """The next step's batch. With pipeline parallelism, `busy` requests are in a batch
+        still in the pipeline (they are neither scheduled nor retracted) and the running and
+        waiting requests are cut into `shares` batches of about equal size, one per stage,
+        so that every stage has work."""
         batch = ScheduledBatch([], [])
+        limit = (len(self.running) + len(self.waiting)) if shares == 1 else max(
+            1, -(-(len(self.running) + len(self.waiting)) // shares))
         retractions = self.num_retractions
-        budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
+        budget = self._schedule_running(batch, self.config.max_num_batched_tokens, busy, limit)
         if self.num_retractions > retractions:  # memory is short: admit nothing new
             self.reserve_ratio = 1.0
         else:
             self.reserve_ratio = max(RESERVE_RATIO_MIN, self.reserve_ratio - RESERVE_RATIO_DECAY)
-            self._admit_waiting(batch, budget)
+            self._admit_waiting(batch, budget, limit)
         return batch if batch.requests else None
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+    def _schedule_running(self, batch: ScheduledBatch, budget: int,
+                          busy: frozenset[Request] | set[Request], limit: int) -> int:
         chunk = self.config.chunked_prefill_size
+        running = [r for r in self.running if r not in busy] if busy else list(self.running)
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
+        while index < len(running) and budget > 0 and len(batch.requests) < limit:
+            request = running[index]
             count = min(request.num_uncomputed - request.held_back_tokens, chunk, budget)
             if count <= 0:  # waiting for its grammar; the rest of the batch goes on
                 index += 1
                 continue
             while not self.kv.grow(request, request.num_computed_tokens + count):
-                # Only requests not yet in this batch can give their pages back.
-                victim = min(self.running[index:], key=self._retraction_order)
+                # Only requests not yet in this batch (nor in flight) can give their pages
+                # back.
+                victim = min(running[index:], key=self._retraction_order)
                 self.retract(victim)
+                running.remove(victim)
                 if victim is request:
                     return budget
             batch.requests.append(request)
@@ -115,7 +126,7 @@ class Scheduler:
             index += 1
         return budget
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, limit: int) -> None:
         chunk = self.config.chunked_prefill_size
         lpm = self.config.schedule_policy == "lpm" and self.kv.cache is not None
         candidates = list(self.waiting)
@@ -135,7 +146,8 @@ class Scheduler:
         # LoRA adapters in the running batch: at most max_loras_per_batch (their slots).
         adapters = {id(r.lora) for r in self.running if r.lora is not None}
         for request in candidates:
-            if budget <= 0 or len(self.running) >= self.config.max_running_requests:
+            if (budget <= 0 or len(self.running) >= self.config.max_running_requests
+                    or len(batch.requests) >= limit):
                 break
             if (request.lora is not None and id(request.lora) not in adapters
                     and len(adapters) >= self.config.max_loras_per_batch):

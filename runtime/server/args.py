@@ -226,6 +226,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 # Other spellings of some engine flags, as vLLM and SGLang users type them. Their memory
 # fractions are of the whole GPU; ours is of the memory left free after the weights.
 _ALIASES = {"tp_size": ["--tp", "--tensor-parallel-size", "-tp"],
+            "pp_size": ["--pp", "--pipeline-parallel-size", "-pp"],
             "max_model_len": ["--context-length"],
             "kv_cache_memory_fraction": ["--mem-fraction-static", "--gpu-memory-utilization"]}
 # Engine flags that take several values (a tuple of strings), with what each one is.

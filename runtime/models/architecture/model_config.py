@@ -68,7 +68,24 @@ class ModelConfig:
     hidden_act: str = "silu"
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # Pipeline parallelism: the [first, end) layers this process holds (a stage); None: all.
+    layer_range: tuple[int, int] | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def held_layers(self) -> range:
+        """The layers this process builds and keeps KV for (global indices)."""
+        return range(*(self.layer_range or (0, self.num_layers)))
+
+    @property
+    def first_stage(self) -> bool:
+        """Whether this process embeds the tokens and holds the output head."""
+        return self.held_layers.start == 0
+
+    @property
+    def last_stage(self) -> bool:
+        """Whether this process applies the final norm."""
+        return self.held_layers.stop == self.num_layers
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":

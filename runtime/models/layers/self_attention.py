@@ -26,7 +26,9 @@ class SelfAttention(nn.Module):
                  attends: LayerAttention, norm: type[RMSNorm] = RMSNorm,
                  quant: QuantConfig | None = None, tp: TPInfo | None = None) -> None:
         super().__init__()
-        self.layer_id = layer_id
+        # The layer's place in this process's KV cache: with pipeline parallelism a stage
+        # holds only its own layers' KV.
+        self.layer_id = layer_id - cfg.held_layers.start
         self.attends = attends
         d = self.head_dim = cfg.head_dim
         qkv_shard = o_shard = None
