@@ -230,6 +230,8 @@ class EngineCore:
             return oldest.scheduled.num_tokens
         launched = self._run(scheduled)
         if launched is not None:
+            if self._pipeline:
+                self.counters["pipelined_steps"] += 1
             self._pipeline.append(launched)
         return scheduled.num_tokens
 
@@ -477,6 +479,7 @@ class EngineCore:
             "batched_tokens": self.counters["batched_tokens"],
             "steps": self.counters["steps"],
             "overlapped_steps": self.counters["overlapped_steps"],
+            "pipelined_steps": self.counters["pipelined_steps"],
             "requests_finished": self.counters["requests_finished"],
             "programs": self.scheduler.programs.snapshot(),
             **self.scheduler.programs.totals(),

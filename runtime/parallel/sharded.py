@@ -177,6 +177,7 @@ class TensorParallelGroup:
         self.layer_ranges = split_layers(shape.num_layers, config.pp_size)
         self.error: str | None = None  # set once a rank is lost; the group is then broken
         self._last_message = time.monotonic()
+        self._threads: int | None = None  # this process's CPU threads before the group
         backend = backend_for(device)
         env = rendezvous_env(self.size)
         # The workers learn the rest of the config from rank 0 once they have joined.
@@ -187,10 +188,16 @@ class TensorParallelGroup:
             self.workers = {rank: _launch_worker(rank, env) for rank in range(1, self.size)}
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)  # NCCL's objects go to the current device
-        elif device.type == "cpu" and not config.disable_cpu_kernel:
-            # Built (the first time on this machine) before the ranks start, so that they
-            # load it from the cache well within their startup timeouts.
-            load_cpu_kernel()
+        elif device.type == "cpu":
+            # The ranks of one machine share its cores, rank 0 as much as the workers (see
+            # worker.serve): with pipeline stages they compute at the same time. Restored
+            # at shutdown: the process may go on to other work.
+            self._threads = torch.get_num_threads()
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.size))
+            if not config.disable_cpu_kernel:
+                # Built (the first time on this machine) before the ranks start, so that
+                # they load it from the cache well within their startup timeouts.
+                load_cpu_kernel()
         try:
             self.info: TPInfo = init_group(0, self.size, backend, config.tp_timeout, env,
                                            config.pp_size)
@@ -202,8 +209,7 @@ class TensorParallelGroup:
             self._everyone = self.info.host_group if pipeline is None else pipeline.control
             dist.broadcast_object_list([config], src=0)
         except BaseException:
-            self._kill_workers()
-            destroy_group()
+            self.shutdown(graceful=False)
             raise
 
     def start(self, num_slots: int, graph_args: dict | None, all_reduce: str,
@@ -294,6 +300,8 @@ class TensorParallelGroup:
                 pass
         self._kill_workers()
         destroy_group()
+        if self._threads is not None:
+            torch.set_num_threads(self._threads)
 
     def run(self, call: Any) -> Any:
         """Rank 0's part of a call the other ranks run too. If it fails, the ranks are out of

@@ -115,7 +115,8 @@ class ReplicaSet:
             ray_actors.connect, self.ray_address, max(cpus, self.dp_size) if local else None,
             self.ray_host))
         device = str(self.options.get("device") or "auto")
-        gpus = (self.options.get("tp_size", 1) if device.startswith("cuda") or (
+        ranks = self.options.get("tp_size", 1) * self.options.get("pp_size", 1)
+        gpus = (ranks if device.startswith("cuda") or (
             device == "auto" and _cluster_gpus() > 0) else 0)
         threads = max(1, cpus // self.dp_size) if local and not gpus else None
         log.info("starting %d engine replicas on the Ray cluster at %s (%s per replica, "

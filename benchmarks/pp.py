@@ -1,0 +1,252 @@
+"""Pipeline parallelism: measured on this machine against one process and tensor parallelism,
+and a paper model of the step time for 2-8 GPUs and 2 nodes.
+
+Measured (each configuration in a fresh process, one engine per process): B prompts decoding
+together (generated tokens per second), batch-1 decode ms/token ((time of N new tokens - time
+of 1) / (N - 1)), and the pipeline's structure as rank 0 sees it: per launched batch, the
+time it computes the first stage, the time it waits for the last stage's output (the
+pipeline not yet full, or a later stage slower), and the host's share (scheduling, sampling).
+Those feed the model's prediction for the same run: with P batches in flight of B/P rows, a
+batch leaves the pipeline every max(first stage + host, slowest later stage + send), so
+predicted tokens/s = (B/P) / that.
+
+The paper model (`paper_model`) prices one decode step and one prefill chunk from bytes,
+FLOPs and link speeds: a stage reads its share of the weights and of the KV, computes its
+share of the FLOPs, and sends the hidden states on; tensor parallelism reads 1/P of
+everything but all-reduces twice per layer. It assumes CUDA graphs and full overlap of
+stages; its point is the shape of the trade-off (when TP, when PP), not a promise.
+
+    python benchmarks/pp.py                                   # CPU: default model, 1/pp2/pp3/tp3
+    python benchmarks/pp.py --configs 1 pp2 --batch 8 --output-len 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import time
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+from results_dir import results_dir
+
+# -- the paper model -------------------------------------------------------------------------
+
+HARDWARE = {  # bytes/s, FLOP/s, link bytes/s and latency (s)
+    "H100": dict(hbm=3.35e12, flops=989e12, nvlink=450e9, nvlink_lat=8e-6),
+    "H200": dict(hbm=4.8e12, flops=989e12, nvlink=450e9, nvlink_lat=8e-6),
+}
+NETWORK = dict(bw=50e9, lat=15e-6)  # 400 Gb/s InfiniBand per GPU, between nodes
+MODELS = {  # parameters, layers, hidden, KV bytes per token (bf16, GQA)
+    "llama-3-8b": dict(params=8.0e9, layers=32, hidden=4096, kv_token=2 * 32 * 8 * 128 * 2),
+    "llama-3-70b": dict(params=70.6e9, layers=80, hidden=8192, kv_token=2 * 80 * 8 * 128 * 2),
+}
+HOST_S = 300e-6  # rank 0's scheduling and sampling per step (measured order on an H200)
+
+
+def _stage_time(model: dict, hw: dict, share: float, rows: int, context: int,
+                prefill_tokens: int = 0) -> float:
+    """One stage (or one rank) holding `share` of the model, for `rows` decode rows at
+    `context` tokens each, or a prefill of `prefill_tokens`: the larger of its memory time
+    and its compute time."""
+    weights = 2 * model["params"] * share
+    kv = model["kv_token"] * share * (rows * context + prefill_tokens)
+    flops = 2 * model["params"] * share * (rows + prefill_tokens)
+    return max((weights + kv) / hw["hbm"], flops / hw["flops"])
+
+
+def _all_reduce(nbytes: float, ranks: int, link: float, lat: float) -> float:
+    """A ring all-reduce: 2 (P - 1) / P of the bytes over each link, 2 (P - 1) latencies."""
+    return 2 * (ranks - 1) * (nbytes / ranks / link + lat)
+
+
+def paper_model(gpu: str, model_name: str, rows: int, context: int,
+                prefill_tokens: int = 2048) -> list[dict[str, Any]]:
+    """Decode tokens/s at `rows` running requests and prefill tokens/s, for 1 GPU, TP=P and
+    PP=P inside a node (P = 2, 4, 8), and for 2 nodes of 8: TP=16 against TP=8 x PP=2."""
+    hw, model = HARDWARE[gpu], MODELS[model_name]
+    layers, hidden = model["layers"], model["hidden"]
+    out = []
+
+    def add(name: str, ranks: int, decode_s: float, prefill_s: float) -> None:
+        out.append({"config": name, "gpus": ranks, "decode_tok_s": rows / decode_s,
+                    "decode_step_ms": decode_s * 1e3,
+                    "prefill_tok_s": prefill_tokens / prefill_s})
+
+    one = _stage_time(model, hw, 1.0, rows, context) + HOST_S
+    add("1 GPU", 1, one, _stage_time(model, hw, 1.0, 0, 0, prefill_tokens))
+    for p in (2, 4, 8):
+        for where, link, lat in (("node", hw["nvlink"], hw["nvlink_lat"]),):
+            ar_decode = 2 * layers * _all_reduce(rows * hidden * 2, p, link, lat)
+            ar_prefill = 2 * layers * _all_reduce(prefill_tokens * hidden * 2, p, link, lat)
+            tp_decode = _stage_time(model, hw, 1 / p, rows, context) + ar_decode + HOST_S
+            tp_prefill = _stage_time(model, hw, 1 / p, 0, 0, prefill_tokens) + ar_prefill
+            add(f"TP={p} ({where})", p, tp_decode, tp_prefill)
+            # P batches of rows / P in flight: a batch's step is a trip through every stage;
+            # stages overlap, so a batch leaves every max(stage + send, host) seconds.
+            send = (rows / p) * hidden * 2 / link + lat
+            stage = _stage_time(model, hw, 1 / p, rows // p, context)
+            cycle = max(stage + send, HOST_S)
+            pp_decode = cycle * p  # rows tokens (all P batches) per P cycles
+            chunk = prefill_tokens / p  # the chunk split in P micro-batches
+            pp_prefill = (2 * p - 1) * (_stage_time(model, hw, 1 / p, 0, 0, chunk)
+                                        + chunk * hidden * 2 / link + lat)
+            add(f"PP={p} ({where})", p, pp_decode, pp_prefill)
+    # Two nodes of 8 GPUs: all-reduces cross the network in TP=16; in TP=8 x PP=2 only the
+    # stage boundary does.
+    ar16 = 2 * layers * (_all_reduce(rows * hidden * 2, 16, NETWORK["bw"], NETWORK["lat"]))
+    ar16_p = 2 * layers * _all_reduce(prefill_tokens * hidden * 2, 16, NETWORK["bw"],
+                                      NETWORK["lat"])
+    add("TP=16 (2 nodes)", 16, _stage_time(model, hw, 1 / 16, rows, context) + ar16 + HOST_S,
+        _stage_time(model, hw, 1 / 16, 0, 0, prefill_tokens) + ar16_p)
+    ar8 = 2 * layers / 2 * _all_reduce(rows / 2 * hidden * 2, 8, hw["nvlink"], hw["nvlink_lat"])
+    send = rows / 2 * hidden * 2 / NETWORK["bw"] + NETWORK["lat"]
+    stage = _stage_time(model, hw, 1 / 16, rows // 2, context) + ar8
+    ar8_p = 2 * layers / 2 * _all_reduce(prefill_tokens / 2 * hidden * 2, 8, hw["nvlink"],
+                                         hw["nvlink_lat"])
+    chunk_stage = (_stage_time(model, hw, 1 / 16, 0, 0, prefill_tokens / 2) + ar8_p
+                   + prefill_tokens / 2 * hidden * 2 / NETWORK["bw"] + NETWORK["lat"])
+    add("TP=8 x PP=2 (2 nodes)", 16, 2 * max(stage + send, HOST_S), 3 * chunk_stage)
+    return out
+
+
+# -- the measurement -------------------------------------------------------------------------
+
+def _config_options(config: str) -> dict[str, int]:
+    if config == "1":
+        return {}
+    kind, size = config[:2], int(config[2:])
+    return {"pp_size": size} if kind == "pp" else {"tp_size": size}
+
+
+def measure(config: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One configuration, in its own process: throughput, batch-1 decode, and rank 0's
+    time split per launched batch."""
+    from radixlm.runtime import Engine
+    from radixlm.runtime.parallel import sharded
+
+    spans = {"stage0_s": 0.0, "wait_s": 0.0, "batches": 0}
+    forward_kernel, forward_model = sharded.ShardedKernel.forward, sharded.ShardedModel.__call__
+    hand_on = sharded.TensorParallelGroup.hand_on
+
+    def timed(original):
+        def call(self, *a):
+            start = time.perf_counter()
+            out = original(self, *a)
+            spans["stage0_s"] += time.perf_counter() - start
+            spans["batches"] += 1
+            return out
+        return call
+
+    def timed_hand_on(self, stream):
+        pending = hand_on(self, stream)
+        wait = pending.wait
+
+        def timed_wait():
+            start = time.perf_counter()
+            out = wait()
+            spans["wait_s"] += time.perf_counter() - start
+            return out
+        pending.wait = timed_wait
+        return pending
+
+    sharded.ShardedKernel.forward = timed(forward_kernel)
+    sharded.ShardedModel.__call__ = timed(forward_model)
+    sharded.TensorParallelGroup.hand_on = timed_hand_on
+    options = dict(json.loads(args.engine_options), **_config_options(config))
+    with Engine(args.model, **options) as engine:
+        prompt = list(range(10, 10 + args.prompt_len))
+        batch = [[7 + i] + prompt[1:] for i in range(args.batch)]  # no shared prefix
+        params = {"temperature": 0, "ignore_eos": True}
+        engine.generate(input_ids=batch[:2], sampling_params=dict(params, max_new_tokens=4))
+        one = dict(params, max_new_tokens=1)
+        many = dict(params, max_new_tokens=args.output_len)
+        start = time.perf_counter()
+        engine.generate(input_ids=[[3] + prompt], sampling_params=one)
+        t1 = time.perf_counter() - start
+        start = time.perf_counter()
+        engine.generate(input_ids=[[4] + prompt], sampling_params=many)
+        tn = time.perf_counter() - start
+        decode_ms = (tn - t1) / (args.output_len - 1) * 1e3
+        before = dict(spans)
+        steps_before = engine.stats()["steps"]
+        start = time.perf_counter()
+        outs = engine.generate(input_ids=batch, sampling_params=many)
+        elapsed = time.perf_counter() - start
+        stats = engine.stats()
+    generated = sum(len(o.token_ids) for o in outs)
+    batches = spans["batches"] - before["batches"]
+    run = {"config": config, "batch": args.batch, "decode_ms_per_token": decode_ms,
+           "throughput_tok_s": generated / elapsed, "elapsed_s": elapsed,
+           "steps": stats["steps"] - steps_before, "pipelined_steps": stats["pipelined_steps"]}
+    if batches:
+        stage0 = (spans["stage0_s"] - before["stage0_s"]) / batches
+        wait = (spans["wait_s"] - before["wait_s"]) / batches
+        per_batch = elapsed / batches
+        run.update(stage0_ms=stage0 * 1e3, wait_ms=wait * 1e3, per_batch_ms=per_batch * 1e3,
+                   host_ms=(per_batch - stage0 - wait) * 1e3)
+        pp = options.get("pp_size", 1)
+        if pp > 1:
+            # Equal stages: the later ones take about the first's time (minus the embedding,
+            # plus the final norm); a batch leaves every max(stage 0 + host, stage).
+            cycle = max(stage0 + (per_batch - stage0 - wait), stage0)
+            run["predicted_tok_s"] = (args.batch / pp) / cycle
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="default: the embedded model")
+    parser.add_argument("--engine-options", default=json.dumps({"tp_timeout": 120}))
+    parser.add_argument("--configs", nargs="+", default=["1", "pp2", "pp3", "tp3"],
+                        help="1, ppN (pipeline stages), tpN (tensor-parallel ranks)")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--gpu", default="H100", choices=sorted(HARDWARE))
+    parser.add_argument("--paper-rows", type=int, default=256)
+    parser.add_argument("--paper-context", type=int, default=2048)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    runs = []
+    for config in args.configs:
+        with ProcessPoolExecutor(1) as pool:  # a fresh process: one engine per process
+            runs.append(pool.submit(measure, config, args).result())
+    base = runs[0]["throughput_tok_s"]
+    print(f"\nmeasured on {os.cpu_count()} CPU threads, batch {args.batch}, "
+          f"{args.prompt_len} prompt + {args.output_len} new tokens")
+    print(f"{'config':>7} {'tok/s':>8} {'vs 1':>6} {'b1 ms/tok':>10} {'stage0 ms':>10} "
+          f"{'wait ms':>8} {'host ms':>8} {'predicted':>10}")
+    for run in runs:
+        print(f"{run['config']:>7} {run['throughput_tok_s']:8.1f} "
+              f"{run['throughput_tok_s'] / base:5.2f}x {run['decode_ms_per_token']:10.2f} "
+              f"{run.get('stage0_ms', float('nan')):10.2f} {run.get('wait_ms', float('nan')):8.2f} "
+              f"{run.get('host_ms', float('nan')):8.2f} "
+              f"{run.get('predicted_tok_s', float('nan')):10.1f}")
+    paper = {name: paper_model(args.gpu, name, args.paper_rows, args.paper_context)
+             for name in MODELS}
+    for name, rows in paper.items():
+        print(f"\npaper model: {name} bf16 on {args.gpu}, {args.paper_rows} running requests "
+              f"at {args.paper_context} tokens, prefill chunks of 2048")
+        print(f"{'config':>24} {'decode tok/s':>13} {'step ms':>8} {'prefill tok/s':>14}")
+        for row in rows:
+            print(f"{row['config']:>24} {row['decode_tok_s']:13.0f} {row['decode_step_ms']:8.2f} "
+                  f"{row['prefill_tok_s']:14.0f}")
+    record = {"benchmark": "pp", "date": datetime.date.today().isoformat(),
+              "machine": {"processor": platform.processor() or platform.machine(),
+                          "threads": os.cpu_count()},
+              "config": vars(args), "measured": runs, "paper_model": paper,
+              "paper_assumptions": {"hardware": HARDWARE[args.gpu], "network": NETWORK,
+                                    "host_s": HOST_S}}
+    out = args.out or str(results_dir() / "pp.json")
+    with open(out, "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
