@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import time
@@ -36,8 +37,8 @@ from results_dir import results_dir
 # -- the paper model -------------------------------------------------------------------------
 
 HARDWARE = {  # bytes/s, FLOP/s, link bytes/s and latency (s)
-    "H100": dict(hbm=3.35e12, flops=989e12, nvlink=450e9, nvlink_lat=8e-6),
-    "H200": dict(hbm=4.8e12, flops=989e12, nvlink=450e9, nvlink_lat=8e-6),
+    "H100": dict(hbm=3.35e12, flops=989e12, nvlink=450e9, nvlink_lat=6e-6, memory=80e9),
+    "H200": dict(hbm=4.8e12, flops=989e12, nvlink=450e9, nvlink_lat=6e-6, memory=141e9),
 }
 NETWORK = dict(bw=50e9, lat=15e-6)  # 400 Gb/s InfiniBand per GPU, between nodes
 MODELS = {  # parameters, layers, hidden, KV bytes per token (bf16, GQA)
@@ -59,8 +60,9 @@ def _stage_time(model: dict, hw: dict, share: float, rows: int, context: int,
 
 
 def _all_reduce(nbytes: float, ranks: int, link: float, lat: float) -> float:
-    """A ring all-reduce: 2 (P - 1) / P of the bytes over each link, 2 (P - 1) latencies."""
-    return 2 * (ranks - 1) * (nbytes / ranks / link + lat)
+    """An all-reduce: 2 (P - 1) / P of the bytes over each link (ring bandwidth), and a
+    latency that grows with log2 P (small messages go one-shot or by tree)."""
+    return 2 * (ranks - 1) / ranks * nbytes / link + lat * (1 + math.log2(ranks))
 
 
 def paper_model(gpu: str, model_name: str, rows: int, context: int,
@@ -72,9 +74,12 @@ def paper_model(gpu: str, model_name: str, rows: int, context: int,
     out = []
 
     def add(name: str, ranks: int, decode_s: float, prefill_s: float) -> None:
+        # Weights and the running requests' KV, split evenly over the GPUs.
+        need = (2 * model["params"] + model["kv_token"] * rows * context) / ranks
         out.append({"config": name, "gpus": ranks, "decode_tok_s": rows / decode_s,
                     "decode_step_ms": decode_s * 1e3,
-                    "prefill_tok_s": prefill_tokens / prefill_s})
+                    "prefill_tok_s": prefill_tokens / prefill_s,
+                    "fits": need <= hw["memory"]})
 
     one = _stage_time(model, hw, 1.0, rows, context) + HOST_S
     add("1 GPU", 1, one, _stage_time(model, hw, 1.0, 0, 0, prefill_tokens))
@@ -85,12 +90,7 @@ def paper_model(gpu: str, model_name: str, rows: int, context: int,
             tp_decode = _stage_time(model, hw, 1 / p, rows, context) + ar_decode + HOST_S
             tp_prefill = _stage_time(model, hw, 1 / p, 0, 0, prefill_tokens) + ar_prefill
             add(f"TP={p} ({where})", p, tp_decode, tp_prefill)
-            # P batches of rows / P in flight: a batch's step is a trip through every stage;
-            # stages overlap, so a batch leaves every max(stage + send, host) seconds.
-            send = (rows / p) * hidden * 2 / link + lat
-            stage = _stage_time(model, hw, 1 / p, rows // p, context)
-            cycle = max(stage + send, HOST_S)
-            pp_decode = cycle * p  # rows tokens (all P batches) per P cycles
+            pp_decode = _pipeline_round(model, hw, p, rows, context, link, lat, 0.0)
             chunk = prefill_tokens / p  # the chunk split in P micro-batches
             pp_prefill = (2 * p - 1) * (_stage_time(model, hw, 1 / p, 0, 0, chunk)
                                         + chunk * hidden * 2 / link + lat)
@@ -103,14 +103,26 @@ def paper_model(gpu: str, model_name: str, rows: int, context: int,
     add("TP=16 (2 nodes)", 16, _stage_time(model, hw, 1 / 16, rows, context) + ar16 + HOST_S,
         _stage_time(model, hw, 1 / 16, 0, 0, prefill_tokens) + ar16_p)
     ar8 = 2 * layers / 2 * _all_reduce(rows / 2 * hidden * 2, 8, hw["nvlink"], hw["nvlink_lat"])
-    send = rows / 2 * hidden * 2 / NETWORK["bw"] + NETWORK["lat"]
-    stage = _stage_time(model, hw, 1 / 16, rows // 2, context) + ar8
     ar8_p = 2 * layers / 2 * _all_reduce(prefill_tokens / 2 * hidden * 2, 8, hw["nvlink"],
                                          hw["nvlink_lat"])
     chunk_stage = (_stage_time(model, hw, 1 / 16, 0, 0, prefill_tokens / 2) + ar8_p
                    + prefill_tokens / 2 * hidden * 2 / NETWORK["bw"] + NETWORK["lat"])
-    add("TP=8 x PP=2 (2 nodes)", 16, 2 * max(stage + send, HOST_S), 3 * chunk_stage)
+    add("TP=8 x PP=2 (2 nodes)", 16,
+        _pipeline_round(model, hw, 2, rows, context, NETWORK["bw"], NETWORK["lat"], ar8, 8),
+        3 * chunk_stage)
     return out
+
+
+def _pipeline_round(model: dict, hw: dict, stages: int, rows: int, context: int,
+                    link: float, lat: float, reduce_s: float, tp: int = 1) -> float:
+    """Seconds for every running request to advance a token through `stages` stages of `tp`
+    GPUs each: min(stages, rows) batches in flight. One batch's step is a trip through every
+    stage, then rank 0's host work; a stage works through the batches one after another."""
+    batches = min(stages, rows)
+    per_batch = rows / batches
+    stage = (_stage_time(model, hw, 1 / (stages * tp), per_batch, context) + reduce_s
+             + per_batch * model["hidden"] * 2 / link + lat)
+    return max(stages * stage + HOST_S, batches * max(stage, HOST_S))
 
 
 # -- the measurement -------------------------------------------------------------------------
@@ -235,7 +247,7 @@ def main() -> None:
         print(f"{'config':>24} {'decode tok/s':>13} {'step ms':>8} {'prefill tok/s':>14}")
         for row in rows:
             print(f"{row['config']:>24} {row['decode_tok_s']:13.0f} {row['decode_step_ms']:8.2f} "
-                  f"{row['prefill_tok_s']:14.0f}")
+                  f"{row['prefill_tok_s']:14.0f}" + ("" if row["fits"] else "  (does not fit)"))
     record = {"benchmark": "pp", "date": datetime.date.today().isoformat(),
               "machine": {"processor": platform.processor() or platform.machine(),
                           "threads": os.cpu_count()},

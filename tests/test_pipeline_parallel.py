@@ -214,3 +214,51 @@ def test_scheduler_cuts_batches_for_the_stages_and_skips_busy_requests():
     assert scheduler.schedule(set(requests), shares=2) is None  # everything is in flight
     whole = scheduler.schedule()
     assert len(whole.requests) == 7
+
+
+def test_a_server_with_a_hand_started_stage_matches_one_process(tmp_path):
+    """The multi-machine recipe of docs/distributed.md for a pipeline: `radixlm serve --pp 2`
+    as rank 0 with RADIXLM_TP_EXTERNAL_WORKERS=1, and the second stage's rank started by
+    hand with RADIXLM_PP_SIZE; greedy output over HTTP equals one process's, and stopping
+    the server stops the hand-started rank."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import urllib.request
+
+    from radixlm.backends.server_process import ServerProcess
+    from radixlm.runtime.distributed.groups import free_port
+
+    folder = save_tiny_hf_model(tmp_path, "qwen2", vocab_size=512, tie=True,
+                                num_hidden_layers=3)
+    prompts = [[1, 5, 9, 33, 7], [1] + list(range(100, 140))]
+    greedy = {"max_new_tokens": 10, "temperature": 0}
+    with Engine(str(folder), dtype="float32", device="cpu", max_total_tokens=4096) as engine:
+        expected = [o.token_ids for o in engine.generate(input_ids=prompts,
+                                                         sampling_params=greedy)]
+    every = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+             "GLOO_SOCKET_IFNAME": "lo", "RADIXLM_TP_TIMEOUT": "60", "RADIXLM_PP_SIZE": "2"}
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "radixlm.runtime.parallel.worker"],
+        env={**os.environ, **every, "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "0"},
+        stdin=subprocess.DEVNULL)
+    server = ServerProcess(["--model", str(folder), "--pp", "2", "--dtype", "float32",
+                            "--device", "cpu", "--max-total-tokens", "4096"],
+                           env={**every, "RADIXLM_TP_EXTERNAL_WORKERS": "1"})
+    try:
+        with server:
+            got = []
+            for prompt in prompts:
+                body = {"input_ids": prompt, "sampling_params": greedy}
+                request = urllib.request.Request(server.url + "/generate",
+                                                 json.dumps(body).encode(),
+                                                 {"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, timeout=60) as response:
+                    got.append(json.loads(response.read())["output_ids"])
+            assert got == expected
+        assert worker.wait(timeout=30) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
