@@ -38,7 +38,11 @@
 //     sums [T, d] over this rank's heads and MLP columns, returns their sum over the ranks.
 //     With H, Hkv and the linears this rank's shares, the step is this rank's part of the
 //     model's; a reduce whose order of ranks is fixed keeps every row's result independent
-//     of the rest of the step (runtime/execution/cpu_decode.py).
+//     of the rest of the step (runtime/execution/cpu_decode.py);
+//   stored (None without sequence parallelism): called with the layer's index once this
+//     step's rows have written their K and V to the cache, before any row attends; it
+//     writes the K and V rows other ranks computed for the same step (their slots), so that
+//     each row attends to all of its sequence's keys (runtime/parallel/sequence.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <pybind11/functional.h>
@@ -615,7 +619,8 @@ Tensor forward_rows(Tensor hidden, const Tensor& cos, const Tensor& sin,
                     const Tensor& final_norm, int64_t page_size, int64_t heads,
                     int64_t kv_heads, int64_t head_dim, double eps, double scale,
                     const std::vector<Tensor>& lora, const Tensor& lora_slots,
-                    const std::function<Tensor(const Tensor&)>& reduce) {
+                    const std::function<Tensor(const Tensor&)>& reduce,
+                    const std::function<void(int64_t)>& stored) {
   const int64_t* slots = lora.empty() ? nullptr : lora_slots.data_ptr<int64_t>();
   const int32_t* ranks = lora.empty() ? nullptr : lora.back().data_ptr<int32_t>();
   // y = the stored linear j of layer i at x, plus the rows' adapter updates.
@@ -651,6 +656,7 @@ Tensor forward_rows(Tensor hidden, const Tensor& cos, const Tensor& sin,
     Tensor k_layer = k_cache[i], v_layer = v_cache[i];
     rotary_and_store<A>(qkv, cos, sin, heads, kv_heads, head_dim, k_layer, v_layer, out_slots,
                         t[3], t[4], eps);
+    if (stored) stored(static_cast<int64_t>(i));
     Tensor attn = attention<A>(qkv, k_layer, v_layer, pages, token_seq, positions, page_size,
                                heads, kv_heads, head_dim, scale, windows[i]);
     Tensor o = project(attn, t, at_, p[1], n[1], i, 1);
@@ -681,7 +687,8 @@ Tensor forward(Tensor hidden, const Tensor& cos, const Tensor& sin,
                const Tensor& token_seq, const Tensor& positions, const Tensor& pages,
                const Tensor& final_norm, int64_t page_size, int64_t heads, int64_t kv_heads,
                int64_t head_dim, double eps, double scale, const std::vector<Tensor>& lora,
-               const Tensor& lora_slots, const std::function<Tensor(const Tensor&)>& reduce) {
+               const Tensor& lora_slots, const std::function<Tensor(const Tensor&)>& reduce,
+               const std::function<void(int64_t)>& stored) {
   TORCH_CHECK(hidden.is_contiguous() && hidden.scalar_type() == k_cache.scalar_type(),
               "hidden must be contiguous, of the KV cache's dtype");
   TORCH_CHECK(specs.size() == 4 * layers.size() && widths.size() == specs.size() &&
@@ -695,12 +702,14 @@ Tensor forward(Tensor hidden, const Tensor& cos, const Tensor& sin,
   if (hidden.scalar_type() == at::kFloat) {
     return forward_rows<float>(hidden, cos, sin, layers, specs, widths, windows, k_cache, v_cache,
                                out_slots, token_seq, positions, pages, final_norm, page_size,
-                               heads, kv_heads, head_dim, eps, scale, lora, lora_slots, reduce);
+                               heads, kv_heads, head_dim, eps, scale, lora, lora_slots, reduce,
+                               stored);
   }
   TORCH_CHECK(hidden.scalar_type() == at::kBFloat16, "hidden: bfloat16 or float32");
   return forward_rows<BFloat16>(hidden, cos, sin, layers, specs, widths, windows, k_cache, v_cache,
                                 out_slots, token_seq, positions, pages, final_norm, page_size,
-                                heads, kv_heads, head_dim, eps, scale, lora, lora_slots, reduce);
+                                heads, kv_heads, head_dim, eps, scale, lora, lora_slots, reduce,
+                               stored);
 }
 
 }  // namespace

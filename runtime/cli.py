@@ -58,6 +58,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pp", "--pipeline-parallel-size", "-pp", type=int, default=1,
                         dest="pp_size",
                         help="pipeline stages (tp x pp processes); see docs/distributed.md")
+    parser.add_argument("--sp", "--sequence-parallel-size", "-sp", type=int, default=1,
+                        dest="sp_size",
+                        help="processes that split long prefills (each holds the whole "
+                             "model); see docs/distributed.md")
     parser.add_argument("--deterministic", action="store_true",
                         help="the same tokens and logprobs whatever the batch "
                              "(CUDA; see docs/deterministic.md)")
@@ -76,7 +80,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     options = {name: getattr(args, name) for name in (
         "revision", "tokenizer", "chat_template", "load_format", "dtype", "device",
         "max_total_tokens", "kv_cache_dtype", "quantization", "speculative", "draft_model",
-        "tp_size", "pp_size", "deterministic")}
+        "tp_size", "pp_size", "sp_size", "deterministic")}
     with Engine(args.model, **options) as engine:
         # Chat prompts are token ids: the template already holds the special tokens.
         prompts = ([{"input_ids": engine.encode_chat([{"role": "user", "content": t}])}

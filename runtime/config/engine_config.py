@@ -101,6 +101,13 @@ class EngineConfig:
     # holds its own layers' KV. Up to `pp_size` batches of different requests are in flight,
     # one per stage, so no stage waits for another's step to end.
     pp_size: int = 1
+    # Sequence parallelism for prefill: `sp_size` processes each hold the whole model; a
+    # step of at least `sp_min_tokens` tokens (a long prompt's prefill chunk) is split by its
+    # rows across them, each computing its rows and exchanging K and V with the others at
+    # every layer (runtime/parallel/sequence.py). Shorter steps (decode) run on this process
+    # alone, which then hands their K and V to the others.
+    sp_size: int = 1
+    sp_min_tokens: int = 256
     # The all-reduce of activations on CUDA: "symmetric" (PyTorch symmetric memory over
     # NVLink: each rank reads its peers' buffers; lower latency than NCCL for decode-sized
     # tensors, used up to the decode graphs' largest batch), "nccl", or "auto" (symmetric
@@ -192,6 +199,8 @@ class EngineConfig:
         self._check_speculative_options()
         _positive_int(self.tp_size, "tp_size")
         _positive_int(self.pp_size, "pp_size")
+        _positive_int(self.sp_size, "sp_size")
+        _positive_int(self.sp_min_tokens, "sp_min_tokens")
         self._check_pipeline_options()
         _one_of(self.tp_all_reduce, ("auto", "symmetric", "nccl"), "tp_all_reduce")
         if (isinstance(self.tp_timeout, bool) or not isinstance(self.tp_timeout, (int, float))
@@ -231,6 +240,15 @@ class EngineConfig:
                              f"page of {self.page_size} tokens")
 
     def _check_pipeline_options(self) -> None:
+        if self.sp_size > 1:
+            for clash, why in ((self.tp_size > 1 or self.pp_size > 1, "tp_size or pp_size "
+                                "> 1: sequence-parallel ranks each hold the whole model"),
+                               (self.lora_enabled, "lora_modules / allow_runtime_lora_"
+                                "loading: adapters are not held by the other ranks"),
+                               (self.overlap_schedule == "on", "overlap_schedule='on': "
+                                "each step's K and V reach the other ranks before the next")):
+                if clash:
+                    raise ValueError(f"sp_size > 1 cannot be used with {why}")
         if self.pp_size == 1:
             return
         for clash, why in ((self.speculative is not None, "speculative: a verify step needs "
@@ -256,6 +274,8 @@ class EngineConfig:
                             "cache's lower tier"),
                            (self.tp_size > 1, "tp_size > 1: each rank holds a shard of the KV"),
                            (self.pp_size > 1, "pp_size > 1: each stage holds its layers' KV"),
+                           (self.sp_size > 1, "sp_size > 1: loaded pages would reach rank "
+                            "0's KV only"),
                            (self.speculative is not None, "speculative decoding: the draft "
                             "model's KV is not stored")):
             if clash:

@@ -54,10 +54,11 @@ class Engine:
         self.device = self.config.torch_device()
         self.dtype = self.config.torch_dtype(self.device, declared_quantization(
             self.config.model, self.config.load_format, self.config.revision))
-        # tp_size or pp_size > 1: this process is rank 0; the other ranks start now and
-        # load their shards (or stages) while this one loads its own.
+        # tp_size, pp_size or sp_size > 1: this process is rank 0; the other ranks start now
+        # and load their shards (stages, copies) while this one loads its own.
+        ranks = self.config.tp_size * self.config.pp_size * self.config.sp_size
         self._tp = (TensorParallelGroup(self.config, self.device, self.dtype)
-                    if self.config.tp_size * self.config.pp_size > 1 else None)
+                    if ranks > 1 else None)
         try:
             self._engine_thread = EngineThread(self._build_core, self._tp,
                                                self.config.tp_timeout)

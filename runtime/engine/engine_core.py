@@ -42,7 +42,7 @@ def uses_decode_graphs(config: EngineConfig, device: torch.device, attn: Any) ->
     """Whether decode steps replay CUDA graphs (see cuda_graph). Off the GPU the graph
     runner can still run uncaptured: tests switch it on here to check its bookkeeping."""
     return (device.type == "cuda" and not config.disable_cuda_graph
-            and attn.supports_cuda_graph and config.pp_size == 1)
+            and attn.supports_cuda_graph and config.pp_size == 1 and config.sp_size == 1)
 
 
 class EngineCore:
@@ -98,7 +98,8 @@ class EngineCore:
         self.structured = StructuredOutput(config, loaded.tokenizer, mc.vocab_size,
                                            self.counters, jump_forward)
         # Speculation needs each step's verified tokens on the host before the next step.
-        self.overlap = self.speculator is None and config.pp_size == 1 and (
+        self.overlap = (self.speculator is None and config.pp_size == 1
+                        and config.sp_size == 1) and (
             config.overlap_schedule == "on"
             or config.overlap_schedule == "auto" and device.type == "cuda")
         self._inflight: LaunchedStep | None = None  # launched, not yet post-processed

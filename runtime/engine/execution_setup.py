@@ -65,7 +65,8 @@ class ExecutionSetup:
         # ranks; graphs capture the shard itself, and send each replay (see cuda_graph).
         self.tp_group = loaded.model.group if isinstance(loaded.model, ShardedModel) else None
         # Symmetric memory spans every rank: pipeline stages reduce within their own.
-        self.all_reduce = ("none" if self.tp_group is None else "nccl" if config.pp_size > 1
+        self.all_reduce = ("none" if self.tp_group is None
+                           else "nccl" if config.pp_size > 1 or config.sp_size > 1
                            else choose_all_reduce(config.tp_all_reduce, device))
         check_nccl_in_graphs(self.all_reduce, graphs, device)  # before the KV pool is allocated
         # Verify steps replay as one decode row per token: up to 1 + k rows per request.

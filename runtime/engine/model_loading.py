@@ -28,7 +28,7 @@ def load_engine_models(config: EngineConfig, device: torch.device, dtype: torch.
                        tp: TensorParallelGroup | None) -> EngineModels:
     loaded = load_model(config.model, config.load_format, dtype, device,
                         max_positions=config.max_model_len, seed=config.seed,
-                        quantization=config.quantization, tp=None if tp is None else tp.info,
+                        quantization=config.quantization, tp=None if tp is None else tp.shard,
                         revision=config.revision, tokenizer=config.tokenizer,
                         chat_template=config.chat_template,
                         layer_range=None if tp is None else tp.layer_ranges[0])
@@ -40,7 +40,8 @@ def load_engine_models(config: EngineConfig, device: torch.device, dtype: torch.
     if tp is not None:
         # The core sizes and holds this rank's KV heads, and runs the model through the
         # stand-in that sends each call to the other ranks first.
-        kv_heads = tp.info.kv_heads(loaded.config.num_kv_heads)[1]
+        kv_heads = (loaded.config.num_kv_heads if tp.shard is None
+                    else tp.shard.kv_heads(loaded.config.num_kv_heads)[1])
         loaded = dataclasses.replace(
             loaded, model=ShardedModel(loaded.model, tp),
             config=dataclasses.replace(loaded.config, num_kv_heads=kv_heads))

@@ -120,10 +120,13 @@ class CpuDecode:
                                                                        dtype=torch.int64))
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, hidden: torch.Tensor | None = None,
+                stored: Callable[[int], None] | None = None) -> torch.Tensor:
         """Hidden states after the final norm, [T, d], of any step. A pipeline stage starts
         from the previous stage's `hidden` and, unless it is the last, returns the residual
-        stream (as CausalLM.forward does)."""
+        stream (as CausalLM.forward does). `stored`: called with each layer's index once the
+        step's K and V are in the cache, before attention (sequence parallelism's
+        exchange)."""
         model, kv = self.model, self.kv_cache
         page = kv.page_size
         if hidden is None:
@@ -136,7 +139,7 @@ class CpuDecode:
         return self.kernel.forward(hidden, cos, sin, self.layers, self.specs, self.widths,
                                    self.windows, kv.k, kv.v, batch.out_slots, token_seq,
                                    batch.positions, pages, self.final_norm, *self.shape,
-                                   *self._adapters(), self.reduce)
+                                   *self._adapters(), self.reduce, stored)
 
     def _adapters(self) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The kernel's LoRA arguments for this step: A, B and the part columns of each

@@ -29,7 +29,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -52,10 +52,20 @@ from radixlm.runtime.execution.step_result import PendingHidden
 from radixlm.runtime.models.architecture.model_config import ModelConfig
 from radixlm.runtime.models.loader import ARCHITECTURE_PRESETS, resolve_model
 from radixlm.runtime.parallel.pipeline import PipelineChannel
+from radixlm.runtime.parallel.sequence import (
+    ExchangingAttention,
+    KVExchange,
+    gather_rows,
+    kv_rows,
+    row_ranges,
+    store_kv_rows,
+    sub_batch,
+)
 
 log = logging.getLogger(__name__)
 
 FORWARD, LOGITS, HEARTBEAT, STOP, GRAPH, GREEDY, LORA, LORA_LOAD = 1, 2, 3, 4, 5, 6, 7, 8
+SPLIT_FORWARD, KV_ROWS = 9, 10  # sequence parallelism (sequence.py)
 HEADER = 4  # int64 words: (command, a, b, c)
 # Workers launched here (not by hand for a multi-node run) watch this process id and exit
 # when it goes away, so a killed engine leaves no orphans.
@@ -92,10 +102,10 @@ class StepChannel:
     def recv_header(self) -> list[int]:
         return self._recv_host(HEADER)
 
-    def send_forward(self, batch: ForwardBatch) -> None:
+    def send_forward(self, batch: ForwardBatch, command: int = FORWARD) -> None:
         num, seqs = batch.num_tokens, len(batch.q_lens)
         cols = batch.slot_table.shape[1]
-        self.send_header(FORWARD, num, seqs, cols)
+        self.send_header(command, num, seqs, cols)
         self._send_host(batch.q_lens + batch.kv_lens)
         packed = torch.cat([batch.input_ids.to(torch.int64), batch.positions, batch.out_slots,
                             batch.slot_table.reshape(-1)])
@@ -156,6 +166,22 @@ class StepChannel:
         dist.broadcast(hidden, src=0, group=self.group)
         return hidden
 
+    def send_kv_rows(self, cache: KVCache, slots: torch.Tensor) -> None:
+        """A step rank 0 computed alone: its rows' K and V, every layer's (sequence.py)."""
+        rows = kv_rows(cache, slots)
+        self.send_header(KV_ROWS, *rows.shape[1:])
+        dist.broadcast(slots, src=0, group=self.group)
+        dist.broadcast(rows, src=0, group=self.group)
+
+    def recv_kv_rows(self, header: list[int], cache: KVCache) -> None:
+        _, num, heads, width = header
+        slots = torch.empty(num, dtype=torch.int64, device=self.device)
+        dist.broadcast(slots, src=0, group=self.group)
+        rows = torch.empty(cache.k.shape[0], num, heads, width, dtype=torch.uint8,
+                           device=self.device)
+        dist.broadcast(rows, src=0, group=self.group)
+        store_kv_rows(cache, slots, rows)
+
 
 class TensorParallelGroup:
     """Rank 0's handle on the group: the worker processes and the step channels. With
@@ -172,12 +198,14 @@ class TensorParallelGroup:
         _check_sizes(config, shape)  # before any process starts
         self.config = config
         self.tp_size = config.tp_size
-        self.size = config.tp_size * config.pp_size
+        self.sp_size = config.sp_size
+        self.size = config.tp_size * config.pp_size * config.sp_size
         # Each stage's [first, end) layers; this process holds the first stage's.
         self.layer_ranges = split_layers(shape.num_layers, config.pp_size)
         self.error: str | None = None  # set once a rank is lost; the group is then broken
         self._last_message = time.monotonic()
         self._threads: int | None = None  # this process's CPU threads before the group
+        self.split_steps = 0  # sequence parallelism: steps split across the ranks
         backend = backend_for(device)
         env = rendezvous_env(self.size)
         # The workers learn the rest of the config from rank 0 once they have joined.
@@ -207,6 +235,8 @@ class TensorParallelGroup:
                          PipelineChannel(pipeline, 0, shape.hidden_size, device, dtype))
             # Agreements need every rank, of every stage.
             self._everyone = self.info.host_group if pipeline is None else pipeline.control
+            # What the model is built with: sequence-parallel ranks hold it whole.
+            self.shard = None if self.sp_size > 1 else self.info
             dist.broadcast_object_list([config], src=0)
         except BaseException:
             self.shutdown(graceful=False)
@@ -238,8 +268,25 @@ class TensorParallelGroup:
         rows = stream.shape[0]
         return PendingHidden(lambda: self.run(lambda: pipe.recv_hidden(rows, pipe.last_rank)))
 
+    def sequence_step(self, batch: ForwardBatch,
+                      compute: Callable[[ForwardBatch, KVExchange | None], torch.Tensor]
+                      ) -> torch.Tensor:
+        """A step under sequence parallelism (sequence.py): split across the ranks when it
+        is long enough, `compute` running rank 0's rows with the exchange; else computed
+        here alone and its K and V sent to the others."""
+        if batch.num_tokens < max(self.config.sp_min_tokens, self.size):
+            hidden = self.run(lambda: compute(batch, None))
+            self._broadcast(lambda: self.channel.send_kv_rows(batch.kv_cache, batch.out_slots))
+            return hidden
+        self._broadcast(lambda: self.channel.send_forward(batch, SPLIT_FORWARD))
+        self.split_steps += 1
+        ranges = row_ranges(batch.num_tokens, self.size)
+        own = self.run(lambda: compute(sub_batch(batch, *ranges[0]),
+                                       KVExchange(batch, ranges, 0)))
+        return self.run(lambda: gather_rows(own, ranges))
+
     def _send_header(self, command: int) -> None:
-        if self.tp_size > 1:
+        if self.tp_size > 1 or self.sp_size > 1:
             self.channel.send_header(command)
         if self.pipe is not None:
             self.pipe.send_header(command)
@@ -269,7 +316,7 @@ class TensorParallelGroup:
 
     def hidden_for_logits(self, hidden: torch.Tensor, command: int = LOGITS) -> None:
         """Stage 0's other ranks score the same rows (each holds a shard of the head)."""
-        if self.tp_size > 1:
+        if self.tp_size > 1:  # (sequence-parallel ranks hold the whole head: rank 0 scores)
             self._broadcast(lambda: self.channel.send_hidden(hidden, command))
 
     def heartbeat(self, interval: float) -> None:
@@ -371,6 +418,12 @@ class ShardedModel:
     def __call__(self, batch: ForwardBatch, attn: Any) -> torch.Tensor | PendingHidden:
         """The hidden states to score; with pipeline stages after this one, the pending
         output of the last."""
+        if self.group.sp_size > 1:
+            def compute(rows: ForwardBatch, exchange: KVExchange | None) -> torch.Tensor:
+                attn.plan(rows)
+                return self.model(rows, attn if exchange is None
+                                  else ExchangingAttention(attn, exchange))
+            return self.group.sequence_step(batch, compute)
         self.group.forward(batch)
         hidden = self.group.run(lambda: self.model(batch, attn))
         return hidden if self.group.pipe is None else self.group.hand_on(hidden)
@@ -402,6 +455,9 @@ class ShardedKernel:
         self.kernel.lora = slots
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor | PendingHidden:
+        if self.group.sp_size > 1:
+            return self.group.sequence_step(
+                batch, lambda rows, exchange: self.kernel.forward(rows, stored=exchange))
         self.group.forward(batch)
         hidden = self.group.run(lambda: self.kernel.forward(batch))
         return hidden if self.group.pipe is None else self.group.hand_on(hidden)

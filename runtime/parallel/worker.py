@@ -39,15 +39,24 @@ from radixlm.runtime.models.loader import load_model
 from radixlm.runtime.models.lora.adapter import load_adapter
 from radixlm.runtime.models.lora.slots import follower_slots
 from radixlm.runtime.parallel.pipeline import PipelineChannel
+from radixlm.runtime.parallel.sequence import (
+    ExchangingAttention,
+    KVExchange,
+    gather_rows,
+    row_ranges,
+    sub_batch,
+)
 from radixlm.runtime.parallel.sharded import (
     FORWARD,
     GRAPH,
     GREEDY,
     HEARTBEAT,
+    KV_ROWS,
     LOGITS,
     LORA,
     LORA_LOAD,
     PARENT_ENV,
+    SPLIT_FORWARD,
     STOP,
     StepChannel,
     agree,
@@ -95,14 +104,15 @@ def serve(rank: int, world_size: int, local_rank: int) -> None:
         # collective wait for a descheduled peer (10x slower steps on two cores).
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     dtype = config.torch_dtype(device)
+    shard = None if config.sp_size > 1 else tp  # sequence-parallel ranks hold the whole model
     loaded = load_model(config.model, config.load_format, dtype, device,
                         max_positions=config.max_model_len, seed=config.seed,
-                        quantization=config.quantization, tp=tp, layer_range=layer_range)
+                        quantization=config.quantization, tp=shard, layer_range=layer_range)
     mc, model = loaded.config, loaded.model
     dist.broadcast_object_list(box, src=0)
     start = box[0]
     setup_all_reduce(start["all_reduce"], start["all_reduce_numel"], dtype, device)
-    kv_heads = tp.kv_heads(mc.num_kv_heads)[1]
+    kv_heads = mc.num_kv_heads if shard is None else shard.kv_heads(mc.num_kv_heads)[1]
     kv_cache = KVCache(len(mc.held_layers), start["num_slots"], kv_heads, mc.head_dim, dtype,
                        device,
                        config.page_size, kv_storage_dtype(config.kv_cache_dtype, dtype))
@@ -123,18 +133,21 @@ def serve(rank: int, world_size: int, local_rank: int) -> None:
     if device.type == "cpu":
         kernel = (None if config.disable_cpu_kernel
                   else build_cpu_decode(model, attn, kv_cache,
-                                        ordered_all_reduce if tp.size > 1 else None))
+                                        ordered_all_reduce if tp.size > 1 and shard
+                                        else None))
         if not agree(kernel is not None, tp.host_group if pipeline is None
                      else pipeline.control):
             kernel = None
         elif lora is not None:
             kernel.lora = lora
 
-    def forward(batch: ForwardBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(batch: ForwardBatch, hidden: torch.Tensor | None = None,
+                exchange: KVExchange | None = None) -> torch.Tensor:
         if kernel is not None:
-            return kernel.forward(batch, hidden)
+            return kernel.forward(batch, hidden, exchange)
         attn.plan(batch)
-        return model(batch, attn, hidden)
+        return model(batch, attn if exchange is None else ExchangingAttention(attn, exchange),
+                     hidden)
 
     pipe = (None if pipeline is None else
             PipelineChannel(pipeline, tp.rank, mc.hidden_size, device, dtype))
@@ -149,6 +162,14 @@ def serve(rank: int, world_size: int, local_rank: int) -> None:
             stream = forward(channel.recv_forward(header, kv_cache))
             if pipe is not None:
                 pipe.send_hidden(stream)
+        elif command == SPLIT_FORWARD:  # sequence parallelism: this rank's rows
+            batch = channel.recv_forward(header, kv_cache)
+            ranges = row_ranges(batch.num_tokens, world_size)
+            own = forward(sub_batch(batch, *ranges[rank]), None,
+                          KVExchange(batch, ranges, rank))
+            gather_rows(own, ranges)
+        elif command == KV_ROWS:
+            channel.recv_kv_rows(header, kv_cache)
         elif command == LORA:
             lora.follow(*channel.recv_lora(header))
         elif command == LORA_LOAD:

@@ -227,6 +227,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 # fractions are of the whole GPU; ours is of the memory left free after the weights.
 _ALIASES = {"tp_size": ["--tp", "--tensor-parallel-size", "-tp"],
             "pp_size": ["--pp", "--pipeline-parallel-size", "-pp"],
+            "sp_size": ["--sp", "--sequence-parallel-size", "-sp"],
             "max_model_len": ["--context-length"],
             "kv_cache_memory_fraction": ["--mem-fraction-static", "--gpu-memory-utilization"]}
 # Engine flags that take several values (a tuple of strings), with what each one is.
