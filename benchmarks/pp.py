@@ -1,12 +1,13 @@
-"""Pipeline parallelism: measured on this machine against one process and tensor parallelism,
-and a paper model of the step time for 2-8 GPUs and 2 nodes.
+"""Pipeline and sequence parallelism: measured on this machine against one process and
+tensor parallelism, and a paper model of the step time for 2-8 GPUs and 2 nodes.
 
 Measured (each configuration in a fresh process, one engine per process): B prompts decoding
 together (generated tokens per second), batch-1 decode ms/token ((time of N new tokens - time
-of 1) / (N - 1)), and the pipeline's structure as rank 0 sees it: per launched batch, the
-time it computes the first stage, the time it waits for the last stage's output (the
-pipeline not yet full, or a later stage slower), and the host's share (scheduling, sampling).
-Those feed the model's prediction for the same run: with P batches in flight of B/P rows, a
+of 1) / (N - 1)), the time to the first token of one long prompt (sequence parallelism's
+case: its prefill chunks split across the ranks), and the pipeline's structure as rank 0
+sees it: per launched batch, the time it computes the first stage, the time it waits for the
+last stage's output (the pipeline not yet full, or a later stage slower), and the host's
+share (scheduling, sampling). Those feed the model's prediction for the same run: with P batches in flight of B/P rows, a
 batch leaves the pipeline every max(first stage + host, slowest later stage + send), so
 predicted tokens/s = (B/P) / that.
 
@@ -15,8 +16,11 @@ FLOPs and link speeds: a stage reads its share of the weights and of the KV, com
 share of the FLOPs, and sends the hidden states on; tensor parallelism reads 1/P of
 everything but all-reduces twice per layer. It assumes CUDA graphs and full overlap of
 stages; its point is the shape of the trade-off (when TP, when PP), not a promise.
+`paper_prefill` does the same for one long prompt's prefill: TP splits every layer and
+all-reduces its output; SP splits the rows, exchanges K and V per layer, and its last rank,
+whose rows see the most keys, sets the pace of causal attention.
 
-    python benchmarks/pp.py                                   # CPU: default model, 1/pp2/pp3/tp3
+    python benchmarks/pp.py                         # CPU: default model, 1/pp2/pp3/tp3/sp2
     python benchmarks/pp.py --configs 1 pp2 --batch 8 --output-len 16
 """
 
@@ -125,13 +129,40 @@ def _pipeline_round(model: dict, hw: dict, stages: int, rows: int, context: int,
     return max(stages * stage + HOST_S, batches * max(stage, HOST_S))
 
 
+def paper_prefill(gpu: str, model_name: str, tokens: int) -> list[dict[str, Any]]:
+    """Time to first token of one `tokens`-long prompt on 1 GPU, TP=P and SP=P (P = 2, 4, 8)
+    inside a node, and SP=2 across two nodes (a GPU each)."""
+    hw, model = HARDWARE[gpu], MODELS[model_name]
+    layers, hidden = model["layers"], model["hidden"]
+    linear = 2 * model["params"] * tokens / hw["flops"]
+    attention = 2 * tokens * tokens * hidden * layers / hw["flops"]  # causal: half of 4 T^2 d L
+    kv_bytes = tokens * model["kv_token"] / layers  # one layer's K and V of the whole prompt
+    weights = 2 * model["params"]
+    out = [{"config": "1 GPU", "gpus": 1, "ttft_ms": (linear + attention) * 1e3,
+            "fits": weights <= hw["memory"]}]
+    for p, where, link, lat in ((2, "node", hw["nvlink"], hw["nvlink_lat"]),
+                                (4, "node", hw["nvlink"], hw["nvlink_lat"]),
+                                (8, "node", hw["nvlink"], hw["nvlink_lat"]),
+                                (2, "2 nodes", NETWORK["bw"], NETWORK["lat"])):
+        reduce = 2 * layers * _all_reduce(tokens * hidden * 2, p, link, lat)
+        out.append({"config": f"TP={p} ({where})", "gpus": p,
+                    "ttft_ms": ((linear + attention) / p + reduce) * 1e3,
+                    "fits": weights / p <= hw["memory"]})
+        # Contiguous rows: the last rank's queries see (2P - 1) / P^2 of the causal pairs.
+        gather = layers * ((p - 1) / p * kv_bytes / link + lat * (1 + math.log2(p)))
+        out.append({"config": f"SP={p} ({where})", "gpus": p,  # every GPU holds the model
+                    "ttft_ms": (linear / p + attention * (2 * p - 1) / p ** 2 + gather) * 1e3,
+                    "fits": weights <= hw["memory"]})
+    return out
+
+
 # -- the measurement -------------------------------------------------------------------------
 
 def _config_options(config: str) -> dict[str, int]:
     if config == "1":
         return {}
     kind, size = config[:2], int(config[2:])
-    return {"pp_size": size} if kind == "pp" else {"tp_size": size}
+    return {{"pp": "pp_size", "tp": "tp_size", "sp": "sp_size"}[kind]: size}
 
 
 def measure(config: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -183,6 +214,10 @@ def measure(config: str, args: argparse.Namespace) -> dict[str, Any]:
         engine.generate(input_ids=[[4] + prompt], sampling_params=many)
         tn = time.perf_counter() - start
         decode_ms = (tn - t1) / (args.output_len - 1) * 1e3
+        long_prompt = [5] + [(7 * i) % 40000 + 100 for i in range(args.long_prompt - 1)]
+        start = time.perf_counter()
+        engine.generate(input_ids=[long_prompt], sampling_params=one)
+        ttft_ms = (time.perf_counter() - start) * 1e3
         before = dict(spans)
         steps_before = engine.stats()["steps"]
         start = time.perf_counter()
@@ -192,6 +227,7 @@ def measure(config: str, args: argparse.Namespace) -> dict[str, Any]:
     generated = sum(len(o.token_ids) for o in outs)
     batches = spans["batches"] - before["batches"]
     run = {"config": config, "batch": args.batch, "decode_ms_per_token": decode_ms,
+           "long_prompt_ttft_ms": ttft_ms,
            "throughput_tok_s": generated / elapsed, "elapsed_s": elapsed,
            "steps": stats["steps"] - steps_before, "pipelined_steps": stats["pipelined_steps"]}
     if batches:
@@ -213,14 +249,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="default: the embedded model")
     parser.add_argument("--engine-options", default=json.dumps({"tp_timeout": 120}))
-    parser.add_argument("--configs", nargs="+", default=["1", "pp2", "pp3", "tp3"],
-                        help="1, ppN (pipeline stages), tpN (tensor-parallel ranks)")
+    parser.add_argument("--configs", nargs="+", default=["1", "pp2", "pp3", "tp3", "sp2"],
+                        help="1, ppN (pipeline stages), tpN (tensor-parallel ranks), spN "
+                             "(sequence-parallel ranks)")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--long-prompt", type=int, default=2048,
+                        help="tokens of the prompt whose time to first token is measured")
     parser.add_argument("--gpu", default="H100", choices=sorted(HARDWARE))
     parser.add_argument("--paper-rows", type=int, default=256)
     parser.add_argument("--paper-context", type=int, default=2048)
+    parser.add_argument("--paper-prompt", type=int, default=32768)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -231,11 +271,12 @@ def main() -> None:
     base = runs[0]["throughput_tok_s"]
     print(f"\nmeasured on {os.cpu_count()} CPU threads, batch {args.batch}, "
           f"{args.prompt_len} prompt + {args.output_len} new tokens")
-    print(f"{'config':>7} {'tok/s':>8} {'vs 1':>6} {'b1 ms/tok':>10} {'stage0 ms':>10} "
-          f"{'wait ms':>8} {'host ms':>8} {'predicted':>10}")
+    print(f"{'config':>7} {'tok/s':>8} {'vs 1':>6} {'b1 ms/tok':>10} {'TTFT ms':>8} "
+          f"{'stage0 ms':>10} {'wait ms':>8} {'host ms':>8} {'predicted':>10}")
     for run in runs:
         print(f"{run['config']:>7} {run['throughput_tok_s']:8.1f} "
               f"{run['throughput_tok_s'] / base:5.2f}x {run['decode_ms_per_token']:10.2f} "
+              f"{run['long_prompt_ttft_ms']:8.0f} "
               f"{run.get('stage0_ms', float('nan')):10.2f} {run.get('wait_ms', float('nan')):8.2f} "
               f"{run.get('host_ms', float('nan')):8.2f} "
               f"{run.get('predicted_tok_s', float('nan')):10.1f}")
@@ -248,10 +289,20 @@ def main() -> None:
         for row in rows:
             print(f"{row['config']:>24} {row['decode_tok_s']:13.0f} {row['decode_step_ms']:8.2f} "
                   f"{row['prefill_tok_s']:14.0f}" + ("" if row["fits"] else "  (does not fit)"))
+    prefill = {name: paper_prefill(args.gpu, name, args.paper_prompt) for name in MODELS}
+    for name, rows in prefill.items():
+        print(f"\npaper model: one {args.paper_prompt}-token prompt's prefill, {name} bf16 on "
+              f"{args.gpu}")
+        print(f"{'config':>24} {'TTFT ms':>9} {'x 1 GPU':>8}")
+        for row in rows:
+            print(f"{row['config']:>24} {row['ttft_ms']:9.1f} "
+                  f"{rows[0]['ttft_ms'] / row['ttft_ms']:7.2f}x"
+                  + ("" if row["fits"] else "  (does not fit)"))
     record = {"benchmark": "pp", "date": datetime.date.today().isoformat(),
               "machine": {"processor": platform.processor() or platform.machine(),
                           "threads": os.cpu_count()},
               "config": vars(args), "measured": runs, "paper_model": paper,
+              "paper_prefill": prefill,
               "paper_assumptions": {"hardware": HARDWARE[args.gpu], "network": NETWORK,
                                     "host_s": HOST_S}}
     out = args.out or str(results_dir() / "pp.json")
