@@ -165,9 +165,13 @@ def test_build_key_follows_the_build_not_the_checkout(tmp_path):
 # --- the lock and the rename, with a fake build ---------------------------------------------
 
 HOLDER = textwrap.dedent("""
-    import logging, sys
+    import logging, signal, sys
     from pathlib import Path
     from radixlm.kernels import build_cache
+    # Ctrl-C raises KeyboardInterrupt here, as in a terminal, even when the test run was
+    # started in the background by a shell without job control (its children, this one
+    # too, then inherit SIGINT ignored).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     logging.basicConfig(level=logging.INFO)
     root, marker = Path(sys.argv[1]), sys.argv[2]
 

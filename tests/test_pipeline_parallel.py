@@ -51,24 +51,27 @@ def test_layers_split_into_stages_and_options_are_checked():
             EngineConfig(pp_size=2, **clash)
 
 
-def _run_stages(stages: list, ids: list[int], chunks: list[int]) -> torch.Tensor:
+def _run_stages(stages: list, ids: list[int], chunks: list[int], device: torch.device = CPU,
+                dtype: torch.dtype = torch.float32, backend: str = "torch") -> torch.Tensor:
     """One sequence through the stages chunk by chunk, each stage with its own KV cache
     over the same slots; the logits the first stage's head gives for the last stage's
     output."""
     page_size = 4
-    table = ReqToTokenTable(1, 256, page_size, CPU)
+    table = ReqToTokenTable(1, 256, page_size, device)
     row = table.acquire()
     table.write_pages(row, 0, list(range(63, 0, -2))[: -(-len(ids) // page_size)])
     caches = [KVCache(len(s.config.held_layers), 256, s.config.num_kv_heads, s.config.head_dim,
-                      torch.float32, CPU, page_size) for s in stages]
-    attn = create_backend("torch", stages[0].config.head_dim ** -0.5)
+                      dtype, device, page_size) for s in stages]
+    attn = create_backend(backend, scale=stages[0].config.head_dim ** -0.5, device=device,
+                          dtype=dtype, head_dim=stages[0].config.head_dim)
     logits, start = [], 0
     for size in chunks:
         end = start + size
         hidden = None
         for stage, cache in zip(stages, caches):
-            batch = ForwardBatch(input_ids=torch.tensor(ids[start:end]),
-                                 positions=torch.arange(start, end), q_lens=[size],
+            batch = ForwardBatch(input_ids=torch.tensor(ids[start:end], device=device),
+                                 positions=torch.arange(start, end, device=device),
+                                 q_lens=[size],
                                  kv_lens=[end], out_slots=table.table[row, start:end],
                                  slot_table=table.table[row:row + 1, :end], kv_cache=cache)
             attn.plan(batch)
@@ -102,6 +105,26 @@ def test_stages_chained_compute_the_whole_models_bits(tmp_path, family):
         # Only the first stage holds the vocabulary-sized weights.
         assert all(s.model.model.embed_tokens.weight.numel() == 0 for s in stages[1:])
         assert torch.equal(_run_stages(stages, ids, chunks), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_stages_on_cuda_with_the_fused_kernels_compute_the_whole_models_bits(tmp_path):
+    """On CUDA the Llama module carries the residual stream through fused add + RMSNorm
+    kernels; a stage hands on their sum (rounded as the fused add rounds it), so chained
+    stages in bfloat16 give the whole model's logits bit for bit."""
+    cuda = torch.device("cuda")
+    folder = save_tiny_hf_model(tmp_path, "llama", vocab_size=511, num_hidden_layers=4,
+                                hidden_size=256, intermediate_size=512)
+    ids = torch.randint(3, 500, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    chunks = [17, 1, 20, 1, 1]
+    whole = load_model(str(folder), "auto", torch.bfloat16, cuda)
+    assert whole.model.fused is not None  # the fused path is what this checks
+    expected = _run_stages([whole], ids, chunks, cuda, torch.bfloat16, "triton")
+    stages = [load_model(str(folder), "auto", torch.bfloat16, cuda, layer_range=r)
+              for r in [(0, 1), (1, 3), (3, 4)]]
+    assert torch.equal(_run_stages(stages, ids, chunks, cuda, torch.bfloat16, "triton"),
+                       expected)
 
 
 def _outputs(engine: Engine, params: list[dict], **prompts) -> list:
@@ -138,12 +161,13 @@ def test_default_model_stages_give_one_process_bits():
             assert len(engine.core.runner.model.model.model.layers) == 30 // pp
 
 
-def test_tp2_by_pp2_matches_tp2_and_a_lost_stage_fails_requests(tmp_path):
-    """Four processes: two stages of two tensor-parallel ranks, float32, an untied head over
+def test_tp3_by_pp2_matches_tp3_and_a_lost_stage_fails_requests(tmp_path):
+    """Six processes: two stages of three tensor-parallel ranks, float32, an untied head over
     an odd vocabulary (vocab-parallel on stage 0), with penalties and logprobs (every
-    rank's logits gathered): the same bits as tensor parallelism alone. Then the last
-    stage's rank is killed mid-generation: the request ends with an error, close() returns."""
-    folder = save_tiny_hf_model(tmp_path, "llama", vocab_size=511, num_key_value_heads=1,
+    rank's logits gathered): the same bits as tensor parallelism alone. Then a rank of the
+    last stage is killed mid-generation: the request ends with an error, close() returns."""
+    folder = save_tiny_hf_model(tmp_path, "llama", vocab_size=511, num_attention_heads=6,
+                                num_key_value_heads=3, hidden_size=96, intermediate_size=192,
                                 tie=False, num_hidden_layers=3)
     prompts = [[1, 5, 9, 33, 7], [1] + list(range(100, 140)), [1, 300, 301, 302], [1, 2]]
     params = [{"max_new_tokens": 10, "temperature": 0},
@@ -157,10 +181,10 @@ def test_tp2_by_pp2_matches_tp2_and_a_lost_stage_fails_requests(tmp_path):
 
     with Engine(str(folder), **options) as engine:
         alone = run(engine)
-    with Engine(str(folder), tp_size=2, **options) as engine:
+    with Engine(str(folder), tp_size=3, **options) as engine:
         expected = run(engine)
     assert [o[0] for o in expected] == [o[0] for o in alone]
-    engine = Engine(str(folder), tp_size=2, pp_size=2, **options)
+    engine = Engine(str(folder), tp_size=3, pp_size=2, **options)
     try:
         assert run(engine) == expected
         _pages_accounted(engine)
@@ -170,10 +194,10 @@ def test_tp2_by_pp2_matches_tp2_and_a_lost_stage_fails_requests(tmp_path):
             engine.generate(input_ids=[1, 2, 3], sampling_params=long)))
         runner.start()
         time.sleep(0.5)
-        engine._tp.workers[3].kill()
+        engine._tp.workers[5].kill()
         runner.join(timeout=60)
         assert not runner.is_alive(), "the request hung after a stage's rank died"
-        assert results[0].finish_reason == "abort" and "rank 3" in results[0].error
+        assert results[0].finish_reason == "abort" and "rank 5" in results[0].error
     finally:
         start = time.monotonic()
         engine.close()

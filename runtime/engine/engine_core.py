@@ -67,8 +67,14 @@ class EngineCore:
                                graphs)
         self.kv_cache = setup.kv_cache(loaded)
         self.allocator = PageAllocator(num_pages, config.page_size)
+        # A row holds one request's slots: at most max_model_len tokens and a verify step's
+        # drafts, in whole pages (not the whole pool: a small model's pool on a large GPU
+        # holds hundreds of millions of tokens, which rows that wide would not fit).
+        drafts = config.num_speculative_tokens + 1 if config.speculative else 0
+        row_pages = -(-(self.max_model_len + drafts) // config.page_size)
         self.table = ReqToTokenTable(config.max_running_requests,
-                                     num_pages * config.page_size, config.page_size, device)
+                                     min(num_pages, row_pages) * config.page_size,
+                                     config.page_size, device)
         self.cache = (None if config.disable_radix_cache
                       else RadixCache(config.page_size, self.allocator))
         self.tier = None
