@@ -7,9 +7,9 @@ of 1) / (N - 1)), the time to the first token of one long prompt (sequence paral
 case: its prefill chunks split across the ranks), and the pipeline's structure as rank 0
 sees it: per launched batch, the time it computes the first stage, the time it waits for the
 last stage's output (the pipeline not yet full, or a later stage slower), and the host's
-share (scheduling, sampling). Those feed the model's prediction for the same run: with P batches in flight of B/P rows, a
-batch leaves the pipeline every max(first stage + host, slowest later stage + send), so
-predicted tokens/s = (B/P) / that.
+share (scheduling, sampling). Those feed the model's prediction for the same run: with P
+batches of B/P rows in flight, a batch leaves the pipeline every max(first stage + host,
+slowest later stage + send), so predicted tokens/s = (B/P) / that.
 
 The paper model (`paper_model`) prices one decode step and one prefill chunk from bytes,
 FLOPs and link speeds: a stage reads its share of the weights and of the KV, computes its

@@ -141,7 +141,7 @@ def init_group(rank: int, world_size: int, backend: str, timeout_s: float,
         dist.init_process_group(backend, init_method="env://", rank=rank,
                                 world_size=world_size, timeout=timeout)
         # Step descriptions travel host to host, so a rank can queue its GPU work without
-        # waiting for its GPU to receive them first (see tensor_parallel.StepChannel).
+        # waiting for its GPU to receive them first (see parallel.step_channel.StepChannel).
         host_group = (dist.group.WORLD if backend == "gloo"
                       else dist.new_group(backend="gloo", timeout=timeout))
         pipeline = None

@@ -26,9 +26,7 @@ import torch.distributed as dist
 from radixlm.runtime.attention.backend import ForwardBatch
 from radixlm.runtime.attention.kv_cache import KVCache
 from radixlm.runtime.distributed.groups import PipelineInfo
-
-FORWARD = 1  # the step commands' numbering is tensor parallelism's (sharded.py)
-HEADER = 4
+from radixlm.runtime.parallel.step_channel import FORWARD, HEADER
 
 
 class PipelineChannel:
