@@ -20,7 +20,7 @@ LAYERS: dict[str, set[str]] = {
     "cli": {"server", "quantize", "runtime", "models", "config"},
     "server": {"replicas", "engine_process", "engine", "models", "programs", "protocol", "config",
                "grammar"},
-    "replicas": {"engine_process", "engine"},  # routing imports nothing; ray_actors only Ray
+    "replicas": {"engine_process", "engine", "distributed"},  # ray_actors: Ray's cluster
     "engine_process": {"engine"},
     "quantize": {"models", "attention"},
     "runtime": {"engine", "scheduling", "config"},

@@ -286,3 +286,34 @@ def test_a_server_with_a_hand_started_stage_matches_one_process(tmp_path):
         if worker.poll() is None:
             worker.kill()
             worker.wait()
+
+
+def test_ranks_placed_by_ray_match_one_process(tmp_path):
+    """distributed_executor_backend="ray": rank 1 (the second stage) is a Ray actor on a
+    local cluster, watched through the same poll/wait/kill as a process; the output is one
+    process's, and closing the engine stops the actor and frees its placement."""
+    ray = pytest.importorskip("ray")
+    from radixlm.runtime.parallel.ray_workers import RayRank
+
+    folder = save_tiny_hf_model(tmp_path, "llama", vocab_size=511, num_hidden_layers=3)
+    prompts = [[1, 5, 9, 33, 7], [1] + list(range(100, 140))]
+    greedy = {"max_new_tokens": 10, "temperature": 0}
+    options = dict(dtype="float32", device="cpu", max_total_tokens=4096, tp_timeout=60)
+    with Engine(str(folder), **options) as engine:
+        expected = _outputs(engine, [greedy] * 2, input_ids=prompts)
+    started = ray.is_initialized()
+    try:
+        with Engine(str(folder), pp_size=2, distributed_executor_backend="ray",
+                    **options) as engine:
+            rank = engine._tp.workers[1]
+            assert isinstance(rank, RayRank) and rank.poll() is None
+            assert _outputs(engine, [greedy] * 2, input_ids=prompts) == expected
+        assert rank.wait(30) == 0
+        deadline = time.monotonic() + 20  # Ray frees a removed group's resources shortly after
+        while (ray.available_resources().get("CPU") != ray.cluster_resources().get("CPU")
+               and time.monotonic() < deadline):
+            time.sleep(0.2)
+        assert ray.available_resources().get("CPU") == ray.cluster_resources().get("CPU")
+    finally:
+        if not started:
+            ray.shutdown()

@@ -21,6 +21,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 PROGRAM_POLICIES = ("plas", "fcfs")
 OVERLAP_MODES = ("auto", "on", "off")
+DISTRIBUTED_EXECUTORS = ("mp", "ray")
 SPECULATIVE_METHODS = ("ngram", "draft")
 GRAMMAR_BACKENDS = ("llguidance", "outlines")
 # A quantization method, or "none": float weights (a GGUF model's blocks dequantized).
@@ -108,6 +109,10 @@ class EngineConfig:
     # alone, which then hands their K and V to the others.
     sp_size: int = 1
     sp_min_tokens: int = 256
+    # How the other ranks (tp_size x pp_size x sp_size - 1 of them) start: "mp", processes on
+    # this machine; "ray", actors that Ray places on its cluster's nodes (RAY_ADDRESS, else a
+    # local cluster; needs radixlm[ray]; runtime/parallel/ray_workers.py).
+    distributed_executor_backend: str = "mp"
     # The all-reduce of activations on CUDA: "symmetric" (PyTorch symmetric memory over
     # NVLink: each rank reads its peers' buffers; lower latency than NCCL for decode-sized
     # tensors, used up to the decode graphs' largest batch), "nccl", or "auto" (symmetric
@@ -201,6 +206,8 @@ class EngineConfig:
         _positive_int(self.pp_size, "pp_size")
         _positive_int(self.sp_size, "sp_size")
         _positive_int(self.sp_min_tokens, "sp_min_tokens")
+        _one_of(self.distributed_executor_backend, DISTRIBUTED_EXECUTORS,
+                "distributed_executor_backend")
         self._check_pipeline_options()
         _one_of(self.tp_all_reduce, ("auto", "symmetric", "nccl"), "tp_all_reduce")
         if (isinstance(self.tp_timeout, bool) or not isinstance(self.tp_timeout, (int, float))

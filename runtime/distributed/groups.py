@@ -110,15 +110,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rendezvous_env(world_size: int) -> dict[str, str]:
-    """MASTER_ADDR/MASTER_PORT from the environment, or localhost and a free port. A launch
-    on this machine alone keeps gloo on the loopback interface (unless GLOO_SOCKET_IFNAME
-    says otherwise): the host name may resolve to an address the ranks cannot reach."""
-    env = {"MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
+def rendezvous_env(world_size: int, host: str = "127.0.0.1") -> dict[str, str]:
+    """MASTER_ADDR/MASTER_PORT from the environment, or `host` (this machine's address where
+    the other ranks reach it) and a free port. A launch on this machine alone keeps gloo on
+    the loopback interface (unless GLOO_SOCKET_IFNAME says otherwise): the host name may
+    resolve to an address the ranks cannot reach."""
+    env = {"MASTER_ADDR": os.environ.get("MASTER_ADDR", host),
            "MASTER_PORT": os.environ.get("MASTER_PORT", str(free_port())),
            "WORLD_SIZE": str(world_size)}
     if env["MASTER_ADDR"] in ("127.0.0.1", "localhost"):
         env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+    elif "GLOO_SOCKET_IFNAME" in os.environ:
+        env["GLOO_SOCKET_IFNAME"] = os.environ["GLOO_SOCKET_IFNAME"]
     return env
 
 

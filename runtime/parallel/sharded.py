@@ -65,16 +65,16 @@ from radixlm.runtime.parallel.step_channel import (
     HEARTBEAT,
     LOGITS,
     LORA_LOAD,
+    PARENT_ENV,
     SPLIT_FORWARD,
     STOP,
     StepChannel,
+    agree,
+    model_shape,
 )
 
 log = logging.getLogger(__name__)
 
-# Workers launched here (not by hand for a multi-node run) watch this process id and exit
-# when it goes away, so a killed engine leaves no orphans.
-PARENT_ENV = "RADIXLM_TP_PARENT_PID"
 
 
 class TensorParallelGroup:
@@ -101,12 +101,22 @@ class TensorParallelGroup:
         self._threads: int | None = None  # this process's CPU threads before the group
         self.split_steps = 0  # sequence parallelism: steps split across the ranks
         backend = backend_for(device)
-        env = rendezvous_env(self.size)
+        external = os.environ.get("RADIXLM_TP_EXTERNAL_WORKERS") == "1"
+        on_ray = config.distributed_executor_backend == "ray" and not external
+        self._placement: Any = None  # the Ray placement group of the workers, with Ray
+        if on_ray:
+            from radixlm.runtime.parallel import ray_workers
+        env = rendezvous_env(self.size, ray_workers.join_cluster() if on_ray else "127.0.0.1")
         # The workers learn the rest of the config from rank 0 once they have joined.
         env.update(RADIXLM_TP_BACKEND=backend, RADIXLM_TP_TIMEOUT=str(config.tp_timeout),
                    RADIXLM_PP_SIZE=str(config.pp_size))
-        self.workers: dict[int, subprocess.Popen] = {}
-        if os.environ.get("RADIXLM_TP_EXTERNAL_WORKERS") != "1":
+        # Local processes, or Ray actors (parallel/ray_workers.py: subprocess.Popen's poll,
+        # wait and kill); none when started by hand.
+        self.workers: dict[int, Any] = {}
+        if on_ray:
+            self.workers, self._placement = ray_workers.launch(
+                list(range(1, self.size)), env, device.type == "cuda")
+        elif not external:
             self.workers = {rank: _launch_worker(rank, env) for rank in range(1, self.size)}
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)  # NCCL's objects go to the current device
@@ -241,6 +251,11 @@ class TensorParallelGroup:
                 pass
         self._kill_workers()
         destroy_group()
+        if self._placement is not None:
+            from radixlm.runtime.parallel import ray_workers
+
+            ray_workers.release(self._placement)
+            self._placement = None
         if self._threads is not None:
             torch.set_num_threads(self._threads)
 
@@ -290,13 +305,6 @@ class TensorParallelGroup:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-
-
-def agree(ok: bool, group: Any) -> bool:
-    """True when every rank of the group says ok."""
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
 
 
 class ShardedModel:
@@ -363,13 +371,6 @@ def _resolved(config: EngineConfig) -> EngineConfig:
     if config.load_format == "dummy" and config.model in ARCHITECTURE_PRESETS:
         return config
     return dataclasses.replace(config, model=str(resolve_model(config.model, config.revision)))
-
-
-def model_shape(config: EngineConfig) -> ModelConfig:
-    """The model's config.json, read before anything is loaded (config.model resolved)."""
-    if config.load_format == "dummy" and config.model in ARCHITECTURE_PRESETS:
-        return ModelConfig.from_dict(ARCHITECTURE_PRESETS[config.model])
-    return ModelConfig.from_folder(config.model)
 
 
 def _check_sizes(config: EngineConfig, shape: ModelConfig) -> None:

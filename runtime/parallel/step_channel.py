@@ -1,6 +1,8 @@
 """What rank 0 broadcasts to the ranks that compute each step with it (tensor parallelism's,
-a pipeline's first stage, sequence parallelism's ranks), and the commands that say what
-comes next (see sharded.py for the protocol, worker.py for the other side)."""
+a pipeline's first stage, sequence parallelism's ranks), the commands that say what comes
+next, and what both sides of that protocol share: the ranks' agreement, the model's shape
+read before loading, the parent-watch variable (see sharded.py for rank 0's side, worker.py
+for the other)."""
 
 from __future__ import annotations
 
@@ -11,11 +13,17 @@ import torch.distributed as dist
 
 from radixlm.runtime.attention.backend import ForwardBatch
 from radixlm.runtime.attention.kv_cache import KVCache
+from radixlm.runtime.config.engine_config import EngineConfig
+from radixlm.runtime.models.architecture.model_config import ModelConfig
+from radixlm.runtime.models.presets import ARCHITECTURE_PRESETS
 from radixlm.runtime.parallel.sequence import kv_rows, store_kv_rows
 
 FORWARD, LOGITS, HEARTBEAT, STOP, GRAPH, GREEDY, LORA, LORA_LOAD = 1, 2, 3, 4, 5, 6, 7, 8
 SPLIT_FORWARD, KV_ROWS = 9, 10  # sequence parallelism (sequence.py)
 HEADER = 4  # int64 words: (command, a, b, c)
+# Workers launched here (not by hand for a multi-node run) watch this process id and exit
+# when it goes away, so a killed engine leaves no orphans.
+PARENT_ENV = "RADIXLM_TP_PARENT_PID"
 
 
 class StepChannel:
@@ -127,3 +135,17 @@ class StepChannel:
                            device=self.device)
         dist.broadcast(rows, src=0, group=self.group)
         store_kv_rows(cache, slots, rows)
+
+
+def agree(ok: bool, group: Any) -> bool:
+    """True when every rank of the group says ok."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def model_shape(config: EngineConfig) -> ModelConfig:
+    """The model's config.json, read before anything is loaded (config.model resolved)."""
+    if config.load_format == "dummy" and config.model in ARCHITECTURE_PRESETS:
+        return ModelConfig.from_dict(ARCHITECTURE_PRESETS[config.model])
+    return ModelConfig.from_folder(config.model)

@@ -46,7 +46,6 @@ from radixlm.runtime.parallel.sequence import (
     row_ranges,
     sub_batch,
 )
-from radixlm.runtime.parallel.sharded import PARENT_ENV, agree, model_shape
 from radixlm.runtime.parallel.step_channel import (
     FORWARD,
     GRAPH,
@@ -56,9 +55,12 @@ from radixlm.runtime.parallel.step_channel import (
     LOGITS,
     LORA,
     LORA_LOAD,
+    PARENT_ENV,
     SPLIT_FORWARD,
     STOP,
     StepChannel,
+    agree,
+    model_shape,
 )
 
 log = logging.getLogger("radixlm.runtime.parallel.worker")

@@ -18,6 +18,7 @@ from typing import Any, Union
 
 from radixlm.runtime.config.engine_config import (
     ATTENTION_BACKENDS,
+    DISTRIBUTED_EXECUTORS,
     GRAMMAR_BACKENDS,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
@@ -238,6 +239,7 @@ _CHOICES = {"attention_backend": ATTENTION_BACKENDS, "schedule_policy": SCHEDULE
             "grammar_backend": GRAMMAR_BACKENDS, "overlap_schedule": OVERLAP_MODES,
             "speculative": SPECULATIVE_METHODS, "load_format": LOAD_FORMATS,
             "tp_all_reduce": ("auto", "symmetric", "nccl"),
+            "distributed_executor_backend": DISTRIBUTED_EXECUTORS,
             "quantization": QUANTIZATIONS, "kv_cache_dtype": KV_CACHE_DTYPES}
 
 
