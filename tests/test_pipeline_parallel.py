@@ -9,11 +9,11 @@ tests share engines across assertions and keep the launches few.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 import torch
+from test_tensor_parallel import generate_over_http, generation_when_a_rank_dies
 
 from radixlm.runtime.attention import create_backend
 from radixlm.runtime.attention.backend import ForwardBatch
@@ -188,16 +188,8 @@ def test_tp3_by_pp2_matches_tp3_and_a_lost_stage_fails_requests(tmp_path):
     try:
         assert run(engine) == expected
         _pages_accounted(engine)
-        results: list = []
-        long = {"max_new_tokens": 600, "temperature": 0, "ignore_eos": True}
-        runner = threading.Thread(target=lambda: results.append(
-            engine.generate(input_ids=[1, 2, 3], sampling_params=long)))
-        runner.start()
-        time.sleep(0.5)
-        engine._tp.workers[5].kill()
-        runner.join(timeout=60)
-        assert not runner.is_alive(), "the request hung after a stage's rank died"
-        assert results[0].finish_reason == "abort" and "rank 5" in results[0].error
+        out = generation_when_a_rank_dies(engine, 5)
+        assert out.finish_reason == "abort" and "rank 5" in out.error
     finally:
         start = time.monotonic()
         engine.close()
@@ -245,11 +237,9 @@ def test_a_server_with_a_hand_started_stage_matches_one_process(tmp_path):
     as rank 0 with RADIXLM_TP_EXTERNAL_WORKERS=1, and the second stage's rank started by
     hand with RADIXLM_PP_SIZE; greedy output over HTTP equals one process's, and stopping
     the server stops the hand-started rank."""
-    import json
     import os
     import subprocess
     import sys
-    import urllib.request
 
     from radixlm.backends.server_process import ServerProcess
     from radixlm.runtime.distributed.groups import free_port
@@ -272,15 +262,7 @@ def test_a_server_with_a_hand_started_stage_matches_one_process(tmp_path):
                            env={**every, "RADIXLM_TP_EXTERNAL_WORKERS": "1"})
     try:
         with server:
-            got = []
-            for prompt in prompts:
-                body = {"input_ids": prompt, "sampling_params": greedy}
-                request = urllib.request.Request(server.url + "/generate",
-                                                 json.dumps(body).encode(),
-                                                 {"Content-Type": "application/json"})
-                with urllib.request.urlopen(request, timeout=60) as response:
-                    got.append(json.loads(response.read())["output_ids"])
-            assert got == expected
+            assert generate_over_http(server.url, prompts, greedy) == expected
         assert worker.wait(timeout=30) == 0
     finally:
         if worker.poll() is None:

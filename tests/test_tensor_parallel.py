@@ -211,6 +211,21 @@ def test_default_model_tp3_matches_tp1(default_model_folder):
     assert len(workers) == 2 and all(p.poll() is not None for p in workers)
 
 
+def generation_when_a_rank_dies(engine: Engine, rank: int):
+    """The output of a long generation during which `rank`'s worker is killed; fails if the
+    generation hangs."""
+    results: list = []
+    long = {"max_new_tokens": 600, "temperature": 0, "ignore_eos": True}
+    runner = threading.Thread(target=lambda: results.append(
+        engine.generate(input_ids=[1, 2, 3], sampling_params=long)))
+    runner.start()
+    time.sleep(0.5)
+    engine._tp.workers[rank].kill()
+    runner.join(timeout=60)
+    assert not runner.is_alive(), f"the request hung after rank {rank} died"
+    return results[0]
+
+
 def test_lost_rank_fails_requests_without_hanging(tmp_path):
     """Speculation (n-gram, host-side on rank 0) runs unchanged on TP=2; then a worker is
     killed in the middle of a long generation: the request ends with an error, later ones
@@ -221,17 +236,7 @@ def test_lost_rank_fails_requests_without_hanging(tmp_path):
     engine = Engine(str(folder), **_options(tp_size=2, speculative="ngram"))
     try:
         assert _greedy(engine, PROMPTS) == expected
-        results: list = []
-        long = {"max_new_tokens": 600, "temperature": 0, "ignore_eos": True}
-        runner = threading.Thread(target=lambda: results.append(
-            engine.generate(input_ids=[1, 2, 3], sampling_params=long)))
-        runner.start()
-        time.sleep(0.5)
-        worker = engine._tp.workers[1]
-        worker.kill()
-        runner.join(timeout=60)
-        assert not runner.is_alive(), "the request hung after a rank died"
-        out = results[0]
+        out = generation_when_a_rank_dies(engine, 1)
         assert out.finish_reason == "abort" and "tensor-parallel" in out.error
         later = engine.generate(input_ids=[1, 2], sampling_params=GREEDY)
         assert later.finish_reason == "abort" and "tensor-parallel" in later.error
@@ -304,14 +309,26 @@ def test_nccl_in_graphs_after_another_cuda_engine_is_refused(monkeypatch):
         groups.check_nccl_in_graphs("nccl", True, cuda)
 
 
+def generate_over_http(url: str, prompts: list[list[int]], params: dict) -> list[list[int]]:
+    """Each prompt's output ids from a server's native /generate route, one at a time."""
+    import json
+    import urllib.request
+
+    outputs = []
+    for prompt in prompts:
+        body = {"input_ids": prompt, "sampling_params": params}
+        request = urllib.request.Request(url + "/generate", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            outputs.append(json.loads(response.read())["output_ids"])
+    return outputs
+
+
 def test_two_nodes_on_the_loopback_match_tp1(tmp_path):
     """The multi-machine recipe of docs/distributed.md, with two "nodes" launched apart on the
     loopback interface: node 0 runs `radixlm serve` (rank 0, RADIXLM_TP_EXTERNAL_WORKERS=1) and
     its local worker (rank 1); node 1 runs ranks 2 and 3 as their own launch, with their own
     LOCAL_RANK. Greedy output over HTTP equals TP=1's."""
-    import json
-    import urllib.request
-
     from radixlm.backends.server_process import ServerProcess
     from radixlm.runtime.distributed.groups import free_port
 
@@ -335,15 +352,7 @@ def test_two_nodes_on_the_loopback_match_tp1(tmp_path):
                            env={**every_node, "RADIXLM_TP_EXTERNAL_WORKERS": "1"})
     try:
         with server:
-            got = []
-            for prompt in PROMPTS:
-                body = {"input_ids": prompt, "sampling_params": GREEDY}
-                request = urllib.request.Request(server.url + "/generate",
-                                                 json.dumps(body).encode(),
-                                                 {"Content-Type": "application/json"})
-                with urllib.request.urlopen(request, timeout=60) as response:
-                    got.append(json.loads(response.read())["output_ids"])
-            assert got == expected
+            assert generate_over_http(server.url, PROMPTS, GREEDY) == expected
         # The server's shutdown stops every rank, those of the other "node" too.
         for proc in workers:
             assert proc.wait(timeout=30) == 0

@@ -248,24 +248,21 @@ class EngineConfig:
 
     def _check_pipeline_options(self) -> None:
         if self.sp_size > 1:
-            for clash, why in ((self.tp_size > 1 or self.pp_size > 1, "tp_size or pp_size "
-                                "> 1: sequence-parallel ranks each hold the whole model"),
-                               (self.lora_enabled, "lora_modules / allow_runtime_lora_"
-                                "loading: adapters are not held by the other ranks"),
-                               (self.overlap_schedule == "on", "overlap_schedule='on': "
-                                "each step's K and V reach the other ranks before the next")):
-                if clash:
-                    raise ValueError(f"sp_size > 1 cannot be used with {why}")
-        if self.pp_size == 1:
-            return
-        for clash, why in ((self.speculative is not None, "speculative: a verify step needs "
-                            "the last stage's result before the next step is planned"),
-                           (self.lora_enabled, "lora_modules / allow_runtime_lora_loading: "
-                            "adapters are not split over stages yet"),
-                           (self.overlap_schedule == "on", "overlap_schedule='on': the "
-                            "pipeline keeps its own steps in flight")):
-            if clash:
-                raise ValueError(f"pp_size > 1 cannot be used with {why}")
+            _refuse_with("sp_size > 1", (
+                (self.tp_size > 1 or self.pp_size > 1, "tp_size or pp_size > 1: "
+                 "sequence-parallel ranks each hold the whole model"),
+                (self.lora_enabled, "lora_modules / allow_runtime_lora_loading: adapters are "
+                 "not held by the other ranks"),
+                (self.overlap_schedule == "on", "overlap_schedule='on': each step's K and V "
+                 "reach the other ranks before the next")))
+        if self.pp_size > 1:
+            _refuse_with("pp_size > 1", (
+                (self.speculative is not None, "speculative: a verify step needs the last "
+                 "stage's result before the next step is planned"),
+                (self.lora_enabled, "lora_modules / allow_runtime_lora_loading: adapters are "
+                 "not split over stages yet"),
+                (self.overlap_schedule == "on", "overlap_schedule='on': the pipeline keeps its "
+                 "own steps in flight")))
 
     def _check_disk_cache_options(self) -> None:
         if self.disk_cache_dir is None:
@@ -277,16 +274,14 @@ class EngineConfig:
                 or not self.disk_cache_gb > 0):
             raise ValueError(f"disk_cache_gb must be a positive number of GiB, "
                              f"got {self.disk_cache_gb!r}")
-        for clash, why in ((self.disable_radix_cache, "disable_radix_cache: it is the prefix "
-                            "cache's lower tier"),
-                           (self.tp_size > 1, "tp_size > 1: each rank holds a shard of the KV"),
-                           (self.pp_size > 1, "pp_size > 1: each stage holds its layers' KV"),
-                           (self.sp_size > 1, "sp_size > 1: loaded pages would reach rank "
-                            "0's KV only"),
-                           (self.speculative is not None, "speculative decoding: the draft "
-                            "model's KV is not stored")):
-            if clash:
-                raise ValueError(f"disk_cache_dir cannot be used with {why}")
+        _refuse_with("disk_cache_dir", (
+            (self.disable_radix_cache, "disable_radix_cache: it is the prefix cache's lower "
+             "tier"),
+            (self.tp_size > 1, "tp_size > 1: each rank holds a shard of the KV"),
+            (self.pp_size > 1, "pp_size > 1: each stage holds its layers' KV"),
+            (self.sp_size > 1, "sp_size > 1: loaded pages would reach rank 0's KV only"),
+            (self.speculative is not None, "speculative decoding: the draft model's KV is "
+             "not stored")))
 
     @property
     def lora_enabled(self) -> bool:
@@ -384,6 +379,13 @@ class EngineConfig:
             packed = quantized and self.tp_size == 1
             return torch.bfloat16 if device.type == "cuda" or packed else torch.float32
         return DTYPES[self.dtype]
+
+
+def _refuse_with(option: str, clashes: tuple[tuple[bool, str], ...]) -> None:
+    """A ValueError naming `option` and the first setting it cannot be combined with."""
+    for clash, why in clashes:
+        if clash:
+            raise ValueError(f"{option} cannot be used with {why}")
 
 
 def _one_of(value: Any, choices: tuple[str, ...], name: str) -> None:
