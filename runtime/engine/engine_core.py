@@ -236,10 +236,11 @@ class EngineCore:
             self._complete(oldest)
             return oldest.scheduled.num_tokens
         launched = self._run(scheduled)
-        if launched is not None:
-            if self._pipeline:
-                self.counters["pipelined_steps"] += 1
-            self._pipeline.append(launched)
+        if launched is None:  # it failed to launch; its requests are aborted
+            return 0
+        if self._pipeline:
+            self.counters["pipelined_steps"] += 1
+        self._pipeline.append(launched)
         return scheduled.num_tokens
 
     def _schedule(self, busy: set[Request] | None = None,

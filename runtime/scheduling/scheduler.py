@@ -90,8 +90,7 @@ class Scheduler:
         waiting requests are cut into `shares` batches of about equal size, one per stage,
         so that every stage has work."""
         batch = ScheduledBatch([], [])
-        limit = (len(self.running) + len(self.waiting)) if shares == 1 else max(
-            1, -(-(len(self.running) + len(self.waiting)) // shares))
+        limit = max(1, -(-(len(self.running) + len(self.waiting)) // shares))
         retractions = self.num_retractions
         budget = self._schedule_running(batch, self.config.max_num_batched_tokens, busy, limit)
         if self.num_retractions > retractions:  # memory is short: admit nothing new
