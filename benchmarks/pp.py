@@ -17,8 +17,8 @@ share of the FLOPs, and sends the hidden states on; tensor parallelism reads 1/P
 everything but all-reduces twice per layer. It assumes CUDA graphs and full overlap of
 stages; its point is the shape of the trade-off (when TP, when PP), not a promise.
 `paper_prefill` does the same for one long prompt's prefill: TP splits every layer and
-all-reduces its output; SP splits the rows, exchanges K and V per layer, and its last rank,
-whose rows see the most keys, sets the pace of causal attention.
+all-reduces its output; SP splits the rows (zig-zag, so each rank gets 1/P of the causal
+attention) and all-gathers K and V per layer.
 
     python benchmarks/pp.py                         # CPU: default model, 1/pp2/pp3/tp3/sp2
     python benchmarks/pp.py --configs 1 pp2 --batch 8 --output-len 16
@@ -148,10 +148,10 @@ def paper_prefill(gpu: str, model_name: str, tokens: int) -> list[dict[str, Any]
         out.append({"config": f"TP={p} ({where})", "gpus": p,
                     "ttft_ms": ((linear + attention) / p + reduce) * 1e3,
                     "fits": weights / p <= hw["memory"]})
-        # Contiguous rows: the last rank's queries see (2P - 1) / P^2 of the causal pairs.
+        # The zig-zag split gives every rank 1/P of the causal pairs.
         gather = layers * ((p - 1) / p * kv_bytes / link + lat * (1 + math.log2(p)))
         out.append({"config": f"SP={p} ({where})", "gpus": p,  # every GPU holds the model
-                    "ttft_ms": (linear / p + attention * (2 * p - 1) / p ** 2 + gather) * 1e3,
+                    "ttft_ms": ((linear + attention) / p + gather) * 1e3,
                     "fits": weights <= hw["memory"]})
     return out
 

@@ -12,7 +12,7 @@ import torch
 from radixlm.runtime.attention.backend import ForwardBatch
 from radixlm.runtime.config.engine_config import EngineConfig
 from radixlm.runtime.engine.engine import Engine
-from radixlm.runtime.parallel.sequence import row_ranges, sub_batch
+from radixlm.runtime.parallel.sequence import rank_batch, row_ranges, sub_batch, zigzag
 
 from conftest import save_tiny_hf_model
 from test_model_families import save_family
@@ -31,6 +31,13 @@ def test_rows_split_into_ranges_and_sub_steps():
     assert first.positions.tolist() == [3, 4, 5] and torch.equal(first.slot_table, table[:1])
     assert (second.q_lens, second.kv_lens) == ([2, 1], [8, 4])
     assert second.out_slots.tolist() == [103, 104, 105]
+    # The zig-zag: of 2 x 2 pieces, rank 0 takes the first and the last, rank 1 the middle
+    # two; a sequence cut by it is an entry per piece, each attending up to its last row.
+    assert zigzag(10, 2) == [[(0, 3), (8, 10)], [(3, 6), (6, 8)]]
+    assert zigzag(3, 2) == [[(0, 1)], [(1, 2), (2, 3)]]
+    ends = rank_batch(batch, zigzag(6, 2)[0])  # rows 0..1 and 5 (pieces of 2, 2, 1, 1)
+    assert (ends.q_lens, ends.kv_lens) == ([2, 1], [5, 4])
+    assert ends.positions.tolist() == [3, 4, 3] and ends.out_slots.tolist() == [100, 101, 105]
     for bad in (0, -2, 2.5):
         with pytest.raises(ValueError, match="sp_size"):
             EngineConfig(sp_size=bad)

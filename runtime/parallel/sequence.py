@@ -2,8 +2,11 @@
 whole model.
 
 A step of at least `sp_min_tokens` tokens (a long prompt's prefill chunk, or many prompts'
-at once) is cut into `sp_size` contiguous ranges of rows, one per rank; a range may start or
-end inside a sequence. Each rank runs every layer for its rows only: the linears, norms and
+at once) is cut into 2 x `sp_size` contiguous pieces of rows, and rank r takes pieces r and
+2 sp_size - 1 - r (a zig-zag): under causal attention a later row sees more keys, so each
+rank gets an early piece and a late one and the ranks' attention work evens out (with
+contiguous ranges the last of P ranks would do (2P - 1)/P² of it). A piece may start or end
+inside a sequence. Each rank runs every layer for its rows only: the linears, norms and
 the MLP on 1/sp_size of the tokens. Attention is the one place where rows depend on each
 other: once a layer has written its rows' K and V to the cache, `KVExchange` all-gathers the
 step's K and V rows, so that every rank's cache holds the whole step's, and each row then
@@ -32,7 +35,8 @@ from radixlm.runtime.attention.kv_cache import KVCache
 
 
 def row_ranges(num_tokens: int, size: int) -> list[tuple[int, int]]:
-    """Each rank's [start, end) rows of a step: contiguous, sizes differing by at most one."""
+    """`size` contiguous [start, end) ranges of a step's rows, sizes differing by at most
+    one."""
     base, extra = divmod(num_tokens, size)
     ranges, start = [], 0
     for rank in range(size):
@@ -40,6 +44,34 @@ def row_ranges(num_tokens: int, size: int) -> list[tuple[int, int]]:
         ranges.append((start, end))
         start = end
     return ranges
+
+
+# Each rank's rows of a split step: its pieces, in step order.
+Pieces = list[tuple[int, int]]
+
+
+def zigzag(num_tokens: int, size: int) -> list[Pieces]:
+    """Each rank's pieces of a step: of 2 x size contiguous pieces, rank r takes pieces r and
+    2 size - 1 - r (empty pieces left out)."""
+    pieces = row_ranges(num_tokens, 2 * size)
+    return [[p for p in (pieces[r], pieces[2 * size - 1 - r]) if p[1] > p[0]]
+            for r in range(size)]
+
+
+def rank_batch(batch: ForwardBatch, pieces: Pieces) -> ForwardBatch:
+    """A rank's pieces of a step as a step of their own: each piece's sequences are entries of
+    their own (a sequence cut by the zig-zag appears once per piece, each entry attending up
+    to its own last row)."""
+    parts = [sub_batch(batch, start, end) for start, end in pieces]
+    if len(parts) == 1:
+        return parts[0]
+    return ForwardBatch(input_ids=torch.cat([p.input_ids for p in parts]),
+                        positions=torch.cat([p.positions for p in parts]),
+                        q_lens=[n for p in parts for n in p.q_lens],
+                        kv_lens=[n for p in parts for n in p.kv_lens],
+                        out_slots=torch.cat([p.out_slots for p in parts]),
+                        slot_table=torch.cat([p.slot_table for p in parts]),
+                        kv_cache=batch.kv_cache)
 
 
 def sub_batch(batch: ForwardBatch, start: int, end: int) -> ForwardBatch:
@@ -70,11 +102,12 @@ class KVExchange:
     """Called with a layer's index once this rank's rows of a split step have stored their K
     and V: all-gathers every rank's rows and writes the others' into this rank's cache."""
 
-    def __init__(self, batch: ForwardBatch, ranges: list[tuple[int, int]], rank: int) -> None:
+    def __init__(self, batch: ForwardBatch, ranks: list[Pieces], rank: int) -> None:
         self.cache = batch.kv_cache
         self.rank = rank
-        self.slots = [batch.out_slots[start:end] for start, end in ranges]
-        self.rows = max(end - start for start, end in ranges)
+        self.slots = [torch.cat([batch.out_slots[start:end] for start, end in pieces])
+                      for pieces in ranks]
+        self.rows = max(len(slots) for slots in self.slots)
 
     def __call__(self, layer: int) -> None:
         k, v = (_as_bytes(t) for t in self.cache.layer(layer))
@@ -91,14 +124,20 @@ class KVExchange:
                 v[slots] = part[: len(slots), :, width:]
 
 
-def gather_rows(own: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+def gather_rows(own: torch.Tensor, ranks: list[Pieces]) -> torch.Tensor:
     """Every rank's hidden rows of a split step, in step order: [T, d]."""
-    rows = max(end - start for start, end in ranges)
-    padded = own.new_zeros((rows, own.shape[1]))
+    counts = [sum(end - start for start, end in pieces) for pieces in ranks]
+    padded = own.new_zeros((max(counts), own.shape[1]))
     padded[: own.shape[0]] = own
-    parts = [torch.empty_like(padded) for _ in ranges]
+    parts = [torch.empty_like(padded) for _ in ranks]
     dist.all_gather(parts, padded)
-    return torch.cat([part[: end - start] for part, (start, end) in zip(parts, ranges)])
+    out = own.new_empty((sum(counts), own.shape[1]))
+    for part, pieces in zip(parts, ranks):
+        offset = 0
+        for start, end in pieces:
+            out[start:end] = part[offset: offset + end - start]
+            offset += end - start
+    return out
 
 
 def kv_rows(cache: KVCache, slots: torch.Tensor) -> torch.Tensor:

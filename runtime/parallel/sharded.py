@@ -57,8 +57,8 @@ from radixlm.runtime.parallel.sequence import (
     ExchangingAttention,
     KVExchange,
     gather_rows,
-    row_ranges,
-    sub_batch,
+    rank_batch,
+    zigzag,
 )
 from radixlm.runtime.parallel.step_channel import (
     GREEDY,
@@ -184,10 +184,10 @@ class TensorParallelGroup:
             return hidden
         self._broadcast(lambda: self.channel.send_forward(batch, SPLIT_FORWARD))
         self.split_steps += 1
-        ranges = row_ranges(batch.num_tokens, self.size)
-        own = self.run(lambda: compute(sub_batch(batch, *ranges[0]),
-                                       KVExchange(batch, ranges, 0)))
-        return self.run(lambda: gather_rows(own, ranges))
+        ranks = zigzag(batch.num_tokens, self.size)
+        own = self.run(lambda: compute(rank_batch(batch, ranks[0]),
+                                       KVExchange(batch, ranks, 0)))
+        return self.run(lambda: gather_rows(own, ranks))
 
     def _send_header(self, command: int) -> None:
         if self.tp_size > 1 or self.sp_size > 1:

@@ -43,8 +43,8 @@ from radixlm.runtime.parallel.sequence import (
     ExchangingAttention,
     KVExchange,
     gather_rows,
-    row_ranges,
-    sub_batch,
+    rank_batch,
+    zigzag,
 )
 from radixlm.runtime.parallel.step_channel import (
     FORWARD,
@@ -164,10 +164,9 @@ def serve(rank: int, world_size: int, local_rank: int) -> None:
                 pipe.send_hidden(stream)
         elif command == SPLIT_FORWARD:  # sequence parallelism: this rank's rows
             batch = channel.recv_forward(header, kv_cache)
-            ranges = row_ranges(batch.num_tokens, world_size)
-            own = forward(sub_batch(batch, *ranges[rank]), None,
-                          KVExchange(batch, ranges, rank))
-            gather_rows(own, ranges)
+            ranks = zigzag(batch.num_tokens, world_size)
+            own = forward(rank_batch(batch, ranks[rank]), None, KVExchange(batch, ranks, rank))
+            gather_rows(own, ranks)
         elif command == KV_ROWS:
             channel.recv_kv_rows(header, kv_cache)
         elif command == LORA:
