@@ -245,6 +245,15 @@ def measure(config: str, args: argparse.Namespace) -> dict[str, Any]:
     return run
 
 
+def _print_paper(title: str, rows: list[dict[str, Any]], columns: dict[str, Any]) -> None:
+    """One paper-model table: a row per configuration, `columns` formatting each cell."""
+    print(f"\npaper model: {title}")
+    print(f"{'config':>24} " + " ".join(f"{name:>14}" for name in columns))
+    for row in rows:
+        cells = " ".join(f"{format_(row):>14}" for format_ in columns.values())
+        print(f"{row['config']:>24} {cells}" + ("" if row["fits"] else "  (does not fit)"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="default: the embedded model")
@@ -283,21 +292,17 @@ def main() -> None:
     paper = {name: paper_model(args.gpu, name, args.paper_rows, args.paper_context)
              for name in MODELS}
     for name, rows in paper.items():
-        print(f"\npaper model: {name} bf16 on {args.gpu}, {args.paper_rows} running requests "
-              f"at {args.paper_context} tokens, prefill chunks of 2048")
-        print(f"{'config':>24} {'decode tok/s':>13} {'step ms':>8} {'prefill tok/s':>14}")
-        for row in rows:
-            print(f"{row['config']:>24} {row['decode_tok_s']:13.0f} {row['decode_step_ms']:8.2f} "
-                  f"{row['prefill_tok_s']:14.0f}" + ("" if row["fits"] else "  (does not fit)"))
+        _print_paper(f"{name} bf16 on {args.gpu}, {args.paper_rows} running requests at "
+                     f"{args.paper_context} tokens, prefill chunks of 2048", rows,
+                     {"decode tok/s": lambda r: f"{r['decode_tok_s']:.0f}",
+                      "step ms": lambda r: f"{r['decode_step_ms']:.2f}",
+                      "prefill tok/s": lambda r: f"{r['prefill_tok_s']:.0f}"})
     prefill = {name: paper_prefill(args.gpu, name, args.paper_prompt) for name in MODELS}
     for name, rows in prefill.items():
-        print(f"\npaper model: one {args.paper_prompt}-token prompt's prefill, {name} bf16 on "
-              f"{args.gpu}")
-        print(f"{'config':>24} {'TTFT ms':>9} {'x 1 GPU':>8}")
-        for row in rows:
-            print(f"{row['config']:>24} {row['ttft_ms']:9.1f} "
-                  f"{rows[0]['ttft_ms'] / row['ttft_ms']:7.2f}x"
-                  + ("" if row["fits"] else "  (does not fit)"))
+        _print_paper(f"one {args.paper_prompt}-token prompt's prefill, {name} bf16 on "
+                     f"{args.gpu}", rows,
+                     {"TTFT ms": lambda r: f"{r['ttft_ms']:.1f}",
+                      "x 1 GPU": lambda r, one=rows[0]: f"{one['ttft_ms'] / r['ttft_ms']:.2f}x"})
     record = {"benchmark": "pp", "date": datetime.date.today().isoformat(),
               "machine": {"processor": platform.processor() or platform.machine(),
                           "threads": os.cpu_count()},
