@@ -160,3 +160,28 @@ def test_plas_lets_a_new_program_pass_a_long_one(fake_clock):
             sim.step()
         order[policy] = sim.finished.index(small) < sim.finished.index(big)
     assert order == {"plas": True, "fcfs": False}
+
+
+def test_a_forked_program_counts_its_longest_branch(fake_clock):
+    """Four parallel branches of 150 tokens attain the service of one (its critical path), four
+    sequential calls of 150 the sum: after both, a new call of the forked program goes first."""
+    sim = Simulation("plas", max_running=1)
+    fake_clock["sim"] = sim
+    for rank in range(4):  # the fork: every branch arrives before any finishes
+        sim.submit([5] * 8 + [rank], 150, "forked")
+    while len(sim.finished) < 4:
+        sim.step()
+    for _ in range(4):
+        sim.submit([6] * 8, 150, "serial")
+        while not sim.step():
+            pass
+    programs = sim.scheduler.programs
+    assert programs.attained("forked") < 200 < 600 < programs.attained("serial")
+    assert programs.snapshot()["forked"]["service_tokens"] > 600  # the total still counts
+    sim.submit([7] * 8, 50, "busy")
+    sim.step()  # runs now; the two below wait behind it
+    serial = sim.submit([6] * 8, 5, "serial")
+    forked = sim.submit([5] * 8, 5, "forked")
+    while len(sim.finished) < 11:
+        sim.step()
+    assert sim.finished.index(forked) < sim.finished.index(serial)

@@ -1,6 +1,13 @@
 """What the engine knows of each program: the requests that named it (`Request.program_id`),
 their time waiting for admission, and the tokens computed for them (prompt tokens not found in
-the cache, plus generated ones: the program's attained service)."""
+the cache, plus generated ones).
+
+The program's attained service, which the "plas" policy orders by, is counted along its
+longest chain of calls, not summed over all of them (Autellix's ATLAS): a request starts from
+the service its program had attained when it arrived, and a finished request raises the
+program's to that plus its own. A sequential agent's service is the sum of its calls'; a
+program that forks 8 branches counts as long as its longest branch, so a parallel program is
+not pushed behind sequential ones for doing its work at once."""
 
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ class ProgramRecord:
     calls: int = 0  # requests finished
     queue_s: float = 0.0  # summed time from submission to admission
     service_tokens: int = 0  # tokens computed: prompt tokens not cached + generated tokens
+    attained_tokens: int = 0  # the service along the longest chain of calls
     cached_tokens: int = 0  # prompt tokens found in the prefix cache
     last_seen: float = 0.0  # time.time() of the last finished request
 
@@ -40,6 +48,7 @@ class ProgramStats:
         queue_s = (0.0 if request.admitted_time is None
                    else request.admitted_time - request.arrival_time)
         service = max(0, request.prompt_len - request.cached_tokens) + request.num_output_tokens
+        record.attained_tokens = max(record.attained_tokens, request.program_service + service)
         for counts in (record, self.total):
             counts.calls += 1
             counts.queue_s += queue_s
@@ -47,10 +56,11 @@ class ProgramStats:
             counts.cached_tokens += request.cached_tokens
             counts.last_seen = time.time()
 
-    def service(self, program_id: str | None) -> int:
-        """Tokens computed for the program's finished requests (0 for none, or unknown)."""
+    def attained(self, program_id: str | None) -> int:
+        """The program's attained service so far, along its longest chain of finished calls
+        (0 for none, or unknown)."""
         record = None if program_id is None else self.records.get(program_id)
-        return 0 if record is None else record.service_tokens
+        return 0 if record is None else record.attained_tokens
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
         return {pid: asdict(record) for pid, record in self.records.items()}

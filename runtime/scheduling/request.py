@@ -93,6 +93,9 @@ class Request:
     # The program (an agent, a script of calls) this request belongs to, as its client named
     # it: the per-program statistics key. None for a request on its own.
     program_id: str | None = None
+    # The program's attained service along its longest chain of calls when this request
+    # arrived (ProgramStats.attained): what "plas" orders it by. Its own service adds to it.
+    program_service: int = 0
     # Admission order before anything else but retracted requests: lower first (vLLM's
     # meaning); equal priorities keep the rank and arrival order.
     priority: int = 0

@@ -72,7 +72,7 @@ class Scheduler:
         self.num_retractions = 0
         self.num_cached_tokens = 0  # prompt tokens served from the cache, at first admission
         self.reserve_ratio = RESERVE_RATIO_INIT
-        # Per-program counters (finished calls): the attained service "plas" orders by.
+        # Per-program counters (finished calls), and the attained service "plas" orders by.
         self.programs = ProgramStats()
         self.plas = config.program_policy == "plas"
 
@@ -81,6 +81,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, request: Request) -> None:
+        request.program_service = self.programs.attained(request.program_id)
         self.waiting.append(request)
 
     def schedule(self, busy: frozenset[Request] | set[Request] = frozenset(),
@@ -200,13 +201,13 @@ class Scheduler:
 
     def _level(self, request: Request, now: float) -> int:
         """The request's "plas" level: its program's attained service, raised by waiting."""
-        service = self.programs.service(request.program_id)
-        return _service_level(service) - int((now - request.arrival_time) / PLAS_AGING_S)
+        return (_service_level(request.program_service)
+                - int((now - request.arrival_time) / PLAS_AGING_S))
 
     def _retraction_order(self, request: Request) -> tuple[int, int, int, float]:
         """The lowest priority (the highest value) first, then (plas) the program that had
         the most service, then the least generated, the newest among equals."""
-        level = _service_level(self.programs.service(request.program_id)) if self.plas else 0
+        level = _service_level(request.program_service) if self.plas else 0
         return (-request.priority, -level, request.num_output_tokens, -request.arrival_time)
 
     def retract(self, request: Request) -> None:
