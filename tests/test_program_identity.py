@@ -74,3 +74,39 @@ def test_a_programs_context_stays_warm_between_calls(engine):
     s = engine.stats()
     assert s["leases"] == 0 and s["num_running"] == s["num_waiting"] == 0
     assert s["kv_pages_free"] + s["kv_pages_cached"] == s["kv_pages_total"]
+
+
+def test_plas_preempts_a_much_served_program_with_its_output_unchanged(default_model_folder):
+    """One running slot, held by a call of a program that has had ~600 tokens of service: a
+    new program's request takes the slot at once, and the preempted call, resumed from the
+    cache, gives the tokens and logprobs it gives alone."""
+    params = {"max_new_tokens": 24, "ignore_eos": True, "logprobs": True, "temperature": 0}
+    history = "Notes on rivers and mountains. " * 90  # ~600 prompt tokens of service
+    prompt = history + "Next:"
+    with Engine(str(default_model_folder), max_running_requests=1,
+                program_policy="plas") as engine:
+        engine.generate(history, {"max_new_tokens": 1}, program_id="big")
+        alone = engine.generate(prompt, params)
+        finished: list[str] = []
+        outputs = {}
+
+        async def one(name: str, text: str, program: str) -> None:
+            async for out in engine.generate_stream(text, params, program_id=program):
+                if out.finished:
+                    finished.append(name)
+                    outputs[name] = out
+
+        async def main() -> None:
+            big = asyncio.create_task(one("big", prompt, "big"))
+            while engine.stats()["generated_tokens"] < 1 + 24 + 2:  # big is decoding
+                await asyncio.sleep(0.005)
+            await one("small", "Colors:", "small")
+            await big
+
+        asyncio.run(main())
+        assert finished == ["small", "big"]
+        assert engine.stats()["program_preemptions"] >= 1
+        assert outputs["big"].token_ids == alone.token_ids
+        assert outputs["big"].logprobs == alone.logprobs
+        s = engine.stats()
+        assert s["kv_pages_free"] + s["kv_pages_cached"] == s["kv_pages_total"]

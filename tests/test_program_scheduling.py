@@ -185,3 +185,28 @@ def test_a_forked_program_counts_its_longest_branch(fake_clock):
     while len(sim.finished) < 11:
         sim.step()
     assert sim.finished.index(forked) < sim.finished.index(serial)
+
+
+def test_plas_preempts_a_much_served_program_for_a_new_one(fake_clock):
+    """With the only running slot held by a program that has had much service, a newcomer
+    takes the slot under plas (the other resumes after, from the cache, with its output
+    unchanged); under fcfs it waits."""
+    outcome = {}
+    for policy in ("plas", "fcfs"):
+        sim = Simulation(policy, max_running=1)
+        fake_clock["sim"] = sim
+        for _ in range(4):  # "big" has had ~1,000 tokens of service: level 3
+            sim.submit([5] * 8, 250, "big")
+            while not sim.step():
+                pass
+        big = sim.submit([5] * 8, 60, "big")
+        for _ in range(10):
+            sim.step()
+        small = sim.submit([7] * 8, 5, "small")
+        while len(sim.finished) < 6:
+            sim.step()
+        assert big.num_output_tokens == 60
+        assert sim.allocator.num_free + sim.cache.total_pages == PAGES
+        outcome[policy] = (sim.finished.index(small) < sim.finished.index(big),
+                           sim.scheduler.num_preemptions)
+    assert outcome == {"plas": (True, 1), "fcfs": (False, 0)}

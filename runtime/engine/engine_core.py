@@ -492,6 +492,7 @@ class EngineCore:
             "programs": self.scheduler.programs.snapshot(),
             **self.scheduler.programs.totals(),
             "retractions": self.scheduler.num_retractions,
+            "program_preemptions": self.scheduler.num_preemptions,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "kv_pages_total": self.allocator.num_pages,

@@ -86,6 +86,7 @@ class Request:
     tier_checked: bool = False  # the disk tier was looked up for its prefix
     table_row: int | None = None
     admitted: bool = False  # admitted at least once (cached_tokens counts the first time)
+    preempted: bool = False  # put back for another program's request ("plas"); waits by level
     # Position among the requests a server received in one HTTP request (its prompts and
     # samples); waiting requests are admitted by rank, then by arrival, so a large batch's
     # later requests let other clients' first ones in. 0 for the offline Engine's batches.

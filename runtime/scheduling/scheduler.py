@@ -45,6 +45,9 @@ LPM_QUEUE_LIMIT = 128
 # service, each next level twice as many; a waiting request rises a level every AGING_S.
 PLAS_QUANTUM = 256
 PLAS_AGING_S = 2.0
+# When every running slot is taken, a waiting request preempts the running request of the
+# most served program if its own program is at least this many levels less served.
+PLAS_PREEMPT_LEVELS = 2
 # Fraction of each running request's remaining decode tokens that admission keeps free.
 RESERVE_RATIO_INIT, RESERVE_RATIO_MIN, RESERVE_RATIO_DECAY = 0.5, 0.1, 0.002
 
@@ -70,6 +73,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_retractions = 0
+        self.num_preemptions = 0  # running requests put back for a less served program's
         self.num_cached_tokens = 0  # prompt tokens served from the cache, at first admission
         self.reserve_ratio = RESERVE_RATIO_INIT
         # Per-program counters (finished calls), and the attained service "plas" orders by.
@@ -91,6 +95,8 @@ class Scheduler:
         waiting requests are cut into `shares` batches of about equal size, one per stage,
         so that every stage has work."""
         batch = ScheduledBatch([], [])
+        if self.plas and self.waiting and len(self.running) >= self.config.max_running_requests:
+            self._preempt_for_waiting(busy)
         limit = max(1, -(-(len(self.running) + len(self.waiting)) // shares))
         retractions = self.num_retractions
         budget = self._schedule_running(batch, self.config.max_num_batched_tokens, busy, limit)
@@ -138,7 +144,7 @@ class Scheduler:
             # service level, then fair share (by rank in their batch), then the longest
             # cached prefix; the sort is stable: FCFS among equals.
             now = time.perf_counter()
-            candidates.sort(key=lambda r: (not r.admitted, r.priority,
+            candidates.sort(key=lambda r: (not r.admitted or r.preempted, r.priority,
                                            self._level(r, now) if self.plas else 0,
                                            0 if r.admitted else r.queue_rank,
                                            -hits.get(r, 0)))
@@ -173,6 +179,7 @@ class Scheduler:
                 request.num_computed_tokens = 0
                 break
             self.waiting.remove(request)
+            request.preempted = False
             if not request.admitted:
                 request.admitted = True
                 request.admitted_time = time.perf_counter()
@@ -186,6 +193,28 @@ class Scheduler:
             batch.requests.append(request)
             batch.num_new_tokens.append(count)
             budget -= count
+
+    def _preempt_for_waiting(self, busy: frozenset[Request] | set[Request]) -> None:
+        """"plas" with every running slot taken: the waiting requests of the least served
+        programs take the slots of the running requests of the most served ones (not those
+        in flight), where the levels differ by PLAS_PREEMPT_LEVELS or more (an explicit
+        priority outranks levels). A preempted request is retracted (what it computed goes
+        to the cache, so it resumes with a cache hit) and waits by its own level; aging
+        raises it, so it comes back and is soon too old to be preempted again."""
+        now = time.perf_counter()
+        waiting = sorted((r for r in self.waiting
+                          if r.num_uncomputed - r.held_back_tokens > 0 and r.lora is None),
+                         key=lambda r: (r.priority, self._level(r, now)))
+        running = sorted((r for r in self.running if r not in busy),
+                         key=lambda r: (r.priority, self._level(r, now)), reverse=True)
+        for candidate, victim in zip(waiting, running):
+            if ((candidate.priority, self._level(candidate, now) + PLAS_PREEMPT_LEVELS)
+                    > (victim.priority, self._level(victim, now))):
+                break
+            self._requeue(victim)
+            victim.preempted = True
+            self.waiting.append(victim)
+            self.num_preemptions += 1
 
     def _fits(self, request: Request, hit: int) -> bool:
         """Admission control: the new request's uncached tokens plus a reserve for what the
@@ -214,12 +243,15 @@ class Scheduler:
         """Stop a running request to free memory: cache what it computed, requeue it first.
         It resumes from its prompt and the tokens it already generated, so its output does
         not change."""
+        self._requeue(request)
+        self.waiting.appendleft(request)
+        self.num_retractions += 1
+
+    def _requeue(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.release(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
-        self.num_retractions += 1
 
     def finish(self, request: Request, reason: str) -> None:
         """Mark the request finished; its computed pages go to the cache, the rest are freed."""

@@ -70,6 +70,8 @@ ENGINE_COUNTERS = {
                               "for admission"),
     "program_service_tokens": ("radixlm_program_service_tokens", "Tokens computed for those "
                                "requests (prompt tokens not cached, and generated ones)"),
+    "program_preemptions": ("radixlm_program_preemptions", "Running requests put back for a "
+                            "less served program's (program policy plas)"),
 }
 
 
