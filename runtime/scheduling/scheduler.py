@@ -12,9 +12,10 @@ token budget, `max_running_requests` and KV pages allow. Waiting requests are ta
 `priority` (lower first), then (with `program_policy="plas"`) by how much service their program
 has had, in doubling levels that waiting raises, then by their rank in the server request they
 came with (`Request.queue_rank`), then in arrival order: a client's first prompt never waits
-behind another client's 1000-prompt batch. A request whose
-grammar is still compiling holds back its last token (`held_back_tokens`) and is skipped once
-the rest is computed, so it never holds up the batch. With the "lpm" policy the waiting
+behind another client's 1000-prompt batch. With "plas", when every running slot is taken, a
+much less served program's request preempts the most served program's running one. A request
+whose grammar is still compiling holds back its last token (`held_back_tokens`) and is
+skipped once the rest is computed, so it never holds up the batch. With the "lpm" policy the waiting
 queue is ordered by longest cached prefix, and a request that shares a not-yet-cached prefix
 with one being prefilled waits a step, so that it hits the cache instead of recomputing.
 
