@@ -15,6 +15,7 @@ import torch
 
 from radixlm.runtime import Engine
 from radixlm.runtime.scheduling.disk_tier import DiskTier, model_key
+from radixlm.runtime.scheduling.host_tier import HostTier
 
 from conftest import save_tiny_chat_model
 
@@ -164,6 +165,12 @@ def test_options_that_cannot_go_with_a_disk_tier_are_refused(tmp_path):
                        ({"disk_cache_gb": 0}, "disk_cache_gb")):
         with pytest.raises(ValueError, match=match):
             EngineConfig(disk_cache_dir=str(tmp_path), **bad)
+    for bad, match in (({"host_cache_gb": -1}, "host_cache_gb"),
+                       ({"host_cache_gb": float("nan")}, "host_cache_gb"),
+                       ({"host_cache_gb": 1, "disable_radix_cache": True}, "disable_radix_cache"),
+                       ({"host_cache_gb": 1, "tp_size": 2}, "tp_size")):
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(**bad)
 
 
 def test_pins_and_a_small_pool_work_over_the_tier(tiny_chat_model, tmp_path):
@@ -183,17 +190,38 @@ def test_pins_and_a_small_pool_work_over_the_tier(tiny_chat_model, tmp_path):
         assert_pages_add_up(engine)
 
 
+@pytest.mark.parametrize("disk", [False, True])
+def test_the_host_tier_gives_the_tokens_a_larger_pool_gives(tiny_chat_model, tmp_path, disk):
+    """A pool barely larger than one request, so each prompt evicts the other's prefix: with
+    a host tier the evicted pages come back from host memory (above the disk, when there is
+    one), and the greedy tokens are those of an engine that computes everything."""
+    prompts = [DOC + "Q: what does it share?", "Another document entirely. " * 40 + "Q: and?"]
+    reference, _, _ = run(tiny_chat_model, None, prompts * 2)
+    extra = {"disk_cache_dir": str(tmp_path)} if disk else {}
+    with Engine(str(tiny_chat_model), max_total_tokens=256, max_running_requests=1,
+                host_cache_gb=0.01, **extra) as engine:
+        outs = [engine.generate(prompt, GREEDY) for prompt in prompts * 2]
+        stats = engine.stats()
+        assert [o.token_ids for o in outs] == reference
+        assert stats["host_hit_tokens"] > 0 and stats["host_store_bytes"] > 0
+        assert outs[2].cached_tokens >= stats["host_hit_tokens"] // 2
+        assert stats.get("disk_hit_tokens", 0) == 0  # host memory had them all
+        assert_pages_add_up(engine)
+
+
 def _expected_page(prefix: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
     """The 'KV' a page holds in the simulation below: a function of its whole prefix."""
     seed = hash(prefix) % (1 << 31)
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.parametrize("tiers", ["disk", "host", "host over disk"])
 @pytest.mark.parametrize("seed", range(3))
-def test_kv_manager_over_the_tier_against_a_model(tmp_path, seed):
+def test_kv_manager_over_the_tier_against_a_model(tmp_path, seed, tiers):
     """Random requests over a small pool (evictions), restarts (a new tree and tier on the
-    same folder): every page in the tree always holds the KV of its prefix, whether computed
-    or loaded, and free + cached pages add up."""
+    same folder; host memory starts empty) where there is a disk: every page in the tree
+    always holds the KV of its prefix, whether computed or loaded, and free + cached pages add
+    up. The host tier is smaller than the data (its slots are reused)."""
     import random
 
     from radixlm.runtime.config.sampling_params import SamplingParams
@@ -203,22 +231,26 @@ def test_kv_manager_over_the_tier_against_a_model(tmp_path, seed):
     from radixlm.runtime.scheduling.request import Request
 
     rng = random.Random(seed)
-    ps, num_pages, layers = 4, 24, 2
+    ps, num_pages, layers = 4, 24 if tiers == "disk" else 12, 2
     k = torch.zeros(layers, num_pages * ps, 1, 2)
     v = torch.zeros_like(k)
     shape = (layers, ps, 1, 2)
     stems = [[rng.randrange(50) for _ in range(rng.choice((8, 12, 20)))] for _ in range(4)]
 
-    def fresh() -> tuple[KVManager, DiskTier]:
+    def fresh() -> tuple[KVManager, DiskTier | HostTier]:
         allocator = PageAllocator(num_pages, ps)
-        tier = DiskTier(tmp_path, "sim", k, v, ps, max_bytes=1 << 30)
+        tier = (DiskTier(tmp_path, "sim", k, v, ps, max_bytes=1 << 30)
+                if tiers != "host" else None)
+        if tiers != "disk":
+            page_bytes = 2 * k[:, :ps].numel() * k.element_size()
+            tier = HostTier(k, v, ps, max_bytes=12 * page_bytes, below=tier)
         table = ReqToTokenTable(4, num_pages * ps, ps, torch.device("cpu"))
         return KVManager(allocator, table, RadixCache(ps, allocator), tier), tier
 
     kv, tier = fresh()
     loaded_before = 0
     for step in range(40):
-        if rng.random() < 0.15:  # a restart: the memory tier is gone, the disk stays
+        if rng.random() < 0.15 and tiers != "host":  # a restart: the disk stays
             tier.close()
             kv, tier = fresh()
         tokens = rng.choice(stems) + [rng.randrange(50) for _ in range(rng.randrange(1, 9))]
@@ -247,6 +279,8 @@ def test_kv_manager_over_the_tier_against_a_model(tmp_path, seed):
                 assert torch.equal(k[:, page * ps:(page + 1) * ps], expected)
                 assert torch.equal(v[:, page * ps:(page + 1) * ps], -expected)
         assert kv.allocator.num_free + kv.cache.total_pages == num_pages
-        loaded_before = max(loaded_before, tier.stats()["disk_hit_tokens"])
+        stats = tier.stats()
+        loaded_before = max(loaded_before,
+                            stats.get("disk_hit_tokens", 0) + stats.get("host_hit_tokens", 0))
     tier.close()
-    assert loaded_before > 0  # the runs did load from the disk
+    assert loaded_before > 0  # the runs did load from the tier

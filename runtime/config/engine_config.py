@@ -128,6 +128,11 @@ class EngineConfig:
     disk_cache_dir: str | None = None
     # The disk tier's size bound, in GiB: least recently used files are removed past it.
     disk_cache_gb: float = 16.0
+    # A host-memory tier under the prefix cache (above the disk tier, if any), in GiB: every
+    # page the cache takes is also copied to host memory (pinned, on its own CUDA stream on a
+    # GPU), and a prompt whose prefix goes on past what the device holds loads it back. Meant
+    # for GPUs, whose KV pool is small; allocated at start. 0: no host tier.
+    host_cache_gb: float = 0.0
     # The waiting-queue order: "lpm" serves the longest cached prefix first and lets requests
     # that share an uncached prefix wait for it; "fcfs" serves in arrival order.
     schedule_policy: str = "lpm"
@@ -265,23 +270,31 @@ class EngineConfig:
                  "own steps in flight")))
 
     def _check_disk_cache_options(self) -> None:
-        if self.disk_cache_dir is None:
-            return
-        if not isinstance(self.disk_cache_dir, str) or not self.disk_cache_dir:
-            raise ValueError("disk_cache_dir must be a folder's path")
-        if (isinstance(self.disk_cache_gb, bool) or not isinstance(self.disk_cache_gb,
-                                                                   (int, float))
-                or not self.disk_cache_gb > 0):
-            raise ValueError(f"disk_cache_gb must be a positive number of GiB, "
-                             f"got {self.disk_cache_gb!r}")
-        _refuse_with("disk_cache_dir", (
-            (self.disable_radix_cache, "disable_radix_cache: it is the prefix cache's lower "
-             "tier"),
-            (self.tp_size > 1, "tp_size > 1: each rank holds a shard of the KV"),
-            (self.pp_size > 1, "pp_size > 1: each stage holds its layers' KV"),
-            (self.sp_size > 1, "sp_size > 1: loaded pages would reach rank 0's KV only"),
-            (self.speculative is not None, "speculative decoding: the draft model's KV is "
-             "not stored")))
+        if (isinstance(self.host_cache_gb, bool)
+                or not isinstance(self.host_cache_gb, (int, float))
+                or not 0 <= self.host_cache_gb < float("inf")):
+            raise ValueError(f"host_cache_gb must be a number of GiB >= 0, "
+                             f"got {self.host_cache_gb!r}")
+        if self.disk_cache_dir is not None:
+            if not isinstance(self.disk_cache_dir, str) or not self.disk_cache_dir:
+                raise ValueError("disk_cache_dir must be a folder's path")
+            if (isinstance(self.disk_cache_gb, bool) or not isinstance(self.disk_cache_gb,
+                                                                       (int, float))
+                    or not self.disk_cache_gb > 0):
+                raise ValueError(f"disk_cache_gb must be a positive number of GiB, "
+                                 f"got {self.disk_cache_gb!r}")
+        for name, on in (("disk_cache_dir", self.disk_cache_dir is not None),
+                         ("host_cache_gb", self.host_cache_gb > 0)):
+            if on:
+                _refuse_with(name, (
+                    (self.disable_radix_cache, "disable_radix_cache: it is the prefix cache's "
+                     "lower tier"),
+                    (self.tp_size > 1, "tp_size > 1: each rank holds a shard of the KV"),
+                    (self.pp_size > 1, "pp_size > 1: each stage holds its layers' KV"),
+                    (self.sp_size > 1, "sp_size > 1: loaded pages would reach rank 0's KV "
+                     "only"),
+                    (self.speculative is not None, "speculative decoding: the draft model's "
+                     "KV is not stored")))
 
     @property
     def lora_enabled(self) -> bool:

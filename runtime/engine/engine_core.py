@@ -28,6 +28,7 @@ from radixlm.runtime.execution.step_result import LaunchedStep, StepResult
 from radixlm.runtime.models.loader import LoadedModel
 from radixlm.runtime.parallel.sharded import ShardedModel
 from radixlm.runtime.scheduling.disk_tier import DiskTier, model_key
+from radixlm.runtime.scheduling.host_tier import HostTier
 from radixlm.runtime.scheduling.kv_manager import KVManager
 from radixlm.runtime.scheduling.leases import LeaseTable
 from radixlm.runtime.scheduling.pages import PageAllocator, ReqToTokenTable
@@ -87,6 +88,9 @@ class EngineCore:
                           numerics),
                 self.kv_cache.k, self.kv_cache.v, config.page_size,
                 int(config.disk_cache_gb * (1 << 30)))
+        if config.host_cache_gb > 0:
+            self.tier = HostTier(self.kv_cache.k, self.kv_cache.v, config.page_size,
+                                 int(config.host_cache_gb * (1 << 30)), below=self.tier)
         self.kv = KVManager(self.allocator, self.table, self.cache, self.tier)
         self.leases = (None if self.cache is None else
                        LeaseTable(self.cache, int(num_pages * config.lease_memory_fraction)))

@@ -78,17 +78,7 @@ class DiskTier:
 
     def chain(self, tokens: Sequence[int], num_pages: int, namespace: Hashable = None,
               known: list[str] | None = None) -> list[str]:
-        """The names of the first `num_pages` pages of `tokens`: `known` (the names of its
-        first pages, computed before) extended in place."""
-        ps = self.page_size
-        names = known if known is not None else []
-        digest = (bytes.fromhex(names[-1]) if names else
-                  hashlib.blake2b(repr(namespace).encode(), digest_size=16).digest())
-        for i in range(len(names), num_pages):
-            page = array.array("q", tokens[i * ps:(i + 1) * ps]).tobytes()
-            digest = hashlib.blake2b(digest + page, digest_size=16).digest()
-            names.append(digest.hex())
-        return names[:num_pages]
+        return page_names(tokens, num_pages, self.page_size, namespace, known)
 
     def present(self, names: Sequence[str]) -> int:
         """How many of `names`, from the first, have a file (on this disk, by any process)."""
@@ -271,6 +261,20 @@ class DiskTier:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {**self.counters, "disk_pages": len(self._files), "disk_bytes": self._bytes}
+
+
+def page_names(tokens: Sequence[int], num_pages: int, page_size: int,
+               namespace: Hashable = None, known: list[str] | None = None) -> list[str]:
+    """The names of the first `num_pages` pages of `tokens`: `known` (the names of its first
+    pages, computed before) extended in place."""
+    names = known if known is not None else []
+    digest = (bytes.fromhex(names[-1]) if names else
+              hashlib.blake2b(repr(namespace).encode(), digest_size=16).digest())
+    for i in range(len(names), num_pages):
+        page = array.array("q", tokens[i * page_size:(i + 1) * page_size]).tobytes()
+        digest = hashlib.blake2b(digest + page, digest_size=16).digest()
+        names.append(digest.hex())
+    return names[:num_pages]
 
 
 def model_key(model: torch.nn.Module, kv_dtype: torch.dtype, page_size: int,

@@ -11,12 +11,13 @@ Tree pages belong to the cache and are protected by the lock the request holds o
 full ones to the tree (or frees them as duplicates of pages the tree already had), or until
 `release` frees them.
 
-With a disk tier (disk_tier.py) under the tree, a waiting request's prefix may go on past what
-the tree holds: `start_load` allocates pages for what the disk has and loads them in the
-background while other requests run; the request waits, and `finish_loads` (on the engine
-thread, before each schedule) inserts the loaded pages into the tree, as if just computed, so
-its attach then hits them. Until then the pages are neither free nor cached: they are
-`loading_pages`. Every page the tree takes is written to the disk too.
+With a lower tier under the tree (host_tier.py, disk_tier.py, or host memory above disk), a
+waiting request's prefix may go on past what the tree holds: `start_load` allocates pages for
+what the tier has and loads them in the background while other requests run; the request
+waits, and `finish_loads` (on the engine thread, before each schedule) inserts the loaded
+pages into the tree, as if just computed, so its attach then hits them. Until then the pages
+are neither free nor cached: they are `loading_pages`. Every page the tree takes is written
+to the tier too.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 from radixlm.runtime.scheduling.disk_tier import DiskTier
+from radixlm.runtime.scheduling.host_tier import HostTier
 from radixlm.runtime.scheduling.pages import PageAllocator, ReqToTokenTable
 from radixlm.runtime.scheduling.radix_cache import RadixCache, TreeNode
 from radixlm.runtime.scheduling.request import Request
@@ -37,16 +39,16 @@ log = logging.getLogger(__name__)
 class _Load:
     node: TreeNode  # the tree's match, locked while the rest loads
     tree_pages: list[int]  # its pages
-    pages: list[int]  # allocated for the pages that come from the disk
+    pages: list[int]  # allocated for the pages that come from the tier
     future: Future  # how many of them were loaded
-    first: str  # the disk-tier name of the first of them
+    first: str  # the tier's name of the first of them
 
 
 class KVManager:
     def __init__(self, allocator: PageAllocator, table: ReqToTokenTable,
-                 cache: RadixCache | None, tier: DiskTier | None = None) -> None:
+                 cache: RadixCache | None, tier: DiskTier | HostTier | None = None) -> None:
         if tier is not None and cache is None:
-            raise ValueError("a disk tier needs the radix cache")
+            raise ValueError("a lower tier needs the radix cache")
         self.allocator = allocator
         self.table = table
         self.cache = cache
@@ -84,7 +86,7 @@ class KVManager:
             self.table.write_pages(row, 0, request.pages)
         return True
 
-    # ---- the disk tier ----
+    # ---- the lower tier ----
 
     @property
     def loading(self) -> bool:
@@ -95,9 +97,9 @@ class KVManager:
         return sum(len(load.pages) for load in self._loads.values())
 
     def start_load(self, request: Request) -> bool:
-        """For a waiting request: True while the disk tier is loading its prefix (it should
+        """For a waiting request: True while the lower tier is loading its prefix (it should
         wait), including when a load starts now; False when there is nothing to load (attach
-        it). A request is looked up on the disk once."""
+        it). A request is looked up in the tier once."""
         if self.tier is None:
             return False
         if request in self._loads:
@@ -142,7 +144,7 @@ class KVManager:
             try:
                 loaded = load.future.result()
             except Exception:  # a read that failed outright: those pages get computed
-                log.exception("disk KV cache: a load failed")
+                log.exception("KV cache tier: a load failed")
                 loaded = 0
             self.allocator.free(load.pages[loaded:])
             if loaded:
@@ -194,7 +196,7 @@ class KVManager:
                 self.table.write_pages(request.table_row, i, [result.pages[i]])
             else:
                 taken.append(i)
-        if self.tier is not None and taken:  # written through to the disk, off this thread
+        if self.tier is not None and taken:  # written through to the tier, off this thread
             names = self.tier.chain(request.token_ids, full, request.namespace,
                                     request.tier_names)
             self.tier.store([names[i] for i in taken], [request.pages[i] for i in taken])

@@ -1,0 +1,156 @@
+"""The prefix cache's host-memory tier: KV pages in (pinned) host memory under the tree, so a
+GPU's cache holds more than its KV pool, with the disk tier optionally below it.
+
+Pages are named as the disk tier names them (`page_names`: the hash chain of their prefix),
+and the tier has the disk tier's interface, so the KV manager drives either, or this one with
+the disk below: a lookup takes the pages this tier holds first, then what the disk has after
+them.
+
+Write-through: a page the tree takes is copied to host memory at once, so when the device
+evicts it (least recently used first), its KV is still here; a prompt that matches past what
+the device holds loads it back instead of computing it. On a GPU the copies run on a stream
+of their own: a store gathers the pages on the compute stream (they may be evicted and
+reused right after) and copies them out on the side stream; a load enqueues its copies on the
+side stream on the engine thread (so a later store into the same host slot comes after it)
+and is done when that stream reaches its event, which a background thread waits for: the
+request waits in the queue meanwhile, as for a disk load. The host pool is allocated once
+(`max_bytes`, pinned on a GPU); its slots are reused least recently used first.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from radixlm.runtime.scheduling.disk_tier import DiskTier, page_names
+
+
+class HostTier:
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, page_size: int, max_bytes: int,
+                 below: DiskTier | None = None) -> None:
+        """`k`, `v`: the KV cache's tensors, [num_layers, num_slots, heads, head_dim]."""
+        self.k, self.v = k, v
+        self.page_size = page_size
+        self.below = below
+        layers, _, heads, dim = k.shape
+        self.page_bytes = 2 * layers * page_size * heads * dim * k.element_size()
+        self.num_slots = max_bytes // self.page_bytes
+        if self.num_slots < 1:
+            raise ValueError(f"host_cache_gb holds no page: a page of KV takes "
+                             f"{self.page_bytes} bytes")
+        self.cuda = k.device.type == "cuda"
+        self.buffer = torch.empty((self.num_slots, 2, layers, page_size, heads, dim),
+                                  dtype=k.dtype, pin_memory=self.cuda)
+        self.stream = torch.cuda.Stream(k.device) if self.cuda else None
+        # name -> slot, least recently used first; only the engine thread touches it
+        self._slots: OrderedDict[str, int] = OrderedDict()
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._waiter = ThreadPoolExecutor(1, thread_name_prefix="radixlm-host-load")
+        self.counters = {"host_hit_tokens": 0, "host_load_bytes": 0, "host_load_seconds": 0.0,
+                         "host_store_bytes": 0}
+
+    def chain(self, tokens: Sequence[int], num_pages: int, namespace: Hashable = None,
+              known: list[str] | None = None) -> list[str]:
+        return page_names(tokens, num_pages, self.page_size, namespace, known)
+
+    def present(self, names: Sequence[str]) -> int:
+        """How many of `names`, from the first, this tier holds, then the disk after them."""
+        count = 0
+        while count < len(names) and names[count] in self._slots:
+            count += 1
+        if self.below is not None and count < len(names):
+            count += self.below.present(names[count:])
+        return count
+
+    # ---- loading ----
+
+    def load_async(self, names: Sequence[str], pages: Sequence[int]) -> Future:
+        """Load `names` into `pages` of the KV cache: what this tier holds from the first,
+        the rest from the disk below. A Future of how many pages were loaded; the pages must
+        be the caller's alone until it is done."""
+        start = time.perf_counter()
+        loaded = 0
+        with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
+            if self.cuda:
+                # The destination pages may have been written by the compute stream before
+                # they were freed.
+                self.stream.wait_stream(torch.cuda.current_stream(self.k.device))
+            for name, page in zip(names, pages):
+                slot = self._slots.get(name)
+                if slot is None:
+                    break
+                self._slots.move_to_end(name)
+                slots = slice(page * self.page_size, (page + 1) * self.page_size)
+                self.k[:, slots].copy_(self.buffer[slot, 0], non_blocking=True)
+                self.v[:, slots].copy_(self.buffer[slot, 1], non_blocking=True)
+                loaded += 1
+            event = self.stream.record_event() if self.cuda else None
+        rest = (self.below.load_async(names[loaded:], pages[loaded:])
+                if self.below is not None and loaded < len(names) else None)
+        return self._waiter.submit(self._finish_load, event, loaded, rest, start)
+
+    def _finish_load(self, event: Any, loaded: int, rest: Future | None,
+                     start: float) -> int:
+        if event is not None:
+            event.synchronize()
+        self.counters["host_hit_tokens"] += loaded * self.page_size
+        self.counters["host_load_bytes"] += loaded * self.page_bytes
+        self.counters["host_load_seconds"] += time.perf_counter() - start
+        # The disk's pages count only after all of this tier's: a load is a prefix.
+        return loaded + (rest.result() if rest is not None else 0)
+
+    # ---- storing ----
+
+    def store(self, names: Sequence[str], pages: Sequence[int]) -> None:
+        """Copy these pages (their KV as it is now) into host memory, and to the disk below;
+        returns at once on a GPU (the side stream copies)."""
+        if self.below is not None:
+            self.below.store(names, pages)
+        new = [(name, page) for name, page in zip(names, pages) if name not in self._slots]
+        new = new[:self.num_slots]
+        if not new:
+            return
+        index = torch.tensor([page for _, page in new], device=self.k.device)
+        paged = (-1, self.page_size, *self.k.shape[2:])
+        # One gather on the compute stream, in the host pool's layout: [n, 2, L, ps, H, D].
+        kv = torch.stack([t.view(t.shape[0], *paged).index_select(1, index)
+                          for t in (self.k, self.v)]).permute(2, 0, 1, 3, 4, 5).contiguous()
+        slots = [self._take_slot(name) for name, _ in new]
+        with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
+            if self.cuda:
+                self.stream.wait_stream(torch.cuda.current_stream(self.k.device))
+                kv.record_stream(self.stream)
+            for i, slot in enumerate(slots):
+                self.buffer[slot].copy_(kv[i], non_blocking=True)
+        self.counters["host_store_bytes"] += len(new) * self.page_bytes
+
+    def _take_slot(self, name: str) -> int:
+        """A slot for `name`: a free one, or the least recently used one's. Copies into it
+        are enqueued on the side stream after any load still reading it."""
+        slot = self._free.pop() if self._free else self._slots.popitem(last=False)[1]
+        self._slots[name] = slot
+        return slot
+
+    def flush(self, timeout: float | None = None) -> None:
+        if self.cuda:
+            self.stream.synchronize()
+        if self.below is not None:
+            self.below.flush(timeout)
+
+    def close(self) -> None:
+        self.flush(timeout=30)
+        self._waiter.shutdown(wait=True)
+        if self.below is not None:
+            self.below.close()
+
+    def stats(self) -> dict[str, Any]:
+        return {**(self.below.stats() if self.below is not None else {}), **self.counters,
+                "host_pages": len(self._slots), "host_pages_total": self.num_slots,
+                "host_bytes": len(self._slots) * self.page_bytes}
+
