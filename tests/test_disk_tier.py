@@ -218,6 +218,10 @@ def _expected_page(prefix: tuple[int, ...], shape: tuple[int, ...]) -> torch.Ten
 @pytest.mark.parametrize("tiers", ["disk", "host", "host over disk"])
 @pytest.mark.parametrize("seed", range(3))
 def test_kv_manager_over_the_tier_against_a_model(tmp_path, seed, tiers):
+    check_tiers_against_a_model(tmp_path, seed, tiers, "cpu")
+
+
+def check_tiers_against_a_model(tmp_path: Path, seed: int, tiers: str, device: str) -> None:
     """Random requests over a small pool (evictions), restarts (a new tree and tier on the
     same folder; host memory starts empty) where there is a disk: every page in the tree
     always holds the KV of its prefix, whether computed or loaded, and free + cached pages add
@@ -232,7 +236,7 @@ def test_kv_manager_over_the_tier_against_a_model(tmp_path, seed, tiers):
 
     rng = random.Random(seed)
     ps, num_pages, layers = 4, 24 if tiers == "disk" else 12, 2
-    k = torch.zeros(layers, num_pages * ps, 1, 2)
+    k = torch.zeros(layers, num_pages * ps, 1, 2, device=device)
     v = torch.zeros_like(k)
     shape = (layers, ps, 1, 2)
     stems = [[rng.randrange(50) for _ in range(rng.choice((8, 12, 20)))] for _ in range(4)]
@@ -267,8 +271,8 @@ def test_kv_manager_over_the_tier_against_a_model(tmp_path, seed, tiers):
         for i in range(request.num_tree_pages, len(tokens) // ps):  # "compute" the rest
             page = request.pages[i]
             kv_page = _expected_page(tuple(tokens[:(i + 1) * ps]), shape)
-            k[:, page * ps:(page + 1) * ps] = kv_page
-            v[:, page * ps:(page + 1) * ps] = -kv_page
+            k[:, page * ps:(page + 1) * ps] = kv_page.to(device)
+            v[:, page * ps:(page + 1) * ps] = -kv_page.to(device)
         request.num_computed_tokens = len(tokens)
         kv.release(request)
         tier.flush()
@@ -276,8 +280,8 @@ def test_kv_manager_over_the_tier_against_a_model(tmp_path, seed, tiers):
             start = len(prefix) - len(node.key)
             for j, page in enumerate(node.value):
                 expected = _expected_page(tuple(prefix[:start + (j + 1) * ps]), shape)
-                assert torch.equal(k[:, page * ps:(page + 1) * ps], expected)
-                assert torch.equal(v[:, page * ps:(page + 1) * ps], -expected)
+                assert torch.equal(k[:, page * ps:(page + 1) * ps].cpu(), expected)
+                assert torch.equal(v[:, page * ps:(page + 1) * ps].cpu(), -expected)
         assert kv.allocator.num_free + kv.cache.total_pages == num_pages
         stats = tier.stats()
         loaded_before = max(loaded_before,

@@ -11,6 +11,7 @@ from radixlm.runtime import Engine
 from radixlm.runtime.models.loader import load_model
 
 from conftest import save_tiny_hf_model
+from test_disk_tier import check_tiers_against_a_model
 from test_models import run_chunks
 
 pytestmark = [pytest.mark.gpu,
@@ -91,3 +92,30 @@ def test_float_gemv_at_8b_shapes_eager_and_in_a_graph(n, k):
     torch.cuda.synchronize()
     check(x, first)
     check(first if k == n else x, second)
+
+
+@pytest.mark.parametrize("tiers", ["host", "host over disk"])
+def test_the_host_tier_on_cuda_against_a_model(tmp_path, tiers):
+    """Pages stored and loaded by the side stream, slots reused: every cached page holds its
+    prefix's KV."""
+    for seed in range(3):
+        check_tiers_against_a_model(tmp_path / str(seed), seed, tiers, "cuda")
+
+
+def test_the_host_tier_on_cuda_gives_the_tokens_of_computing(tmp_path):
+    """A pool that holds one prompt's prefix at a time: with the host tier the other's comes
+    back over PCIe, and the greedy tokens are those of an engine that computes everything."""
+    folder = save_tiny_hf_model(tmp_path, "llama")
+    prompts = [[5 + i % 7, 17, 99, 3 + i] * 40 for i in range(2)] * 3
+    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    results = []
+    for host_gb in (0, 0.05):
+        with Engine(str(folder), device="cuda", dtype="float32", max_total_tokens=256,
+                    max_running_requests=1, deterministic=True,
+                    host_cache_gb=host_gb) as engine:
+            results.append([engine.generate(input_ids=p, sampling_params=params).token_ids
+                            for p in prompts])
+            stats = engine.stats()
+            assert stats["kv_pages_free"] + stats["kv_pages_cached"] == stats["kv_pages_total"]
+    assert results[0] == results[1]
+    assert stats["host_hit_tokens"] >= 2 * 128
