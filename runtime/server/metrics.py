@@ -61,6 +61,12 @@ ENGINE_COUNTERS = {
                                  "written: the writer fell behind, or the disk is full"),
     "disk_bad_files": ("radixlm_disk_cache_bad_files", "Truncated, corrupt or foreign files "
                        "found, skipped and removed"),
+    "host_hit_tokens": ("radixlm_host_cache_hit_tokens", "Prompt tokens loaded from the "
+                        "prefix cache's host-memory tier instead of computed"),
+    "host_load_bytes": ("radixlm_host_cache_load_bytes", "KV bytes copied back from host memory"),
+    "host_load_seconds": ("radixlm_host_cache_load_seconds", "Time from a load's start to its "
+                          "copies' end"),
+    "host_store_bytes": ("radixlm_host_cache_store_bytes", "KV bytes copied to host memory"),
     "lora_slot_loads": ("radixlm_lora_slot_loads", "LoRA adapters copied into a device slot "
                         "(growing fast: more adapters in use than max_loras_per_batch)"),
     # Per program only in the stats (/get_server_info): a label per program id would grow
