@@ -75,22 +75,32 @@ class HostTier:
         the rest from the disk below. A Future of how many pages were loaded; the pages must
         be the caller's alone until it is done."""
         start = time.perf_counter()
-        loaded = 0
-        with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
-            if self.cuda:
-                # The destination pages may have been written by the compute stream before
-                # they were freed.
-                self.stream.wait_stream(torch.cuda.current_stream(self.k.device))
-            for name, page in zip(names, pages):
-                slot = self._slots.get(name)
-                if slot is None:
-                    break
-                self._slots.move_to_end(name)
-                slots = slice(page * self.page_size, (page + 1) * self.page_size)
-                self.k[:, slots].copy_(self.buffer[slot, 0], non_blocking=True)
-                self.v[:, slots].copy_(self.buffer[slot, 1], non_blocking=True)
-                loaded += 1
-            event = self.stream.record_event() if self.cuda else None
+        found: list[tuple[int, int]] = []  # (slot, page)
+        for name, page in zip(names, pages):
+            slot = self._slots.get(name)
+            if slot is None:
+                break
+            self._slots.move_to_end(name)
+            found.append((slot, page))
+        event = None
+        if found:
+            compute = torch.cuda.current_stream(self.k.device) if self.cuda else None
+            with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
+                if compute is not None:
+                    # The destination pages may have been written by the compute stream
+                    # before they were freed.
+                    self.stream.wait_stream(compute)
+                # Each page is one contiguous copy; one scatter per tensor puts them in place.
+                staged = torch.empty((len(found), *self.buffer.shape[1:]), dtype=self.k.dtype,
+                                     device=self.k.device)
+                for i, (slot, _) in enumerate(found):
+                    staged[i].copy_(self.buffer[slot], non_blocking=True)
+                index = torch.tensor([page for _, page in found], device=self.k.device)
+                paged = (self.k.shape[0], -1, self.page_size, *self.k.shape[2:])
+                self.k.view(paged).index_copy_(1, index, staged[:, 0].transpose(0, 1))
+                self.v.view(paged).index_copy_(1, index, staged[:, 1].transpose(0, 1))
+                event = self.stream.record_event() if self.cuda else None
+        loaded = len(found)
         rest = (self.below.load_async(names[loaded:], pages[loaded:])
                 if self.below is not None and loaded < len(names) else None)
         return self._waiter.submit(self._finish_load, event, loaded, rest, start)
@@ -122,9 +132,10 @@ class HostTier:
         kv = torch.stack([t.view(t.shape[0], *paged).index_select(1, index)
                           for t in (self.k, self.v)]).permute(2, 0, 1, 3, 4, 5).contiguous()
         slots = [self._take_slot(name) for name, _ in new]
+        compute = torch.cuda.current_stream(self.k.device) if self.cuda else None
         with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
-            if self.cuda:
-                self.stream.wait_stream(torch.cuda.current_stream(self.k.device))
+            if compute is not None:
+                self.stream.wait_stream(compute)  # the gather above
                 kv.record_stream(self.stream)
             for i, slot in enumerate(slots):
                 self.buffer[slot].copy_(kv[i], non_blocking=True)
