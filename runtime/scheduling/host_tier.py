@@ -95,7 +95,7 @@ class HostTier:
                                      device=self.k.device)
                 for i, (slot, _) in enumerate(found):
                     staged[i].copy_(self.buffer[slot], non_blocking=True)
-                index = torch.tensor([page for _, page in found], device=self.k.device)
+                index = self._on_device([page for _, page in found])
                 paged = (self.k.shape[0], -1, self.page_size, *self.k.shape[2:])
                 self.k.view(paged).index_copy_(1, index, staged[:, 0].transpose(0, 1))
                 self.v.view(paged).index_copy_(1, index, staged[:, 1].transpose(0, 1))
@@ -126,7 +126,7 @@ class HostTier:
         new = new[:self.num_slots]
         if not new:
             return
-        index = torch.tensor([page for _, page in new], device=self.k.device)
+        index = self._on_device([page for _, page in new])
         paged = (-1, self.page_size, *self.k.shape[2:])
         # One gather on the compute stream, in the host pool's layout: [n, 2, L, ps, H, D].
         kv = torch.stack([t.view(t.shape[0], *paged).index_select(1, index)
@@ -140,6 +140,14 @@ class HostTier:
             for i, slot in enumerate(slots):
                 self.buffer[slot].copy_(kv[i], non_blocking=True)
         self.counters["host_store_bytes"] += len(new) * self.page_bytes
+
+    def _on_device(self, values: list[int]) -> torch.Tensor:
+        """`values` as a device tensor, copied from pinned memory without waiting: a copy
+        from pageable memory would wait for all the work queued on the stream."""
+        values_cpu = torch.tensor(values, dtype=torch.int64)
+        if not self.cuda:
+            return values_cpu
+        return values_cpu.pin_memory().to(self.k.device, non_blocking=True)
 
     def _take_slot(self, name: str) -> int:
         """A slot for `name`: a free one, or the least recently used one's. Copies into it
