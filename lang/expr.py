@@ -104,7 +104,7 @@ class Gen(Expr):
         return sampling_params({**defaults, **self.sampling})
 
     def adapter(self, defaults: dict[str, Any]) -> str | None:
-        return {**defaults, **self.sampling}.get(ADAPTER)
+        return adapter_name({**defaults, **self.sampling}.get(ADAPTER))
 
 
 @dataclass(frozen=True)
@@ -112,10 +112,10 @@ class Select(Expr):
     name: str | None
     choices: tuple[str, ...]
     method: ChoicesMethod
-    lora: str | None = None
+    lora: str | bool | None = None  # False: the base model, whatever the default
 
     def adapter(self, defaults: dict[str, Any]) -> str | None:
-        return self.lora or defaults.get(ADAPTER)
+        return adapter_name(defaults.get(ADAPTER) if self.lora is None else self.lora)
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ class ToolCalls(Expr):
         return sampling_params({**defaults, **self.sampling})
 
     def adapter(self, defaults: dict[str, Any]) -> str | None:
-        return {**defaults, **self.sampling}.get(ADAPTER)
+        return adapter_name({**defaults, **self.sampling}.get(ADAPTER))
 
 
 @dataclass(frozen=True)
@@ -168,10 +168,18 @@ def sampling_params(fields: dict[str, Any]) -> SamplingParams:
     return SamplingParams.from_dict({k: v for k, v in fields.items() if k != ADAPTER})
 
 
-def check_adapter(value: Any, where: str) -> str | None:
-    if value is not None and (not isinstance(value, str) or not value):
-        raise ValueError(f"{where}: lora must be a LoRA adapter's name, got {value!r:.60}")
+def check_adapter(value: Any, where: str) -> str | bool | None:
+    """A LoRA adapter's name; False for the base model even where a default names one (a
+    gen inside `run(lora=...)`); None for the default."""
+    if value is not None and value is not False and (not isinstance(value, str) or not value):
+        raise ValueError(f"{where}: lora must be a LoRA adapter's name (or False: the base "
+                         f"model), got {value!r:.60}")
     return value
+
+
+def adapter_name(value: str | bool | None) -> str | None:
+    """The adapter to run with: None for the base model (False says so explicitly)."""
+    return value or None
 
 
 def normalize_sampling(kwargs: dict[str, Any], where: str) -> dict[str, Any]:
@@ -217,7 +225,8 @@ def gen(name: str | None = None, *args: Any, **kwargs: Any) -> Gen | Select:
     positional order (`gen("answer", 64)` is max_tokens=64). `choices=[...]` is `select`;
     `dtype=int|float|bool|str` (or its name) constrains the text with a regex and converts
     the value. `lora="name"` runs it with that LoRA adapter of the server's (run()'s
-    `lora=` sets one for every call of the program)."""
+    `lora=` sets one for every call of the program; `lora=False` runs this one on the base
+    model all the same)."""
     kwargs = _positional("gen", GEN_POSITIONAL, args, kwargs)
     choices = kwargs.pop("choices", None)
     dtype = kwargs.pop("dtype", None)
@@ -256,11 +265,11 @@ def gen_string(name: str | None = None, *args: Any, **kwargs: Any) -> Gen:
 def select(name: str | None = None, choices: Sequence[str] | None = None,
            temperature: float = 0.0,
            choices_method: ChoicesMethod = token_length_normalized, *,
-           lora: str | None = None) -> Select:
+           lora: str | bool | None = None) -> Select:
     """Pick one of `choices` by the model's likelihood of each, scored in one engine call
     over the shared prefix. The chosen text is appended and stored in `name`. Selection is
     deterministic: `temperature` (SGLang's argument) must be 0. `lora`: score with that LoRA
-    adapter."""
+    adapter (False: the base model, inside `run(lora=...)`)."""
     _check_name(name, "select")
     if (choices is None or isinstance(choices, str)
             or not all(isinstance(c, str) and c for c in choices) or not choices):

@@ -29,6 +29,7 @@ from radixlm.expr import (
     FIELD_NAMES,
     LANGUAGE_ONLY_FIELDS,
     SAMPLING_ALIASES,
+    adapter_name,
     normalize_sampling,
 )
 from radixlm.runtime.config.sampling_params import SamplingParams
@@ -287,7 +288,7 @@ class Program:
         if any(p is None for p in prefixes):
             return None
         shared = _common_prefix(prefixes)
-        adapters = {sampling.get(ADAPTER) for _, sampling in prepared}
+        adapters = {adapter_name(sampling.get(ADAPTER)) for _, sampling in prepared}
         if not shared or len(adapters) != 1:
             return None
         with using_adapter(adapters.pop()):  # cached under the adapter the runs use

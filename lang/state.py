@@ -20,6 +20,7 @@ from radixlm.expr import (
     RoleEnd,
     VarScopeBegin,
     VarScopeEnd,
+    adapter_name,
     to_expr,
 )
 from radixlm.interpreter import Interpreter, ProgramError
@@ -77,7 +78,7 @@ class Run:
 
     async def _pin(self, text: str) -> Any:
         try:
-            with using_adapter(self.defaults.get(ADAPTER)):  # where the branches will look
+            with using_adapter(adapter_name(self.defaults.get(ADAPTER))):  # where branches look
                 return await self.backend.apin_prefix(text)
         except Exception as exc:  # noqa: BLE001 - a failed pin only costs the hint
             log.warning("prefix pin failed: %s", exc)

@@ -236,11 +236,13 @@ def post(url: str, body: dict, key: str | None = "key") -> tuple[int, dict]:
 
 @rl.function
 def mixed(s):
-    """Two gens under adapter a (one segment), one under the program's adapter, a select."""
+    """Two gens under adapter a (one segment), one under the program's adapter, a select, one
+    on the base model whatever the program's adapter."""
     s += "Name three colors:" + rl.gen("a1", max_tokens=4, lora="a")
     s += rl.gen("a2", max_tokens=4, lora="a")
     s += "\nAnd" + rl.gen("other", max_tokens=4)
     s += "\nPick:" + rl.select("pick", ["red", "blue", "green"], lora="a")
+    s += "\nBase:" + rl.gen("base", max_tokens=4, lora=False)
 
 
 def mixed_by_calls(engine: Engine, default: str | None) -> dict[str, str]:
@@ -258,6 +260,7 @@ def mixed_by_calls(engine: Engine, default: str | None) -> dict[str, str]:
     scores = engine.score(encode_prompt(engine.tokenizer, text + "\nPick:"), choices, lora="a")
     best = max(range(3), key=lambda i: sum(scores[i]) / len(scores[i]))
     got["pick"] = ("red", "blue", "green")[best]
+    got["base"] = engine.generate(text + "\nPick:" + got["pick"] + "\nBase:", params).text
     return got
 
 

@@ -96,9 +96,12 @@ class HostTier:
                 for i, (slot, _) in enumerate(found):
                     staged[i].copy_(self.buffer[slot], non_blocking=True)
                 index = self._on_device([page for _, page in found])
-                paged = (self.k.shape[0], -1, self.page_size, *self.k.shape[2:])
-                self.k.view(paged).index_copy_(1, index, staged[:, 0].transpose(0, 1))
-                self.v.view(paged).index_copy_(1, index, staged[:, 1].transpose(0, 1))
+                # As bytes: a scatter of any KV storage type (float8 too).
+                staged = staged.view(torch.uint8)
+                for i, cache in enumerate((self.k, self.v)):
+                    raw = cache.view(torch.uint8)
+                    raw.view(raw.shape[0], -1, self.page_size, *raw.shape[2:]).index_copy_(
+                        1, index, staged[:, i].transpose(0, 1))
                 event = self.stream.record_event() if self.cuda else None
         loaded = len(found)
         rest = (self.below.load_async(names[loaded:], pages[loaded:])
@@ -127,10 +130,13 @@ class HostTier:
         if not new:
             return
         index = self._on_device([page for _, page in new])
-        paged = (-1, self.page_size, *self.k.shape[2:])
-        # One gather on the compute stream, in the host pool's layout: [n, 2, L, ps, H, D].
-        kv = torch.stack([t.view(t.shape[0], *paged).index_select(1, index)
-                          for t in (self.k, self.v)]).permute(2, 0, 1, 3, 4, 5).contiguous()
+        # One gather on the compute stream, in the host pool's layout ([n, 2, L, ps, H, D]),
+        # as bytes (any KV storage type).
+        raws = [t.view(torch.uint8) for t in (self.k, self.v)]
+        kv = torch.stack([raw.view(raw.shape[0], -1, self.page_size, *raw.shape[2:])
+                          .index_select(1, index) for raw in raws])
+        kv = kv.permute(2, 0, 1, 3, 4, 5).contiguous()
+        host = self.buffer.view(torch.uint8)
         slots = [self._take_slot(name) for name, _ in new]
         compute = torch.cuda.current_stream(self.k.device) if self.cuda else None
         with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
@@ -138,7 +144,7 @@ class HostTier:
                 self.stream.wait_stream(compute)  # the gather above
                 kv.record_stream(self.stream)
             for i, slot in enumerate(slots):
-                self.buffer[slot].copy_(kv[i], non_blocking=True)
+                host[slot].copy_(kv[i], non_blocking=True)
         self.counters["host_store_bytes"] += len(new) * self.page_bytes
 
     def _on_device(self, values: list[int]) -> torch.Tensor:
