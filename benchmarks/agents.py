@@ -175,6 +175,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--thought-tokens", type=int, default=24,
                         help="max_tokens of each thought (longer calls: more compute per call)")
+    parser.add_argument("--capacity", type=float, default=None,
+                        help="programs/s measured before on this machine: skips measuring it")
     parser.add_argument("--engine-options", type=json.loads, default={},
                         help="JSON of further Engine options for both engines (model, device)")
     parser.add_argument("--out", default=None)
@@ -191,8 +193,8 @@ def main() -> None:
         for engine in engines.values():  # warm-up
             asyncio.run(run_load(engine, instant(workload(4, 99, calls_range=(2, 3))), None,
                                  0))
-        capacity = asyncio.run(measure_capacity(engines["fcfs"], instant(items),
-                                                2 * args.max_running))
+        capacity = args.capacity or asyncio.run(measure_capacity(
+            engines["fcfs"], instant(items), 2 * args.max_running))
         print(f"capacity (saturated, tools instant, fcfs): {capacity:.2f} programs/s")
         results: dict[str, Any] = {}
         for load in loads:
