@@ -16,6 +16,7 @@ from radixlm.runtime.replicas.routing import (
     NoHealthyReplica,
     ReplicaLoad,
     RouteRequest,
+    cache_capacity,
     make_router,
     prefix_key,
 )
@@ -266,3 +267,21 @@ def test_per_program_stats_are_merged_across_replicas():
                                 "cached_tokens": 48, "last_seen": 10.0},
                       "chat": {"calls": 1, "queue_s": 0.0, "service_tokens": 5,
                                "cached_tokens": 0, "last_seen": 9.0}}
+
+
+def test_a_replica_with_a_disk_tier_keeps_its_prefixes_over_a_restart():
+    router = make_router("cache_aware", 3)
+    home = router.choose(RouteRequest(token_ids=list(range(500)), session="bob"), [IDLE] * 3)
+    router.replica_reset(home, keeps_cache=True)
+    assert router.tree.units(home) == 501 and router.outstanding()[home] == 0
+    lighter = (home + 1) % 3
+    busy = loads(*[0 if i == lighter else 2 for i in range(3)])
+    assert router.choose(RouteRequest(token_ids=list(range(500))), busy) == home
+
+
+def test_the_routed_capacity_counts_the_cache_tiers():
+    pool = {"kv_pages_total": 1000, "page_size": 16}
+    assert cache_capacity(pool) == 16_000
+    assert cache_capacity({**pool, "host_pages_total": 3000}) == 64_000
+    assert cache_capacity({**pool, "host_pages_total": 3000, "disk_pages_total": 6000}) \
+        == 160_000

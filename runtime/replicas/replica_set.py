@@ -31,7 +31,12 @@ from radixlm.runtime.replicas.replica_client import (
     load_engine,
     serve_engine,
 )
-from radixlm.runtime.replicas.routing import ReplicaLoad, RouteRequest, make_router
+from radixlm.runtime.replicas.routing import (
+    ReplicaLoad,
+    RouteRequest,
+    cache_capacity,
+    make_router,
+)
 
 log = logging.getLogger("radixlm.server")
 
@@ -137,10 +142,11 @@ class ReplicaSet:
         for r in self.replicas:
             log.info("engine replica %d ready: pid %d on %s", r.index, r.place.pid, r.place.node)
         if self.policy == "cache_aware":
-            # The router's picture of each replica's cache holds about what its pool does.
+            # The router's picture of each replica's cache holds about what its pool and
+            # tiers do.
             stats = await self.replicas[0].call("stats")
-            self.router = make_router(self.policy, self.dp_size, tree_capacity=max(
-                1, stats["kv_pages_total"] * stats["page_size"]))
+            self.router = make_router(self.policy, self.dp_size,
+                                      tree_capacity=cache_capacity(stats))
         first = infos[0]
         config = dict(first.config)
         # The server's queue limit counts what all replicas run at once.
@@ -157,7 +163,9 @@ class ReplicaSet:
                 log.error("every engine replica is gone")
                 self.died.set()
             return
-        self.router.replica_reset(index)
+        # A disk tier outlives the process: the restarted replica finds its prefixes again.
+        self.router.replica_reset(index, keeps_cache=self.options.get("disk_cache_dir")
+                                  is not None)
         log.info("engine replica %d replaced in %.1f s: pid %d on %s (restart %d)", index,
                  down_seconds, replica.place.pid, replica.place.node, replica.restarts)
 

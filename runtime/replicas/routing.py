@@ -9,7 +9,8 @@ A front end holding N engine replicas asks a `Router` for each request:
 
 `loads` is one `ReplicaLoad` per replica, as recent as the caller has it. Unhealthy replicas
 never get a request; when none is healthy, `choose` raises `NoHealthyReplica`. A replica that
-was restarted has an empty cache: tell the router with `replica_reset`.
+was restarted has an empty cache, unless a disk tier kept it: tell the router with
+`replica_reset`.
 
 The router also counts the requests it sent to each replica that have not `finished`; that
 count is a floor on the replica's load, so a burst routed between two load reports does not
@@ -24,6 +25,7 @@ from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from radixlm.runtime.replicas.routed_prefixes import RoutedPrefixes
 
@@ -83,8 +85,9 @@ class Router(ABC):
         self._check(replica)
         self._outstanding[replica] = max(0, self._outstanding[replica] - 1)
 
-    def replica_reset(self, replica: int) -> None:
-        """`replica` was restarted: nothing of it is cached, nothing of it is in flight."""
+    def replica_reset(self, replica: int, keeps_cache: bool = False) -> None:
+        """`replica` was restarted: nothing of it is in flight, and nothing of it is cached
+        unless `keeps_cache` (a disk tier outlives the process)."""
         self._check(replica)
         self._outstanding[replica] = 0
 
@@ -172,8 +175,9 @@ class CacheAwareRouter(Router):
       overload_rel    1.5     times the least loaded replica's load: what bounds the
                               imbalance once replicas are busy (above 16 requests each).
       min_match       64      units of matched prefix worth routing for
-      tree_capacity   1 << 20 units remembered per replica (LRU); set it near the replica's
-                              KV pool in tokens. Memory: ~4 bytes per unit plus ~200 per node.
+      tree_capacity   1 << 20 units remembered per replica (LRU); set it near the tokens the
+                              replica's cache holds, its tiers included (`cache_capacity`).
+                              Memory: ~4 bytes per unit plus ~200 per node.
       max_sessions    1 << 16 sticky sessions remembered (LRU)
     """
 
@@ -226,11 +230,22 @@ class CacheAwareRouter(Router):
         replica = self._sessions.get(session) if session is not None else None
         return replica if replica is not None and replica in eligible else None
 
-    def replica_reset(self, replica: int) -> None:
+    def replica_reset(self, replica: int, keeps_cache: bool = False) -> None:
         super().replica_reset(replica)
+        if keeps_cache:
+            return
         self.tree.drop(replica)
         for session in [s for s, r in self._sessions.items() if r == replica]:
             del self._sessions[session]
+
+
+def cache_capacity(stats: dict[str, Any]) -> int:
+    """The tokens a replica's prefix cache can hold, from its Engine.stats(): the KV pool,
+    plus its host-memory and disk tiers (pages that were evicted from the pool are still
+    found there)."""
+    pages = (stats["kv_pages_total"] + stats.get("host_pages_total", 0)
+             + stats.get("disk_pages_total", 0))
+    return max(1, pages * stats["page_size"])
 
 
 TOKENS, TEXT = "T", "S"  # a key's first unit: token keys and text keys never share a prefix

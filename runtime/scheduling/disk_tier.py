@@ -260,7 +260,8 @@ class DiskTier:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return {**self.counters, "disk_pages": len(self._files), "disk_bytes": self._bytes}
+            return {**self.counters, "disk_pages": len(self._files), "disk_bytes": self._bytes,
+                    "disk_pages_total": self.max_bytes // self.page_bytes}
 
 
 def page_names(tokens: Sequence[int], num_pages: int, page_size: int,
