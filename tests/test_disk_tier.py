@@ -209,6 +209,24 @@ def test_the_host_tier_gives_the_tokens_a_larger_pool_gives(tiny_chat_model, tmp
         assert_pages_add_up(engine)
 
 
+def test_pages_loaded_from_disk_are_kept_in_host_memory(tiny_chat_model, tmp_path):
+    """After a restart the document's pages come from the disk, and go to host memory too:
+    when the pool evicts them again, the next load comes from host memory."""
+    other = "Another document entirely. " * 40 + "Q: and?"
+    reference, _, _ = run(tiny_chat_model, None, [PROMPTS[0], other, PROMPTS[0]])
+    run(tiny_chat_model, tmp_path, PROMPTS[:1])  # writes the document to the disk
+    with Engine(str(tiny_chat_model), max_total_tokens=256, max_running_requests=1,
+                disk_cache_dir=str(tmp_path), host_cache_gb=0.01) as engine:
+        outs = [engine.generate(prompt, GREEDY) for prompt in (PROMPTS[0], other)]
+        from_disk = engine.stats()["disk_hit_tokens"]
+        assert from_disk > 0 and engine.stats()["host_hit_tokens"] == 0
+        outs.append(engine.generate(PROMPTS[0], GREEDY))
+        stats = engine.stats()
+        assert stats["disk_hit_tokens"] == from_disk and stats["host_hit_tokens"] > 0
+        assert [o.token_ids for o in outs] == reference
+        assert_pages_add_up(engine)
+
+
 def _expected_page(prefix: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
     """The 'KV' a page holds in the simulation below: a function of its whole prefix."""
     seed = hash(prefix) % (1 << 31)

@@ -41,7 +41,7 @@ class _Load:
     tree_pages: list[int]  # its pages
     pages: list[int]  # allocated for the pages that come from the tier
     future: Future  # how many of them were loaded
-    first: str  # the tier's name of the first of them
+    names: list[str]  # the tier's names of them
 
 
 class KVManager:
@@ -116,7 +116,7 @@ class KVManager:
             return False
         names = self.tier.chain(request.token_ids, wanted, request.namespace,
                                 request.tier_names)
-        if any(load.first == names[have] for load in self._loads.values()):
+        if any(load.names[0] == names[have] for load in self._loads.values()):
             return True  # another request is loading the same pages: they will be cached
         request.tier_checked = True
         count = self.tier.present(names[have:])
@@ -130,7 +130,8 @@ class KVManager:
             self.cache.unlock(hit.node)
             return False
         future = self.tier.load_async(names[have:have + len(pages)], pages)
-        self._loads[request] = _Load(hit.node, list(hit.pages), pages, future, names[have])
+        self._loads[request] = _Load(hit.node, list(hit.pages), pages, future,
+                                     names[have:have + len(pages)])
         return True
 
     def finish_loads(self) -> None:
@@ -153,8 +154,12 @@ class KVManager:
                     request.token_ids[:(have + loaded) * self.page_size],
                     load.tree_pages + load.pages[:loaded], request.namespace)
                 # (another request may have computed some of them meanwhile: the tree's win)
-                self.allocator.free([p for p, q in zip(load.pages, result.pages[have:])
-                                     if p != q])
+                kept = [p == q for p, q in zip(load.pages, result.pages[have:])]
+                self.allocator.free([p for p, keep in zip(load.pages, kept) if not keep])
+                # Through the tiers again: what came from the disk is kept in host memory
+                # too (each tier skips what it holds).
+                self.tier.store([n for n, keep in zip(load.names, kept) if keep],
+                                [p for p, keep in zip(load.pages, kept) if keep])
             self.cache.unlock(load.node)
 
     def wait_for_a_load(self, timeout: float) -> None:
