@@ -386,3 +386,20 @@ print(len(out.token_ids))
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "2"
+
+
+def test_an_adapter_of_phi3s_fused_layers_under_tensor_parallelism(tmp_path):
+    """Phi-3 stores q, k and v (and gate and up) as one layer, and so do adapters trained on
+    it: under tp_size=2 each rank cuts such a module into its parts' shares, as the weights
+    are cut. Scores match peft, with one process and with two."""
+    base = save_tiny_hf_model(tmp_path / "base", "phi3")
+    adapter = make_adapter(tmp_path / "fused", base, 8, 16,
+                           ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], False, seed=5)
+    folders = {"base": base, "fused": adapter}
+    ids = torch.randint(3, 512, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    want = peft_logprobs(folders, "fused", ids, 10)
+    for tp in (1, 2):
+        with Engine(str(base), tp_size=tp, device="cpu", dtype="float32",
+                    lora_modules=modules(folders, "fused")) as engine:
+            got = engine.score(ids[:10], [ids[10:]], lora="fused")[0]
+        assert max(abs(x - y) for x, y in zip(got, want)) < 1e-4, tp

@@ -113,31 +113,58 @@ def load_adapter(name: str, path: str | Path, model: torch.nn.Module) -> LoRAAda
         if set(ab) != {"A", "B"}:
             raise ValueError(f"lora {name!r}: module {module_name!r} has lora_"
                              f"{''.join(ab)} but not both lora_A and lora_B")
-        target, part = _our_linear(name, module_name, model, modules)
         a, b = ab["A"], ab["B"].float()
         rank = a.shape[0]
         if a.dim() != 2 or b.dim() != 2 or b.shape[1] != rank:
             raise ValueError(f"lora {name!r}: {module_name}: lora_A {tuple(a.shape)} and "
                              f"lora_B {tuple(b.shape)} are not [r, in] and [out, r]")
-        linear = modules[target]
-        a, b = _my_share(name, module_name, linear, part, a, b)
-        rows = linear.offsets[part + 1] - linear.offsets[part] if part is not None \
-            else linear.out_features
-        if a.shape[1] != linear.in_features or b.shape[0] != rows:
-            raise ValueError(
-                f"lora {name!r}: {module_name} maps {a.shape[1]} inputs to {b.shape[0]} "
-                f"outputs, the model's layer {linear.in_features} to {rows}: the adapter was "
-                f"trained for another base model "
-                f"(base_model_name_or_path: {config.get('base_model_name_or_path')!r})")
-        # Kept in the file's dtype (a bfloat16 adapter takes half the host memory of float32);
-        # the scaling is folded into B in float32 first.
-        dtype = a.dtype if a.is_floating_point() else torch.float32
-        row_start = linear.offsets[part] if part is not None else 0
-        adapter.modules.setdefault(target, []).append(
-            LoRAPart(part=part or 0, row_start=row_start, a=a.to(dtype).contiguous(),
-                     b=(b * scaling(module_name, rank)).to(dtype).contiguous()))
+        b = b * scaling(module_name, rank)
+        for part_module, part_b in _parts_to_place(module_name, b, model, modules, name):
+            _add_module(adapter, name, part_module, a, part_b, model, modules, config)
         adapter.rank = max(adapter.rank, rank)
     return adapter
+
+
+def _parts_to_place(module_name: str, b: torch.Tensor, model: Any,
+                    modules: dict[str, torch.nn.Module], name: str
+                    ) -> list[tuple[str, torch.Tensor]]:
+    """The module as it is, or, for a module trained on a fused layer (Phi-3's `qkv_proj`)
+    whose parts this tensor-parallel rank holds shares of, one module per part (each with
+    A whole and its rows of B), so each is cut as that part's weights are."""
+    target, part = _our_linear(name, module_name, model, modules)
+    linear = modules[target]
+    fused_parts = getattr(model, "fused_parts", None)
+    if (part is not None or len(linear.output_sizes) == 1 or linear.shard is None
+            or linear.shard.part_starts is None or fused_parts is None):
+        return [(module_name, b)]
+    parts = fused_parts(module_name + ".weight", b.shape[0])
+    if parts is None or parts[-1][1] + parts[-1][2] != b.shape[0]:
+        return [(module_name, b)]  # the shape check names the mismatch
+    return [(part_name.removesuffix(".weight"), b[start:start + rows])
+            for part_name, start, rows in parts]
+
+
+def _add_module(adapter: LoRAAdapter, name: str, module_name: str, a: torch.Tensor,
+                b: torch.Tensor, model: Any, modules: dict[str, torch.nn.Module],
+                config: dict[str, Any]) -> None:
+    """Place one module's A and B (scaling folded in) on our linear, as this rank's share."""
+    target, part = _our_linear(name, module_name, model, modules)
+    linear = modules[target]
+    a, b = _my_share(name, module_name, linear, part, a, b)
+    rows = linear.offsets[part + 1] - linear.offsets[part] if part is not None \
+        else linear.out_features
+    if a.shape[1] != linear.in_features or b.shape[0] != rows:
+        raise ValueError(
+            f"lora {name!r}: {module_name} maps {a.shape[1]} inputs to {b.shape[0]} "
+            f"outputs, the model's layer {linear.in_features} to {rows}: the adapter was "
+            f"trained for another base model "
+            f"(base_model_name_or_path: {config.get('base_model_name_or_path')!r})")
+    # Kept in the file's dtype (a bfloat16 adapter takes half the host memory of float32).
+    dtype = a.dtype if a.is_floating_point() else torch.float32
+    row_start = linear.offsets[part] if part is not None else 0
+    adapter.modules.setdefault(target, []).append(
+        LoRAPart(part=part or 0, row_start=row_start, a=a.to(dtype).contiguous(),
+                 b=b.to(dtype).contiguous()))
 
 
 def _read_peft(name: str, folder: Path
