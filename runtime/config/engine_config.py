@@ -241,7 +241,7 @@ class EngineConfig:
                 or not 0 <= self.program_ttl <= 3600:
             raise ValueError(f"program_ttl must be in [0, 3600] seconds, got {self.program_ttl}")
         self._check_grammar_options()
-        self._check_disk_cache_options()
+        self._check_cache_tier_options()
         self._check_lora_options()
         if self.deterministic and self.attention_backend == "flashinfer":
             raise ValueError("attention_backend 'flashinfer' cannot run deterministic=True: its "
@@ -269,7 +269,7 @@ class EngineConfig:
                 (self.overlap_schedule == "on", "overlap_schedule='on': the pipeline keeps its "
                  "own steps in flight")))
 
-    def _check_disk_cache_options(self) -> None:
+    def _check_cache_tier_options(self) -> None:
         if (isinstance(self.host_cache_gb, bool)
                 or not isinstance(self.host_cache_gb, (int, float))
                 or not 0 <= self.host_cache_gb < float("inf")):
