@@ -8,7 +8,8 @@ exact tokens after exactly this prefix". The directory has one folder per model 
 another model's files are never looked at.
 
 Writes are write-through and off the engine thread: a page the tree takes is copied out of
-the KV tensors at once (it may be evicted and reused right after) and written by a background
+the KV tensors at once (it may be evicted and reused right after; on a GPU the copy to host
+memory runs on a stream of its own, which the writer waits for) and written by a background
 thread, to a temporary file renamed into place (readers never see half a file; two processes
 writing the same page both write the same bytes). The writer's queue is bounded: when the
 disk falls behind, pages are skipped, not waited for. A file carries a header with its length
@@ -69,6 +70,9 @@ class DiskTier:
         self._writer.start()
         self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="radixlm-disk-read")
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="radixlm-disk-load")
+        # On a GPU, pages are copied out on a stream of their own: storing never waits for
+        # the compute stream's queued work (the writer thread waits for the copy instead).
+        self._stream = torch.cuda.Stream(k.device) if k.is_cuda else None
         self.counters = {"disk_hit_tokens": 0, "disk_load_bytes": 0, "disk_load_seconds": 0.0,
                          "disk_store_bytes": 0, "disk_store_seconds": 0.0,
                          "disk_store_skipped_pages": 0, "disk_bad_files": 0}
@@ -153,14 +157,26 @@ class DiskTier:
         new = [(name, page) for name, page in zip(names, pages) if name not in self._files]
         if not new:
             return
-        # One gather (one device-to-host copy on a GPU) for all of them: [2, L, n, ps, H, D].
-        index = torch.tensor([page for _, page in new], device=self.k.device)
-        paged = (-1, self.page_size, *self.k.shape[2:])
-        kv = torch.stack([t.view(t.shape[0], *paged).index_select(1, index)
-                          for t in (self.k, self.v)]).to("cpu")
+        # One gather for all of them, as bytes: [2, L, n, ps, H, D x element size].
+        index = torch.tensor([page for _, page in new])
+        raws = [t.view(torch.uint8) for t in (self.k, self.v)]
+        if self._stream is None:
+            kv, event = torch.stack([raw.view(raw.shape[0], -1, self.page_size, *raw.shape[2:])
+                                     .index_select(1, index) for raw in raws]), None
+        else:
+            index = index.pin_memory().to(self.k.device, non_blocking=True)
+            gathered = torch.stack([raw.view(raw.shape[0], -1, self.page_size,
+                                             *raw.shape[2:]).index_select(1, index)
+                                    for raw in raws])
+            kv = torch.empty(gathered.shape, dtype=torch.uint8, pin_memory=True)
+            self._stream.wait_stream(torch.cuda.current_stream(self.k.device))
+            with torch.cuda.stream(self._stream):
+                kv.copy_(gathered, non_blocking=True)
+                gathered.record_stream(self._stream)
+                event = self._stream.record_event()
         for i, (name, _) in enumerate(new):
             try:
-                self._queue.put_nowait((name, kv[:, :, i]))
+                self._queue.put_nowait((name, kv[:, :, i], event))
             except queue.Full:
                 self.counters["disk_store_skipped_pages"] += 1
 
@@ -191,7 +207,10 @@ class DiskTier:
             finally:
                 self._queue.task_done()
 
-    def _write(self, name: str, kv: torch.Tensor) -> None:
+    def _write(self, name: str, kv: torch.Tensor, copied: Any = None) -> None:
+        """Write one page's KV (`copied`: the CUDA event of its copy to host memory)."""
+        if copied is not None:
+            copied.synchronize()
         start = time.perf_counter()
         payload = kv.contiguous().view(torch.uint8).numpy().tobytes()
         header = _HEADER.pack(MAGIC, len(payload),
