@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -168,7 +169,7 @@ def test_options_that_cannot_go_with_a_disk_tier_are_refused(tmp_path):
     for bad, match in (({"host_cache_gb": -1}, "host_cache_gb"),
                        ({"host_cache_gb": float("nan")}, "host_cache_gb"),
                        ({"host_cache_gb": 1, "disable_radix_cache": True}, "disable_radix_cache"),
-                       ({"host_cache_gb": 1, "tp_size": 2}, "tp_size")):
+                       ({"host_cache_gb": 1, "pp_size": 2}, "pp_size")):
         with pytest.raises(ValueError, match=match):
             EngineConfig(**bad)
 
@@ -224,6 +225,36 @@ def test_pages_loaded_from_disk_are_kept_in_host_memory(tiny_chat_model, tmp_pat
         stats = engine.stats()
         assert stats["disk_hit_tokens"] == from_disk and stats["host_hit_tokens"] > 0
         assert [o.token_ids for o in outs] == reference
+        assert_pages_add_up(engine)
+
+
+def test_tensor_parallel_ranks_keep_their_shares_in_tiers_of_their_own(tiny_chat_model,
+                                                                      tmp_path):
+    """tp_size=2: each rank writes its shard of every page to its own folder, and loads it
+    back after a restart (from the disk, and from host memory after an eviction); a page one
+    rank lacks is computed by all. The tokens are those of the same ranks without tiers."""
+    other = "Another document entirely. " * 40 + "Q: and?"
+    prompts = [PROMPTS[0], other, PROMPTS[0], PROMPTS[1]]
+    options = dict(tp_size=2, max_total_tokens=256, max_running_requests=1)
+    with Engine(str(tiny_chat_model), **options) as engine:
+        reference = [engine.generate(p, GREEDY).token_ids for p in prompts]
+    with Engine(str(tiny_chat_model), disk_cache_dir=str(tmp_path), **options) as engine:
+        engine.generate(PROMPTS[0], GREEDY)
+    assert len([f for f in tmp_path.iterdir() if f.is_dir()]) == 2  # a folder per rank
+    with Engine(str(tiny_chat_model), disk_cache_dir=str(tmp_path), host_cache_gb=0.01,
+                **options) as engine:
+        outs = [engine.generate(p, GREEDY) for p in prompts]
+        stats = engine.stats()
+        assert [o.token_ids for o in outs] == reference
+        assert stats["disk_hit_tokens"] > 0 and stats["host_hit_tokens"] > 0
+        assert outs[0].cached_tokens > 0 and outs[2].cached_tokens > 0
+        assert_pages_add_up(engine)
+        rank0 = engine.core.tier.local.below.folder
+    # Rank 1's files gone: rank 0's pages are not used either, and the tokens stay.
+    shutil.rmtree(next(f for f in tmp_path.iterdir() if f.is_dir() and f != rank0))
+    with Engine(str(tiny_chat_model), disk_cache_dir=str(tmp_path), **options) as engine:
+        out = engine.generate(PROMPTS[0], GREEDY)
+        assert out.token_ids == reference[0] and out.cached_tokens == 0
         assert_pages_add_up(engine)
 
 

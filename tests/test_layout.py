@@ -26,7 +26,7 @@ LAYERS: dict[str, set[str]] = {
     "runtime": {"engine", "scheduling", "config"},
     "engine": {"parallel", "execution", "scheduling", "models", "attention", "distributed",
                "config", "grammar", "kernels"},
-    "parallel": {"execution", "models", "attention", "distributed", "config"},
+    "parallel": {"execution", "scheduling", "models", "attention", "distributed", "config"},
     "execution": {"scheduling", "models", "attention", "config", "kernels"},
     "scheduling": {"config", "kernels"},
     "models": {"attention", "distributed", "kernels"},

@@ -289,7 +289,6 @@ class EngineConfig:
                 _refuse_with(name, (
                     (self.disable_radix_cache, "disable_radix_cache: it is the prefix cache's "
                      "lower tier"),
-                    (self.tp_size > 1, "tp_size > 1: each rank holds a shard of the KV"),
                     (self.pp_size > 1, "pp_size > 1: each stage holds its layers' KV"),
                     (self.sp_size > 1, "sp_size > 1: loaded pages would reach rank 0's KV "
                      "only"),

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, deque
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,14 +26,14 @@ from radixlm.runtime.engine.structured_output import Compiled, StructuredOutput
 from radixlm.runtime.execution.step_result import LaunchedStep, StepResult
 from radixlm.runtime.models.loader import LoadedModel
 from radixlm.runtime.parallel.sharded import ShardedModel
-from radixlm.runtime.scheduling.disk_tier import DiskTier, model_key
-from radixlm.runtime.scheduling.host_tier import HostTier
+from radixlm.runtime.parallel.sharded_tier import ShardedTier
 from radixlm.runtime.scheduling.kv_manager import KVManager
 from radixlm.runtime.scheduling.leases import LeaseTable
 from radixlm.runtime.scheduling.pages import PageAllocator, ReqToTokenTable
 from radixlm.runtime.scheduling.radix_cache import RadixCache
 from radixlm.runtime.scheduling.request import Request, RequestStatus
 from radixlm.runtime.scheduling.scheduler import ScheduledBatch, Scheduler
+from radixlm.runtime.scheduling.tiers import make_tier, tier_numerics
 
 log = logging.getLogger(__name__)
 
@@ -78,19 +77,13 @@ class EngineCore:
                                      config.page_size, device)
         self.cache = (None if config.disable_radix_cache
                       else RadixCache(config.page_size, self.allocator))
-        self.tier = None
-        if config.disk_cache_dir is not None:
-            numerics = (f"{mc!r}|{device.type}|{dtype}|{type(attn).__name__}|"
-                        f"{config.deterministic}|{config.disable_cpu_kernel}")
-            self.tier = DiskTier(
-                Path(config.disk_cache_dir).expanduser(),
-                model_key(loaded.model, self.kv_cache.storage_dtype, config.page_size,
-                          numerics),
-                self.kv_cache.k, self.kv_cache.v, config.page_size,
-                int(config.disk_cache_gb * (1 << 30)))
-        if config.host_cache_gb > 0:
-            self.tier = HostTier(self.kv_cache.k, self.kv_cache.v, config.page_size,
-                                 int(config.host_cache_gb * (1 << 30)), below=self.tier)
+        numerics = tier_numerics(mc, device, dtype, attn, config, tp_rank=0)
+        shard = (loaded.model.model if isinstance(loaded.model, ShardedModel)
+                 else loaded.model)  # this rank's weights, which its KV comes from
+        self.tier = make_tier(config, shard, self.kv_cache.k, self.kv_cache.v,
+                              self.kv_cache.storage_dtype, numerics)
+        if self.tier is not None and setup.tp_group is not None:
+            self.tier = ShardedTier(self.tier, setup.tp_group)
         self.kv = KVManager(self.allocator, self.table, self.cache, self.tier)
         self.leases = (None if self.cache is None else
                        LeaseTable(self.cache, int(num_pages * config.lease_memory_fraction)))

@@ -68,9 +68,12 @@ from radixlm.runtime.parallel.step_channel import (
     PARENT_ENV,
     SPLIT_FORWARD,
     STOP,
+    TIER,
+    TIER_SETTLE,
     StepChannel,
     agree,
     model_shape,
+    settle_count,
 )
 
 log = logging.getLogger(__name__)
@@ -210,6 +213,21 @@ class TensorParallelGroup:
             dist.broadcast_object_list([(index, name, path)], src=0)
         self._broadcast(send)
         return self.run(lambda: agree(True, self.info.host_group))
+
+    def tier_call(self, kind: int, load: int = 0, names: list[str] | None = None,
+                  pages: list[int] | None = None) -> None:
+        """The other ranks store `pages` (TIER_STORE) or start loading them (TIER_LOAD, as
+        load number `load`) in their tiers, under `names`."""
+        def send() -> None:
+            self.channel.send_header(TIER, kind, load)
+            dist.broadcast_object_list([(names, pages)], src=0, group=self.info.host_group)
+        self._broadcast(send)
+
+    def tier_settle(self, load: int, loaded: int) -> int:
+        """How many pages of load `load` every rank loaded (`loaded`: rank 0's count); the
+        other ranks wait for their load first."""
+        self._broadcast(lambda: self.channel.send_header(TIER, TIER_SETTLE, load, loaded))
+        return self.run(lambda: settle_count(loaded, self.info.host_group))
 
     def cpu_kernel_everywhere(self, here: bool) -> bool:
         """Whether every rank runs the CPU forward kernel (`here`: whether rank 0 can);

@@ -20,6 +20,8 @@ from radixlm.runtime.parallel.sequence import kv_rows, store_kv_rows
 
 FORWARD, LOGITS, HEARTBEAT, STOP, GRAPH, GREEDY, LORA, LORA_LOAD = 1, 2, 3, 4, 5, 6, 7, 8
 SPLIT_FORWARD, KV_ROWS = 9, 10  # sequence parallelism (sequence.py)
+TIER = 11  # the prefix cache's lower tier, each rank's own (sharded_tier.py)
+TIER_STORE, TIER_LOAD, TIER_SETTLE = 0, 1, 2  # a TIER command's first argument
 HEADER = 4  # int64 words: (command, a, b, c)
 # Workers launched here (not by hand for a multi-node run) watch this process id and exit
 # when it goes away, so a killed engine leaves no orphans.
@@ -142,6 +144,13 @@ def agree(ok: bool, group: Any) -> bool:
     flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
+
+
+def settle_count(count: int, group: Any) -> int:
+    """The smallest of the ranks' counts (pages each loaded into its tier's share)."""
+    value = torch.tensor([count], dtype=torch.int64)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
+    return int(value.item())
 
 
 def model_shape(config: EngineConfig) -> ModelConfig:

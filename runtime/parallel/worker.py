@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from typing import Any, Callable
 
 import torch
@@ -58,10 +59,15 @@ from radixlm.runtime.parallel.step_channel import (
     PARENT_ENV,
     SPLIT_FORWARD,
     STOP,
+    TIER,
+    TIER_SETTLE,
+    TIER_STORE,
     StepChannel,
     agree,
     model_shape,
+    settle_count,
 )
+from radixlm.runtime.scheduling.tiers import make_tier, tier_numerics
 
 log = logging.getLogger("radixlm.runtime.parallel.worker")
 
@@ -149,12 +155,17 @@ def serve(rank: int, world_size: int, local_rank: int) -> None:
         return model(batch, attn if exchange is None else ExchangingAttention(attn, exchange),
                      hidden)
 
+    # This rank's own lower tier of the prefix cache, over its shard of the KV; rank 0
+    # mirrors its stores and loads here (sharded_tier.py).
+    tier = make_tier(config, model, kv_cache.k, kv_cache.v, kv_cache.storage_dtype,
+                     tier_numerics(mc, device, dtype, attn, config, tp_rank=rank))
     pipe = (None if pipeline is None else
             PipelineChannel(pipeline, tp.rank, mc.hidden_size, device, dtype))
     if pipeline is not None and pipeline.stage > 0:
         _serve_stage(pipe, kv_cache, forward)
         return
     channel = StepChannel(device, dtype, tp.host_group, tp_group())
+    loads: dict[int, Future] = {}  # this rank's tier loads, by rank 0's numbers
     while True:
         header = channel.recv_header()
         command = header[0]
@@ -179,7 +190,11 @@ def serve(rank: int, world_size: int, local_rank: int) -> None:
             model.compute_logits(channel.recv_hidden(header))
         elif command == GREEDY:
             model.greedy_tokens(channel.recv_hidden(header))
+        elif command == TIER:
+            _tier_command(tier, header, loads, tp.host_group)
         elif command == STOP:
+            if tier is not None:
+                tier.close()
             return
         elif command != HEARTBEAT:
             raise RuntimeError(f"unknown tensor-parallel command {command}")
@@ -200,6 +215,28 @@ def _serve_stage(pipe: PipelineChannel, kv_cache: KVCache,
             return
         elif command != HEARTBEAT:
             raise RuntimeError(f"unknown pipeline command {command}")
+
+
+def _tier_command(tier: Any, header: list[int], loads: dict[int, Future],
+                  host_group: Any) -> None:
+    """A store or load rank 0 made in its tier, made here in this rank's; or the settling of
+    a load: how many of its pages every rank has."""
+    _, kind, number, count = header
+    if kind == TIER_SETTLE:
+        try:
+            loaded = loads.pop(number).result()
+        except Exception:  # noqa: BLE001 - a read that failed: those pages get computed
+            log.exception("KV cache tier: a load failed")
+            loaded = 0
+        settle_count(min(loaded, count), host_group)
+        return
+    box: list = [None]
+    dist.broadcast_object_list(box, src=0, group=host_group)
+    names, pages = box[0]
+    if kind == TIER_STORE:
+        tier.store(names, pages)
+    else:
+        loads[number] = tier.load_async(names, pages)
 
 
 def _load_lora(lora: Any, model: Any, host_group: Any) -> None:

@@ -98,7 +98,13 @@ class DiskTier:
     def load_async(self, names: Sequence[str], pages: Sequence[int]) -> Future:
         """`load` in the background: a Future of how many pages were loaded. The pages must
         be the caller's alone until it is done (nothing else reads or writes them)."""
-        return self._loader.submit(self.load, list(names), list(pages))
+        return self._loader.submit(self._load_in_inference_mode, list(names), list(pages))
+
+    def _load_in_inference_mode(self, names: list[str], pages: list[int]) -> int:
+        # The KV tensors may have been made in inference mode (a tensor-parallel worker's):
+        # only there may they be written to.
+        with torch.inference_mode():
+            return self.load(names, pages)
 
     def load(self, names: Sequence[str], pages: Sequence[int]) -> int:
         """Read the files of `names` into `pages` of the KV cache, in order; stops at the
@@ -179,6 +185,10 @@ class DiskTier:
                 self._queue.put_nowait((name, kv[:, :, i], event))
             except queue.Full:
                 self.counters["disk_store_skipped_pages"] += 1
+
+    def settle(self, future: Future, loaded: int) -> int:
+        """The pages of a finished load that can be used: all it loaded (one process)."""
+        return loaded
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the pages given to `store` so far are written."""

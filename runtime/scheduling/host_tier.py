@@ -162,6 +162,10 @@ class HostTier:
         self._slots[name] = slot
         return slot
 
+    def settle(self, future: Future, loaded: int) -> int:
+        """The pages of a finished load that can be used: all it loaded (one process)."""
+        return loaded
+
     def flush(self, timeout: float | None = None) -> None:
         if self.cuda:
             self.stream.synchronize()

@@ -147,6 +147,8 @@ class KVManager:
             except Exception:  # a read that failed outright: those pages get computed
                 log.exception("KV cache tier: a load failed")
                 loaded = 0
+            # (under tensor parallelism: what every rank loaded)
+            loaded = self.tier.settle(load.future, loaded)
             self.allocator.free(load.pages[loaded:])
             if loaded:
                 have = len(load.tree_pages)
