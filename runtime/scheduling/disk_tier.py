@@ -164,16 +164,10 @@ class DiskTier:
         if not new:
             return
         # One gather for all of them, as bytes: [2, L, n, ps, H, D x element size].
-        index = torch.tensor([page for _, page in new])
-        raws = [t.view(torch.uint8) for t in (self.k, self.v)]
+        gathered = gather_pages(self.k, self.v, self.page_size, [page for _, page in new])
         if self._stream is None:
-            kv, event = torch.stack([raw.view(raw.shape[0], -1, self.page_size, *raw.shape[2:])
-                                     .index_select(1, index) for raw in raws]), None
+            kv, event = gathered, None  # a copy already: the pages may be reused at once
         else:
-            index = index.pin_memory().to(self.k.device, non_blocking=True)
-            gathered = torch.stack([raw.view(raw.shape[0], -1, self.page_size,
-                                             *raw.shape[2:]).index_select(1, index)
-                                    for raw in raws])
             kv = torch.empty(gathered.shape, dtype=torch.uint8, pin_memory=True)
             self._stream.wait_stream(torch.cuda.current_stream(self.k.device))
             with torch.cuda.stream(self._stream):
@@ -291,6 +285,24 @@ class DiskTier:
         with self._lock:
             return {**self.counters, "disk_pages": len(self._files), "disk_bytes": self._bytes,
                     "disk_pages_total": self.max_bytes // self.page_bytes}
+
+
+def page_index(pages: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Page numbers as an index tensor on `device`, copied from pinned memory on a GPU: a copy
+    from pageable memory would wait for all the work queued on the stream."""
+    index = torch.tensor(list(pages), dtype=torch.int64)
+    return index if device.type != "cuda" else index.pin_memory().to(device, non_blocking=True)
+
+
+def gather_pages(k: torch.Tensor, v: torch.Tensor, page_size: int,
+                 pages: Sequence[int]) -> torch.Tensor:
+    """Copies of `pages` of the KV tensors ([L, slots, H, D]) as bytes, in one gather on the
+    current stream: [2 (k, v), L, len(pages), page_size, H, D x element size]. As bytes, any
+    KV storage type gathers (float8 too)."""
+    index = page_index(pages, k.device)
+    raws = [t.view(torch.uint8) for t in (k, v)]
+    return torch.stack([raw.view(raw.shape[0], -1, page_size, *raw.shape[2:])
+                        .index_select(1, index) for raw in raws])
 
 
 def page_names(tokens: Sequence[int], num_pages: int, page_size: int,

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from radixlm.runtime.scheduling.disk_tier import DiskTier, page_names
+from radixlm.runtime.scheduling.disk_tier import DiskTier, gather_pages, page_index, page_names
 
 
 class HostTier:
@@ -95,7 +95,7 @@ class HostTier:
                                      device=self.k.device)
                 for i, (slot, _) in enumerate(found):
                     staged[i].copy_(self.buffer[slot], non_blocking=True)
-                index = self._on_device([page for _, page in found])
+                index = page_index([page for _, page in found], self.k.device)
                 # As bytes: a scatter of any KV storage type (float8 too).
                 staged = staged.view(torch.uint8)
                 for i, cache in enumerate((self.k, self.v)):
@@ -129,12 +129,8 @@ class HostTier:
         new = new[:self.num_slots]
         if not new:
             return
-        index = self._on_device([page for _, page in new])
-        # One gather on the compute stream, in the host pool's layout ([n, 2, L, ps, H, D]),
-        # as bytes (any KV storage type).
-        raws = [t.view(torch.uint8) for t in (self.k, self.v)]
-        kv = torch.stack([raw.view(raw.shape[0], -1, self.page_size, *raw.shape[2:])
-                          .index_select(1, index) for raw in raws])
+        # One gather on the compute stream, in the host pool's layout: [n, 2, L, ps, H, D].
+        kv = gather_pages(self.k, self.v, self.page_size, [page for _, page in new])
         kv = kv.permute(2, 0, 1, 3, 4, 5).contiguous()
         host = self.buffer.view(torch.uint8)
         slots = [self._take_slot(name) for name, _ in new]
@@ -146,14 +142,6 @@ class HostTier:
             for i, slot in enumerate(slots):
                 host[slot].copy_(kv[i], non_blocking=True)
         self.counters["host_store_bytes"] += len(new) * self.page_bytes
-
-    def _on_device(self, values: list[int]) -> torch.Tensor:
-        """`values` as a device tensor, copied from pinned memory without waiting: a copy
-        from pageable memory would wait for all the work queued on the stream."""
-        values_cpu = torch.tensor(values, dtype=torch.int64)
-        if not self.cuda:
-            return values_cpu
-        return values_cpu.pin_memory().to(self.k.device, non_blocking=True)
 
     def _take_slot(self, name: str) -> int:
         """A slot for `name`: a free one, or the least recently used one's. Copies into it
