@@ -137,10 +137,13 @@ class EngineConfig:
     # that share an uncached prefix wait for it; "fcfs" serves in arrival order.
     schedule_policy: str = "lpm"
     # Across programs (requests that name one, Request.program_id): "plas" admits first the
-    # requests of programs that have had the least service so far (tokens computed for them;
-    # a request without a program counts as a program of its own), in levels that double,
-    # and raises a request one level for every couple of seconds it waits, so none starves;
-    # "fcfs" ignores programs. Priority and the fair share inside an HTTP request come first.
+    # requests of programs that have had the least service so far (tokens computed for them,
+    # along a program's longest chain of calls, so forked branches count as one; a request
+    # without a program counts as a program of its own), in levels that double, and raises a
+    # request one level for every couple of seconds it waits, so none starves; with every
+    # running slot taken, a much less served program's request preempts the most served
+    # one's. "fcfs" ignores programs. Priority and the fair share inside an HTTP request come
+    # first.
     program_policy: str = "fcfs"
     # After a request of a program ends, its prefix (prompt and output) stays pinned this many
     # seconds, so the program's next call (after its tool ran) hits the cache even under
