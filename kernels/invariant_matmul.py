@@ -7,27 +7,31 @@ many other tokens share its step.
 The reduction over K is fixed by (N, K) and the device, never by M:
 
     K is cut into `num_segs` segments of seg_len (a whole number of BLOCK_K tiles);
-    segment s is accumulated from zero over its BLOCK_K tiles by tl.dot, with one tile shape
-    (BLOCK_M x BLOCK_N x BLOCK_K, one warp count) for every M;
+    segment s is accumulated from zero over its BLOCK_K tiles by tl.dot, which on Hopper is
+    one tensor-core instruction for every M (m64 x BLOCK_N x 16, x32 for fp8);
     y = (((0 + seg_0) + seg_1) + ...) in float32, then rounded (fp8: times the row and
     column scales first).
 
-Only the distribution of that work changes with M. Many rows: one program per output tile
-walks every segment and adds them in registers. A few rows (one BLOCK_M tile, the decode
-steps, where there are too few tiles to keep the GPU's loads in flight): one program per
-(tile, segment) writes its segment's float32 sum to a workspace, and the last program of the
-tile to finish (a ticket, as in split_k.py) adds them in segment order. Both orders of work
-give the same bits, because both add the same float32 values in the same order.
+Only the distribution of that work changes with M (`InvariantConfig.tilings`). A few rows
+(one 64-row tile, the decode steps, where there are too few tiles to keep the GPU's loads in
+flight): one program per (tile, segment) writes its segment's float32 sum to a workspace, and
+the last program of the tile to finish (a ticket, as in split_k.py) adds them in segment
+order. More rows: one program per output tile walks every K tile in one pipelined loop and
+adds each segment's sum into its total as the segment ends; from a few hundred rows on, a
+program covers 128 rows with two warpgroups. All give the same bits, because all add the
+same float32 values in the same order.
 
 Why segments at all: at batch 1 an 8B model's o and down projections have 32 column tiles,
 which cannot stream their weights at the card's bandwidth; splitting K gives the GPU enough
 programs. The segment count is chosen for the one-row case (`segments_for`) and then kept
-for every M, so prefill pays a little for it (a pipeline restart per segment).
+for every M.
 
-The tile shape is the same for every M because the tensor-core instruction Triton picks
-follows the tile shape, and two instructions need not add a dot's products in the same order.
-BLOCK_M = 64 is the smallest tile that still gets Hopper's warpgroup MMA for prefill; at one
-row it multiplies 63 rows of zeros, which costs tensor-core time but no memory traffic.
+Why the instruction, not the tile, is what stays fixed: two tensor-core instructions of
+different shapes need not add a dot's products in the same order, but one instruction adds
+them one way whichever rows and warps issue it. Triton picks the instruction from the tile's
+columns and how the warps split it: BLOCK_N stays 128, and each warpgroup (4 warps) gets whole
+64-row slices (`InvariantConfig` refuses a tiling that would split the columns instead).
+tests/test_batch_invariant.py checks the compiled PTX of every tiling for one instruction.
 """
 
 from __future__ import annotations
@@ -43,20 +47,75 @@ from radixlm.kernels.split_k import num_sms, split_k_buffers
 
 
 @dataclass(frozen=True)
+class Tiling:
+    """How one launch spreads the work: rows per program, warps, pipeline depth, and whether
+    the K segments run as separate programs (`split`: for one row tile, M <= block_m). None
+    of these changes an output element's float operations (see InvariantConfig)."""
+    block_m: int
+    num_warps: int
+    num_stages: int
+    split: bool = False
+
+
+@dataclass(frozen=True)
 class InvariantConfig:
-    block_m: int = 64
+    # block_n and block_k fix the tensor-core instruction (m64 x block_n x 16, x32 for fp8)
+    # and the order of K; they are the same for every M.
     block_n: int = 128
     block_k: int = 64
-    num_warps: int = 4
-    num_stages: int = 4
     group_m: int = 8  # tiles of GROUP_M row blocks share a column block in L2 (prefill)
     # Segments: enough programs for two per SM at one row, at most max_segs, and none shorter
-    # than min_seg_blocks K tiles (shorter ones spend more on the pipeline's restart).
+    # than min_seg_blocks K tiles.
     max_segs: int = 16
     min_seg_blocks: int = 4
+    # (most rows, tiling), by increasing rows; the last one serves any larger M.
+    tilings: tuple[tuple[int, Tiling], ...] = (
+        (64, Tiling(64, 4, 4, split=True)),
+        (512, Tiling(64, 4, 4)),
+        (1 << 62, Tiling(128, 8, 4)),
+    )
+    flat: bool = True
+
+    def __post_init__(self) -> None:
+        for _, tiling in self.tilings:
+            # Triton gives each warpgroup (4 warps) whole 64-row slices of the tile when there
+            # is at least one per warpgroup; fewer rows per warp and it would split the tile's
+            # columns instead, which changes the instruction (m64n64 for m64n128).
+            if tiling.block_m % 64 or tiling.block_m < 16 * tiling.num_warps:
+                raise ValueError(f"tiling {tiling}: block_m must be a multiple of 64 with at "
+                                 f"least 64 rows per 4 warps")
+            if tiling.split and tiling.block_m != self.tilings[0][1].block_m:
+                raise ValueError("only the first tiling may split K")
+
+    def tiling(self, m: int) -> Tiling:
+        for most_rows, tiling in self.tilings:
+            if m <= most_rows:
+                return tiling
+        return self.tilings[-1][1]
 
 
 DEFAULT = InvariantConfig()
+
+
+@triton.jit
+def _sum_segments(x_rows, w_rows, mask_m, mask_n, offs_k, k_lo, k_hi, K, seg_len,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The segments of [k_lo, k_hi) (segment boundaries at multiples of seg_len), each summed
+    from zero over its K tiles and added in order: [BLOCK_M, BLOCK_N] float32. One loop over
+    every tile, so the loads stay pipelined across segment boundaries."""
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k = k0 + offs_k
+        in_k = k < K
+        x = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & in_k[None, :], other=0.0)
+        w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & in_k[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)  # [M, K] x [K, N]: W read K-major, as stored
+        k_next = k0 + BLOCK_K
+        if (k_next % seg_len == 0) | (k_next >= k_hi):  # a segment ends: add it, start anew
+            total += acc
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return total
 
 
 @triton.jit
@@ -90,7 +149,8 @@ def _invariant_mm_kernel(x_ptr, w_ptr, out_ptr, x_scale_ptr, w_scale_ptr, partia
                          counters_ptr, M, N, K, seg_len, num_segs,
                          stride_xm, stride_wn, stride_om,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr, SPLIT: tl.constexpr, SCALED: tl.constexpr):
+                         GROUP_M: tl.constexpr, SPLIT: tl.constexpr, SCALED: tl.constexpr,
+                         FLAT: tl.constexpr):
     # M is not specialized: a separate compile for M == 1 would be a second kernel, and the
     # point of this one is that every M runs the same code.
     if SPLIT:  # grid (column tiles, segments); one row tile
@@ -135,11 +195,15 @@ def _invariant_mm_kernel(x_ptr, w_ptr, out_ptr, x_scale_ptr, w_scale_ptr, partia
                         mask_n, stride_om, SCALED)
             tl.atomic_xchg(counters_ptr + pid_n, 0, sem="relaxed", scope="gpu")
     else:
-        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for seg in range(0, num_segs):
-            k_lo = seg * seg_len
-            total += _segment(x_rows, w_rows, mask_m, mask_n, offs_k, k_lo,
-                              tl.minimum(k_lo + seg_len, K), K, BLOCK_M, BLOCK_N, BLOCK_K)
+        if FLAT:
+            total = _sum_segments(x_rows, w_rows, mask_m, mask_n, offs_k, 0, K, K, seg_len,
+                                  BLOCK_M, BLOCK_N, BLOCK_K)
+        else:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for seg in range(0, num_segs):
+                k_lo = seg * seg_len
+                total += _segment(x_rows, w_rows, mask_m, mask_n, offs_k, k_lo,
+                                  tl.minimum(k_lo + seg_len, K), K, BLOCK_M, BLOCK_N, BLOCK_K)
         _store_tile(out_ptr, x_scale_ptr, w_scale_ptr, total, offs_m, offs_n, mask_m, mask_n,
                     stride_om, SCALED)
 
@@ -189,22 +253,23 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor,
         return out.view(*x.shape[:-1], n)
     seg_len, num_segs = segments_for(n, k, x.device, config)
     tiles_n = triton.cdiv(n, config.block_n)
-    split = num_segs > 1 and m <= config.block_m
+    tiling = config.tiling(m)
+    split = tiling.split and num_segs > 1
     if split:
         # Sized for a full row tile, whatever m: one workspace per weight shape for every
         # decode batch (CUDA graphs keep its address), not one per row count.
-        partials, counters = split_k_buffers(x.device, tiles_n, num_segs, config.block_m,
+        partials, counters = split_k_buffers(x.device, tiles_n, num_segs, tiling.block_m,
                                              config.block_n)
         grid: tuple[int, ...] = (tiles_n, num_segs)
     else:
         partials = counters = out  # never read: SPLIT is off
-        grid = (triton.cdiv(m, config.block_m) * tiles_n,)
+        grid = (triton.cdiv(m, tiling.block_m) * tiles_n,)
     xs = x_scale.reshape(-1) if scaled else out
     ws = w_scale.reshape(-1) if scaled else out
     _invariant_mm_kernel[grid](
         x2, weight, out, xs, ws, partials, counters, m, n, k, seg_len, num_segs,
         x2.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        GROUP_M=config.group_m, SPLIT=split, SCALED=scaled, num_warps=config.num_warps,
-        num_stages=config.num_stages)
+        BLOCK_M=tiling.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        GROUP_M=config.group_m, SPLIT=split, SCALED=scaled, FLAT=config.flat,
+        num_warps=tiling.num_warps, num_stages=tiling.num_stages)
     return out.view(*x.shape[:-1], n)

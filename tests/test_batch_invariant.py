@@ -77,13 +77,69 @@ def test_deterministic_is_a_no_op_on_cpu(tmp_path):
     assert runs[0] == runs[1]
 
 
+# -- the compiled matmul (ahead of time for Hopper, no GPU needed) ---------------------------
+
+
+def _hopper_mma_instructions(kernel, tiling, block_n: int, block_k: int, operand: str) -> set:
+    """The tensor-core instructions in the kernel's PTX for sm_90, compiled with the pointer
+    and stride alignment a real launch gets (Triton specializes those)."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    signature = {name: "i32" for name in names}
+    signature.update({"x_ptr": f"*{operand}", "w_ptr": f"*{operand}", "out_ptr": "*bf16",
+                      "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "partials_ptr": "*fp32",
+                      "counters_ptr": "*i32"})
+    constants = {"BLOCK_M": tiling.block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
+                 "GROUP_M": 8, "SPLIT": tiling.split, "SCALED": operand != "bf16"}
+    signature.update({name: "constexpr" for name in constants})
+    aligned = [name for name in names if name.endswith("_ptr") or name.startswith("stride")]
+    attrs = {(names.index(name),): [["tt.divisibility", 16]]
+             for name in aligned + ["N", "K", "seg_len"]}
+    compiled = triton.compile(
+        ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": tiling.num_warps, "num_stages": tiling.num_stages})
+    ptx = compiled.asm["ptx"]
+    assert "cp.async" in ptx, "the loads must be pipelined"
+    return set(re.findall(r"wgmma\.mma_async\.[\w.]+", ptx))
+
+
+@pytest.mark.parametrize("operand", ["bf16", "fp8e4nv"])
+def test_every_tiling_issues_the_same_tensor_core_instruction(operand):
+    """Deterministic mode picks the matmul's tiling by row count; that is only invariant if
+    every tiling adds a dot's products with the same instruction. Checked on the PTX."""
+    pytest.importorskip("triton.backends.nvidia")
+    from radixlm.kernels.invariant_matmul import DEFAULT, _invariant_mm_kernel
+
+    shapes = {tiling: _hopper_mma_instructions(_invariant_mm_kernel, tiling, DEFAULT.block_n,
+                                               DEFAULT.block_k, operand)
+              for _, tiling in DEFAULT.tilings}
+    found = set().union(*shapes.values())
+    assert len(found) == 1 and all(shapes.values()), shapes
+    k = 16 if operand == "bf16" else 32
+    assert next(iter(found)).startswith(f"wgmma.mma_async.sync.aligned.m64n{DEFAULT.block_n}k{k}")
+
+
+def test_a_tiling_that_would_split_columns_is_refused():
+    from radixlm.kernels.invariant_matmul import InvariantConfig, Tiling
+
+    with pytest.raises(ValueError, match="block_m"):
+        InvariantConfig(tilings=((1 << 62, Tiling(64, 8, 3)),))
+
+
 # -- the kernels under the Triton interpreter (cases run in a subprocess) --------------------
 
 
 def case_matmul_rows_do_not_depend_on_m():
-    """Split path (<= 64 rows: one program per segment, ticket sum) and one-program path
-    (more rows) give each row the same bits, at any offset in the batch."""
-    from radixlm.kernels.invariant_matmul import invariant_matmul, segments_for
+    """Every tiling (split path: one program per segment, ticket sum; one program per tile
+    with 64 or 128 rows) gives each row the same bits, at any offset in the batch."""
+    from radixlm.kernels.invariant_matmul import InvariantConfig, Tiling, invariant_matmul
+    from radixlm.kernels.invariant_matmul import segments_for
 
     gen = torch.Generator().manual_seed(0)
     n, k = 256, 1000
@@ -94,8 +150,12 @@ def case_matmul_rows_do_not_depend_on_m():
     full = invariant_matmul(x, weight)
     err = ((full - x @ weight.T).norm() / (x @ weight.T).norm()).item()
     assert err < 1e-6, err
-    for lo, hi in ((0, 1), (0, 3), (7, 20), (0, 64), (10, 75)):
-        assert torch.equal(invariant_matmul(x[lo:hi].clone(), weight), full[lo:hi]), (lo, hi)
+    small = InvariantConfig(tilings=((8, Tiling(64, 4, 2, split=True)), (40, Tiling(64, 4, 3)),
+                                     (1 << 62, Tiling(128, 8, 4))))
+    for lo, hi in ((0, 1), (0, 3), (7, 20), (0, 64), (10, 75), (3, 150)):
+        for config in (InvariantConfig(), small):
+            rows = invariant_matmul(x[lo:hi].clone(), weight, config=config)
+            assert torch.equal(rows, full[lo:hi]), (lo, hi, config)
     head = invariant_matmul(x[:5], weight, torch.float32)
     assert head.dtype == torch.float32
     return f"{segs} segments of {seg_len}; rel err {err:.1e}"
