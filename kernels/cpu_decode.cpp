@@ -1,6 +1,8 @@
 // A forward step of a Llama-style decoder on the CPU in one call: every layer's norm, qkv,
 // rotary, KV store, attention, o, norm, gate_up, SiLU-and-mul and down, then the final norm
 // (or, for a pipeline stage before the last, the residual stream), for any mix of rows: decode tokens, prefill chunks, speculative drafts being verified.
+// Gemma 2 and 3 too: (1 + w) norms, a norm after each sublayer as well as before, GELU (tanh),
+// soft-capped attention scores, and their local layers' own rotary tables.
 //
 // Why: at batch 1 on a small model each layer is ~40 tensor ops of a few microseconds of work,
 // and from Python each costs several microseconds of dispatch; the matmuls are only a third of
@@ -14,15 +16,24 @@
 //
 // Rounding: activations are bfloat16 or float32 (the model's dtype, template A). With
 // bfloat16, the residual stream, the norm's output, q/k/v, the attention output and the MLP
-// activations are bfloat16; each norm, rotary and SiLU computes in float32 and rounds once.
-// Attention computes in float32.
+// activations are bfloat16; each norm, rotary and activation computes in float32 and rounds
+// once. Attention computes in float32. A Llama norm rounds the normalized row before its
+// weight multiplies it (as the reference does); Gemma's "offset" norms multiply by (1 + w),
+// given as float32, and round once.
 //
 // Inputs (T token rows of S sequences; d hidden; H / Hkv heads of D):
-//   hidden [T, d] (A): the token embeddings; cos/sin [T, D/2] float32 at their positions;
+//   hidden [T, d] (A): the token embeddings; cos/sin [T, D/2] float32 at their positions,
+//   local_cos/local_sin the same for the layers with a window (Gemma 3 rotates them with
+//   their own theta; the same tensors otherwise);
 //   layers[i]: {input norm [d], post-attention norm [d], qkv bias ([0] when none), q and k
-//     head norms ([D] each, [0] when none: Qwen3), then the tensors of qkv, o, gate_up and
-//     down}; windows[i]: layer i's sliding window (a row at position p attends to positions
-//     p - window + 1 .. p; 0: no window); specs[4 i + j] says how linear j is stored:
+//     head norms ([D] each, [0] when none: Qwen3, Gemma 3), Gemma's pre- and post-MLP norms
+//     ([d] each, [0] when none), then the tensors of qkv, o, gate_up and down}; with
+//     the MLP norms, the post-attention norm applies to the attention's output before the
+//     residual add, and the post-MLP norm to the MLP's; a norm is of the activations' dtype,
+//     or float32 holding 1 + w (Gemma's offset norms); windows[i]: layer i's sliding window (a row at
+//     position p attends to positions p - window + 1 .. p; 0: no window); softcap: scores
+//     become softcap * tanh(score / softcap) (0: none); gelu: the MLP's activation is GELU
+//     (tanh approximation), else SiLU; specs[4 i + j] says how linear j is stored:
 //     0: one dense tile tensor (cpu_linear.h); p > 0: p integer planes (codes, hi, scales,
 //     zeros);
 //     widths[4 i + j]: its output width;
@@ -53,6 +64,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -96,6 +108,30 @@ inline float exp_fixed(float x) {
   return p * scale;
 }
 
+// tanh(x) from exp_fixed, for the same reason: 1 - 2 / (exp(2x) + 1).
+inline float tanh_fixed(float x) { return 1.f - 2.f / (exp_fixed(2.f * x) + 1.f); }
+
+// A norm's weight: of the activations' dtype (Llama: the normalized value is rounded before
+// the weight multiplies it), or float32 (1 + w) (Gemma's offset norms: no rounding between).
+template <typename A>
+struct NormWeight {
+  const A* a = nullptr;
+  const float* offset = nullptr;
+  explicit NormWeight(const Tensor& w) {
+    if (w.scalar_type() == at::kFloat && !std::is_same_v<A, float>) {
+      offset = w.data_ptr<float>();
+    } else if (w.numel() > 0) {
+      a = w.data_ptr<A>();
+    }
+  }
+  bool given() const { return a != nullptr || offset != nullptr; }
+  // The output for normalized value v (x * inv, unrounded) at i.
+  A apply(int64_t i, float v) const {
+    if (offset != nullptr) return to_a<A>(offset[i] * v);
+    return to_a<A>(to_f(a[i]) * to_f(to_a<A>(v)));
+  }
+};
+
 // y = x @ W.T for one stored linear starting at tensors[first].
 Tensor linear(const Tensor& x, const std::vector<Tensor>& tensors, size_t first, int64_t planes,
               int64_t width) {
@@ -113,7 +149,7 @@ void add_rms_norm(Tensor& x, const Tensor* add, const Tensor& weight, Tensor& ou
   const int64_t rows = x.size(0), d = x.size(1);
   auto* xs = x.data_ptr<A>();
   auto* ys = out.data_ptr<A>();
-  const auto* w = weight.data_ptr<A>();
+  const NormWeight<A> w(weight);
   const A* as = add ? add->data_ptr<A>() : nullptr;
   at::parallel_for(0, rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -125,9 +161,7 @@ void add_rms_norm(Tensor& x, const Tensor* add, const Tensor& weight, Tensor& ou
         sum += v * v;
       }
       const float inv = 1.f / std::sqrt(sum / static_cast<float>(d) + static_cast<float>(eps));
-      for (int64_t i = 0; i < d; ++i) {
-        ys[r * d + i] = to_a<A>(to_f(w[i]) * to_f(to_a<A>(to_f(xr[i]) * inv)));
-      }
+      for (int64_t i = 0; i < d; ++i) ys[r * d + i] = w.apply(i, to_f(xr[i]) * inv);
     }
   });
 }
@@ -151,8 +185,7 @@ void rotary_and_store(Tensor& qkv, const Tensor& cos, const Tensor& sin, int64_t
                       int64_t kv_heads, int64_t head_dim, Tensor& k_layer, Tensor& v_layer,
                       const Tensor& out_slots, const Tensor& q_norm, const Tensor& k_norm,
                       double eps) {
-  const A* qw = q_norm.numel() > 0 ? q_norm.data_ptr<A>() : nullptr;
-  const A* kw = k_norm.numel() > 0 ? k_norm.data_ptr<A>() : nullptr;
+  const NormWeight<A> qw(q_norm), kw(k_norm);
   const int64_t rows = qkv.size(0), width = qkv.size(1), half = head_dim / 2;
   auto* q = qkv.data_ptr<A>();
   const auto* c = cos.data_ptr<float>();
@@ -168,15 +201,13 @@ void rotary_and_store(Tensor& qkv, const Tensor& cos, const Tensor& sin, int64_t
       const float* sr = s + r * half;
       for (int64_t h = 0; h < heads + kv_heads; ++h) {
         A* x = row + h * head_dim;
-        if (qw != nullptr) {
-          const A* w = h < heads ? qw : kw;
+        if (qw.given()) {
+          const NormWeight<A>& w = h < heads ? qw : kw;
           float sum = 0.f;
           for (int64_t i = 0; i < head_dim; ++i) sum += to_f(x[i]) * to_f(x[i]);
           const float inv =
               1.f / std::sqrt(sum / static_cast<float>(head_dim) + static_cast<float>(eps));
-          for (int64_t i = 0; i < head_dim; ++i) {
-            x[i] = to_a<A>(to_f(w[i]) * to_f(to_a<A>(to_f(x[i]) * inv)));
-          }
+          for (int64_t i = 0; i < head_dim; ++i) x[i] = w.apply(i, to_f(x[i]) * inv);
         }
         for (int64_t i = 0; i < half; ++i) {
           const float x1 = to_f(x[i]), x2 = to_f(x[i + half]);
@@ -277,7 +308,7 @@ void in_chunks(int64_t count, const F& f) {
 // over the dimensions per score, C queries at a time.
 template <int C>
 void score_chunk(const float* q, const int64_t* queries, const float* keys, int64_t head_dim,
-                 float scale, float* scores, int64_t padded, int64_t j0) {
+                 float scale, float softcap, float* scores, int64_t padded, int64_t j0) {
   using radixlm_cpu::Vec;
   Vec lanes[C];
   const float* qs[C];
@@ -293,7 +324,11 @@ void score_chunk(const float* q, const int64_t* queries, const float* keys, int6
     float out[16];
     lanes[c].store(out);
     float* sc = scores + queries[c] * padded + j0;
-    for (int l = 0; l < 16; ++l) sc[l] = out[l] * scale;
+    if (softcap > 0.f) {
+      for (int l = 0; l < 16; ++l) sc[l] = softcap * tanh_fixed(out[l] * scale / softcap);
+    } else {
+      for (int l = 0; l < 16; ++l) sc[l] = out[l] * scale;
+    }
   }
 }
 
@@ -333,7 +368,7 @@ template <typename A>
 Tensor attention(const Tensor& qkv, const Tensor& k_layer, const Tensor& v_layer,
                  const Tensor& pages, const Tensor& token_seq, const Tensor& positions,
                  int64_t page_size, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                 double scale, int64_t window) {
+                 double scale, double softcap, int64_t window) {
   TORCH_CHECK(head_dim % 16 == 0, "head_dim: a multiple of 16");
   const int64_t rows = qkv.size(0), width = qkv.size(1), group = heads / kv_heads;
   const int64_t num_pages = pages.size(1);
@@ -344,7 +379,7 @@ Tensor attention(const Tensor& qkv, const Tensor& k_layer, const Tensor& v_layer
   const auto* page_ids = pages.data_ptr<int64_t>();
   const auto* seqs = token_seq.data_ptr<int64_t>();
   const auto* pos = positions.data_ptr<int64_t>();
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), fcap = static_cast<float>(softcap);
   const bool offsets_fit_int32 = k_layer.numel() + head_dim < (int64_t(1) << 31);
   // Row blocks: consecutive rows of one sequence (a step lists each sequence's rows together,
   // in position order).
@@ -403,7 +438,8 @@ Tensor attention(const Tensor& qkv, const Tensor& k_layer, const Tensor& v_layer
         }
         in_chunks<8>(static_cast<int64_t>(live.size()), [&](auto c, int64_t first) {
           score_chunk<decltype(c)::value>(q.data(), live.data() + first, keys.data(),
-                                          head_dim, fscale, scores.data(), padded, j0);
+                                          head_dim, fscale, fcap, scores.data(), padded,
+                                          j0);
         });
       }
       inv_sum.resize(queries);
@@ -587,10 +623,10 @@ void lora_add(Tensor& out, const Tensor& x, const Tensor& la, const Tensor& lb,
   });
 }
 
-// act [T, I] = silu(gate) * up from gate_up [T, 2 I], rounding as the eager path does (the
-// SiLU once, the product once).
+// act [T, I] = act(gate) * up from gate_up [T, 2 I], act SiLU or GELU (tanh approximation),
+// rounding as the eager path does (the activation once, the product once).
 template <typename A>
-Tensor silu_and_mul(const Tensor& gate_up) {
+Tensor act_and_mul(const Tensor& gate_up, bool gelu) {
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
   Tensor out = at::empty({rows, inter}, gate_up.options());
   const A* in = gate_up.data_ptr<A>();
@@ -601,8 +637,10 @@ Tensor silu_and_mul(const Tensor& gate_up) {
       const A* u = g + inter;
       for (int64_t i = 0; i < inter; ++i) {
         const float x = to_f(g[i]);
-        const float silu = to_f(to_a<A>(x / (1.f + exp_fixed(-x))));
-        o[r * inter + i] = to_a<A>(silu * to_f(u[i]));
+        const float act =
+            gelu ? 0.5f * x * (1.f + tanh_fixed(0.7978845608f * (x + 0.044715f * x * x * x)))
+                 : x / (1.f + exp_fixed(-x));
+        o[r * inter + i] = to_a<A>(to_f(to_a<A>(act)) * to_f(u[i]));
       }
     }
   });
@@ -611,6 +649,7 @@ Tensor silu_and_mul(const Tensor& gate_up) {
 
 template <typename A>
 Tensor forward_rows(Tensor hidden, const Tensor& cos, const Tensor& sin,
+                    const Tensor& local_cos, const Tensor& local_sin,
                     const std::vector<std::vector<Tensor>>& layers,
                     const std::vector<int64_t>& specs, const std::vector<int64_t>& widths,
                     const std::vector<int64_t>& windows, Tensor k_cache, Tensor v_cache,
@@ -618,6 +657,7 @@ Tensor forward_rows(Tensor hidden, const Tensor& cos, const Tensor& sin,
                     const Tensor& token_seq, const Tensor& positions, const Tensor& pages,
                     const Tensor& final_norm, int64_t page_size, int64_t heads,
                     int64_t kv_heads, int64_t head_dim, double eps, double scale,
+                    double softcap, bool gelu,
                     const std::vector<Tensor>& lora, const Tensor& lora_slots,
                     const std::function<Tensor(const Tensor&)>& reduce,
                     const std::function<void(int64_t)>& stored) {
@@ -647,26 +687,41 @@ Tensor forward_rows(Tensor hidden, const Tensor& cos, const Tensor& sin,
     const auto& t = layers[i];
     const int64_t* p = specs.data() + 4 * i;  // planes of qkv, o, gate_up, down
     const int64_t* n = widths.data() + 4 * i;
+    const bool sandwich = t[5].numel() > 0;  // Gemma: norms after the sublayers too
     add_rms_norm<A>(h, residual_in.defined() ? &residual_in : nullptr, t[0], x, eps);
-    size_t at_ = 5;
+    size_t at_ = 7;
     Tensor qkv = project(x, t, at_, p[0], n[0], i, 0);
     at_ += stored_tensors(p[0]);
     if (t[2].numel() > 0) qkv.add_(t[2]);
     qkv = qkv.contiguous();
     Tensor k_layer = k_cache[i], v_layer = v_cache[i];
-    rotary_and_store<A>(qkv, cos, sin, heads, kv_heads, head_dim, k_layer, v_layer, out_slots,
-                        t[3], t[4], eps);
+    const bool local = windows[i] > 0;
+    rotary_and_store<A>(qkv, local ? local_cos : cos, local ? local_sin : sin, heads, kv_heads,
+                        head_dim, k_layer, v_layer, out_slots, t[3], t[4], eps);
     if (stored) stored(static_cast<int64_t>(i));
     Tensor attn = attention<A>(qkv, k_layer, v_layer, pages, token_seq, positions, page_size,
-                               heads, kv_heads, head_dim, scale, windows[i]);
+                               heads, kv_heads, head_dim, scale, softcap, windows[i]);
     Tensor o = project(attn, t, at_, p[1], n[1], i, 1);
     if (reduce) o = reduce(o);
     at_ += stored_tensors(p[1]);
-    add_rms_norm<A>(h, &o, t[1], x, eps);
+    if (sandwich) {  // h += post_norm(o); x = pre_mlp_norm(h)
+      o = o.contiguous();
+      Tensor normed = at::empty_like(o);
+      add_rms_norm<A>(o, nullptr, t[1], normed, eps);
+      add_rms_norm<A>(h, &normed, t[5], x, eps);
+    } else {
+      add_rms_norm<A>(h, &o, t[1], x, eps);
+    }
     Tensor gate_up = project(x, t, at_, p[2], n[2], i, 2);
     at_ += stored_tensors(p[2]);
-    residual_in = project(silu_and_mul<A>(gate_up), t, at_, p[3], n[3], i, 3);
+    residual_in = project(act_and_mul<A>(gate_up, gelu), t, at_, p[3], n[3], i, 3);
     if (reduce) residual_in = reduce(residual_in);
+    if (sandwich) {  // the next norm adds post_mlp_norm(down) to h
+      Tensor normed = at::empty_like(residual_in);
+      Tensor down = residual_in.contiguous();
+      add_rms_norm<A>(down, nullptr, t[6], normed, eps);
+      residual_in = normed;
+    }
   }
   if (final_norm.numel() == 0) {
     // A pipeline stage before the last: the residual stream, its pending add rounded as the
@@ -679,18 +734,23 @@ Tensor forward_rows(Tensor hidden, const Tensor& cos, const Tensor& sin,
   return out;
 }
 
-Tensor forward(Tensor hidden, const Tensor& cos, const Tensor& sin,
-               const std::vector<std::vector<Tensor>>& layers,
+Tensor forward(Tensor hidden, const Tensor& cos, const Tensor& sin, const Tensor& local_cos,
+               const Tensor& local_sin, const std::vector<std::vector<Tensor>>& layers,
                const std::vector<int64_t>& specs, const std::vector<int64_t>& widths,
                const std::vector<int64_t>& windows, Tensor k_cache, Tensor v_cache,
                const Tensor& out_slots,
                const Tensor& token_seq, const Tensor& positions, const Tensor& pages,
                const Tensor& final_norm, int64_t page_size, int64_t heads, int64_t kv_heads,
-               int64_t head_dim, double eps, double scale, const std::vector<Tensor>& lora,
+               int64_t head_dim, double eps, double scale, double softcap, bool gelu,
+               const std::vector<Tensor>& lora,
                const Tensor& lora_slots, const std::function<Tensor(const Tensor&)>& reduce,
                const std::function<void(int64_t)>& stored) {
   TORCH_CHECK(hidden.is_contiguous() && hidden.scalar_type() == k_cache.scalar_type(),
               "hidden must be contiguous, of the KV cache's dtype");
+  for (const auto& t : layers) {
+    TORCH_CHECK(t.size() >= 7 && (t[5].numel() > 0) == (t[6].numel() > 0),
+                "layers: seven tensors before the linears' (both MLP norms or neither)");
+  }
   TORCH_CHECK(specs.size() == 4 * layers.size() && widths.size() == specs.size() &&
                   windows.size() == layers.size(),
               "specs and widths: four entries per layer; windows: one");
@@ -700,16 +760,16 @@ Tensor forward(Tensor hidden, const Tensor& cos, const Tensor& sin,
                                lora.back().scalar_type() == at::kInt),
               "lora: twelve tensors per layer, the ranks, and a slot per row");
   if (hidden.scalar_type() == at::kFloat) {
-    return forward_rows<float>(hidden, cos, sin, layers, specs, widths, windows, k_cache, v_cache,
-                               out_slots, token_seq, positions, pages, final_norm, page_size,
-                               heads, kv_heads, head_dim, eps, scale, lora, lora_slots, reduce,
-                               stored);
+    return forward_rows<float>(hidden, cos, sin, local_cos, local_sin, layers, specs, widths,
+                               windows, k_cache, v_cache, out_slots, token_seq, positions, pages,
+                               final_norm, page_size, heads, kv_heads, head_dim, eps, scale,
+                               softcap, gelu, lora, lora_slots, reduce, stored);
   }
   TORCH_CHECK(hidden.scalar_type() == at::kBFloat16, "hidden: bfloat16 or float32");
-  return forward_rows<BFloat16>(hidden, cos, sin, layers, specs, widths, windows, k_cache, v_cache,
-                                out_slots, token_seq, positions, pages, final_norm, page_size,
-                                heads, kv_heads, head_dim, eps, scale, lora, lora_slots, reduce,
-                               stored);
+  return forward_rows<BFloat16>(hidden, cos, sin, local_cos, local_sin, layers, specs, widths,
+                                windows, k_cache, v_cache, out_slots, token_seq, positions,
+                                pages, final_norm, page_size, heads, kv_heads, head_dim, eps,
+                                scale, softcap, gelu, lora, lora_slots, reduce, stored);
 }
 
 }  // namespace

@@ -86,6 +86,33 @@ def test_kernel_matches_eager_on_dense_bfloat16(tmp_path, kernel, family, length
     assert (fast.float() - eager.float()).abs().max() <= 0.03 * eager.abs().max()
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_kernel_matches_eager_on_gemma(tmp_path, kernel, family):
+    """Gemma's (1 + w) norms around each sublayer, GELU, its attention scale, soft-capped
+    scores (Gemma 2), q/k norms and the local layers' own rotary (Gemma 3), with prompts
+    longer than the window."""
+    from test_model_families import NEW_FAMILIES
+
+    # Weights 10x the default scale: attention scores large enough for the cap to bite.
+    folder = save_tiny_hf_model(tmp_path / family, "llama", **NEW_FAMILIES[family],
+                                initializer_range=0.2)
+    model = load_model(str(folder), "auto", torch.bfloat16, torch.device("cpu")).model
+    fast, eager = _decode_both(model, kernel, [5, 40, 9])
+    assert (fast.float() - eager.float()).abs().max() <= 0.03 * eager.abs().max()
+    # A row's hidden state is the same bits however its sequence was stepped (windows of 8).
+    folder = save_tiny_hf_model(tmp_path / "window", "llama", initializer_range=0.2,
+                                **{**NEW_FAMILIES[family], "sliding_window": 8})
+    model = load_model(str(folder), "auto", torch.bfloat16, torch.device("cpu")).model
+    gen = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, model.config.vocab_size, (40,), generator=gen) for _ in range(3)]
+    alone = _rows_of(model, kernel, [[(0, 40)]], ids[:1], torch.bfloat16)
+    for steps in LAYOUTS:
+        rows = _rows_of(model, kernel, steps, ids, torch.bfloat16)
+        for position in range(40):
+            if (0, position) in rows:
+                assert torch.equal(rows[(0, position)], alone[(0, position)]), (steps, position)
+
+
 def test_kernel_matches_eager_on_gguf_blocks(kernel, tiny_gguf, monkeypatch, tmp_path):
     from radixlm.runtime.models import gguf_loader
 
@@ -233,6 +260,16 @@ def test_dense_rows_do_not_depend_on_the_batch(kernel, dtype):
                            full[start:stop])
 
 
+# Ways to step sequence 0's 40 tokens (sequences 1 and 2 beside it), as (sequence, tokens).
+LAYOUTS = [
+    [[(0, 7)], [(0, 13)], [(0, 20)]],  # chunked prefill
+    [[(0, 30)]] + [[(0, 1)]] * 10,  # prefill, then decode steps
+    [[(1, 25), (0, 10)], [(0, 30), (1, 1), (2, 40)]],  # beside other sequences' chunks
+    # decoded in a batch of others, at different places in it
+    [[(2, 9), (1, 3), (0, 1)]] + [[(0, 1), (2, 1)]] * 31 + [[(1, 1), (0, 1)]] * 8,
+]
+
+
 def _rows_of(model, kernel, steps: list[list[tuple[int, int]]], ids: list[torch.Tensor],
              dtype: torch.dtype) -> dict[tuple[int, int], torch.Tensor]:
     """Run `steps` through the kernel on one cache: each step is (sequence, tokens) chunks,
@@ -281,14 +318,7 @@ def test_a_rows_hidden_state_does_not_depend_on_its_step(kernel, tiny_gguf, monk
     gen = torch.Generator().manual_seed(0)
     ids = [torch.randint(0, model.config.vocab_size, (40,), generator=gen) for _ in range(3)]
     alone = _rows_of(model, kernel, [[(0, 40)]], ids[:1], dtype)
-    layouts = [
-        [[(0, 7)], [(0, 13)], [(0, 20)]],  # chunked prefill
-        [[(0, 30)]] + [[(0, 1)]] * 10,  # prefill, then decode steps
-        [[(1, 25), (0, 10)], [(0, 30), (1, 1), (2, 40)]],  # beside other sequences' chunks
-        # decoded in a batch of others, at different places in it
-        [[(2, 9), (1, 3), (0, 1)]] + [[(0, 1), (2, 1)]] * 31 + [[(1, 1), (0, 1)]] * 8,
-    ]
-    for steps in layouts:
+    for steps in LAYOUTS:
         rows = _rows_of(model, kernel, steps, ids, dtype)
         for position in range(40):
             if (0, position) in rows:

@@ -28,7 +28,11 @@ from radixlm.kernels import cpu_decode as cpu_decode_kernel
 from radixlm.runtime.attention.backend import AttentionBackend, ForwardBatch
 from radixlm.runtime.attention.kv_cache import KVCache
 from radixlm.runtime.attention.torch_native import TorchNativeAttention
+from radixlm.runtime.models.causal_lm import CausalLM
+from radixlm.runtime.models.gemma import GemmaForCausalLM
 from radixlm.runtime.models.layers.linear import Linear
+from radixlm.runtime.models.layers.mlp import ACTIVATIONS as MLP_ACTIVATIONS
+from radixlm.runtime.models.layers.norm import OffsetRMSNorm, RMSNorm
 from radixlm.runtime.models.llama import LlamaForCausalLM
 from radixlm.runtime.models.quantization.cpu_weights import CpuWeights
 
@@ -42,8 +46,9 @@ Reduce = Callable[[torch.Tensor], torch.Tensor]
 def unsupported(model: torch.nn.Module, attn: AttentionBackend, kv_cache: KVCache,
                 reduce: Reduce | None = None) -> str | None:
     """Why the kernel cannot run this model (None when it can)."""
-    if not isinstance(model, LlamaForCausalLM):  # Phi-3's loads differently, runs the same
-        return f"{type(model).__name__} is not a Llama-family decoder"
+    # Phi-3's loads differently and runs as Llama; Gemma 2 and 3 have their own flags.
+    if not isinstance(model, (LlamaForCausalLM, GemmaForCausalLM)):
+        return f"{type(model).__name__} is neither a Llama-family decoder nor Gemma"
     if not isinstance(attn, TorchNativeAttention):
         return "the attention backend is not torch"
     dtype = model.model.embed_tokens.weight.dtype
@@ -57,6 +62,11 @@ def unsupported(model: torch.nn.Module, attn: AttentionBackend, kv_cache: KVCach
         return "tensor parallelism needs the ranks' reduce"
     if cfg.num_heads // cfg.num_kv_heads > 64:
         return "more than 64 query heads per KV head"
+    if len({layer.self_attn.attends.scale for layer in model.model.layers}) > 1 or len(
+            {layer.self_attn.attends.logit_softcap for layer in model.model.layers}) > 1:
+        return "the layers' attention scales or soft caps differ"
+    if _activation(model.model.layers[0]) not in ("silu", "gelu_pytorch_tanh"):
+        return "the MLP's activation is neither SiLU nor GELU (tanh)"
     if not all(_coverable(linear, dtype) for layer in model.model.layers
                for linear in _linears(layer)):
         return "a linear layer is neither float nor in the CPU kernel's tiles (cpu_weights)"
@@ -83,7 +93,7 @@ def build(model: torch.nn.Module, attn: AttentionBackend, kv_cache: KVCache,
 
 
 class CpuDecode:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, kernel: ModuleType,
+    def __init__(self, model: CausalLM, kv_cache: KVCache, kernel: ModuleType,
                  reduce: Reduce | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -91,9 +101,13 @@ class CpuDecode:
         self.reduce = reduce
         cfg = model.config
         dtype = model.model.embed_tokens.weight.dtype
-        attention = model.model.layers[0].self_attn  # this rank's heads
+        first = model.model.layers[0]
+        attention = first.self_attn  # this rank's heads
+        attends = attention.attends
         self.shape = (kv_cache.page_size, attention.num_heads, attention.num_kv_heads,
-                      cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim ** -0.5)
+                      cfg.head_dim, cfg.rms_norm_eps,
+                      cfg.head_dim ** -0.5 if attends.scale is None else attends.scale,
+                      attends.logit_softcap or 0.0, _activation(first) == "gelu_pytorch_tanh")
         self.layers, self.specs, self.widths = [], [], []
         self.windows = [layer.self_attn.attends.sliding_window or 0
                         for layer in model.model.layers]
@@ -101,17 +115,20 @@ class CpuDecode:
         for layer in model.model.layers:
             attention = layer.self_attn
             qkv = attention.qkv_proj
-            tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+            tensors = [_norm(layer.input_layernorm), _norm(layer.post_attention_layernorm),
                        none if qkv.bias is None else qkv.bias]
             tensors += ([none, none] if attention.q_norm is None
-                        else [attention.q_norm.weight, attention.k_norm.weight])
+                        else [_norm(attention.q_norm), _norm(attention.k_norm)])
+            tensors += ([_norm(layer.pre_feedforward_layernorm),
+                         _norm(layer.post_feedforward_layernorm)]
+                        if hasattr(layer, "pre_feedforward_layernorm") else [none, none])
             for linear in _linears(layer):
                 planes, width, stored = _tiled(linear, dtype)
                 self.specs.append(planes)
                 self.widths.append(width)
                 tensors.extend(stored)
             self.layers.append(tensors)
-        self.final_norm = model.model.norm.weight if cfg.last_stage else none
+        self.final_norm = _norm(model.model.norm) if cfg.last_stage else none
         if cfg.first_stage:  # later pipeline stages do not score
             _tile_head(model, dtype)
         self.lora = None  # the adapters' slots (models.lora.slots.LoRASlots), when served
@@ -130,13 +147,17 @@ class CpuDecode:
         model, kv = self.model, self.kv_cache
         page = kv.page_size
         if hidden is None:
-            hidden = model.model.embed_tokens(batch.input_ids)
+            hidden = model.embed(batch.input_ids)
         cos, sin = model.rotary.cos[batch.positions], model.rotary.sin[batch.positions]
+        local = getattr(model, "local_rotary", model.rotary)  # Gemma 3's windowed layers
+        local_cos, local_sin = ((cos, sin) if local is model.rotary
+                                else (local.cos[batch.positions], local.sin[batch.positions]))
         width = -(-int(max(batch.kv_lens)) // page) * page
         pages = (batch.slot_table[:, :width:page] // page).contiguous()  # [S, P]
         token_seq = torch.repeat_interleave(torch.arange(len(batch.q_lens)),
                                             torch.tensor(batch.q_lens))
-        return self.kernel.forward(hidden, cos, sin, self.layers, self.specs, self.widths,
+        return self.kernel.forward(hidden, cos, sin, local_cos, local_sin, self.layers,
+                                   self.specs, self.widths,
                                    self.windows, kv.k, kv.v, batch.out_slots, token_seq,
                                    batch.positions, pages, self.final_norm, *self.shape,
                                    *self._adapters(), self.reduce, stored)
@@ -159,6 +180,23 @@ class CpuDecode:
 
 # The four linears of a layer, in the kernel's order.
 _LINEAR_NAMES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def _norm(norm: RMSNorm) -> torch.Tensor:
+    """A norm's weight as the kernel reads it: Gemma's (1 + w) in float32, made once."""
+    if not isinstance(norm, OffsetRMSNorm):
+        return norm.weight
+    if getattr(norm, "cpu_offset", None) is None:
+        norm.cpu_offset = (1.0 + norm.weight.detach().float()).contiguous()
+    return norm.cpu_offset
+
+
+def _activation(layer: torch.nn.Module) -> str:
+    """The name of the MLP's activation (Llama's MLP is always SiLU)."""
+    act = getattr(layer.mlp, "act", None)
+    if act is None:
+        return "silu"
+    return next((name for name, fn in MLP_ACTIVATIONS.items() if fn is act), repr(act))
 
 
 def _linears(layer: torch.nn.Module) -> list[Linear]:
@@ -188,7 +226,7 @@ def _tiled(linear: Linear, dtype: torch.dtype) -> tuple[int, int, list[torch.Ten
     return dict(linear.named_children())["cpu_weights"].kernel_form()
 
 
-def _tile_head(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
+def _tile_head(model: CausalLM, dtype: torch.dtype) -> None:
     """Give a float output head the kernel's tiles too: torch's float32 GEMM sums in an order
     that depends on the number of rows."""
     head = model._head()  # with tensor parallelism, this rank's shard of the vocabulary

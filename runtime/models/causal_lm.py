@@ -74,6 +74,10 @@ class CausalLM(nn.Module):
         it, so a split run computes the same bits."""
         raise NotImplementedError
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's input for these tokens: [T] -> [T, hidden_size]."""
+        return self.model.embed_tokens(input_ids)
+
     def use_fused_kernels(self, enabled: bool) -> None:
         """Switch the fused MoE kernel (CUDA) on or off; the other layers stay in torch."""
         kernel = None

@@ -117,10 +117,7 @@ class GemmaForCausalLM(CausalLM):
     def forward(self, batch: ForwardBatch, attn: AttentionBackend,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
         if hidden is None:
-            hidden = self.model.embed_tokens(batch.input_ids)
-            # sqrt(d) is rounded to the activation dtype before the multiply, as in the
-            # reference.
-            hidden = hidden * torch.tensor(self.config.hidden_size ** 0.5, dtype=hidden.dtype)
+            hidden = self.embed(batch.input_ids)
         rope = self.rotary.cos_sin(batch.positions, hidden.dtype)
         local_rope = (rope if self.local_rotary is self.rotary
                       else self.local_rotary.cos_sin(batch.positions, hidden.dtype))
@@ -128,6 +125,11 @@ class GemmaForCausalLM(CausalLM):
             hidden = layer(hidden, local_rope if layer.window is not None else rope, batch,
                            attn)
         return self.model.norm(hidden) if self.config.last_stage else hidden
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids)
+        # sqrt(d) is rounded to the activation dtype before the multiply, as in the reference.
+        return hidden * torch.tensor(self.config.hidden_size ** 0.5, dtype=hidden.dtype)
 
     def final_logits(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.gemma.final_softcap

@@ -167,7 +167,7 @@ class LlamaForCausalLM(CausalLM):
         the previous stage's `hidden` and, unless it is the last, returns the residual stream
         its layers leave (see CausalLM.forward)."""
         if hidden is None:
-            hidden = self.model.embed_tokens(batch.input_ids)
+            hidden = self.embed(batch.input_ids)
         rope = self.rotary.cos_sin(batch.positions, hidden.dtype)
         fused = self.fused
         last = self.config.last_stage

@@ -139,7 +139,7 @@ class MoEForCausalLM(CausalLM):
     def forward(self, batch: ForwardBatch, attn: AttentionBackend,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
         if hidden is None:
-            hidden = self.model.embed_tokens(batch.input_ids)
+            hidden = self.embed(batch.input_ids)
         rope = self.rotary.cos_sin(batch.positions, hidden.dtype)
         for layer in self.model.layers:
             hidden = layer(hidden, rope, batch, attn)
