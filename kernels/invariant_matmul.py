@@ -68,13 +68,18 @@ class InvariantConfig:
     # than min_seg_blocks K tiles.
     max_segs: int = 16
     min_seg_blocks: int = 4
-    # (most rows, tiling), by increasing rows; the last one serves any larger M.
+    # (most rows, tiling), by increasing rows; the last one serves any larger M. Chosen by
+    # a sweep on an H100 at Llama-3-8B's shapes (docs/deterministic.md).
     tilings: tuple[tuple[int, Tiling], ...] = (
         (64, Tiling(64, 4, 4, split=True)),
-        (512, Tiling(64, 4, 4)),
+        (256, Tiling(64, 4, 4)),
         (1 << 62, Tiling(128, 8, 4)),
     )
-    flat: bool = True
+    # Segments of at most this many K tiles run in one loop over all of K (see
+    # _sum_segments); longer ones in a loop per segment, which pipelines better without the
+    # per-tile test for a segment's end (measured: the flat loop wins on o's 4-tile segments,
+    # loses on gate_up's 32).
+    flat_max_tiles: int = 8
 
     def __post_init__(self) -> None:
         for _, tiling in self.tilings:
@@ -153,6 +158,7 @@ def _invariant_mm_kernel(x_ptr, w_ptr, out_ptr, x_scale_ptr, w_scale_ptr, partia
                          FLAT: tl.constexpr):
     # M is not specialized: a separate compile for M == 1 would be a second kernel, and the
     # point of this one is that every M runs the same code.
+    # FLAT: one loop over every K tile (short segments); else a loop per segment.
     if SPLIT:  # grid (column tiles, segments); one row tile
         pid_m = 0
         pid_n = tl.program_id(0)
@@ -270,6 +276,7 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor,
         x2, weight, out, xs, ws, partials, counters, m, n, k, seg_len, num_segs,
         x2.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=tiling.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        GROUP_M=config.group_m, SPLIT=split, SCALED=scaled, FLAT=config.flat,
+        GROUP_M=config.group_m, SPLIT=split, SCALED=scaled,
+        FLAT=seg_len // config.block_k <= config.flat_max_tiles,
         num_warps=tiling.num_warps, num_stages=tiling.num_stages)
     return out.view(*x.shape[:-1], n)

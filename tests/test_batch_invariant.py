@@ -80,7 +80,8 @@ def test_deterministic_is_a_no_op_on_cpu(tmp_path):
 # -- the compiled matmul (ahead of time for Hopper, no GPU needed) ---------------------------
 
 
-def _hopper_mma_instructions(kernel, tiling, block_n: int, block_k: int, operand: str) -> set:
+def _hopper_mma_instructions(kernel, tiling, block_n: int, block_k: int, operand: str,
+                             flat: bool) -> set:
     """The tensor-core instructions in the kernel's PTX for sm_90, compiled with the pointer
     and stride alignment a real launch gets (Triton specializes those)."""
     import re
@@ -95,7 +96,7 @@ def _hopper_mma_instructions(kernel, tiling, block_n: int, block_k: int, operand
                       "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "partials_ptr": "*fp32",
                       "counters_ptr": "*i32"})
     constants = {"BLOCK_M": tiling.block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
-                 "GROUP_M": 8, "SPLIT": tiling.split, "SCALED": operand != "bf16"}
+                 "GROUP_M": 8, "SPLIT": tiling.split, "SCALED": operand != "bf16", "FLAT": flat}
     signature.update({name: "constexpr" for name in constants})
     aligned = [name for name in names if name.endswith("_ptr") or name.startswith("stride")]
     attrs = {(names.index(name),): [["tt.divisibility", 16]]
@@ -116,9 +117,10 @@ def test_every_tiling_issues_the_same_tensor_core_instruction(operand):
     pytest.importorskip("triton.backends.nvidia")
     from radixlm.kernels.invariant_matmul import DEFAULT, _invariant_mm_kernel
 
-    shapes = {tiling: _hopper_mma_instructions(_invariant_mm_kernel, tiling, DEFAULT.block_n,
-                                               DEFAULT.block_k, operand)
-              for _, tiling in DEFAULT.tilings}
+    shapes = {(tiling, flat): _hopper_mma_instructions(_invariant_mm_kernel, tiling,
+                                                       DEFAULT.block_n, DEFAULT.block_k,
+                                                       operand, flat)
+              for _, tiling in DEFAULT.tilings for flat in (False, True)}
     found = set().union(*shapes.values())
     assert len(found) == 1 and all(shapes.values()), shapes
     k = 16 if operand == "bf16" else 32
@@ -152,8 +154,9 @@ def case_matmul_rows_do_not_depend_on_m():
     assert err < 1e-6, err
     small = InvariantConfig(tilings=((8, Tiling(64, 4, 2, split=True)), (40, Tiling(64, 4, 3)),
                                      (1 << 62, Tiling(128, 8, 4))))
+    nested = InvariantConfig(flat_max_tiles=0)  # a loop per segment
     for lo, hi in ((0, 1), (0, 3), (7, 20), (0, 64), (10, 75), (3, 150)):
-        for config in (InvariantConfig(), small):
+        for config in (InvariantConfig(), small, nested):
             rows = invariant_matmul(x[lo:hi].clone(), weight, config=config)
             assert torch.equal(rows, full[lo:hi]), (lo, hi, config)
     head = invariant_matmul(x[:5], weight, torch.float32)

@@ -141,17 +141,28 @@ def _zero_factor(zero: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None
 
 def _words(codes: torch.Tensor, pad: int, tiles: int, bits: int) -> torch.Tensor:
     """[N, K] codes as a plane's int32 words [tiles, K bits / 32, 16] (cpu_linear.h): 4 bits
-    in the nibble layout of pairs, 1 or 2 bits in input order."""
+    in the nibble layout of pairs, 1 or 2 bits in input order. Packed a block of tiles at a
+    time: the int64 intermediates of a whole large-vocabulary head would take several times
+    the model's size in memory."""
     columns = codes.shape[1]
-    c = F.pad(codes.to(torch.int64), (0, 0, 0, pad), value=8 if bits == 4 else 0)
+    per_word = 32 // bits
     if bits == 4:
         shifts = torch.tensor(_NIBBLE_SHIFTS, dtype=torch.int64)
     else:
         shifts = torch.arange(0, 32, bits, dtype=torch.int64)
-    per_word = 32 // bits
-    words = (c.view(tiles, LANES, columns // per_word, per_word) << shifts).sum(-1)
-    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
-    return words.transpose(1, 2)
+    out = torch.empty(tiles, columns // per_word, LANES, dtype=torch.int32)
+    for first in range(0, tiles, _PACK_TILES):
+        last = min(tiles, first + _PACK_TILES)
+        c = codes[first * LANES:last * LANES].to(torch.int64)
+        c = F.pad(c, (0, 0, 0, (last - first) * LANES - c.shape[0]),
+                  value=8 if bits == 4 else 0)
+        words = (c.view(last - first, LANES, columns // per_word, per_word) << shifts).sum(-1)
+        words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+        out[first:last] = words.transpose(1, 2)
+    return out
+
+
+_PACK_TILES = 256  # tiles (of 16 channels) packed at a time by _words
 
 
 def tile_dense(weight: torch.Tensor) -> torch.Tensor:
