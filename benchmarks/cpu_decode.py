@@ -24,6 +24,9 @@ a few minutes on 2 cores); without it the llama.cpp rows are left out and the JS
 `--requantize` (needs llama-cpp-python) also writes the embedded file in other GGUF types with
 llama.cpp's own quantizer (from its Q4_1 blocks: the speed of each type's kernels, not its
 quality) and measures batch 1 on each, ours beside llama.cpp on the same file.
+`--families gemma3,qwen3,gemma2` (needs llama-cpp-python) does the same for random-weight
+files of other families at the shapes of real small checkpoints, with their large
+vocabularies (benchmarks/random_gguf.py), in each of `--family-types` (default Q4_K_M).
 """
 
 from __future__ import annotations
@@ -102,14 +105,14 @@ def step_bytes(model: Any) -> int:
     return total
 
 
-def requantized(type_name: str, threads: int) -> Path:
-    """The embedded model written in GGUF type `type_name` (e.g. Q4_K_M) by llama.cpp's
-    quantizer, cached next to the results."""
+def requantized(type_name: str, threads: int, source: Path | None = None) -> Path:
+    """`source` (default: the embedded model) written in GGUF type `type_name` (e.g. Q4_K_M)
+    by llama.cpp's quantizer, cached next to the results."""
     import llama_cpp
 
     from radixlm.runtime.models.loader import embedded_model_file
 
-    source = embedded_model_file()
+    source = source or embedded_model_file()
     path = results_dir() / "ggufs" / f"{source.stem.rsplit('.', 1)[0]}.{type_name}.gguf"
     if path.exists():
         return path
@@ -125,8 +128,23 @@ def requantized(type_name: str, threads: int) -> Path:
     return path
 
 
+def random_family_file(family: str) -> Path:
+    """The family's random float16 GGUF (benchmarks/random_gguf.py), cached next to the
+    results."""
+    from random_gguf import write_random_gguf
+
+    from radixlm.runtime.models.loader import embedded_model_file
+
+    path = results_dir() / "ggufs" / f"random-{family}.F16.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_random_gguf(path, family, embedded_model_file())
+    return path
+
+
 def file_label(system: str) -> str:
-    """The GGUF a system runs: 'Q4_1' (the embedded file) or a --requantize type."""
+    """The GGUF a system runs: 'Q4_1' (the embedded file), a --requantize type, or a
+    family's file and type ('gemma3-Q4_K_M')."""
     words = system.split()
     if words[0] == "llama.cpp":
         return words[1]
@@ -340,6 +358,11 @@ def main() -> None:
     parser.add_argument("--requantize", default="",
                         help="GGUF types to also measure at batch 1 (ours and llama.cpp on "
                              "the same file), e.g. Q4_K_M,Q5_K_M,Q6_K,Q8_0")
+    parser.add_argument("--families", default="",
+                        help="random-weight files of other families to also measure at batch "
+                             "1, ours against llama.cpp: gemma3, qwen3, gemma2")
+    parser.add_argument("--family-types", default="Q4_K_M",
+                        help="the GGUF types of the --families files, e.g. Q4_K_M,Q6_K")
     parser.add_argument("--out", default=None, help="JSON file (default: a dated file in "
                         "$RADIXLM_RESULTS_DIR or ~/.cache/radixlm/benchmarks)")
     args = parser.parse_args()
@@ -353,6 +376,14 @@ def main() -> None:
             raise SystemExit("--requantize needs llama-cpp-python")
         path = requantized(type_name, args.threads)
         files[f"radixlm gguf {type_name}"] = files[f"llama.cpp {type_name}"] = path
+    for family in filter(None, args.families.split(",")):
+        if not has_llama:
+            raise SystemExit("--families needs llama-cpp-python")
+        source = random_family_file(family)
+        for type_name in filter(None, args.family_types.split(",")):
+            path = requantized(type_name, args.threads, source)
+            label = f"{family}-{type_name}"
+            files[f"radixlm gguf {label}"] = files[f"llama.cpp {label}"] = path
     systems = list(files)
     ctx = mp.get_context("spawn")
     pipes, procs, weights, kinds = {}, [], {}, {}
@@ -410,12 +441,12 @@ def main() -> None:
     def times(value: float | None, base: dict | None, key: str) -> str:
         return f"{value / base[key]:.2f}x" if value and base and base.get(key) else "-"
 
-    print(f"{'system':<24}{'TTFT ms':>9}{'decode tok/s':>14}{'step MB':>9}{'floor tok/s':>13}"
+    print(f"{'system':<30}{'TTFT ms':>9}{'decode tok/s':>14}{'step MB':>9}{'floor tok/s':>13}"
           f"{'vs llama.cpp':>14}{'batched tok/s':>15}{'vs HF':>8}{'vs llama.cpp':>14}")
     for r in rows:
         b = r.get("batched_tokens_per_s")
         peer = peers.get(file_label(r["system"]))
-        print(f"{r['system']:<24}{r['ttft_ms']:>9.0f}{r['decode_tokens_per_s']:>14.1f}"
+        print(f"{r['system']:<30}{r['ttft_ms']:>9.0f}{r['decode_tokens_per_s']:>14.1f}"
               f"{r['step_mb']:>9.0f}{r['floor_tokens_per_s']:>13.0f}"
               f"{times(r['decode_tokens_per_s'], peer, 'decode_tokens_per_s'):>14}"
               f"{(f'{b:.0f}' if b else '-'):>15}{times(b, hf_row, 'batched_tokens_per_s'):>8}"
@@ -446,7 +477,8 @@ def main() -> None:
         "date": today, "machine": machine(),
         "threads": args.threads, "tokens": args.tokens, "repeats": args.repeats,
         "batch": args.batch, "batch_tokens": args.batch_tokens, "bandwidth_gb_s": gbs,
-        "llama_cpp": has_llama, "requantized": args.requantize, "torch": torch.__version__,
+        "llama_cpp": has_llama, "requantized": args.requantize, "families": args.families,
+        "family_types": args.family_types, "torch": torch.__version__,
         "rows": rows, "long_prompts": prefill_rows}, indent=2) + "\n")
     print(f"wrote {out}")
     plot(rows, out.with_suffix(".png"), args)

@@ -6,7 +6,12 @@ Llama-3-8B's shapes (bf16, CUDA-graph timed):
 - decode attention at batch 1 and 256 and a prefill of 16 x 1024 tokens: the default Triton
   kernels against kernels/invariant_attention.py.
 
-    python benchmarks/invariant_kernels.py [--out benchmarks/results/NAME.json]
+`--sweep` instead times the invariant matmul's candidate tilings (rows per program, warps,
+pipeline stages, one loop or a loop per segment, and two segment policies) at each row count
+against cuBLAS, and checks that every tiling gives the same bits as the shipped one's
+(InvariantConfig.tilings was chosen from this table).
+
+    python benchmarks/invariant_kernels.py [--sweep] [--out benchmarks/results/NAME.json]
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch.nn.functional as F
 from radixlm.kernels import invariant_attention as ia
 from radixlm.kernels import triton_attention as ta
 from radixlm.kernels.gemv import NARROW_MAX_N, gemv
-from radixlm.kernels.invariant_matmul import invariant_matmul, segments_for
+from radixlm.kernels.invariant_matmul import InvariantConfig, Tiling, invariant_matmul, segments_for
 
 from gpu_timing import capture, median_replay_ms
 from results_dir import results_dir
@@ -62,6 +67,65 @@ def linears() -> list[dict]:
                          "segments": segments_for(n, k, x.device)[1]})
             print(f"{name:>8} {m:>6} rows: default {base:9.1f} us, invariant {ours:9.1f} us "
                   f"({ours / base:.2f}x)")
+    return rows
+
+
+SWEEP_ROWS = [1, 8, 64, 128, 256, 512, 2048, 16384]
+ANY = 1 << 62
+
+
+def sweep_variants(m: int) -> dict[str, InvariantConfig]:
+    """The candidate configurations for m rows, by name (segment policy `seg<max>/<min>`)."""
+    def config(tiling: Tiling, flat: bool = True,
+               segs: tuple[int, int] = (16, 4)) -> InvariantConfig:
+        return InvariantConfig(max_segs=segs[0], min_seg_blocks=segs[1],
+                               tilings=((ANY, tiling),), flat_max_tiles=1 << 30 if flat else 0)
+
+    out = {}
+    if m <= 64:
+        for segs in ((16, 4), (32, 2)):
+            for stages in (2, 3, 4):
+                out[f"split64w4s{stages} seg{segs[0]}/{segs[1]}"] = config(
+                    Tiling(64, 4, stages, split=True), segs=segs)
+        out["tile64w4s4 flat"] = config(Tiling(64, 4, 4))
+        return out
+    for block_m, warps, stages in ((64, 4, 3), (64, 4, 4), (128, 4, 4), (128, 8, 3),
+                                   (128, 8, 4)):
+        out[f"tile{block_m}w{warps}s{stages} flat"] = config(Tiling(block_m, warps, stages))
+    for block_m, warps in ((64, 4), (128, 8)):
+        out[f"tile{block_m}w{warps}s4 nest"] = config(Tiling(block_m, warps, 4), flat=False)
+        out[f"tile{block_m}w{warps}s4 flat seg32/2"] = config(Tiling(block_m, warps, 4),
+                                                              segs=(32, 2))
+    return out
+
+
+def sweep() -> list[dict]:
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name, (n, k) in LINEARS.items():
+        counts = [m for m in SWEEP_ROWS if name != "head" or m <= 256]
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) / k ** 0.5
+        x_all = torch.randn(max(counts), k, device="cuda", dtype=torch.bfloat16, generator=gen)
+        out_dtype = torch.float32 if name == "head" else None
+        shipped = invariant_matmul(x_all, w, out_dtype)  # every row through the defaults
+        for m in counts:
+            x = x_all[:m].clone()
+            calls = 10 if m <= 512 else 2
+            row = {"linear": name, "rows": m,
+                   "cublas_us": time_us(lambda: default_linear(x, w, name == "head"), calls),
+                   "shipped_us": time_us(lambda: invariant_matmul(x, w, out_dtype), calls),
+                   "variants": {}}
+            for label, cfg in sweep_variants(m).items():
+                same = torch.equal(invariant_matmul(x, w, out_dtype, config=cfg), shipped[:m])
+                us = time_us(lambda: invariant_matmul(x, w, out_dtype, config=cfg), calls)
+                row["variants"][label] = {"us": us, "same_bits_as_shipped": same}
+            best = min(row["variants"].items(), key=lambda kv: kv[1]["us"])
+            print(f"{name:>8} {m:>6} rows: cuBLAS {row['cublas_us']:8.1f} us, shipped "
+                  f"{row['shipped_us'] / row['cublas_us']:.2f}x, best {best[0]} "
+                  f"{best[1]['us'] / row['cublas_us']:.2f}x; same bits: "
+                  f"{sum(v['same_bits_as_shipped'] for v in row['variants'].values())}"
+                  f"/{len(row['variants'])}", flush=True)
+            rows.append(row)
     return rows
 
 
@@ -120,12 +184,18 @@ def attention() -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true",
+                        help="time the matmul's candidate tilings instead (see the docstring)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     record = {"benchmark": "invariant_kernels", "date": datetime.date.today().isoformat(),
-              "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__},
-              "linears": linears(), "attention": attention()}
-    out = Path(args.out or results_dir() / f"invariant_kernels_h200_{record['date']}.json")
+              "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}}
+    if args.sweep:
+        record["sweep"] = sweep()
+    else:
+        record |= {"linears": linears(), "attention": attention()}
+    kind = "invariant_sweep" if args.sweep else "invariant_kernels"
+    out = Path(args.out or results_dir() / f"{kind}_{record['date']}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}")

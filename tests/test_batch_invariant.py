@@ -140,8 +140,12 @@ def test_a_tiling_that_would_split_columns_is_refused():
 def case_matmul_rows_do_not_depend_on_m():
     """Every tiling (split path: one program per segment, ticket sum; one program per tile
     with 64 or 128 rows) gives each row the same bits, at any offset in the batch."""
-    from radixlm.kernels.invariant_matmul import InvariantConfig, Tiling, invariant_matmul
-    from radixlm.kernels.invariant_matmul import segments_for
+    from radixlm.kernels.invariant_matmul import (
+        InvariantConfig,
+        Tiling,
+        invariant_matmul,
+        segments_for,
+    )
 
     gen = torch.Generator().manual_seed(0)
     n, k = 256, 1000
