@@ -16,10 +16,10 @@ Only the distribution of that work changes with M (`InvariantConfig.tilings`). A
 (one 64-row tile, the decode steps, where there are too few tiles to keep the GPU's loads in
 flight): one program per (tile, segment) writes its segment's float32 sum to a workspace, and
 the last program of the tile to finish (a ticket, as in split_k.py) adds them in segment
-order. More rows: one program per output tile walks every K tile in one pipelined loop and
-adds each segment's sum into its total as the segment ends; from a few hundred rows on, a
-program covers 128 rows with two warpgroups. All give the same bits, because all add the
-same float32 values in the same order.
+order. More rows: one program per output tile walks every segment (short segments in one
+pipelined loop over all of K that adds each segment's sum into the total as it ends); from a
+few hundred rows on, a program covers 128 rows with two warpgroups. All give the same bits,
+because all add the same float32 values in the same order.
 
 Why segments at all: at batch 1 an 8B model's o and down projections have 32 column tiles,
 which cannot stream their weights at the card's bandwidth; splitting K gives the GPU enough
@@ -103,21 +103,21 @@ DEFAULT = InvariantConfig()
 
 
 @triton.jit
-def _sum_segments(x_rows, w_rows, mask_m, mask_n, offs_k, k_lo, k_hi, K, seg_len,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The segments of [k_lo, k_hi) (segment boundaries at multiples of seg_len), each summed
-    from zero over its K tiles and added in order: [BLOCK_M, BLOCK_N] float32. One loop over
-    every tile, so the loads stay pipelined across segment boundaries."""
+def _sum_segments(x_rows, w_rows, mask_m, mask_n, offs_k, K, seg_len, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Every segment of K, each summed from zero over its K tiles and added in order:
+    [BLOCK_M, BLOCK_N] float32. One loop over every tile, so the loads stay pipelined across
+    segment boundaries."""
     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         in_k = k < K
         x = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & in_k[None, :], other=0.0)
         w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & in_k[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc)  # [M, K] x [K, N]: W read K-major, as stored
         k_next = k0 + BLOCK_K
-        if (k_next % seg_len == 0) | (k_next >= k_hi):  # a segment ends: add it, start anew
+        if (k_next % seg_len == 0) | (k_next >= K):  # a segment ends: add it, start anew
             total += acc
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     return total
@@ -202,8 +202,8 @@ def _invariant_mm_kernel(x_ptr, w_ptr, out_ptr, x_scale_ptr, w_scale_ptr, partia
             tl.atomic_xchg(counters_ptr + pid_n, 0, sem="relaxed", scope="gpu")
     else:
         if FLAT:
-            total = _sum_segments(x_rows, w_rows, mask_m, mask_n, offs_k, 0, K, K, seg_len,
-                                  BLOCK_M, BLOCK_N, BLOCK_K)
+            total = _sum_segments(x_rows, w_rows, mask_m, mask_n, offs_k, K, seg_len, BLOCK_M,
+                                  BLOCK_N, BLOCK_K)
         else:
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for seg in range(0, num_segs):

@@ -46,6 +46,21 @@ def test_planes_are_exactly_the_reference_dequantization(name):
                                atol=1e-6 * want.abs().max().item())
 
 
+def test_dequantize_by_blocks_of_rows_to_a_dtype(monkeypatch):
+    """A table decoded a block of rows at a time (smaller blocks here) and rounded to
+    bfloat16 is the whole float32 decode, rounded."""
+    import gguf
+
+    from radixlm.runtime.models.quantization import gguf_blocks
+
+    blocks = _random_blocks("Q6_K", 37, 256)
+    whole = torch.from_numpy(gguf.quants.dequantize(blocks.data.numpy(),
+                                                    gguf.GGMLQuantizationType.Q6_K))
+    monkeypatch.setattr(gguf_blocks, "_DEQUANTIZE_ROWS", 8)
+    assert torch.equal(blocks.dequantize(), whole)
+    assert torch.equal(blocks.dequantize(torch.bfloat16), whole.to(torch.bfloat16))
+
+
 def test_int4_planes_matmul_matches_float_over_mixed_parts():
     # A merged layer whose parts have one and two planes: the one-plane part gets an empty
     # second plane that must add exactly nothing.

@@ -299,7 +299,8 @@ def _drop_other_stages(net: nn.Module) -> None:
 def _load_checkpoint(net: nn.Module, folder: Path, tensors: Iterator[tuple[str, Any]],
                      quant: QuantConfig | None) -> None:
     heads: dict[str, GGUFBlocks] = {}
-    loaded = net.load_weights(_packed_or_float(tensors, quant, heads))
+    table_dtype = net.model.embed_tokens.weight.dtype
+    loaded = net.load_weights(_packed_or_float(tensors, quant, heads, table_dtype))
     _pack_output_head(net, heads)
     missing = net.expected_weight_keys() - loaded
     if missing:
@@ -308,17 +309,21 @@ def _load_checkpoint(net: nn.Module, folder: Path, tensors: Iterator[tuple[str, 
 
 
 def _packed_or_float(tensors: Iterator[tuple[str, Any]], quant: QuantConfig | None,
-                     heads: dict[str, GGUFBlocks]) -> Iterator[tuple[str, Any]]:
+                     heads: dict[str, GGUFBlocks],
+                     table_dtype: torch.dtype) -> Iterator[tuple[str, Any]]:
     """GGUF blocks go as they are to the decoder linears of a model run with quantization
-    "gguf"; everywhere else (embeddings, norms, a float run) they are dequantized first.
-    With "gguf", the blocks of vocabulary-sized weights are also kept in `heads`, by name:
-    the output head multiplies by them packed."""
+    "gguf"; everywhere else (embeddings, norms, a float run) they are dequantized first:
+    to float32, or for the vocabulary-sized tables straight to their `table_dtype` (the
+    same rounding their load applies; a float32 copy of a 256k-token table is the load's
+    largest allocation). With "gguf", the blocks of vocabulary-sized weights are also kept
+    in `heads`, by name: the output head multiplies by them packed."""
     packed = quant is not None and quant.method == "gguf"
     for name, tensor in tensors:
         if isinstance(tensor, GGUFBlocks) and not (packed and _is_decoder_linear(name)):
             if packed and name in _HEAD_WEIGHTS:
                 heads[name] = tensor
-            tensor = tensor.dequantize()
+            tensor = tensor.dequantize(table_dtype if name in _HEAD_WEIGHTS
+                                       else torch.float32)
         yield name, tensor
 
 

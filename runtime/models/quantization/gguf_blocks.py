@@ -65,13 +65,20 @@ class GGUFBlocks(NamedTuple):
                              f"{data.dtype} {tuple(data.shape)}")
         return GGUFBlocks(type_name, data, (data.shape[0], data.shape[1] // size * per_block))
 
-    def dequantize(self) -> torch.Tensor:
-        """The float32 weights, decoded by the gguf package (the reference decoder)."""
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weights, decoded by the gguf package (the reference decoder) to float32 and
+        rounded to `dtype`, a block of rows at a time (the decoder's float32 temporaries of a
+        vocabulary-sized table would take several times its size)."""
         import gguf
 
-        values = gguf.quants.dequantize(self.data.numpy(),
-                                        gguf.GGMLQuantizationType[self.type_name])
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+        kind = gguf.GGMLQuantizationType[self.type_name]
+        out = torch.empty(self.shape, dtype=dtype)
+        data = self.data.numpy()
+        for start in range(0, self.shape[0], _DEQUANTIZE_ROWS):
+            rows = gguf.quants.dequantize(data[start:start + _DEQUANTIZE_ROWS], kind)
+            out[start:start + len(rows)] = torch.from_numpy(
+                np.ascontiguousarray(rows, dtype=np.float32))
+        return out
 
     def narrow_rows(self, start: int, length: int) -> "GGUFBlocks":
         return GGUFBlocks(self.type_name, self.data[start:start + length],
@@ -80,6 +87,9 @@ class GGUFBlocks(NamedTuple):
     def planes(self) -> list[Plane]:
         """The weights as 4-bit planes (module docstring), exactly up to float32 rounding."""
         return _DECODERS[self.type_name](self.data, self.shape[1])
+
+
+_DEQUANTIZE_ROWS = 4096  # rows decoded at a time by GGUFBlocks.dequantize
 
 
 def type_id(name: str) -> int:
