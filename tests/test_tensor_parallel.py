@@ -25,6 +25,7 @@ from radixlm.runtime.models.quantization.quant_config import QuantConfig
 from radixlm.runtime.parallel.sharded import ShardedKernel
 
 from conftest import save_tiny_hf_model
+from test_model_families import NEW_FAMILIES
 
 GREEDY = {"max_new_tokens": 10, "temperature": 0}
 PROMPTS = [[1, 5, 9, 33, 7], [1] + list(range(100, 140)), [1, 300, 301, 302]]
@@ -90,6 +91,9 @@ def test_tp_options_are_validated():
     # Tied embeddings, QKV bias; overlap scheduling (token ids broadcast as they are).
     ("qwen2", dict(vocab_size=512, num_key_value_heads=2, tie=True),
      dict(overlap_schedule="on")),
+    # Gemma 2 through the CPU kernel: each rank's attention and MLP sums reduced before
+    # the norms that follow them; soft caps on the scores and the logits.
+    ("llama", dict(vocab_size=512, tie=True, **NEW_FAMILIES["gemma2"]), {}),
 ])
 def test_tp2_greedy_matches_tp1(tmp_path, family, overrides, tp_options):
     overrides = dict(overrides)
