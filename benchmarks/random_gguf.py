@@ -18,12 +18,12 @@ import numpy as np
 # Shapes of released checkpoints: Gemma 3 270M, Qwen3 0.6B, Gemma 2 2B (its vocabulary and
 # widths, 8 of its 26 layers, to keep the file small).
 FAMILIES: dict[str, dict[str, Any]] = {
-    "gemma3": dict(arch="gemma3", like="Gemma 3 270M", hidden=640, layers=18, heads=4,
+    "gemma3": dict(like="Gemma 3 270M", hidden=640, layers=18, heads=4,
                    kv_heads=1, head_dim=256, ffn=2048, vocab=262144, window=512,
                    rope_theta=1_000_000.0, rope_theta_swa=10_000.0),
-    "qwen3": dict(arch="qwen3", like="Qwen3 0.6B", hidden=1024, layers=28, heads=16,
+    "qwen3": dict(like="Qwen3 0.6B", hidden=1024, layers=28, heads=16,
                   kv_heads=8, head_dim=128, ffn=3072, vocab=151936, rope_theta=1_000_000.0),
-    "gemma2": dict(arch="gemma2", like="Gemma 2 2B, 8 of 26 layers", hidden=2304, layers=8,
+    "gemma2": dict(like="Gemma 2 2B, 8 of 26 layers", hidden=2304, layers=8,
                    heads=8, kv_heads=4, head_dim=256, ffn=9216, vocab=256000, window=4096,
                    rope_theta=10_000.0, attn_softcap=50.0, final_softcap=30.0),
 }
@@ -34,8 +34,8 @@ def write_random_gguf(path: Path, family: str, tokenizer_file: Path, seed: int =
     killed run leaves nothing under the final name)."""
     import gguf
 
-    spec = FAMILIES[family]
-    arch, d, layers = spec["arch"], spec["hidden"], spec["layers"]
+    spec = FAMILIES[family]  # keyed by the GGUF architecture's name
+    arch, d, layers = family, spec["hidden"], spec["layers"]
     heads, kv_heads, head_dim, ffn = spec["heads"], spec["kv_heads"], spec["head_dim"], spec["ffn"]
     gemma = arch.startswith("gemma")
     partial = path.with_suffix(".partial")

@@ -29,11 +29,12 @@
 //     head norms ([D] each, [0] when none: Qwen3, Gemma 3), Gemma's pre- and post-MLP norms
 //     ([d] each, [0] when none), then the tensors of qkv, o, gate_up and down}; with
 //     the MLP norms, the post-attention norm applies to the attention's output before the
-//     residual add, and the post-MLP norm to the MLP's; a norm is of the activations' dtype,
-//     or float32 holding 1 + w (Gemma's offset norms); windows[i]: layer i's sliding window (a row at
-//     position p attends to positions p - window + 1 .. p; 0: no window); softcap: scores
-//     become softcap * tanh(score / softcap) (0: none); gelu: the MLP's activation is GELU
-//     (tanh approximation), else SiLU; specs[4 i + j] says how linear j is stored:
+//     residual add, and the post-MLP norm to the MLP's; a norm is of the activations'
+//     dtype, or float32 holding 1 + w (Gemma's offset norms); windows[i]: layer i's sliding
+//     window (a row at position p attends to positions p - window + 1 .. p; 0: no window);
+//     softcap: scores become softcap * tanh(score / softcap) (0: none); gelu: the MLP's
+//     activation is GELU (tanh approximation), else SiLU; specs[4 i + j] says how linear j
+//     is stored:
 //     0: one dense tile tensor (cpu_linear.h); p > 0: p integer planes (codes, hi, scales,
 //     zeros);
 //     widths[4 i + j]: its output width;

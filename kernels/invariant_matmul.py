@@ -103,6 +103,16 @@ DEFAULT = InvariantConfig()
 
 
 @triton.jit
+def _dot_tile(acc, x_rows, w_rows, mask_m, mask_n, offs_k, k0, K):
+    """acc + x[:, k0:k0 + BLOCK_K] @ w[:, k0:k0 + BLOCK_K]^T: one K tile of the product."""
+    k = k0 + offs_k
+    in_k = k < K
+    x = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & in_k[None, :], other=0.0)
+    w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & in_k[None, :], other=0.0)
+    return tl.dot(x, tl.trans(w), acc)  # [M, K] x [K, N]: W read K-major, as stored
+
+
+@triton.jit
 def _sum_segments(x_rows, w_rows, mask_m, mask_n, offs_k, K, seg_len, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Every segment of K, each summed from zero over its K tiles and added in order:
@@ -111,11 +121,7 @@ def _sum_segments(x_rows, w_rows, mask_m, mask_n, offs_k, K, seg_len, BLOCK_M: t
     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs_k
-        in_k = k < K
-        x = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & in_k[None, :], other=0.0)
-        w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & in_k[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)  # [M, K] x [K, N]: W read K-major, as stored
+        acc = _dot_tile(acc, x_rows, w_rows, mask_m, mask_n, offs_k, k0, K)
         k_next = k0 + BLOCK_K
         if (k_next % seg_len == 0) | (k_next >= K):  # a segment ends: add it, start anew
             total += acc
@@ -129,11 +135,7 @@ def _segment(x_rows, w_rows, mask_m, mask_n, offs_k, k_lo, k_hi, K, BLOCK_M: tl.
     """sum over k in [k_lo, k_hi) of x[:, k] * w[:, k]^T, from zero: [BLOCK_M, BLOCK_N]."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        k = k0 + offs_k
-        in_k = k < K
-        x = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & in_k[None, :], other=0.0)
-        w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & in_k[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)  # [M, K] x [K, N]: W read K-major, as stored
+        acc = _dot_tile(acc, x_rows, w_rows, mask_m, mask_n, offs_k, k0, K)
     return acc
 
 

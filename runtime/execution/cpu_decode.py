@@ -183,12 +183,10 @@ _LINEAR_NAMES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "
 
 
 def _norm(norm: RMSNorm) -> torch.Tensor:
-    """A norm's weight as the kernel reads it: Gemma's (1 + w) in float32, made once."""
-    if not isinstance(norm, OffsetRMSNorm):
-        return norm.weight
-    if getattr(norm, "cpu_offset", None) is None:
-        norm.cpu_offset = (1.0 + norm.weight.detach().float()).contiguous()
-    return norm.cpu_offset
+    """A norm's weight as the kernel reads it: Gemma's as (1 + w) in float32."""
+    if isinstance(norm, OffsetRMSNorm):
+        return (1.0 + norm.weight.detach().float()).contiguous()
+    return norm.weight
 
 
 def _activation(layer: torch.nn.Module) -> str:
