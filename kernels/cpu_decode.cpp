@@ -35,8 +35,8 @@
 //     softcap: scores become softcap * tanh(score / softcap) (0: none); gelu: the MLP's
 //     activation is GELU (tanh approximation), else SiLU; specs[4 i + j] says how linear j
 //     is stored:
-//     0: one dense tile tensor (cpu_linear.h); p > 0: p integer planes (codes, hi, scales,
-//     zeros);
+//     0: one dense tile tensor (cpu_linear.h); s > 0: integer planes in s segments of
+//     seven tensors each (cpu_linear.h's planes_linear);
 //     widths[4 i + j]: its output width;
 //   k_cache / v_cache [layers, slots, Hkv, D] (A), out_slots [T], token_seq [T] (the row's
 //   sequence), positions [T] (the row attends to its sequence's positions 0..position),
@@ -133,15 +133,19 @@ struct NormWeight {
   }
 };
 
-// y = x @ W.T for one stored linear starting at tensors[first].
-Tensor linear(const Tensor& x, const std::vector<Tensor>& tensors, size_t first, int64_t planes,
-              int64_t width) {
-  if (planes == 0) return radixlm_cpu::dense_linear(x, tensors[first], width, false);
-  return radixlm_cpu::planes_linear(x, tensors[first], tensors[first + 1], tensors[first + 2],
-                                    tensors[first + 3], width, false);
+size_t stored_tensors(int64_t segments) {
+  return segments == 0 ? 1 : segments * radixlm_cpu::SEGMENT_TENSORS;
 }
 
-size_t stored_tensors(int64_t planes) { return planes == 0 ? 1 : 4; }
+// y = x @ W.T for one stored linear starting at tensors[first] (specs: 0 for dense tiles, s
+// for s segments of integer planes).
+Tensor linear(const Tensor& x, const std::vector<Tensor>& tensors, size_t first,
+              int64_t segments, int64_t width) {
+  if (segments == 0) return radixlm_cpu::dense_linear(x, tensors[first], width, false);
+  const std::vector<Tensor> stored(tensors.begin() + first,
+                                   tensors.begin() + first + stored_tensors(segments));
+  return radixlm_cpu::planes_linear(x, stored, width, false);
+}
 
 // out[r] = weight * rms_norm(x[r]) (with x[r] += add[r] first when add is given: the
 // residual stream then keeps the sum).
@@ -686,7 +690,7 @@ Tensor forward_rows(Tensor hidden, const Tensor& cos, const Tensor& sin,
   Tensor residual_in;  // the previous layer's MLP output, added to h by the next norm
   for (size_t i = 0; i < layers.size(); ++i) {
     const auto& t = layers[i];
-    const int64_t* p = specs.data() + 4 * i;  // planes of qkv, o, gate_up, down
+    const int64_t* p = specs.data() + 4 * i;  // segments of qkv, o, gate_up, down
     const int64_t* n = widths.data() + 4 * i;
     const bool sandwich = t[5].numel() > 0;  // Gemma: norms after the sublayers too
     add_rms_norm<A>(h, residual_in.defined() ? &residual_in : nullptr, t[0], x, eps);

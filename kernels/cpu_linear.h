@@ -21,12 +21,19 @@
 //            HB = 1 or 2: [tiles, K HB / 32, 16], input k0 + m of a word's 32 / HB in bits
 //            HB m .. HB m + HB - 1 (a pair's two codes side by side);
 //     scales float or float16 [tiles, K / group, S, 16] (float16 where every scale is one:
-//            the files' own, except K-quants' products of two): S = 2, the low plane's then
-//            the high one's; or S = 1, the low plane's, the high plane's being 16 times it
-//            (the files' codes are 16 hi + lo);
+//            the files' own, but not K-quants' products of two): S = 2, the low plane's
+//            then the high one's; or S = 1, the low plane's, the high plane's being 16 times
+//            it (the files' codes are 16 hi + lo); or int8 codes [tiles, K / group, S, 16]
+//            times scale_base float16 [tiles, K / (group B), 16], one per B groups (K-quants:
+//            a sub-block's 6- or 8-bit scale under its 256-input block's d);
 //     zeros float [tiles, K / group, 16] (the planes' zeros summed); or [tiles, 16], a
 //            factor per channel, when every group's zero is that factor times the low
-//            plane's scale (symmetric formats: Q8_0's is 8 s, Q5_0's 120 s).
+//            plane's scale (symmetric formats: Q8_0's is 8 s, Q5_0's 120 s), minus, where
+//            min_codes int8 [tiles, K / group, 16] and min_base float16 (negated) shaped as
+//            scale_base are given, their product (K-quants' mins: Q4_K's zero is 8 s -
+//            dmin m).
+//     A linear may be several such segments, each a range of its outputs in its own form
+//     (planes_linear).
 //     An output is, per group in order: the high plane's scale * part, the low plane's, where
 //     part sums (q - 8) * x over the group's input pairs in order, then + zero * (x's sum
 //     over the group, in order). A high plane's q is its code (0..2^HB - 1), so its layout changes
@@ -78,6 +85,10 @@ struct Vec {
   static Vec load(const at::Half* p) {
     return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
   }
+  static Vec load(const int8_t* p) {
+    return {_mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+  }
   // Channel j's even (low half) or odd (high half) bfloat16 of 32-bit lane j.
   static Vec bf16_half(const at::BFloat16* p, bool odd) {
     const __m512i bits = _mm512_loadu_si512(reinterpret_cast<const void*>(p));
@@ -116,6 +127,11 @@ struct Vec {
   static Vec fill(float x) { Vec r; for (int l = 0; l < LANES; ++l) r.v[l] = x; return r; }
   static Vec load(const float* p) { Vec r; std::memcpy(r.v, p, sizeof(r.v)); return r; }
   static Vec load(const at::Half* p) {
+    Vec r;
+    for (int l = 0; l < LANES; ++l) r.v[l] = static_cast<float>(p[l]);
+    return r;
+  }
+  static Vec load(const int8_t* p) {
     Vec r;
     for (int l = 0; l < LANES; ++l) r.v[l] = static_cast<float>(p[l]);
     return r;
@@ -193,13 +209,55 @@ inline void store_sums(const Vec (&acc)[T][R], float* out, int64_t out_stride) {
     for (int r = 0; r < R; ++r) acc[t][r].store(out + r * out_stride + t * LANES);
 }
 
-// A plane linear's scales, float32 or float16 (widened exactly).
-struct ScalesAt {
-  const float* f32;
-  const at::Half* f16;
-  Vec load(int64_t i) const { return f16 != nullptr ? Vec::load(f16 + i) : Vec::load(f32 + i); }
-  ScalesAt operator+(int64_t i) const {
-    return {f32 != nullptr ? f32 + i : nullptr, f16 != nullptr ? f16 + i : nullptr};
+// A plane linear's per-group constants (see the header): each group's scales and zero for
+// 16 channels, from where a block of tiles starts.
+struct GroupConstants {
+  // Scales [tiles, G, S, 16]: float32, float16, or int8 codes times a float16 base shared by
+  // per_base consecutive groups [tiles, G / per_base, 16] (K-quants: a sub-block's scale
+  // under its block's d). Every form widens or multiplies exactly (the products fit in
+  // float32's 24 bits), so each holds the same float32 scales.
+  const float* f32 = nullptr;
+  const at::Half* f16 = nullptr;
+  const int8_t* codes = nullptr;
+  const at::Half* base = nullptr;
+  // Zeros: float32 per group [tiles, G, 16]; or factors [tiles, 16]: a channel's zero is its
+  // factor times the low scale, minus (K-quants' mins) int8 min codes [tiles, G, 16] times
+  // a float16 base [tiles, G / per_base, 16] (stored negated) where those are given.
+  const float* zeros = nullptr;
+  const float* factors = nullptr;
+  const int8_t* min_codes = nullptr;
+  const at::Half* min_base = nullptr;
+  int64_t groups = 0, per_base = 1;
+  int S = 1;  // scales stored per group
+
+  // Plane p's scales of group g in the block's tile t.
+  Vec scale(int t, int64_t g, int p) const {
+    const int64_t i = ((t * groups + g) * S + p) * LANES;
+    if (codes != nullptr) {
+      const int64_t b = (t * (groups / per_base) + g / per_base) * LANES;
+      return Vec::zero().fma(Vec::load(codes + i), Vec::load(base + b));
+    }
+    return f16 != nullptr ? Vec::load(f16 + i) : Vec::load(f32 + i);
+  }
+  // Group g's zeros in tile t, given its low plane's scales.
+  Vec zero(int t, int64_t g, const Vec& low_scale) const {
+    if (factors == nullptr) return Vec::load(zeros + (t * groups + g) * LANES);
+    const Vec z = Vec::zero().fma(Vec::load(factors + t * LANES), low_scale);
+    if (min_codes == nullptr) return z;
+    const int64_t b = (t * (groups / per_base) + g / per_base) * LANES;
+    return z.fma(Vec::load(min_codes + (t * groups + g) * LANES), Vec::load(min_base + b));
+  }
+  // The same constants from tile t0 on.
+  GroupConstants from_tile(int64_t t0) const {
+    GroupConstants c = *this;
+    const int64_t per_tile = groups * S * LANES, bases = groups / per_base * LANES;
+    if (f32 != nullptr) c.f32 += t0 * per_tile;
+    if (f16 != nullptr) c.f16 += t0 * per_tile;
+    if (codes != nullptr) c.codes += t0 * per_tile, c.base += t0 * bases;
+    if (zeros != nullptr) c.zeros += t0 * groups * LANES;
+    if (factors != nullptr) c.factors += t0 * LANES;
+    if (min_codes != nullptr) c.min_codes += t0 * groups * LANES, c.min_base += t0 * bases;
+    return c;
   }
 };
 
@@ -208,19 +266,14 @@ struct ScalesAt {
 // only, the high plane's being 16 times it (computed here: exact, so the sums are those of
 // the stored form).
 template <int T, int R, int P, bool DS, typename Part>
-inline void add_group(Vec (&acc)[T][R], int64_t g, const Part& part, const ScalesAt& scales,
-                      const float* zeros, const float* zero_factors, const float* xsum,
-                      int64_t groups, int64_t tile_groups) {
-  constexpr int S = P == 2 && !DS ? 2 : 1;  // scales stored per group
+inline void add_group(Vec (&acc)[T][R], int64_t g, const Part& part, const GroupConstants& c,
+                      const float* xsum, int64_t groups) {
   for (int t = 0; t < T; ++t) {
-    const int64_t s = (t * tile_groups + g) * S * LANES;
     Vec scale[P];
-    scale[0] = scales.load(s);
-    const Vec zero = zero_factors != nullptr
-                         ? Vec::zero().fma(Vec::load(zero_factors + t * LANES), scale[0])
-                         : Vec::load(zeros + (t * tile_groups + g) * LANES);
+    scale[0] = c.scale(t, g, 0);
+    const Vec zero = c.zero(t, g, scale[0]);
     if constexpr (P == 2) {
-      scale[1] = DS ? Vec::zero().fma(scale[0], Vec::fill(16.f)) : scales.load(s + LANES);
+      scale[1] = DS ? Vec::zero().fma(scale[0], Vec::fill(16.f)) : c.scale(t, g, 1);
     }
     for (int r = 0; r < R; ++r) {
       if constexpr (P == 2) acc[t][r] = acc[t][r].fma(part(t, 1, r), scale[1]);  // high first
@@ -234,10 +287,8 @@ inline void add_group(Vec (&acc)[T][R], int64_t g, const Part& part, const Scale
 struct PlaneTiles {
   const int32_t* codes;  // low plane, [tiles, K / 8, 16]
   const int32_t* hi;     // high plane (HB > 0)
-  ScalesAt scales;
-  const float* zeros;         // per group, or nullptr with
-  const float* zero_factors;  // a factor per channel
-  int64_t tile_codes, tile_hi, tile_groups;
+  GroupConstants constants;
+  int64_t tile_codes, tile_hi;
 };
 
 // The high plane's word holding input k of tile t, and the shift of k's code in it.
@@ -296,7 +347,7 @@ void planes_block(const float* x, const float* xsum, int64_t k_in, int64_t group
       }
     }
     add_group<T, R, P, DS>(acc, g, [&](int t, int p, int r) { return part[t][p][r]; },
-                           w.scales, w.zeros, w.zero_factors, xsum, groups, w.tile_groups);
+                           w.constants, xsum, groups);
   }
   store_sums(acc, out, out_stride);
 }
@@ -382,8 +433,7 @@ void planes_block_pairs(const at::BFloat16* x, const float* xsum, int64_t k_in, 
       }
     }
     add_group<T, R, P, DS>(acc, g, [&](int t, int p, int r) { return Vec{part[t][p][r]}; },
-                           pw.scales, pw.zeros, pw.zero_factors, xsum, groups,
-                           pw.tile_groups);
+                           pw.constants, xsum, groups);
   }
   store_sums(acc, out, out_stride);
 }
@@ -492,16 +542,20 @@ inline std::vector<float> as_float(const at::Tensor& x) {
   return out;
 }
 
-// y [M, N] = x @ W.T for integer planes (see the header); N = n_out, the tiles hold it
-// rounded up to 16.
-inline at::Tensor planes_linear(const at::Tensor& x_in, const at::Tensor& codes,
-                                const at::Tensor& hi, const at::Tensor& scales,
-                                const at::Tensor& zeros, int64_t n_out, bool float_out) {
-  const at::Tensor x = x_in.contiguous();
+// A plane linear's tensors (see the header), SEGMENT_TENSORS per segment of its outputs:
+// codes, hi, scales, scale_base, zeros, min_codes, min_base ([0] where not used).
+constexpr size_t SEGMENT_TENSORS = 7;
+
+// One segment's sums: out[r][col0 + n] for its outputs n (its tiles), out's rows `width`
+// apart. xf: x as float32 [rows, k_in], x the input (bfloat16 for the pair instruction).
+inline void planes_segment(const at::Tensor& x, const std::vector<float>& xf,
+                           const at::Tensor* t, float* out, int64_t width, int64_t col0) {
+  const at::Tensor &codes = t[0], &hi = t[1], &scales = t[2], &scale_base = t[3],
+                   &zeros = t[4], &min_codes = t[5], &min_base = t[6];
   const int64_t rows = x.size(0), k_in = x.size(1);
   const int64_t tiles = codes.size(0), groups = scales.size(1), group = k_in / groups;
   TORCH_CHECK(codes.size(1) == 1 && codes.size(2) * 8 == k_in && group % 8 == 0 &&
-                  groups * group == k_in,
+                  groups * group == k_in && col0 + tiles * LANES <= width,
               "planes_linear: shapes");
   const int hb = hi.numel() == 0 ? 0 : static_cast<int>(hi.size(1) * 32 / k_in);
   const bool derived = hb > 0 && scales.size(2) == 1;
@@ -509,7 +563,6 @@ inline at::Tensor planes_linear(const at::Tensor& x_in, const at::Tensor& codes,
                           hi.size(1) * 32 == hb * k_in),
               "planes_linear: a high plane of 1, 2 or 4 bits");
   TORCH_CHECK(scales.size(2) == (hb > 0 && !derived ? 2 : 1), "planes_linear: scales");
-  const std::vector<float> xf = as_float(x);
   std::vector<float> xsum(rows * groups);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t g = 0; g < groups; ++g) {
@@ -517,22 +570,42 @@ inline at::Tensor planes_linear(const at::Tensor& x_in, const at::Tensor& codes,
       for (int64_t k = g * group; k < (g + 1) * group; ++k) s += xf[r * k_in + k];
       xsum[r * groups + g] = s;
     }
-  const int64_t width = tiles * LANES;
-  const bool factors = zeros.dim() == 2;
-  TORCH_CHECK(zeros.size(0) == tiles && (factors || zeros.size(1) == groups),
+  GroupConstants all;
+  all.groups = groups;
+  all.S = static_cast<int>(scales.size(2));
+  const auto dtype = scales.scalar_type();
+  if (dtype == at::kChar) {
+    const int64_t bases = scale_base.numel() / (tiles * LANES);
+    TORCH_CHECK(bases > 0 && groups % bases == 0 && scale_base.scalar_type() == at::kHalf &&
+                    scale_base.numel() == tiles * bases * LANES,
+                "planes_linear: int8 scales need a float16 base per block of groups");
+    all.codes = scales.data_ptr<int8_t>();
+    all.base = scale_base.data_ptr<at::Half>();
+    all.per_base = groups / bases;
+  } else if (dtype == at::kHalf) {
+    all.f16 = scales.data_ptr<at::Half>();
+  } else {
+    TORCH_CHECK(dtype == at::kFloat, "planes_linear: scales' dtype");
+    all.f32 = scales.data_ptr<float>();
+  }
+  TORCH_CHECK(zeros.size(0) == tiles && (zeros.dim() == 2 || zeros.size(1) == groups),
               "planes_linear: zeros");
-  const bool half = scales.scalar_type() == at::kHalf;
-  TORCH_CHECK(half || scales.scalar_type() == at::kFloat, "planes_linear: scales' dtype");
-  const ScalesAt scales_at{half ? nullptr : scales.data_ptr<float>(),
-                           half ? scales.data_ptr<at::Half>() : nullptr};
-  const PlaneTiles all{codes.data_ptr<int32_t>(), hb > 0 ? hi.data_ptr<int32_t>() : nullptr,
-                       scales_at, factors ? nullptr : zeros.data_ptr<float>(),
-                       factors ? zeros.data_ptr<float>() : nullptr, (k_in / 8) * LANES,
-                       hb > 0 ? hi.size(1) * LANES : 0, groups};
-  const int64_t tile_scales = groups * scales.size(2) * LANES;
-  // Not zeroed: every block writes its outputs before it reads them.
-  const at::Tensor out_t = at::empty({rows, width}, at::kFloat);
-  float* out = out_t.data_ptr<float>();
+  if (zeros.dim() == 2) {
+    all.factors = zeros.data_ptr<float>();
+    if (min_codes.numel() > 0) {
+      TORCH_CHECK(dtype == at::kChar && min_codes.scalar_type() == at::kChar &&
+                      min_codes.numel() == tiles * groups * LANES &&
+                      min_base.scalar_type() == at::kHalf &&
+                      min_base.numel() == scale_base.numel(),
+                  "planes_linear: mins are int8 codes beside int8 scales, with a base");
+      all.min_codes = min_codes.data_ptr<int8_t>();
+      all.min_base = min_base.data_ptr<at::Half>();
+    }
+  } else {
+    all.zeros = zeros.data_ptr<float>();
+  }
+  const PlaneTiles first{codes.data_ptr<int32_t>(), hb > 0 ? hi.data_ptr<int32_t>() : nullptr,
+                         all, (k_in / 8) * LANES, hb > 0 ? hi.size(1) * LANES : 0};
   const bool pairs = PAIR_INSTRUCTION && x.scalar_type() == at::kBFloat16;
   auto run = [&](auto hb_const, auto ds_const) {
     constexpr int HB = decltype(hb_const)::value;
@@ -542,16 +615,11 @@ inline at::Tensor planes_linear(const at::Tensor& x_in, const at::Tensor& codes,
         rows, tiles, k_in, chunk,
         [&](auto t_const, auto r_const, int64_t t0, int64_t r0, int64_t k0, int64_t k1) {
           constexpr int T = decltype(t_const)::value, R = decltype(r_const)::value;
-          float* o = out + r0 * width + t0 * LANES;
-          PlaneTiles w = all;
-          w.codes += t0 * all.tile_codes;
-          if (HB > 0) w.hi += t0 * all.tile_hi;
-          w.scales = all.scales + t0 * tile_scales;
-          if (factors) {
-            w.zero_factors += t0 * LANES;
-          } else {
-            w.zeros += t0 * groups * LANES;
-          }
+          float* o = out + r0 * width + col0 + t0 * LANES;
+          PlaneTiles w = first;
+          w.codes += t0 * first.tile_codes;
+          if (HB > 0) w.hi += t0 * first.tile_hi;
+          w.constants = all.from_tile(t0);
 #if defined(__AVX512BF16__)
           if (pairs) {
             planes_block_pairs<T, R, HB, DS>(x.data_ptr<at::BFloat16>() + r0 * k_in,
@@ -571,6 +639,28 @@ inline at::Tensor planes_linear(const at::Tensor& x_in, const at::Tensor& codes,
     case 1: derived ? run(Int<1>{}, Yes{}) : run(Int<1>{}, No{}); break;
     case 2: derived ? run(Int<2>{}, Yes{}) : run(Int<2>{}, No{}); break;
     default: derived ? run(Int<4>{}, Yes{}) : run(Int<4>{}, No{}); break;
+  }
+}
+
+// y [M, N] = x @ W.T for integer planes (see the header), given as SEGMENT_TENSORS tensors
+// per segment: consecutive ranges of the outputs, each in its own form (a merged layer's
+// parts of different GGUF types), every segment but the last a whole number of tiles.
+// N = n_out; the last segment's tiles hold its outputs rounded up to 16.
+inline at::Tensor planes_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& tensors,
+                                int64_t n_out, bool float_out) {
+  TORCH_CHECK(!tensors.empty() && tensors.size() % SEGMENT_TENSORS == 0,
+              "planes_linear: seven tensors per segment");
+  const at::Tensor x = x_in.contiguous();
+  int64_t width = 0;
+  for (size_t s = 0; s < tensors.size(); s += SEGMENT_TENSORS) width += tensors[s].size(0);
+  width *= LANES;
+  const std::vector<float> xf = as_float(x);
+  // Not zeroed: every block writes its outputs before it reads them.
+  const at::Tensor out_t = at::empty({x.size(0), width}, at::kFloat);
+  int64_t col0 = 0;
+  for (size_t s = 0; s < tensors.size(); s += SEGMENT_TENSORS) {
+    planes_segment(x, xf, tensors.data() + s, out_t.data_ptr<float>(), width, col0);
+    col0 += tensors[s].size(0) * LANES;
   }
   return rounded(out_t, n_out, float_out ? at::kFloat : x.scalar_type());
 }

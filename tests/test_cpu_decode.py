@@ -199,11 +199,11 @@ def test_linear_rows_do_not_depend_on_the_batch(kernel, planes, group, rows):
     tiles = tile_planes(parts)
     for dtype in (torch.bfloat16, torch.float32):
         x = torch.randn(rows, k, generator=gen).to(dtype)
-        full = kernel.planes_linear(x, *tiles, n, True)
+        full = kernel.planes_linear(x, list(tiles), n, True)
         want = x.double() @ dequantize_planes(parts).double().t()
         assert (full.double() - want).abs().max() <= 1e-5 * want.abs().max()
         for start, stop in [(0, 1), (5, 6), (0, 3), (2, 9), (7, rows)]:
-            assert torch.equal(kernel.planes_linear(x[start:stop], *tiles, n, True),
+            assert torch.equal(kernel.planes_linear(x[start:stop], list(tiles), n, True),
                                full[start:stop])
 
 
@@ -233,15 +233,15 @@ def test_compact_high_planes_give_the_same_bits(kernel, bits, group, symmetric):
                     torch.zeros(n, k // group))]
     compact, wide = tile_planes(planes), tile_planes(planes, compact=False)
     assert compact[1].shape[1] == k * bits // 32 and compact[2].shape[2] == 1
-    assert compact[3].dim() == (2 if symmetric else 3) and compact[2].dtype == torch.float16
+    assert compact.zeros.dim() == (2 if symmetric else 3) and compact.scales.dtype == torch.float16
     assert wide[1].shape[1] == k // 8 and wide[2].shape[2] == 2
     for dtype in (torch.bfloat16, torch.float32):
         x = torch.randn(19, k, generator=gen).to(dtype)
-        full = kernel.planes_linear(x, *compact, n, True)
-        assert torch.equal(full, kernel.planes_linear(x, *wide, n, True))
+        full = kernel.planes_linear(x, list(compact), n, True)
+        assert torch.equal(full, kernel.planes_linear(x, list(wide), n, True))
         want = x.double() @ dequantize_planes(planes).double().t()
         assert (full.double() - want).abs().max() <= 1e-5 * want.abs().max()
-        assert torch.equal(kernel.planes_linear(x[3:4], *compact, n, True), full[3:4])
+        assert torch.equal(kernel.planes_linear(x[3:4], list(compact), n, True), full[3:4])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

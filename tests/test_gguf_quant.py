@@ -77,6 +77,55 @@ def test_int4_planes_matmul_matches_float_over_mixed_parts():
     assert (got - want).abs().max() <= 8e-3 * want.abs().max()
 
 
+def _tile_bytes(weights: CpuWeights) -> int:
+    return sum(t.numel() * t.element_size() for t in weights.kernel_form()[2])
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quant_scales_kept_as_the_file_factors_them(name):
+    """K-quants' scales (and mins) are a 6- or 8-bit code per sub-block times the block's
+    float16 d: tiled that way they take about the file's bytes, and give the same outputs,
+    bit for bit, as the float32 scales and zeros they stand for."""
+    blocks = _random_blocks(name, 48, 512, 7)
+    factored = CpuWeights(blocks.planes())
+    if not factored.tiled:
+        pytest.skip("the CPU kernels do not build here")
+    plain = CpuWeights([plane._replace(factors=None) for plane in blocks.planes()])
+    tiles = factored.kernel_form()[2]
+    assert tiles[2].dtype == torch.int8 and tiles[3].dtype == torch.float16
+    assert (tiles[5].dtype == torch.int8) == (name != "Q6_K")  # Q6_K has no mins
+    # Q4_K: 4.625 bits a weight against the file's 4.5, and a zero factor per channel
+    assert _tile_bytes(factored) <= 1.05 * blocks.data.numel() < _tile_bytes(plain)
+    gen = torch.Generator().manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(9, 512, generator=gen).to(dtype)
+        got = factored(x, float_out=True)
+        assert torch.equal(got, plain(x, float_out=True))
+        assert torch.equal(factored(x[4:5], float_out=True), got[4:5])
+
+
+def test_parts_of_different_types_run_each_in_its_own_form():
+    """Q4_K_M's qkv: Q4_K q and k beside a Q6_K v. Each run of parts of one form is a
+    segment of the outputs tiled in that form (not one 6-bit stack): about the file's bytes,
+    and every output the one its part's own linear gives."""
+    parts = [_random_blocks("Q4_K", 64, 256, 1), _random_blocks("Q4_K", 32, 256, 2),
+             _random_blocks("Q6_K", 32, 256, 3)]
+    stacked = CpuWeights.stack([p.planes() for p in parts], [64, 32, 32], 256)
+    if not stacked.tiled:
+        pytest.skip("the CPU kernels do not build here")
+    assert stacked.plane_counts == [1, 2]
+    assert _tile_bytes(stacked) <= 1.05 * sum(p.data.numel() for p in parts)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(2)).bfloat16()
+    q_k = CpuWeights.stack([p.planes() for p in parts[:2]], [64, 32], 256)
+    v = CpuWeights(parts[2].planes())
+    assert torch.equal(stacked(x, float_out=True),
+                       torch.cat([q_k(x, float_out=True), v(x, float_out=True)], 1))
+    weight = torch.cat([p.dequantize() for p in parts])
+    want = x.double() @ weight.double().t()
+    got = stacked(x, float_out=True).double()
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
 def test_torch_int4_fallback_matches_our_tiles(monkeypatch):
     """Without a C++ compiler the planes run through torch's int4 kernel (bfloat16 scales):
     the same products within bfloat16 rounding."""
@@ -122,8 +171,9 @@ def test_tiny_gguf_model_packed_matches_dequantized(tiny_gguf, monkeypatch, tmp_
     assert (packed.model.quant.method == "gguf" and dense.model.quant is None
             and exact.model.quant is None)
     mlp = packed.model.model.layers[0].mlp
-    assert mlp.gate_up_proj.cpu_weights.num_planes == 2  # Q4_1 gate + Q8_0 up: two planes
-    assert mlp.down_proj.cpu_weights.num_planes == 1
+    # Q4_1 gate (one plane) and Q8_0 up (two): each part in its own form
+    assert mlp.gate_up_proj.cpu_weights.plane_counts == [1, 2]
+    assert mlp.down_proj.cpu_weights.plane_counts == [1]
     assert packed.model.model.embed_tokens.packed_logits is not None  # the tied Q8_0 head
     ids = [1, 5, 9, 33, 64, 100, 127, 2]
     want = run_chunks(exact, ids, [len(ids)])

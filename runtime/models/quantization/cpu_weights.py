@@ -6,8 +6,9 @@ Integer formats are held as planes: 4-bit codes as one plane, 5- to 8-bit codes 
 low nibble, and the bits above it; see gguf_blocks), the plane sum being W = sum_p (q_p - 8) *
 scale_p + zero_p per group of 16-256 inputs. Our kernel stores a high plane in the bits its
 codes need (1 for 5-bit formats, 2 for 6-bit) and derives its scales (16 times the low
-plane's) and a symmetric format's zeros (a factor per channel times the scales): the bytes a
-step reads shrink, the sums do not change.
+plane's) and a symmetric format's zeros (a factor per channel times the scales), and keeps
+K-quants' scales and mins as the files do (a byte per sub-block times the block's float16 d,
+multiplied back exactly): the bytes a step reads shrink, the sums do not change.
 
 FP8 has no fast CPU matmul (`_scaled_mm` on CPU takes milliseconds per linear): it runs as
 bfloat16 weights, half the bytes of float32. Activations are cast to bfloat16 for the matmul
@@ -37,12 +38,28 @@ LANES = 16  # output channels per tile of our kernel
 _NIBBLE_SHIFTS = (0, 16, 4, 20, 8, 24, 12, 28)
 
 
+class ScaleFactors(NamedTuple):
+    """A plane's scales as a K-quant file stores them: scale == codes * base per group, with
+    int8 codes [N, G] (a sub-block's 6- or 8-bit scale) and a base [N, G / B] (its block's
+    float16 d, as float32) shared by B consecutive groups; and, where the format has mins,
+    the planes' zeros summed == f * scale - min_codes * min_base for one factor f per row
+    (Q4_K: f = 8), min_codes and min_base shaped as codes and base."""
+
+    codes: torch.Tensor
+    base: torch.Tensor
+    min_codes: torch.Tensor | None = None
+    min_base: torch.Tensor | None = None
+
+
 class Plane(NamedTuple):
-    """One 4-bit plane: codes [N, K] uint8 in [0, 15]; scale and zero [N, K / group] float32."""
+    """One 4-bit plane: codes [N, K] uint8 in [0, 15]; scale and zero [N, K / group] float32;
+    for the low plane of a K-quant, how the file factors its scales (our kernel then stores
+    them in that form: a quarter of float32's bytes, the same values)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
+    factors: ScaleFactors | None = None
 
 
 def kernel_group(group_size: int, in_features: int) -> int | None:
@@ -55,7 +72,7 @@ def kernel_group(group_size: int, in_features: int) -> int | None:
 def dequantize_planes(planes: list[Plane]) -> torch.Tensor:
     """The float32 [N, K] matrix the planes stand for."""
     total = None
-    for codes, scale, zero in planes:
+    for codes, scale, zero, _ in planes:
         group = codes.shape[1] // scale.shape[1]
         w = ((codes.float() - 8).unflatten(1, (-1, group)) * scale[..., None]
              + zero[..., None]).flatten(1)
@@ -90,29 +107,61 @@ def regrouped(plane: Plane, group: int) -> Plane:
                  plane.zero.repeat_interleave(repeat, dim=1))
 
 
-def tile_planes(planes: list[Plane], compact: bool = True
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _stacked(parts: list[list[Plane]], columns: int) -> list[Plane]:
+    """Planes of several parts stacked along the rows: a part with fewer planes gets planes
+    that add nothing, and parts with coarser groups than the finest (Q4_K's 32 beside Q6_K's
+    16) repeat their scales over its groups. The low planes' factors stay where every part
+    has them in one form."""
+    count = max(len(planes) for planes in parts)
+    group = min(columns // planes[0].scale.shape[1] for planes in parts)
+    parts = [[regrouped(plane, group) for plane in planes]
+             + [empty_plane(planes[0].codes.shape[0], columns, group)] * (count - len(planes))
+             for planes in parts]
+    if len(parts) == 1:
+        return parts[0]
+    stacked = [Plane(*(torch.cat(t) for t in zip(*(planes[index][:3] for planes in parts))))
+               for index in range(count)]
+    factors = [planes[-1].factors for planes in parts]
+    if all(f is not None for f in factors) and len(
+            {(f.base.shape[1], f.min_codes is None) for f in factors}) == 1:
+        stacked[-1] = stacked[-1]._replace(factors=ScaleFactors(
+            *(None if t[0] is None else torch.cat(t) for t in zip(*factors))))
+    return stacked
+
+
+class TiledPlanes(NamedTuple):
+    """Planes in our kernel's form (kernels/cpu_linear.h): one segment of planes_linear's
+    tensors, in its order. Tensors a form does not use are empty."""
+
+    codes: torch.Tensor
+    hi: torch.Tensor
+    scales: torch.Tensor
+    scale_base: torch.Tensor
+    zeros: torch.Tensor
+    min_codes: torch.Tensor
+    min_base: torch.Tensor
+
+
+def tile_planes(planes: list[Plane], compact: bool = True) -> TiledPlanes:
     """Our kernel's form of one or two planes (kernels/cpu_linear.h). The last plane is the
     kernel's low plane: codes int32 [tiles, 1, K / 8, 16]. With two, the first (the files'
     high codes, summed first) is its high plane, in as few bits as its codes need (1 for
     5-bit formats, 2 for 6-bit, else 4; `compact=False`: always 4). Scales [tiles, K / group,
     S, 16]: the low plane's, then the high one's (S = 2), or the low one's alone (S = 1) when
     the high plane's are 16 times them (every format's split of its codes; the kernel then
-    derives them); float16 when every one is a float16 (the files' own scales, but
-    K-quants'), else float32; zeros float32 [tiles, K / group, 16] (the planes' zeros
+    derives them); as the file factors them where the low plane says how (K-quants: int8
+    codes and a float16 base per block), else float16 when every one is a float16 (the
+    files' own scales), else float32. Zeros float32 [tiles, K / group, 16] (the planes' zeros
     summed), or [tiles, 16] when each channel's zeros are one factor times its low scales
-    (symmetric formats: Q8_0's are 8 s, Q5_0's 120 s; `compact=False`: never). Channels
-    past N (up to a whole tile) have scale and zero 0."""
+    (symmetric formats: Q8_0's are 8 s, Q5_0's 120 s), less the K-quants' mins as int8 codes
+    and a negated float16 base. `compact=False`: none of these savings. Channels past N (up
+    to a whole tile) have scale and zero 0."""
     rows, columns = planes[0].codes.shape
     tiles = -(-rows // LANES)
     pad = tiles * LANES - rows
     *high, low = planes
-    zero = sum(plane.zero.float() for plane in planes)
-    factor = _zero_factor(zero, low.scale.float()) if compact else None
-    zeros = (_lanes_last(zero, pad, tiles) if factor is None
-             else F.pad(factor, (0, pad)).view(tiles, LANES))
-    scales = [_lanes_last(low.scale, pad, tiles)]
     hi = torch.empty(0, dtype=torch.int32)
+    scales = [low.scale]
     if high:
         bits, first = 4, high[0]
         if compact:
@@ -120,23 +169,80 @@ def tile_planes(planes: list[Plane], compact: bool = True
             fits = [b for b in (1, 2) if top < 1 << b and columns * b % 32 == 0]
             bits = fits[0] if fits else 4
         if not (compact and torch.equal(first.scale, 16 * low.scale)):
-            scales.append(_lanes_last(first.scale, pad, tiles))
+            scales.append(first.scale)
         hi = _words(first.codes, pad, tiles, bits)
-    scales = torch.stack(scales, 2).contiguous()
-    if compact and torch.equal(scales.half().float(), scales):
-        scales = scales.half()  # the files' own float16 scales: half the bytes, same values
-    return (_words(low.codes, pad, tiles, 4).unsqueeze(1).contiguous(), hi.contiguous(),
-            scales, zeros.contiguous())
+    zero = sum(plane.zero.float() for plane in planes)
+    none = torch.empty(0)
+    factored = _factored(low, zero) if compact and len(scales) == 1 else None
+    if factored is not None:
+        factor, codes, base, min_codes, min_base = factored
+        scales = _lanes_last(codes, pad, tiles, torch.int8).unsqueeze(2)
+        scale_base = _lanes_last(base, pad, tiles, torch.float16)
+        if min_codes is None:
+            min_codes = min_base = none
+        else:
+            min_codes = _lanes_last(min_codes, pad, tiles, torch.int8)
+            min_base = _lanes_last(-min_base, pad, tiles, torch.float16)
+    else:
+        factor = _zero_factor(zero, low.scale.float()) if compact else None
+        scales = torch.stack([_lanes_last(s, pad, tiles) for s in scales], 2)
+        if compact and torch.equal(scales.half().float(), scales):
+            scales = scales.half()  # the files' own float16 scales: half the bytes, same values
+        scale_base = min_codes = min_base = none
+    zeros = (_lanes_last(zero, pad, tiles) if factor is None
+             else F.pad(factor, (0, pad)).view(tiles, LANES))
+    return TiledPlanes(_words(low.codes, pad, tiles, 4).unsqueeze(1).contiguous(),
+                       hi.contiguous(), scales.contiguous(), scale_base.contiguous(),
+                       zeros.contiguous(), min_codes.contiguous(), min_base.contiguous())
 
 
-def _zero_factor(zero: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
-    """f [N] with zero == f[:, None] * scale exactly (as float32 products: what the kernel
-    computes), or None when some channel's zeros are not one factor times its scales."""
+def _factored(low: Plane, zero: torch.Tensor) -> tuple | None:
+    """(zero factor [N], scale codes, base, min codes, min base) where the low plane's
+    factors hold exactly as our kernel computes with them, in float32: scale = code * base;
+    zero = factor * scale + min code * (-min base), the last product exact (so one fused
+    multiply-add rounds as the subtraction does); None where they do not (or are not given)."""
+    f = low.factors
+    if f is None:
+        return None
+    scale = low.scale.float()
+    per_base = scale.shape[1] // f.base.shape[1]
+    if not _float16_valued(f.base) or not torch.equal(
+            f.codes.float() * f.base.repeat_interleave(per_base, 1), scale):
+        return None
+    minimum = None
+    if f.min_codes is not None:
+        if not _float16_valued(f.min_base):
+            return None
+        base = f.min_base.repeat_interleave(per_base, 1)
+        minimum = f.min_codes.float() * base
+        if not torch.equal(minimum.double(), f.min_codes.double() * base.double()):
+            return None
+    factor = _zero_factor(zero, scale, minimum)
+    if factor is None:
+        return None
+    return factor, f.codes, f.base, f.min_codes, f.min_base
+
+
+def _float16_valued(t: torch.Tensor) -> bool:
+    return bool(torch.isfinite(t).all()) and torch.equal(t.half().float(), t.float())
+
+
+def _zero_factor(zero: torch.Tensor, scale: torch.Tensor,
+                 minimum: torch.Tensor | None = None) -> torch.Tensor | None:
+    """f [N] with zero == f[:, None] * scale - minimum exactly (as float32 operations: what
+    the kernel computes), or None when some channel's zeros are not one factor times its
+    scales (less the minimum)."""
     nonzero = scale != 0
     first = nonzero.int().argmax(dim=1, keepdim=True)  # a group with a scale, where any is
-    factor = (zero.gather(1, first) / scale.gather(1, first)).squeeze(1)
+    shifted = zero if minimum is None else zero.double() + minimum.double()
+    factor = (shifted.gather(1, first).double() / scale.gather(1, first).double()).squeeze(1)
+    integral = factor.round()
+    factor = torch.where((factor - integral).abs() < 1e-3, integral, factor).float()
     factor = torch.where(nonzero.any(dim=1), factor, torch.zeros_like(factor))
-    return factor if torch.equal(factor[:, None] * scale, zero) else None
+    got = factor[:, None] * scale
+    if minimum is not None:
+        got = got - minimum
+    return factor if torch.equal(got, zero) else None
 
 
 def _words(codes: torch.Tensor, pad: int, tiles: int, bits: int) -> torch.Tensor:
@@ -177,9 +283,10 @@ def tile_dense(weight: torch.Tensor) -> torch.Tensor:
             .reshape(tiles, columns // 2, 2 * LANES).contiguous())
 
 
-def _lanes_last(per_group: torch.Tensor, pad: int, tiles: int) -> torch.Tensor:
-    """[N, G] -> [tiles, G, 16] float32, padded channels 0."""
-    padded = F.pad(per_group.float(), (0, 0, 0, pad))
+def _lanes_last(per_group: torch.Tensor, pad: int, tiles: int,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[N, G] -> [tiles, G, 16] of dtype (float32 by default), padded channels 0."""
+    padded = F.pad(per_group.to(dtype), (0, 0, 0, pad))
     return padded.view(tiles, LANES, -1).transpose(1, 2)
 
 
@@ -192,20 +299,28 @@ class CpuWeights(nn.Module):
     """y = x @ W.T on the CPU for W as int4 planes or dense bfloat16 (`dense`; float32 with
     `float32=True`: then the activations stay float32), with an optional input permutation
     (GPTQ act-order: x[..., perm]). Held in our kernel's tiles where it builds (`tiled`), else
-    in torch's layouts."""
+    in torch's layouts. `segments`: planes of consecutive ranges of the outputs, each tiled
+    in its own form (`stack`; our kernel only)."""
 
     def __init__(self, planes: list[Plane] | None = None, dense: torch.Tensor | None = None,
-                 perm: torch.Tensor | None = None, float32: bool = False) -> None:
+                 perm: torch.Tensor | None = None, float32: bool = False,
+                 segments: list[list[Plane]] | None = None) -> None:
         super().__init__()
         self.kernel = linear_kernel()
         self.tiled = self.kernel is not None
-        if planes and not self.tiled:
+        if planes:
+            segments = [planes]
+        if segments and not self.tiled:
+            planes = _stacked(segments, segments[0][0].codes.shape[1])
             group = planes[0].codes.shape[1] // planes[0].scale.shape[1]
             if kernel_group(group, planes[0].codes.shape[1]) != group:
                 # torch's int4 kernel takes groups of 32 to 256 inputs only (not Q6_K's 16)
-                planes, dense = None, dequantize_planes(planes)
-        self.num_planes = len(planes or [])
-        self.out_features = (planes[0].codes if planes else dense).shape[0]
+                segments, dense = None, dequantize_planes(planes)
+        self.segments = len(segments or [])
+        # planes per segment (the untiled fallback's: of its one stack)
+        self.plane_counts = [len(planes) for planes in segments or []]
+        self.out_features = (sum(planes[0].codes.shape[0] for planes in segments) if segments
+                             else dense.shape[0])
         self.group = 0
         self.activations = torch.float32 if float32 else torch.bfloat16
         self.register_buffer("perm", perm)
@@ -215,42 +330,49 @@ class CpuWeights(nn.Module):
             self._tensors = [self.dense]
             return
         self.dense = None
-        self.group = planes[0].codes.shape[1] // planes[0].scale.shape[1]
         if self.tiled:
-            for name, tensor in zip(("codes", "hi", "scales", "zeros"), tile_planes(planes)):
-                self.register_buffer(name, tensor)
-            self._tensors = [self.codes, self.hi, self.scales, self.zeros]
+            self._tensors = []
+            for index, planes in enumerate(segments):
+                for name, tensor in tile_planes(planes)._asdict().items():
+                    self.register_buffer(f"{name}{index}", tensor)
+                    self._tensors.append(getattr(self, f"{name}{index}"))
             return
-        for index, (codes, scale, zero) in enumerate(planes):
+        self.group = planes[0].codes.shape[1] // planes[0].scale.shape[1]
+        self.plane_counts = [len(planes)]
+        for index, (codes, scale, zero, _) in enumerate(planes):
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 codes.to(torch.int32), 1)
             scales_zeros = torch.stack((scale.t(), zero.t()), dim=-1).to(torch.bfloat16)
             self.register_buffer(f"qweight{index}", packed)
             self.register_buffer(f"scales_zeros{index}", scales_zeros.contiguous())
-        self._tensors = [getattr(self, f"{name}{i}") for i in range(self.num_planes)
+        self._tensors = [getattr(self, f"{name}{i}") for i in range(len(planes))
                          for name in ("qweight", "scales_zeros")]
 
     @staticmethod
     def stack(parts: list[list[Plane]], rows: list[int], columns: int) -> "CpuWeights":
-        """Planes of several parts stacked along the rows (a merged layer's parts); a part
-        with fewer planes gets planes that add nothing, and parts with coarser groups than
-        the finest (Q4_K's 32 beside Q6_K's 16) repeat their scales over its groups."""
-        count = max(len(planes) for planes in parts)
-        group = min(columns // planes[0].scale.shape[1] for planes in parts)
-        parts = [[regrouped(plane, group) for plane in planes] for planes in parts]
-        return CpuWeights([
-            Plane(*(torch.cat(t) for t in zip(*(
-                planes[index] if index < len(planes) else empty_plane(n, columns, group)
-                for planes, n in zip(parts, rows)))))
-            for index in range(count)])
+        """Planes of several parts stacked along the rows (a merged layer's parts). Our
+        kernel runs runs of parts of one form (plane count and group) as segments, each in
+        its own form, where every part but the last is whole tiles: a Q4_K part beside a
+        Q6_K one then reads Q4_K's bytes, not a 6-bit form's. Otherwise all parts are one
+        stack (`_stacked`)."""
+        if linear_kernel() is None or any(n % LANES for n in rows[:-1]):
+            return CpuWeights(_stacked(parts, columns))
+        runs: list[list[list[Plane]]] = []
+        for planes in parts:
+            form = (len(planes), planes[0].scale.shape[1])
+            if runs and (len(runs[-1][0]), runs[-1][0][0].scale.shape[1]) == form:
+                runs[-1].append(planes)
+            else:
+                runs.append([planes])
+        return CpuWeights(segments=[_stacked(run, columns) for run in runs])
 
     def kernel_form(self) -> tuple[int, int, list[torch.Tensor]] | None:
-        """(planes, N, tensors) as the C++ forward kernel reads a tiled linear: 0 planes and
-        the dense tiles, or the planes' (codes, hi, scales, zeros); None without tiles or with a
-        permutation."""
+        """(segments, N, tensors) as the C++ forward kernel reads a tiled linear: 0 and the
+        dense tiles, or the planes' segments (TiledPlanes each); None without tiles or with
+        a permutation."""
         if not self.tiled or self.perm is not None:
             return None
-        return self.num_planes, self.out_features, self._tensors
+        return self.segments, self.out_features, self._tensors
 
     def forward(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype, or float32 with `float_out` (logits: our
@@ -261,8 +383,7 @@ class CpuWeights(nn.Module):
         if self.tiled and self.dense is not None:
             out = self.kernel.dense_linear(x2, self.dense, self.out_features, float_out)
         elif self.tiled:
-            out = self.kernel.planes_linear(x2, self.codes, self.hi, self.scales, self.zeros,
-                                            self.out_features, float_out)
+            out = self.kernel.planes_linear(x2, self._tensors, self.out_features, float_out)
         elif self.dense is not None:
             out = F.linear(x2, self.dense)
         else:

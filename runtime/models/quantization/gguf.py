@@ -1,14 +1,15 @@
 """GGUF blocks run as they are: each decoder linear is one or two 4-bit planes (see
-gguf_blocks) multiplied by torch's CPU int4 kernel (cpu_weights.CpuWeights).
+gguf_blocks), held as our CPU kernel's tiles (cpu_weights.CpuWeights), or, where the kernel
+cannot be built, multiplied by torch's CPU int4 kernel.
 
-The kernel takes bfloat16 activations and a bfloat16 (scale, zero) pair per 32 inputs, so the
-weights it computes with differ from the file's only by the rounding of those scales to
-bfloat16; 4-bit codes are read as they are (a Q4_1 layer reads 0.625 bytes per weight where its
-float16 dequantization would read 2). A merged layer (qkv, gate_up) stacks its parts' planes;
-a part with one plane gets an all-zero second plane when another part needs two.
+Codes are read as they are (a Q4_1 layer reads 0.625 bytes per weight where its float16
+dequantization would read 2), and K-quants' scales as the file factors them (a byte per
+sub-block under the block's float16 d). A merged layer (qkv, gate_up) whose parts are of
+different types (Q4_K_M's Q4_K q and k beside a Q6_K v) runs each run of parts of one form as
+its own segment of the outputs (CpuWeights.stack).
 
-A part whose type the converter could not keep as blocks (Q6_K and the other 16-input
-scale types) arrives as float weights: the layer then runs as a dense bfloat16 matmul.
+A part whose type the converter could not keep as blocks (Q3_K, Q2_K, float) arrives as float
+weights: the layer then runs as dense bfloat16 tiles.
 """
 
 from __future__ import annotations

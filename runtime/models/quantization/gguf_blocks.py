@@ -35,7 +35,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from radixlm.runtime.models.quantization.cpu_weights import Plane
+from radixlm.runtime.models.quantization.cpu_weights import Plane, ScaleFactors
 
 # ggml type id -> (name, codes per block, bytes per block)
 BLOCK_TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
@@ -120,20 +120,31 @@ def _bits32(qh: torch.Tensor) -> torch.Tensor:
     return ((qh[..., :, None] >> shifts) & 1).reshape(*qh.shape[:-1], 32)
 
 
-def _plane(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Plane:
+def _plane(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+           factors: ScaleFactors | None = None) -> Plane:
     """codes [N, B, 32 * g], scale/zero [N, B * g] -> a Plane over N rows."""
     rows = codes.shape[0]
     return Plane(codes.reshape(rows, -1).to(torch.uint8).contiguous(), scale.reshape(rows, -1),
-                 zero.reshape(rows, -1))
+                 zero.reshape(rows, -1), factors)
 
 
-def _split(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> list[Plane]:
+def _split(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+           factors: ScaleFactors | None = None) -> list[Plane]:
     """Weights w = codes * scale + offset (codes up to 8 bits, per-group scale/offset) as two
     planes: codes = 16 * hi + lo, so w = 16s(hi - 8) + s(lo - 8) + (136 s + offset)."""
     group_shape = scale.shape
     hi, lo = codes >> 4, codes & 15
     return [_plane(hi, 16 * scale, (136 * scale + offset).reshape(group_shape)),
-            _plane(lo, scale, torch.zeros(group_shape))]
+            _plane(lo, scale, torch.zeros(group_shape), factors)]
+
+
+def _factors(sc: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None,
+             dmin: torch.Tensor | None = None) -> ScaleFactors:
+    """A K-quant's sub-block codes [N, B, S] under its blocks' d [N, B] (and mins under
+    dmin), as per-group codes [N, B * S] and bases [N, B]."""
+    rows = sc.shape[0]
+    return ScaleFactors(sc.reshape(rows, -1).to(torch.int8), d,
+                        None if m is None else m.reshape(rows, -1).to(torch.int8), dmin)
 
 
 def _q4_0(data: torch.Tensor, columns: int) -> list[Plane]:
@@ -169,9 +180,10 @@ def _q8_0(data: torch.Tensor, columns: int) -> list[Plane]:
     return _split(codes, d, -128 * d)
 
 
-def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, ScaleFactors]:
     """The 8 sub-blocks' scales and mins of Q4_K/Q5_K blocks [N, B, >=16 bytes]:
-    float32 [N, B, 8] each (d * sc and dmin * m). 6-bit values in 12 bytes: sub-blocks 0-3
+    float32 [N, B, 8] each (d * sc and dmin * m), and those factors. 6-bit values in 12
+    bytes: sub-blocks 0-3
     in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); sub-blocks 4-7 in the nibbles of
     bytes 8-11, their top two bits in the top bits of bytes 0-3 and 4-7."""
     d, dmin = _f16(b, 0), _f16(b, 2)
@@ -181,7 +193,7 @@ def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     high_m = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
     sc = torch.cat((low_sc, high_sc), dim=-1).float()
     m = torch.cat((low_m, high_m), dim=-1).float()
-    return d[..., None] * sc, dmin[..., None] * m
+    return d[..., None] * sc, dmin[..., None] * m, _factors(sc, d, m, dmin)
 
 
 def _k_nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -193,19 +205,19 @@ def _k_nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 def _q4_k(data: torch.Tensor, columns: int) -> list[Plane]:
     b = _blocks(data, columns, 256, 144)
-    scale, minimum = _k_scales(b)
-    return [_plane(_k_nibbles(b[..., 16:]), scale, 8 * scale - minimum)]
+    scale, minimum, factors = _k_scales(b)
+    return [_plane(_k_nibbles(b[..., 16:]), scale, 8 * scale - minimum, factors)]
 
 
 def _q5_k(data: torch.Tensor, columns: int) -> list[Plane]:
     b = _blocks(data, columns, 256, 176)
-    scale, minimum = _k_scales(b)
+    scale, minimum, factors = _k_scales(b)
     # High bits: bit 2c of byte l is code l of sub-block 2c, bit 2c + 1 code l of 2c + 1.
     shifts = torch.arange(8, dtype=torch.uint8)
     bits = (b[..., 16:48, None] >> shifts) & 1  # [N, B, 32 bytes, 8 sub-blocks]
     high = bits.transpose(-1, -2).reshape(*b.shape[:-1], 256)
     codes = _k_nibbles(b[..., 48:]) | (high << 4)
-    return _split(codes, scale, -minimum)
+    return _split(codes, scale, -minimum, factors)
 
 
 def _q6_k(data: torch.Tensor, columns: int) -> list[Plane]:
@@ -215,8 +227,9 @@ def _q6_k(data: torch.Tensor, columns: int) -> list[Plane]:
     lo = torch.cat((low & 15, low >> 4), dim=-2)  # m = 0..3
     hi = (high >> (2 * torch.arange(4, dtype=torch.uint8))[:, None]) & 3
     codes = (lo | (hi << 4)).reshape(*b.shape[:-1], 256)  # in [0, 63]
-    scale = _f16(b, 208)[..., None] * b[..., 192:208].view(torch.int8).float()  # [N, B, 16]
-    return _split(codes, scale, -32 * scale)
+    d, sc = _f16(b, 208), b[..., 192:208].view(torch.int8)
+    scale = d[..., None] * sc.float()  # [N, B, 16]
+    return _split(codes, scale, -32 * scale, _factors(sc, d))
 
 
 _DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
