@@ -18,8 +18,9 @@
 //            inputs k0..k0+7, the even inputs' in bits 0-15 (k0 + 2i in bits 4i..4i+3), the
 //            odd ones' in bits 16-31;
 //     hi     int32: [0] for one plane; HB = 4: [tiles, K / 8, 16] laid out as the low plane;
-//            HB = 1 or 2: [tiles, K HB / 32, 16], input k0 + m of a word's 32 / HB in bits
-//            HB m .. HB m + HB - 1 (a pair's two codes side by side);
+//            HB = 1 or 2 (scales derived, below): [tiles, K HB / 32, 16], of a word's 32 / HB
+//            inputs k0 + 2j + e, the even ones' (e = 0) in bits HB j .. HB j + HB - 1 and
+//            the odd ones' 16 bits higher, as the low plane keeps a pair 16 bits apart;
 //     scales float or float16 [tiles, K / group, S, 16] (float16 where every scale is one:
 //            the files' own, but not K-quants' products of two): S = 2, the low plane's
 //            then the high one's; or S = 1, the low plane's, the high plane's being 16 times
@@ -36,8 +37,8 @@
 //     (planes_linear).
 //     An output is, per group in order: the high plane's scale * part, the low plane's, where
 //     part sums (q - 8) * x over the group's input pairs in order, then + zero * (x's sum
-//     over the group, in order). A high plane's q is its code (0..2^HB - 1), so its layout changes
-//     the bytes read, never a product or a sum.
+//     over the group, in order). With a 1- or 2-bit high plane the two are one part, summing
+//     (16 hi + lo - 136) * x, the 5- or 6-bit code read whole, times the low plane's scale.
 //   dense bfloat16: weight [tiles, K / 2, 32] (lane j: channel j's weights of k and k + 1);
 //   dense float32: weight [tiles, K, 16]. An output sums w * x over the inputs (pairs) in
 //     order.
@@ -102,20 +103,19 @@ struct Vec {
     // vpermps reads the low 4 bits of each index lane: the shifted lane is its own index.
     return {_mm512_permutexvar_ps(_mm512_srli_epi32(bits, shift), table)};
   }
-  // HB-bit code at bit `shift` of each lane of a high plane's word, as (q - 8).
+  // A 5- or 6-bit code read whole: its low nibble at bit `shift` of each lane of codes, its
+  // HB high bits at bit `hi_shift` of each lane of hi, as (16 hi + lo) - 136, which is
+  // 16 (hi - 8) + (lo - 8): the two planes' sum (exact in float32 and in bfloat16).
   template <int HB>
-  static Vec bits(const int32_t* word, int shift) {
-    alignas(64) static const float table[16] = {
-        float((0 & ((1 << HB) - 1)) - 8), float((1 & ((1 << HB) - 1)) - 8),
-        float((2 & ((1 << HB) - 1)) - 8), float((3 & ((1 << HB) - 1)) - 8),
-        float((4 & ((1 << HB) - 1)) - 8), float((5 & ((1 << HB) - 1)) - 8),
-        float((6 & ((1 << HB) - 1)) - 8), float((7 & ((1 << HB) - 1)) - 8),
-        float((8 & ((1 << HB) - 1)) - 8), float((9 & ((1 << HB) - 1)) - 8),
-        float((10 & ((1 << HB) - 1)) - 8), float((11 & ((1 << HB) - 1)) - 8),
-        float((12 & ((1 << HB) - 1)) - 8), float((13 & ((1 << HB) - 1)) - 8),
-        float((14 & ((1 << HB) - 1)) - 8), float((15 & ((1 << HB) - 1)) - 8)};
-    const __m512i w = _mm512_loadu_si512(reinterpret_cast<const void*>(word));
-    return {_mm512_permutexvar_ps(_mm512_srli_epi32(w, shift), _mm512_load_ps(table))};
+  static Vec joined(const int32_t* codes, int shift, const int32_t* hi, int hi_shift) {
+    const __m512i lo = _mm512_and_si512(
+        _mm512_srli_epi32(_mm512_loadu_si512(reinterpret_cast<const void*>(codes)), shift),
+        _mm512_set1_epi32(15));
+    const __m512i top = _mm512_and_si512(
+        _mm512_srli_epi32(_mm512_loadu_si512(reinterpret_cast<const void*>(hi)), hi_shift),
+        _mm512_set1_epi32((1 << HB) - 1));
+    const __m512i q = _mm512_or_si512(lo, _mm512_slli_epi32(top, 4));
+    return {_mm512_sub_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(136.f))};
   }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   Vec fma(const Vec& a, const Vec& b) const { return {_mm512_fmadd_ps(a.v, b.v, v)}; }
@@ -149,11 +149,12 @@ struct Vec {
     return r;
   }
   template <int HB>
-  static Vec bits(const int32_t* word, int shift) {
+  static Vec joined(const int32_t* codes, int shift, const int32_t* hi, int hi_shift) {
     Vec r;
     for (int l = 0; l < LANES; ++l) {
-      r.v[l] = static_cast<float>((static_cast<uint32_t>(word[l]) >> shift) &
-                                  ((1u << HB) - 1u)) - 8.f;
+      const uint32_t lo = (static_cast<uint32_t>(codes[l]) >> shift) & 15u;
+      const uint32_t top = (static_cast<uint32_t>(hi[l]) >> hi_shift) & ((1u << HB) - 1u);
+      r.v[l] = static_cast<float>(16u * top + lo) - 136.f;
     }
     return r;
   }
@@ -175,19 +176,13 @@ inline __m512i nibble_table() {
   for (int e = 0; e < 32; ++e) t[e] = at::BFloat16(static_cast<float>(e % 16 - 8)).x;
   return _mm512_load_si512(t);
 }
-// 16 bfloat16 pairs for a high plane of HB bits: entry e holds (e's low code - 8) in its low
-// half and (its next code - 8) in its high half, so that a word shifted to a pair's codes is
-// its own vpermd index (only the index's low 4 bits count).
-template <int HB>
-inline __m512i pair_table() {
-  alignas(64) uint32_t t[16];
-  constexpr uint32_t mask = (1u << HB) - 1u;
-  for (uint32_t e = 0; e < 16; ++e) {
-    const uint16_t lo = at::BFloat16(static_cast<float>(int(e & mask) - 8)).x;
-    const uint16_t hi = at::BFloat16(static_cast<float>(int((e >> HB) & mask) - 8)).x;
-    t[e] = lo | (static_cast<uint32_t>(hi) << 16);
-  }
-  return _mm512_load_si512(t);
+// 64 bfloat16s: entry e is e - 136, a joined 5- or 6-bit code's value (Vec::joined), as
+// the two 32-entry halves vpermt2w indexes with 6 bits (vpermw with 5).
+inline void joined_tables(__m512i* low, __m512i* high) {
+  alignas(64) uint16_t t[64];
+  for (int e = 0; e < 64; ++e) t[e] = at::BFloat16(static_cast<float>(e - 136)).x;
+  *low = _mm512_load_si512(t);
+  *high = _mm512_load_si512(t + 32);
 }
 #else
 constexpr bool PAIR_INSTRUCTION = false;
@@ -291,18 +286,22 @@ struct PlaneTiles {
   int64_t tile_codes, tile_hi;
 };
 
-// The high plane's word holding input k of tile t, and the shift of k's code in it.
+// The high plane's word holding the pair of inputs k, k + 1 (k even) of tile t, and the
+// shift of k's code in it (k + 1's is 16 more: HB = 4 has the low plane's layout; HB = 1 or
+// 2 keeps the even inputs' codes of 32 / HB inputs in the word's low half, in order, and
+// the odd ones' in its high half).
 template <int HB>
 inline const int32_t* hi_word(const PlaneTiles& w, int t, int64_t k, int* shift) {
-  if constexpr (HB == 4) {  // the low plane's layout: k is even here (a pair's first)
-    *shift = 4 * ((k % 8) / 2);
-    return w.hi + t * w.tile_hi + (k / 8) * LANES;
-  } else {
-    constexpr int per_word = 32 / HB;
-    *shift = HB * static_cast<int>(k % per_word);
-    return w.hi + t * w.tile_hi + (k / per_word) * LANES;
-  }
+  constexpr int per_word = HB == 4 ? 8 : 32 / HB;
+  *shift = (HB == 4 ? 4 : HB) * static_cast<int>((k % per_word) / 2);
+  return w.hi + t * w.tile_hi + (k / per_word) * LANES;
 }
+
+// Planes summed as one: a high plane of 1 or 2 bits (its scales always derived) is read
+// together with the low one, each 5- or 6-bit code whole (Vec::joined), so a group has one
+// part, times the low plane's scale; a 4-bit high plane is a part of its own.
+template <int HB>
+constexpr int summed_planes() { return HB == 4 ? 2 : 1; }
 
 // T tiles x R rows of a plane linear (HB: the high plane's bits, 0 for none), float32 lanes:
 // out[r][t * 16 + lane].
@@ -310,7 +309,7 @@ template <int T, int R, int HB, bool DS>
 void planes_block(const float* x, const float* xsum, int64_t k_in, int64_t group,
                   int64_t k_begin, int64_t k_end, const PlaneTiles& w, float* out,
                   int64_t out_stride) {
-  constexpr int P = HB == 0 ? 1 : 2;
+  constexpr int P = summed_planes<HB>();
   const int64_t groups = k_in / group;
   Vec acc[T][R];
   load_sums(acc, k_begin == 0, out, out_stride);
@@ -324,18 +323,20 @@ void planes_block(const float* x, const float* xsum, int64_t k_in, int64_t group
         for (int t = 0; t < T; ++t) {
           const int32_t* c = w.codes + t * w.tile_codes + (k0 / 8) * LANES;
           Vec even[P], odd[P];
-          even[0] = Vec::nibble(c, 4 * i);
-          odd[0] = Vec::nibble(c, 16 + 4 * i);
+          if constexpr (HB == 1 || HB == 2) {
+            int shift;
+            const int32_t* h = hi_word<HB>(w, t, k0 + 2 * i, &shift);
+            even[0] = Vec::joined<HB>(c, 4 * i, h, shift);
+            odd[0] = Vec::joined<HB>(c, 16 + 4 * i, h, 16 + shift);
+          } else {
+            even[0] = Vec::nibble(c, 4 * i);
+            odd[0] = Vec::nibble(c, 16 + 4 * i);
+          }
           if constexpr (HB == 4) {
             int shift;
             const int32_t* h = hi_word<4>(w, t, k0 + 2 * i, &shift);
             even[1] = Vec::nibble(h, shift);
             odd[1] = Vec::nibble(h, 16 + shift);
-          } else if constexpr (HB > 0) {
-            int shift;
-            const int32_t* h = hi_word<HB>(w, t, k0 + 2 * i, &shift);
-            even[1] = Vec::bits<HB>(h, shift);
-            odd[1] = Vec::bits<HB>(h, shift + HB);
           }
           for (int p = 0; p < P; ++p)
             for (int r = 0; r < R; ++r) {
@@ -385,11 +386,15 @@ template <int T, int R, int HB, bool DS>
 void planes_block_pairs(const at::BFloat16* x, const float* xsum, int64_t k_in, int64_t group,
                         int64_t k_begin, int64_t k_end, const PlaneTiles& pw, float* out,
                         int64_t out_stride) {
-  constexpr int P = HB == 0 ? 1 : 2;
+  constexpr int P = summed_planes<HB>();
+  constexpr bool JOINED = HB == 1 || HB == 2;
   const int64_t groups = k_in / group;
   const __m512i table = nibble_table();
-  __m512i hi_table = table;
-  if constexpr (HB == 1 || HB == 2) hi_table = pair_table<HB>();
+  __m512i joined_low = table, joined_high = table;
+  if constexpr (JOINED) joined_tables(&joined_low, &joined_high);
+  // A joined code's 6-bit index: its low nibble (bits 0-3 of a 16-bit lane) from the low
+  // plane, its high bits (4, 5) from the high plane.
+  const __m512i nibbles = _mm512_set1_epi32(0x000F000F);
   Vec acc[T][R];
   load_sums(acc, k_begin == 0, out, out_stride);
   for (int64_t g = k_begin / group; g < k_end / group; ++g) {
@@ -398,27 +403,36 @@ void planes_block_pairs(const at::BFloat16* x, const float* xsum, int64_t k_in, 
       for (int p = 0; p < P; ++p)
         for (int r = 0; r < R; ++r) part[t][p][r] = _mm512_setzero_ps();
     for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 8) {
-      __m512i w[T][P];
-      int shift = 0;  // of input k0's code in its high-plane word (HB 1 or 2)
+      __m512i w[T][2];
       for (int t = 0; t < T; ++t) {
         w[t][0] = _mm512_loadu_si512(
             reinterpret_cast<const void*>(pw.codes + t * pw.tile_codes + (k0 / 8) * LANES));
         if constexpr (HB > 0) {
+          int shift;
           w[t][1] = _mm512_loadu_si512(
               reinterpret_cast<const void*>(hi_word<HB>(pw, t, k0, &shift)));
+          // JOINED: the pair k0, k0 + 1's high bits to bit 0 of each 16-bit lane
+          if constexpr (JOINED) w[t][1] = _mm512_srl_epi16(w[t][1], _mm_cvtsi32_si128(shift));
         }
       }
       for (int i = 0; i < 4; ++i) {
         __m512bh q[T][P];
         for (int t = 0; t < T; ++t) {
           const __m512i index = i == 0 ? w[t][0] : _mm512_srli_epi16(w[t][0], 4 * i);
-          q[t][0] = (__m512bh)_mm512_permutexvar_epi16(index, table);
+          if constexpr (JOINED) {
+            const int hs = HB * i;  // pair i's high bits, to bits 4..
+            const __m512i top = hs <= 4 ? _mm512_slli_epi16(w[t][1], 4 - hs)
+                                        : _mm512_srli_epi16(w[t][1], hs - 4);
+            const __m512i code = _mm512_ternarylogic_epi32(nibbles, index, top, 0xCA);
+            q[t][0] = (__m512bh)(HB == 1 ? _mm512_permutexvar_epi16(code, joined_low)
+                                         : _mm512_permutex2var_epi16(joined_low, code,
+                                                                      joined_high));
+          } else {
+            q[t][0] = (__m512bh)_mm512_permutexvar_epi16(index, table);
+          }
           if constexpr (HB == 4) {
             const __m512i hindex = i == 0 ? w[t][1] : _mm512_srli_epi16(w[t][1], 4 * i);
             q[t][1] = (__m512bh)_mm512_permutexvar_epi16(hindex, table);
-          } else if constexpr (HB > 0) {
-            const __m512i hindex = _mm512_srli_epi32(w[t][1], shift + 2 * HB * i);
-            q[t][1] = (__m512bh)_mm512_permutexvar_epi32(hindex, hi_table);
           }
         }
         for (int r = 0; r < R; ++r) {
@@ -563,6 +577,8 @@ inline void planes_segment(const at::Tensor& x, const std::vector<float>& xf,
                           hi.size(1) * 32 == hb * k_in),
               "planes_linear: a high plane of 1, 2 or 4 bits");
   TORCH_CHECK(scales.size(2) == (hb > 0 && !derived ? 2 : 1), "planes_linear: scales");
+  TORCH_CHECK(hb == 0 || hb == 4 || derived,
+              "planes_linear: a 1- or 2-bit high plane's scales are derived");
   std::vector<float> xsum(rows * groups);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t g = 0; g < groups; ++g) {
@@ -611,7 +627,7 @@ inline void planes_segment(const at::Tensor& x, const std::vector<float>& xf,
     constexpr int HB = decltype(hb_const)::value;
     constexpr bool DS = decltype(ds_const)::value;
     const int64_t chunk = std::max(group, CHUNK_INPUTS / group * group);
-    for_each_block<(HB > 0 ? 2 : 1) + 1>(
+    for_each_block<summed_planes<HB>() + 1>(
         rows, tiles, k_in, chunk,
         [&](auto t_const, auto r_const, int64_t t0, int64_t r0, int64_t k0, int64_t k1) {
           constexpr int T = decltype(t_const)::value, R = decltype(r_const)::value;

@@ -145,8 +145,9 @@ class TiledPlanes(NamedTuple):
 def tile_planes(planes: list[Plane], compact: bool = True) -> TiledPlanes:
     """Our kernel's form of one or two planes (kernels/cpu_linear.h). The last plane is the
     kernel's low plane: codes int32 [tiles, 1, K / 8, 16]. With two, the first (the files'
-    high codes, summed first) is its high plane, in as few bits as its codes need (1 for
-    5-bit formats, 2 for 6-bit, else 4; `compact=False`: always 4). Scales [tiles, K / group,
+    high codes, summed first) is its high plane, in as few bits as its codes need where its
+    scales are derived (1 for 5-bit formats, 2 for 6-bit: the kernel then reads each code
+    whole; else 4; `compact=False`: always 4). Scales [tiles, K / group,
     S, 16]: the low plane's, then the high one's (S = 2), or the low one's alone (S = 1) when
     the high plane's are 16 times them (every format's split of its codes; the kernel then
     derives them); as the file factors them where the low plane says how (K-quants: int8
@@ -164,11 +165,12 @@ def tile_planes(planes: list[Plane], compact: bool = True) -> TiledPlanes:
     scales = [low.scale]
     if high:
         bits, first = 4, high[0]
-        if compact:
+        derived = compact and torch.equal(first.scale, 16 * low.scale)
+        if derived:
             top = int(first.codes.max())
             fits = [b for b in (1, 2) if top < 1 << b and columns * b % 32 == 0]
             bits = fits[0] if fits else 4
-        if not (compact and torch.equal(first.scale, 16 * low.scale)):
+        else:
             scales.append(first.scale)
         hi = _words(first.codes, pad, tiles, bits)
     zero = sum(plane.zero.float() for plane in planes)
@@ -247,7 +249,8 @@ def _zero_factor(zero: torch.Tensor, scale: torch.Tensor,
 
 def _words(codes: torch.Tensor, pad: int, tiles: int, bits: int) -> torch.Tensor:
     """[N, K] codes as a plane's int32 words [tiles, K bits / 32, 16] (cpu_linear.h): 4 bits
-    in the nibble layout of pairs, 1 or 2 bits in input order. Packed a block of tiles at a
+    in the nibble layout of pairs; 1 or 2 bits with a word's even inputs in its low half and
+    odd ones in its high half, each half in input order. Packed a block of tiles at a
     time: the int64 intermediates of a whole large-vocabulary head would take several times
     the model's size in memory."""
     columns = codes.shape[1]
@@ -255,7 +258,8 @@ def _words(codes: torch.Tensor, pad: int, tiles: int, bits: int) -> torch.Tensor
     if bits == 4:
         shifts = torch.tensor(_NIBBLE_SHIFTS, dtype=torch.int64)
     else:
-        shifts = torch.arange(0, 32, bits, dtype=torch.int64)
+        m = torch.arange(per_word, dtype=torch.int64)
+        shifts = 16 * (m % 2) + bits * (m // 2)
     out = torch.empty(tiles, columns // per_word, LANES, dtype=torch.int32)
     for first in range(0, tiles, _PACK_TILES):
         last = min(tiles, first + _PACK_TILES)
