@@ -225,22 +225,24 @@ struct GroupConstants {
   int64_t groups = 0, per_base = 1;
   int S = 1;  // scales stored per group
 
-  // Plane p's scales of group g in the block's tile t.
-  Vec scale(int t, int64_t g, int p) const {
+  // Plane p's scales of group g in the block's tile t (`base`: its int8 codes' base).
+  Vec scale(int t, int64_t g, int p, const Vec& base) const {
     const int64_t i = ((t * groups + g) * S + p) * LANES;
-    if (codes != nullptr) {
-      const int64_t b = (t * (groups / per_base) + g / per_base) * LANES;
-      return Vec::zero().fma(Vec::load(codes + i), Vec::load(base + b));
-    }
+    if (codes != nullptr) return Vec::zero().fma(Vec::load(codes + i), base);
     return f16 != nullptr ? Vec::load(f16 + i) : Vec::load(f32 + i);
   }
-  // Group g's zeros in tile t, given its low plane's scales.
-  Vec zero(int t, int64_t g, const Vec& low_scale) const {
+  // Group g's zeros in tile t, given its low plane's scales (`min_base`: its min codes').
+  Vec zero(int t, int64_t g, const Vec& low_scale, const Vec& min_base_t) const {
     if (factors == nullptr) return Vec::load(zeros + (t * groups + g) * LANES);
     const Vec z = Vec::zero().fma(Vec::load(factors + t * LANES), low_scale);
     if (min_codes == nullptr) return z;
+    return z.fma(Vec::load(min_codes + (t * groups + g) * LANES), min_base_t);
+  }
+  // Tile t's bases (of the scale codes and of the min codes) for group g's block of groups.
+  void bases(int t, int64_t g, Vec* scale_base, Vec* min_base_t) const {
     const int64_t b = (t * (groups / per_base) + g / per_base) * LANES;
-    return z.fma(Vec::load(min_codes + (t * groups + g) * LANES), Vec::load(min_base + b));
+    *scale_base = Vec::load(base + b);
+    if (min_codes != nullptr) *min_base_t = Vec::load(min_base + b);
   }
   // The same constants from tile t0 on.
   GroupConstants from_tile(int64_t t0) const {
@@ -256,19 +258,32 @@ struct GroupConstants {
   }
 };
 
+// A block of tiles' bases of the int8 scale and min codes for the current block of groups:
+// widened once per block of groups (per_base of them), not once per group.
+template <int T>
+struct Bases {
+  Vec scale[T], min[T];
+  int64_t block = -1;
+};
+
 // Adds group g's results to the sums: acc += part_p * scale_p for the high plane (p = 1),
 // then the low one (p = 0), then acc += zero * xsum. DS: the scales hold the low plane's
 // only, the high plane's being 16 times it (computed here: exact, so the sums are those of
 // the stored form).
 template <int T, int R, int P, bool DS, typename Part>
 inline void add_group(Vec (&acc)[T][R], int64_t g, const Part& part, const GroupConstants& c,
-                      const float* xsum, int64_t groups) {
+                      Bases<T>& bases, const float* xsum, int64_t groups) {
+  if (c.codes != nullptr && g / c.per_base != bases.block) {
+    bases.block = g / c.per_base;
+    for (int t = 0; t < T; ++t) c.bases(t, g, &bases.scale[t], &bases.min[t]);
+  }
   for (int t = 0; t < T; ++t) {
     Vec scale[P];
-    scale[0] = c.scale(t, g, 0);
-    const Vec zero = c.zero(t, g, scale[0]);
+    scale[0] = c.scale(t, g, 0, bases.scale[t]);
+    const Vec zero = c.zero(t, g, scale[0], bases.min[t]);
     if constexpr (P == 2) {
-      scale[1] = DS ? Vec::zero().fma(scale[0], Vec::fill(16.f)) : c.scale(t, g, 1);
+      scale[1] = DS ? Vec::zero().fma(scale[0], Vec::fill(16.f))
+                    : c.scale(t, g, 1, bases.scale[t]);
     }
     for (int r = 0; r < R; ++r) {
       if constexpr (P == 2) acc[t][r] = acc[t][r].fma(part(t, 1, r), scale[1]);  // high first
@@ -313,6 +328,7 @@ void planes_block(const float* x, const float* xsum, int64_t k_in, int64_t group
   const int64_t groups = k_in / group;
   Vec acc[T][R];
   load_sums(acc, k_begin == 0, out, out_stride);
+  Bases<T> bases;
   for (int64_t g = k_begin / group; g < k_end / group; ++g) {
     Vec part[T][P][R];
     for (int t = 0; t < T; ++t)
@@ -348,7 +364,7 @@ void planes_block(const float* x, const float* xsum, int64_t k_in, int64_t group
       }
     }
     add_group<T, R, P, DS>(acc, g, [&](int t, int p, int r) { return part[t][p][r]; },
-                           w.constants, xsum, groups);
+                           w.constants, bases, xsum, groups);
   }
   store_sums(acc, out, out_stride);
 }
@@ -397,6 +413,7 @@ void planes_block_pairs(const at::BFloat16* x, const float* xsum, int64_t k_in, 
   const __m512i nibbles = _mm512_set1_epi32(0x000F000F);
   Vec acc[T][R];
   load_sums(acc, k_begin == 0, out, out_stride);
+  Bases<T> bases;
   for (int64_t g = k_begin / group; g < k_end / group; ++g) {
     __m512 part[T][P][R];
     for (int t = 0; t < T; ++t)
@@ -447,7 +464,7 @@ void planes_block_pairs(const at::BFloat16* x, const float* xsum, int64_t k_in, 
       }
     }
     add_group<T, R, P, DS>(acc, g, [&](int t, int p, int r) { return Vec{part[t][p][r]}; },
-                           pw.constants, xsum, groups);
+                           pw.constants, bases, xsum, groups);
   }
   store_sums(acc, out, out_stride);
 }
