@@ -126,6 +126,35 @@ def test_parts_of_different_types_run_each_in_its_own_form():
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0"])
+def test_a_head_tiled_by_blocks_of_rows_is_the_whole_head(name, monkeypatch):
+    """A vocabulary-sized head is decoded and tiled 32 rows at a time here (16384 in the
+    loader): the same tensors as tiling it whole. Blocks in different forms stay segments."""
+    blocks = _random_blocks(name, 100, 256, 5)
+    whole = CpuWeights(blocks.planes())
+    by_rows = CpuWeights.from_row_blocks(blocks.planes_by_rows(32))
+    if not whole.tiled:
+        pytest.skip("the CPU kernels do not build here")
+    assert by_rows.segments == 1 and by_rows.out_features == 100
+    for a, b in zip(whole.kernel_form()[2], by_rows.kernel_form()[2], strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    mixed = CpuWeights.from_row_blocks(iter([_random_blocks("Q4_K", 32, 256, 6).planes(),
+                                             blocks.planes()]))
+    # a Q4_K block first: joined with Q4_K's (one form), a segment of its own beside the others
+    assert mixed.plane_counts == ([1] if name == "Q4_K" else [1, 2])
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
+    want = torch.cat([_random_blocks("Q4_K", 32, 256, 6).dequantize(), blocks.dequantize()])
+    got = mixed(x, float_out=True).double()
+    assert (got - x.double() @ want.double().t()).abs().max() <= 1e-5 * got.abs().max()
+    from radixlm.runtime.models.quantization import cpu_weights
+
+    monkeypatch.setattr(cpu_weights, "linear_kernel", lambda: None)  # torch's int4 kernel
+    fallback = CpuWeights.from_row_blocks(blocks.planes_by_rows(32))
+    assert not fallback.tiled and fallback.out_features == 100
+    ours, theirs = whole(x, float_out=True), fallback(x, float_out=True)
+    assert (ours - theirs).abs().max() <= 1e-2 * ours.abs().max()
+
+
 def test_torch_int4_fallback_matches_our_tiles(monkeypatch):
     """Without a C++ compiler the planes run through torch's int4 kernel (bfloat16 scales):
     the same products within bfloat16 rounding."""

@@ -341,7 +341,9 @@ def _pack_output_head(net: nn.Module, heads: dict[str, GGUFBlocks]) -> None:
         # The file's own blocks, an 8-bit head's included: as compact planes (a 4-bit high
         # plane, scales and zeros derived) a Q8_0 head of 49k x 576 is 32 MB against the
         # bfloat16 table's 57 MB, and 0.53 against 0.70-0.77 ms a decode step on 2 cores.
-        modules[name].packed_logits = CpuWeights(blocks.planes())
+        # Decoded and tiled a block of rows at a time: a 256k-row head's decoding temporaries
+        # would otherwise take several times its size.
+        modules[name].packed_logits = CpuWeights.from_row_blocks(blocks.planes_by_rows())
 
 
 def _is_decoder_linear(name: str) -> bool:

@@ -22,6 +22,7 @@ keeps the planes' scales in bfloat16 and its batched steps are slow.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from types import ModuleType
 from typing import NamedTuple
 
@@ -308,23 +309,31 @@ class CpuWeights(nn.Module):
 
     def __init__(self, planes: list[Plane] | None = None, dense: torch.Tensor | None = None,
                  perm: torch.Tensor | None = None, float32: bool = False,
-                 segments: list[list[Plane]] | None = None) -> None:
+                 segments: list[list[Plane]] | None = None,
+                 tiles: list[tuple[int, int, TiledPlanes]] | None = None) -> None:
         super().__init__()
         self.kernel = linear_kernel()
         self.tiled = self.kernel is not None
         if planes:
             segments = [planes]
+        if segments and self.tiled:  # (rows, planes, their tiles) per segment
+            tiles = [(planes[0].codes.shape[0], len(planes), tile_planes(planes))
+                     for planes in segments]
         if segments and not self.tiled:
             planes = _stacked(segments, segments[0][0].codes.shape[1])
             group = planes[0].codes.shape[1] // planes[0].scale.shape[1]
-            if kernel_group(group, planes[0].codes.shape[1]) != group:
-                # torch's int4 kernel takes groups of 32 to 256 inputs only (not Q6_K's 16)
+            if (kernel_group(group, planes[0].codes.shape[1]) != group
+                    or planes[0].codes.shape[0] % LANES):
+                # torch's int4 kernel takes groups of 32 to 256 inputs only (not Q6_K's 16),
+                # and whole tiles of 16 outputs
                 segments, dense = None, dequantize_planes(planes)
-        self.segments = len(segments or [])
-        # planes per segment (the untiled fallback's: of its one stack)
-        self.plane_counts = [len(planes) for planes in segments or []]
-        self.out_features = (sum(planes[0].codes.shape[0] for planes in segments) if segments
-                             else dense.shape[0])
+        if tiles:
+            self.segments = len(tiles)
+            self.plane_counts = [count for _, count, _ in tiles]  # planes per segment
+            self.out_features = sum(rows for rows, _, _ in tiles)
+        else:
+            self.segments, self.plane_counts = 0, []
+            self.out_features = (planes[0].codes if planes else dense).shape[0]
         self.group = 0
         self.activations = torch.float32 if float32 else torch.bfloat16
         self.register_buffer("perm", perm)
@@ -336,8 +345,8 @@ class CpuWeights(nn.Module):
         self.dense = None
         if self.tiled:
             self._tensors = []
-            for index, planes in enumerate(segments):
-                for name, tensor in tile_planes(planes)._asdict().items():
+            for index, (_, _, tiled) in enumerate(tiles):
+                for name, tensor in tiled._asdict().items():
                     self.register_buffer(f"{name}{index}", tensor)
                     self._tensors.append(getattr(self, f"{name}{index}"))
             return
@@ -369,6 +378,30 @@ class CpuWeights(nn.Module):
             else:
                 runs.append([planes])
         return CpuWeights(segments=[_stacked(run, columns) for run in runs])
+
+    @staticmethod
+    def from_row_blocks(blocks: Iterable[list[Plane]]) -> "CpuWeights":
+        """Planes given a block of rows at a time (each but the last whole tiles), for a
+        vocabulary-sized head: decoding all of its rows at once takes several times its
+        packed size. Our kernel tiles each block as it comes, and joins consecutive blocks in
+        one form into one segment: the same tensors as tiling all the rows at once."""
+        if linear_kernel() is None:
+            blocks = list(blocks)
+            return CpuWeights([Plane(*(torch.cat(t) for t in zip(*(b[i][:3] for b in blocks))))
+                               for i in range(len(blocks[0]))])
+        runs: list[list] = []  # [form, rows, tiles of its blocks]
+        for planes in blocks:
+            tiled = tile_planes(planes)
+            form = (len(planes), [(t.dtype, t.shape[1:]) for t in tiled])
+            if runs and runs[-1][0] == form:
+                runs[-1][1] += planes[0].codes.shape[0]
+                runs[-1][2].append(tiled)
+            else:
+                runs.append([form, planes[0].codes.shape[0], [tiled]])
+        return CpuWeights(tiles=[
+            (rows, form[0], TiledPlanes(*(torch.cat(t) if len(parts) > 1 else t[0]
+                                          for t in zip(*parts))))
+            for form, rows, parts in runs])
 
     def kernel_form(self) -> tuple[int, int, list[torch.Tensor]] | None:
         """(segments, N, tensors) as the C++ forward kernel reads a tiled linear: 0 and the

@@ -30,6 +30,7 @@ its top 2 bits from bits 2m, 2m + 1 of byte l of the half's 32.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import numpy as np
@@ -87,6 +88,12 @@ class GGUFBlocks(NamedTuple):
     def planes(self) -> list[Plane]:
         """The weights as 4-bit planes (module docstring), exactly up to float32 rounding."""
         return _DECODERS[self.type_name](self.data, self.shape[1])
+
+    def planes_by_rows(self, rows: int = 16384) -> Iterator[list[Plane]]:
+        """The planes of `rows` rows at a time (a vocabulary-sized table's decoding
+        temporaries would take several times its packed size)."""
+        for start in range(0, self.shape[0], rows):
+            yield self.narrow_rows(start, min(rows, self.shape[0] - start)).planes()
 
 
 _DEQUANTIZE_ROWS = 4096  # rows decoded at a time by GGUFBlocks.dequantize
