@@ -8,8 +8,10 @@ the tests share engines across assertions and keep the launches few.
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -280,6 +282,34 @@ def test_killed_engine_process_leaves_no_workers(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_deterministic_tp2_on_two_gpus_gives_a_request_the_same_bits_in_any_batch(tmp_path):
+    """deterministic=True with tp_size=2: each rank's shard runs the batch-invariant kernels
+    and the partial sums are added in rank order (the "ordered" all-reduce), so a request's
+    tokens and logprobs are the same alone and inside batches of other requests, with the
+    decode steps in CUDA graphs. Run on the GPU machine: `pytest -m gpu`."""
+    folder = save_tiny_hf_model(tmp_path, "llama", vocab_size=511, num_key_value_heads=2)
+    params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True, "logprobs": True,
+              "top_logprobs_num": 5}
+    target = [5 + i % 97 for i in range(150)]
+    with Engine(str(folder), tp_size=2, device="cuda", dtype="bfloat16", deterministic=True,
+                max_total_tokens=8192) as engine:
+        assert active_all_reduce() == "ordered"
+        alone = engine.generate(input_ids=target, sampling_params=params)
+        rng = random.Random(0)
+        for size in (3, 17):
+            engine.flush_cache()
+            batch = [[rng.randrange(3, 500) for _ in range(rng.randint(1, 300))]
+                     for _ in range(size)]
+            place = rng.randint(0, size)
+            batch.insert(place, target)
+            out = engine.generate(input_ids=batch, sampling_params=params)[place]
+            assert out.token_ids == alone.token_ids
+            assert ([(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs]
+                    == [(lp.token_id, lp.logprob, lp.top) for lp in alone.logprobs])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_tp2_on_two_gpus_matches_tp1(tmp_path):
     """Ranks on cuda:0 and cuda:1, fp32: with the decode steps in CUDA graphs (symmetric-memory
     all-reduces captured in them), and eagerly (the second engine of the process: NCCL
@@ -410,6 +440,54 @@ def _greedy_rank(rank: int, port: int, out: str) -> None:
             torch.save(tokens, out)
     finally:
         destroy_group()
+
+
+def _ordered_rank(rank: int, port: int, out: str) -> None:
+    from radixlm.runtime.distributed.groups import (
+        all_reduce,
+        destroy_group,
+        init_group,
+        setup_all_reduce,
+    )
+
+    init_group(rank, RANKS, "gloo", 60, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                         "GLOO_SOCKET_IFNAME": "lo"})
+    try:
+        assert setup_all_reduce("ordered", 0, torch.bfloat16, torch.device("cpu")) == "ordered"
+        rows = _partials()[rank]
+        whole = all_reduce(rows.clone())
+        alone = [all_reduce(rows[i:i + 1].clone()) for i in (0, 5, 37)]
+        if rank == 0:
+            torch.save([whole, alone], out)
+    finally:
+        destroy_group()
+
+
+def _partials() -> torch.Tensor:
+    """Every rank's partial sums [ranks, 40, 64], bfloat16, of mixed magnitudes."""
+    gen = torch.Generator().manual_seed(3)
+    scale = torch.logspace(-3, 3, 64)
+    return (torch.randn(RANKS, 40, 64, generator=gen) * scale).bfloat16()
+
+
+def test_ordered_all_reduce_adds_the_ranks_in_order_whatever_the_rows():
+    """Deterministic mode's all-reduce (setup_all_reduce "ordered", the one CUDA tensor
+    parallelism takes with deterministic=True): every rank's partials gathered and added in
+    rank order in float32, rounded once; a row's sum is the same alone as among 40."""
+    from radixlm.runtime.distributed.groups import free_port
+
+    parts = _partials()
+    want = parts[0].float()
+    for part in parts[1:]:
+        want += part
+    want = want.bfloat16()
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "sums.pt")
+        torch.multiprocessing.spawn(_ordered_rank, args=(free_port(), out), nprocs=RANKS)
+        whole, alone = torch.load(out)
+    assert torch.equal(whole, want)
+    for index, row in zip((0, 5, 37), alone):
+        assert torch.equal(row[0], whole[index])
 
 
 def test_vocab_parallel_greedy_is_the_argmax_of_the_gathered_logits(tmp_path):

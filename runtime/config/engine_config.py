@@ -191,8 +191,9 @@ class EngineConfig:
     # Deterministic inference: on CUDA a request's greedy tokens and logprobs (and a seeded
     # request's samples) are the same bits whatever else shares its steps, however its prompt
     # is chunked and whatever the prefix cache holds: batch-invariant matmuls and attention,
-    # at some cost in speed (docs/deterministic.md). Needs the triton attention backend and
-    # tp_size 1. On CPU it changes nothing: the CPU path is deterministic already.
+    # at some cost in speed (docs/deterministic.md). Needs the triton attention backend; with
+    # tp_size > 1 the ranks' partial sums are gathered and added in rank order. On CPU it
+    # changes nothing: the CPU path is deterministic already.
     deterministic: bool = False
 
     def __post_init__(self) -> None:

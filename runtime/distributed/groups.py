@@ -230,13 +230,16 @@ def active_all_reduce() -> str:
 
 def setup_all_reduce(mode: str, max_numel: int, dtype: torch.dtype,
                      device: torch.device) -> str:
-    """Set up this process's all-reduce (`mode`: "symmetric" or "nccl", as rank 0 chose)
-    for tensors of up to max_numel elements; every rank calls it at the same point (the
-    symmetric buffer's rendezvous is collective). Returns the one in use ("gloo" off the
-    GPU)."""
+    """Set up this process's all-reduce (`mode`: "symmetric", "nccl" or "ordered", as rank 0
+    chose) for tensors of up to max_numel elements; every rank calls it at the same point
+    (the symmetric buffer's rendezvous is collective). Returns the one in use ("gloo" off the
+    GPU, unless "ordered": ordered_all_reduce over the group's backend, for deterministic
+    mode)."""
     global _symmetric, _active
     _symmetric = None
-    if device.type != "cuda":
+    if mode == "ordered":
+        _active = "ordered"
+    elif device.type != "cuda":
         _active = "gloo"
     elif mode == "nccl":
         _active = "nccl"
@@ -283,7 +286,7 @@ def check_nccl_in_graphs(mode: str, graphs: bool, device: torch.device) -> None:
     if device.type != "cuda":
         return
     built_before, _cuda_engine_built = _cuda_engine_built, True
-    if mode == "nccl" and graphs and built_before:
+    if mode in ("nccl", "ordered") and graphs and built_before:
         raise RuntimeError(
             "tensor parallelism with NCCL all-reduces in CUDA graphs after another CUDA "
             "engine in this process is refused: that combination hung on a 2-GPU machine. "
@@ -302,6 +305,8 @@ def symmetric_memory_available() -> bool:
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum x over the group, in place (returns x)."""
+    if _active == "ordered":
+        return x.copy_(ordered_all_reduce(x))
     if _symmetric is not None and _symmetric.fits(x):
         return _symmetric(x)
     dist.all_reduce(x, group=_tp_group)
@@ -312,7 +317,9 @@ def ordered_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum x over the group in rank order, accumulating in float32 and rounding once to x's
     dtype: every rank gets the same bits, and each element's sum does not depend on the
     tensor's size (a library all-reduce picks its algorithm, and with it the order of the
-    additions, by message size). The deterministic CPU kernel reduces through this."""
+    additions, by message size). The deterministic CPU kernel reduces through this, and
+    every layer in deterministic mode on CUDA (setup_all_reduce's "ordered": NCCL's
+    all-gather only copies)."""
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(_tp_group))]
     dist.all_gather(parts, x.contiguous(), group=_tp_group)
     total = parts[0].float()

@@ -55,17 +55,16 @@ class ExecutionSetup:
         self.graphs = graphs
         self.deterministic = deterministic_on(config, device)
         if self.deterministic:
-            if config.tp_size > 1:
-                raise ValueError("deterministic=True on CUDA needs tp_size 1: the all-reduce "
-                                 "adds the ranks' partial sums in an order that depends on the "
-                                 "batch's size")
             # Before any graph is captured: graphs keep the kernels they were captured with.
             loaded.model.use_batch_invariant(True)
         # Tensor parallelism: rank 0's model is the stand-in that sends each call to the other
         # ranks; graphs capture the shard itself, and send each replay (see cuda_graph).
         self.tp_group = loaded.model.group if isinstance(loaded.model, ShardedModel) else None
-        # Symmetric memory spans every rank: pipeline stages reduce within their own.
+        # Symmetric memory spans every rank: pipeline stages reduce within their own. In
+        # deterministic mode the ranks' partial sums are gathered and added in rank order (a
+        # library all-reduce orders its additions by the message's size, that is the batch's).
         self.all_reduce = ("none" if self.tp_group is None
+                           else "ordered" if self.deterministic
                            else "nccl" if config.pp_size > 1 or config.sp_size > 1
                            else choose_all_reduce(config.tp_all_reduce, device))
         check_nccl_in_graphs(self.all_reduce, graphs, device)  # before the KV pool is allocated

@@ -92,10 +92,9 @@ class CausalLM(nn.Module):
         """Deterministic inference on CUDA (EngineConfig.deterministic): the decoder's linears,
         the output head and the plain RMSNorms through kernels that compute each row the same
         way whatever the number of rows (radixlm.kernels.invariant_matmul, fused.rms_norm).
-        Switch before CUDA graphs are captured; they keep the path they were captured with."""
-        if enabled and self.tp is not None:
-            raise ValueError("batch-invariant kernels need tp_size 1: the all-reduce of a "
-                             "sharded layer adds the ranks' sums in an order NCCL picks by size")
+        Switch before CUDA graphs are captured; they keep the path they were captured with.
+        A sharded model's all-reduces must then add the ranks' sums in a fixed order too
+        (distributed.groups' "ordered" all-reduce, which deterministic mode sets up)."""
         use_batch_invariant_linears(self, enabled)
         matmul = norm = None
         if enabled:

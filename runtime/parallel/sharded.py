@@ -348,6 +348,10 @@ class ShardedModel:
         hidden = self.group.run(lambda: self.model(batch, attn))
         return hidden if self.group.pipe is None else self.group.hand_on(hidden)
 
+    def use_batch_invariant(self, enabled: bool) -> None:
+        """Rank 0's shard (the other ranks set theirs from the config at start)."""
+        self.model.use_batch_invariant(enabled)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         self.group.hidden_for_logits(hidden)
         return self.group.run(lambda: self.model.compute_logits(hidden))
