@@ -48,12 +48,11 @@ def test_flags_of_serve_and_generate():
 def test_cuda_only_switches():
     from radixlm.runtime.attention import create_backend
     from radixlm.runtime.config.engine_config import EngineConfig
-    from radixlm.runtime.engine.execution_setup import deterministic_on
 
     config = EngineConfig(deterministic=True)
-    assert not deterministic_on(config, torch.device("cpu"))
-    assert deterministic_on(config, torch.device("cuda"))
-    assert not deterministic_on(EngineConfig(), torch.device("cuda"))
+    assert not config.deterministic_on(torch.device("cpu"))
+    assert config.deterministic_on(torch.device("cuda"))
+    assert not EngineConfig().deterministic_on(torch.device("cuda"))
     with pytest.raises(ValueError, match="attention_backend"):
         create_backend("torch", 0.125, torch.device("cpu"), deterministic=True)
 

@@ -299,6 +299,12 @@ class EngineConfig:
                     (self.speculative is not None, "speculative decoding: the draft model's "
                      "KV is not stored")))
 
+    def deterministic_on(self, device: torch.device) -> bool:
+        """Whether an engine on `device` runs the batch-invariant kernels: deterministic=True
+        on CUDA. On the CPU the option is accepted and changes nothing (its kernels already
+        compute a row the same way in every batch)."""
+        return self.deterministic and device.type == "cuda"
+
     @property
     def lora_enabled(self) -> bool:
         return bool(self.lora_modules) or self.allow_runtime_lora_loading

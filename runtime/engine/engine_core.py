@@ -18,7 +18,7 @@ import torch
 
 from radixlm.runtime.attention import create_backend
 from radixlm.runtime.config.engine_config import EngineConfig
-from radixlm.runtime.engine.execution_setup import ExecutionSetup, deterministic_on
+from radixlm.runtime.engine.execution_setup import ExecutionSetup
 from radixlm.runtime.engine.kv_sizing import max_model_len, pool_pages
 from radixlm.runtime.engine.lora_registry import LoRARegistry
 from radixlm.runtime.engine.overlap import follow_up_batch
@@ -61,7 +61,7 @@ class EngineCore:
         self.max_model_len = max_model_len(config, mc, num_pages * config.page_size)
         attn = create_backend(config.attention_backend, scale=mc.head_dim ** -0.5,
                               device=device, dtype=dtype, head_dim=mc.head_dim,
-                              deterministic=deterministic_on(config, device))
+                              deterministic=config.deterministic_on(device))
         graphs = uses_decode_graphs(config, device, attn)
         setup = ExecutionSetup(config, loaded, device, dtype, num_pages, self.max_model_len,
                                graphs)

@@ -34,13 +34,6 @@ from radixlm.runtime.scheduling.pages import ReqToTokenTable
 log = logging.getLogger(__name__)
 
 
-def deterministic_on(config: EngineConfig, device: torch.device) -> bool:
-    """Whether this engine runs the batch-invariant kernels: deterministic=True on CUDA. On
-    the CPU the option is accepted and changes nothing (its kernels already compute a row the
-    same way in every batch)."""
-    return config.deterministic and device.type == "cuda"
-
-
 class ExecutionSetup:
     """The start-up decisions for a target model with `num_pages` KV pages and contexts of up
     to `max_len` tokens; `graphs`: decode steps replay CUDA graphs. Checks that the
@@ -53,7 +46,7 @@ class ExecutionSetup:
         self.dtype = dtype
         self.num_pages = num_pages
         self.graphs = graphs
-        self.deterministic = deterministic_on(config, device)
+        self.deterministic = config.deterministic_on(device)
         if self.deterministic:
             # Before any graph is captured: graphs keep the kernels they were captured with.
             loaded.model.use_batch_invariant(True)

@@ -124,9 +124,9 @@ def serve(rank: int, world_size: int, local_rank: int) -> None:
                        config.page_size, kv_storage_dtype(config.kv_cache_dtype, dtype))
     if loaded.kv_scales is not None and kv_cache.quantized:
         kv_cache.set_scales(*loaded.kv_scales)
-    # Deterministic mode (CUDA; engine.execution_setup.deterministic_on): this shard runs the
-    # batch-invariant kernels too, set before any graph is captured.
-    deterministic = config.deterministic and device.type == "cuda"
+    # Deterministic mode: this shard runs the batch-invariant kernels too, set before any
+    # graph is captured.
+    deterministic = config.deterministic_on(device)
     if deterministic:
         model.use_batch_invariant(True)
     attn = create_backend(config.attention_backend, scale=mc.head_dim ** -0.5, device=device,

@@ -385,10 +385,8 @@ class CpuWeights(nn.Module):
         vocabulary-sized head: decoding all of its rows at once takes several times its
         packed size. Our kernel tiles each block as it comes, and joins consecutive blocks in
         one form into one segment: the same tensors as tiling all the rows at once."""
-        if linear_kernel() is None:
-            blocks = list(blocks)
-            return CpuWeights([Plane(*(torch.cat(t) for t in zip(*(b[i][:3] for b in blocks))))
-                               for i in range(len(blocks[0]))])
+        if linear_kernel() is None:  # torch's kernel: one stack of all the rows
+            return CpuWeights(segments=list(blocks))
         runs: list[list] = []  # [form, rows, tiles of its blocks]
         for planes in blocks:
             tiled = tile_planes(planes)

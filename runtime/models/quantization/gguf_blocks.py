@@ -190,9 +190,9 @@ def _q8_0(data: torch.Tensor, columns: int) -> list[Plane]:
 def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, ScaleFactors]:
     """The 8 sub-blocks' scales and mins of Q4_K/Q5_K blocks [N, B, >=16 bytes]:
     float32 [N, B, 8] each (d * sc and dmin * m), and those factors. 6-bit values in 12
-    bytes: sub-blocks 0-3
-    in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); sub-blocks 4-7 in the nibbles of
-    bytes 8-11, their top two bits in the top bits of bytes 0-3 and 4-7."""
+    bytes: sub-blocks 0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); sub-blocks
+    4-7 in the nibbles of bytes 8-11, their top two bits in the top bits of bytes 0-3 and
+    4-7."""
     d, dmin = _f16(b, 0), _f16(b, 2)
     s = b[..., 4:16].to(torch.int32)
     low_sc, low_m = s[..., 0:4] & 63, s[..., 4:8] & 63
