@@ -412,9 +412,46 @@ def case_decode_graph_padding_matches_eager():
     return f"same greedy tokens; decode batch sizes {sorted(set(seen))}"
 
 
+def case_prompt_chunks_as_graph_rows_match_eager():
+    """Prompt chunks (first prompts, and extends after prefix-cache hits) beside decode
+    tokens go through the graph runner as one row per token, uncaptured: the same greedy
+    tokens as the eager extend path, and logprobs within float32 noise."""
+    import tempfile
+
+    from radixlm.runtime.execution.cuda_graph import DecodeGraphs
+
+    folder = save_llama(Path(tempfile.mkdtemp()), head_dim=32)
+    params = [{"temperature": 0, "max_new_tokens": 2 + i % 4, "ignore_eos": True,
+               "logprobs": True} for i in range(len(PROMPTS))]
+    chunks: list[int] = []  # the longest chunk of each graph step
+
+    def attach(engine):
+        core = engine.core
+        scratch = core.allocator.allocate(1)[0] * core.page_size
+        graphs = DecodeGraphs(core.runner.model, core.runner.attn, core.kv_cache, core.table,
+                              scratch, max_batch_size=48, max_len=core.max_model_len,
+                              capture=False)
+        forward = graphs.forward
+
+        def counting_forward(requests, *args):
+            chunks.append(max(sum(r is q for q in requests) for r in requests))
+            return forward(requests, *args)
+
+        graphs.forward = counting_forward
+        core.runner.cuda_graphs = graphs
+
+    eager = _engine_tokens(folder, PROMPTS, params, attention_backend="triton")
+    rows = _engine_tokens(folder, PROMPTS, params, setup=attach, attention_backend="triton")
+    assert rows[0] == eager[0], (rows[0], eager[0])
+    worst = max(abs(x - y) for a, b in zip(rows[1], eager[1]) for x, y in zip(a, b))
+    assert worst < 1e-4, worst
+    assert max(chunks) == 16, chunks  # whole 16-token chunks went through the graph rows
+    return f"same greedy tokens; {len(chunks)} graph steps, logprobs within {worst:.1e}"
+
+
 def case_tp2_decode_graph_steps_match_tp1():
     """Tensor parallelism through the graph runner, uncaptured: rank 0 sends each padded
-    decode step's inputs and slot-table rows, the other rank replays them on its own
+    step's inputs and slot-table rows, the other rank replays them on its own
     buffers (gloo, two processes). Greedy tokens equal TP=1's, with overlap scheduling
     feeding the sampled tokens on the device."""
     import tempfile
@@ -442,7 +479,8 @@ def case_tp2_decode_graph_steps_match_tp1():
         cuda_graph.DecodeGraphs.forward = send
         engine_core.uses_decode_graphs = graphs_on
     assert got == expected, (got, expected)
-    assert sent and max(sent) == len(prompts), sent
+    # The prompts' first chunks as one row per token, then decode steps of every prompt.
+    assert sent[0] == sum(map(len, prompts)) and len(prompts) in sent, sent
     return f"same greedy tokens; {len(sent)} graph steps sent"
 
 

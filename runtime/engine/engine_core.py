@@ -483,6 +483,7 @@ class EngineCore:
             "generated_tokens": self.counters["generated_tokens"],
             "batched_tokens": self.counters["batched_tokens"],
             "steps": self.counters["steps"],
+            "graph_steps": self.runner.graph_steps,
             "overlapped_steps": self.counters["overlapped_steps"],
             "pipelined_steps": self.counters["pipelined_steps"],
             "requests_finished": self.counters["requests_finished"],

@@ -25,8 +25,10 @@ near its weight-streaming time. A graph replays fixed kernels on fixed addresses
   nothing) and with the adapters' kernels reading rows and tiles from the slots' fixed buffers
   (models/lora/slots.py), filled before each replay of a step that uses adapters.
 
-Only steps where every sequence has exactly one new token (decode, or a one-token prompt)
-go through here; the model runner sends every other step down the eager path.
+A step comes here as one row per new token (step_inputs.one_row_per_token): decode tokens,
+speculative drafts, and prompt chunks of up to GRAPH_CHUNK_TOKENS tokens, as long as the
+step's tokens fit the largest size; the model runner sends every other step down the eager
+path.
 `capture=False` keeps the padding and buffers but runs the forward eagerly: that is how the
 CPU tests check this module's bookkeeping under the Triton interpreter.
 """
@@ -102,9 +104,6 @@ class DecodeGraphs:
         self.outputs: dict[tuple[int, bool], torch.Tensor] = {}  # hidden states [bs, d]
         if capture:
             self._capture_all()
-
-    def fits(self, q_lens: Sequence[int]) -> bool:
-        return 0 < len(q_lens) <= self.max_bs and all(n == 1 for n in q_lens)
 
     def padded_size(self, num_seqs: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, num_seqs)]

@@ -56,6 +56,7 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.grammar_masks: BatchBitmask | None = None  # allocated on first use
         self.cuda_graphs = None  # a cuda_graph.DecodeGraphs, set by the engine on CUDA
+        self.graph_steps = 0  # steps that replayed a graph (the rest ran eagerly)
         self.cpu_decode = None  # a cpu_decode.CpuDecode, set by the engine on CPU: every step
         self.draft = None  # a speculative.DraftModel, set by the engine: it mirrors each step
         self.lora: LoRASlots | None = None  # the adapters' slots, when the engine serves any
@@ -88,6 +89,7 @@ class ModelRunner:
         batch = None
         if token_rows is not None:
             hidden = graphs.forward(*token_rows, pending, adapters)
+            self.graph_steps += 1
         else:
             batch = self._device_batch(inputs, pending)
             if self.cpu_decode is not None:

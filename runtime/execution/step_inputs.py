@@ -96,20 +96,29 @@ def device_batch(inputs: StepInputs, pending: torch.Tensor | None, table: ReqToT
     )
 
 
-def one_row_per_token(scheduled: ScheduledBatch, inputs: StepInputs, limit: int):
-    """A step of decode tokens and speculative verifications as one decode row per token,
-    the form CUDA graphs replay: (requests, input ids, positions, slot-table rows, kv lens),
-    or None when a prefill chunk is in it or it has more than `limit` tokens.
+# Prompt chunks of at most this many tokens run as decode rows (one_row_per_token). Each row
+# reads its sequence's keys again, so a chunk of q tokens after a prefix of L reads about q * L
+# keys where the extend kernel reads L: cheap for the short chunks that dominate a step of
+# running programs and multi-turn chats (a reply's text appended to a cached prefix, mostly
+# served from L2), where the eager forward's host work would otherwise bound the step.
+GRAPH_CHUNK_TOKENS = 32
 
-    Draft position j of a sequence becomes a row of its own whose context ends at that
-    position. Each layer stores the K/V of every new token before attention reads any, so
-    these rows attend exactly as the causal verify step would."""
+
+def one_row_per_token(scheduled: ScheduledBatch, inputs: StepInputs, limit: int):
+    """A step as one decode row per token, the form CUDA graphs replay: (requests, input
+    ids, positions, slot-table rows, kv lens), or None when it has more than `limit` tokens
+    or a prompt chunk longer than GRAPH_CHUNK_TOKENS.
+
+    Token j of a sequence's chunk (a prompt chunk, or the drafts of a speculative
+    verification) becomes a row of its own whose context ends at its position. Each layer
+    stores the K/V of every new token before attention reads any, so these rows attend
+    exactly as the causal extend or verify step would."""
     if len(inputs.input_ids) > limit:
         return None
     requests, rows, kv_lens = [], [], []
     for request, row, q_len, kv_len in zip(scheduled.requests, inputs.rows, inputs.q_lens,
                                            inputs.kv_lens):
-        if q_len > 1 and not request.draft_tokens:
+        if q_len > GRAPH_CHUNK_TOKENS and not request.draft_tokens:
             return None
         requests.extend([request] * q_len)
         rows.extend([row] * q_len)
