@@ -483,7 +483,12 @@ def main() -> None:
     parser.add_argument("--engine-options", type=json.loads, default={},
                         help="JSON: engine options for every engine and server of the run "
                              "(segments, async and spec parts), e.g. a dummy model on the GPU")
+    parser.add_argument("--plot", metavar="JSON", default=None,
+                        help="only plot the segments part of a results file (PNG beside it)")
     args = parser.parse_args()
+    if args.plot:
+        plot_segments(json.loads(Path(args.plot).read_text()), Path(args.plot).with_suffix(".png"))
+        return
     ENGINE_OPTIONS.update(args.engine_options)
     if args.part in ("async", "spec"):
         extra = run_async_part(args.dtype) if args.part == "async" else run_spec_part(args.dtype)
@@ -494,7 +499,8 @@ def main() -> None:
     if segments is not None:
         print_segments(segments)
     if args.part == "segments":
-        write(args, {}, segments)
+        out = write(args, {}, segments)
+        plot_segments(json.loads(out.read_text()), out.with_suffix(".png"))
         return
 
     args.dtype = args.dtype or "float32"
@@ -527,10 +533,12 @@ def main() -> None:
 
 def write(args: argparse.Namespace, results: dict[str, dict[str, Any]],
           segments: dict[str, Any] | None, extra: dict[str, Any] | None = None,
-          part: str = "") -> None:
+          part: str = "") -> Path:
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     record = {"benchmark": "programs", "date": datetime.date.today().isoformat(),
               "machine": {"processor": platform.processor() or platform.machine(),
-                          "threads": torch.get_num_threads(), "torch": torch.__version__},
+                          "threads": torch.get_num_threads(), "torch": torch.__version__,
+                          "gpu": gpu},
               "config": {"model": ENGINE_OPTIONS.get("model", "smollm2-135m-instruct"),
                          "engine_options": ENGINE_OPTIONS, "dtype": args.dtype,
                          "max_tokens": args.max_tokens, "step_tokens": STEP_TOKENS,
@@ -542,6 +550,43 @@ def write(args: argparse.Namespace, results: dict[str, dict[str, Any]],
                f"{args.dtype or 'default'}_{record['date']}.json")
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}")
+    return out
+
+
+def plot_segments(record: dict[str, Any], path: Path) -> None:
+    """Segments against one call per gen: p50 latency of one program, and programs/s with
+    BATCH at once, against the program's step count, per system."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return
+    systems = record["segments"]
+    panels = [("p50_s", "one program at a time: p50 latency (ms)", 1e3),
+              ("programs_per_s", f"{record['config']['batch']} programs at once: programs/s", 1)]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    for ax, (key, title, scale) in zip(axes, panels):
+        for name, by_k in systems.items():
+            ks = sorted(by_k, key=int)
+            style = ("s-" if "segments" in name else "o--" if "per call" in name else "^:")
+            ax.plot([int(k) for k in ks], [by_k[k][key] * scale for k in ks], style,
+                    label=name, alpha=0.5 if name.startswith("in-process") else 1.0)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([int(k) for k in ks], [str(k) for k in ks])
+        ax.set_xlabel("steps (gens) per program")
+        ax.set_title(title, fontsize=10)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8)
+    machine = record["machine"].get("gpu") or f"CPU, {record['machine']['threads']} threads"
+    fig.suptitle(f"Segments vs one call per gen, {record['config']['model']} ({machine}, "
+                 f"{record['date']})", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
