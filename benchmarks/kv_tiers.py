@@ -6,6 +6,9 @@ run.
 Each conversation has a context of its own (`--context-tokens` of distinct token ids) and a
 history that grows by a question and an answer per turn; each round visits every conversation
 once, in a new random order, as one batch (the engine runs `max_running_requests` at a time).
+`--workload qa` is long-document question answering instead: each context is a document, and
+each round asks every document a new question after the document alone (the history does not
+grow, so the whole prompt but the question is the document's cached KV).
 With the device cache only, a conversation's context has been evicted by the time it comes
 back and is computed again; with the host tier it is loaded back over PCIe. Reported per
 setting: wall time, requests/s and generated tokens/s over the rounds after the first (the
@@ -17,6 +20,8 @@ copy), the least time the copies take, against the rounds' time.
     python benchmarks/kv_tiers.py --engine-options '{"model": "llama-3-8b", "load_format":
         "dummy", "device": "cuda", "tokenizer": "..."}' --pool-tokens 32768 \\
         --conversations 64 --context-tokens 2048 --host-gb 24
+    python benchmarks/kv_tiers.py --workload qa --engine-options '{...}' --pool-tokens 32768 \\
+        --conversations 16 --context-tokens 7168 --host-gb 24   # 16 documents, 3.5x the pool
     python benchmarks/kv_tiers.py --pool-tokens 2048 --conversations 8 --context-tokens 512 \\
         --turns 2 --new-tokens 8 --host-gb 1       # the default model on the CPU, small
 """
@@ -83,8 +88,9 @@ def run_setting(options: dict[str, Any], contexts: list[list[int]], args: argpar
             start = time.perf_counter()
             outs = engine.generate(input_ids=prompts, sampling_params=params)
             seconds = time.perf_counter() - start
-            for i, out in zip(order, outs):
-                histories[i] = histories[i] + question + list(out.token_ids)
+            if args.workload == "multi-turn":
+                for i, out in zip(order, outs):
+                    histories[i] = histories[i] + question + list(out.token_ids)
             outputs += [list(o.token_ids) for o in outs]
             rounds.append({"seconds": seconds, "requests": len(outs),
                            "prompt_tokens": sum(len(p) for p in prompts),
@@ -114,7 +120,10 @@ def main() -> None:
                         help="JSON of further Engine options (model, device, tokenizer)")
     parser.add_argument("--pool-tokens", type=int, default=32768,
                         help="the device KV pool (max_total_tokens)")
-    parser.add_argument("--conversations", type=int, default=64)
+    parser.add_argument("--workload", choices=["multi-turn", "qa"], default="multi-turn",
+                        help="qa: documents asked a new question each round (no history)")
+    parser.add_argument("--conversations", type=int, default=64,
+                        help="conversations, or documents with --workload qa")
     parser.add_argument("--context-tokens", type=int, default=2048)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -174,7 +183,8 @@ def main() -> None:
               "copy_bandwidth_bytes_per_s": floor,
               "results": {k: {f: v for f, v in r.items() if f != "outputs"}
                           for k, r in results.items()}}
-    out = Path(args.out or results_dir() / f"kv_tiers_{device}_{record['date']}.json")
+    workload = "" if args.workload == "multi-turn" else f"{args.workload}_"
+    out = Path(args.out or results_dir() / f"kv_tiers_{workload}{device}_{record['date']}.json")
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}")
 

@@ -278,7 +278,7 @@ def check_tiers_against_a_model(tmp_path: Path, seed: int, tiers: str, device: s
     import random
 
     from radixlm.runtime.config.sampling_params import SamplingParams
-    from radixlm.runtime.scheduling.kv_manager import KVManager
+    from radixlm.runtime.scheduling.kv_manager import KVManager, TierLoad
     from radixlm.runtime.scheduling.pages import PageAllocator, ReqToTokenTable
     from radixlm.runtime.scheduling.radix_cache import RadixCache
     from radixlm.runtime.scheduling.request import Request
@@ -309,7 +309,7 @@ def check_tiers_against_a_model(tmp_path: Path, seed: int, tiers: str, device: s
         tokens = rng.choice(stems) + [rng.randrange(50) for _ in range(rng.randrange(1, 9))]
         request = Request(f"r{step}", tokens, SamplingParams(max_new_tokens=1), frozenset(),
                           None, lambda out: None)
-        if kv.start_load(request):  # as the scheduler does: wait for it, then attach
+        if kv.start_load(request) is TierLoad.LOADING:  # as the scheduler: wait, then attach
             assert (kv.allocator.num_free + kv.cache.total_pages + kv.loading_pages
                     == num_pages)
             while kv.loading:
@@ -337,3 +337,62 @@ def check_tiers_against_a_model(tmp_path: Path, seed: int, tiers: str, device: s
                             stats.get("disk_hit_tokens", 0) + stats.get("host_hit_tokens", 0))
     tier.close()
     assert loaded_before > 0  # the runs did load from the tier
+
+
+def test_a_prefix_waits_for_room_rather_than_loading_in_part(tmp_path):
+    """While running requests hold the pages a tier's prefix needs, the waiting request is
+    told NO_ROOM and nothing is allocated (a partial load would leave the rest of its prefix
+    to be computed again); once they give the pages back, the whole prefix loads. With no
+    one to wait for, what fits loads."""
+    from radixlm.runtime.config.sampling_params import SamplingParams
+    from radixlm.runtime.scheduling.kv_manager import KVManager, TierLoad
+    from radixlm.runtime.scheduling.pages import PageAllocator, ReqToTokenTable
+    from radixlm.runtime.scheduling.radix_cache import RadixCache
+    from radixlm.runtime.scheduling.request import Request
+
+    ps, num_pages = 4, 12
+    k = torch.randn(2, num_pages * ps, 1, 2)
+    v = torch.randn_like(k)
+    page_bytes = 2 * k[:, :ps].numel() * k.element_size()
+    tier = HostTier(k, v, ps, max_bytes=num_pages * page_bytes)
+    allocator = PageAllocator(num_pages, ps)
+    kv = KVManager(allocator, ReqToTokenTable(4, num_pages * ps, ps, torch.device("cpu")),
+                   RadixCache(ps, allocator), tier)
+
+    def request(name: str, tokens: list[int]) -> Request:
+        return Request(name, tokens, SamplingParams(max_new_tokens=1), frozenset(), None,
+                       lambda out: None)
+
+    def run_to_cache(r: Request) -> None:  # "compute" it all, then cache it
+        assert kv.attach(r) and kv.grow(r, len(r.token_ids))
+        r.num_computed_tokens = len(r.token_ids)
+        kv.release(r)
+
+    document = list(range(100, 132))  # 8 pages
+    run_to_cache(request("first", document))
+    tier.flush()
+    kv.cache.evict(kv.cache.total_pages)  # only the host tier holds the document now
+    running = request("running", list(range(500, 524)))  # holds 6 of the 12 pages
+    assert kv.attach(running) and kv.grow(running, 24)
+
+    asking = request("asking", document + [7, 8, 9, 10])
+    assert kv.start_load(asking, wait_for_room=True) is TierLoad.NO_ROOM
+    assert kv.loading_pages == 0 and allocator.num_free == num_pages - 6
+    partial = request("partial", document + [1, 2])  # nobody to wait for: what fits loads
+    assert kv.start_load(partial) is TierLoad.LOADING and kv.loading_pages == 6
+    while kv.loading:
+        kv.wait_for_a_load(1.0)
+        kv.finish_loads()
+    kv.cache.evict(kv.cache.total_pages)
+
+    running.num_computed_tokens = 0
+    kv.release(running)  # its pages come back
+    assert kv.start_load(asking, wait_for_room=True) is TierLoad.LOADING
+    assert kv.loading_pages == 8
+    while kv.loading:
+        kv.wait_for_a_load(1.0)
+        kv.finish_loads()
+    assert kv.attach(asking) and asking.num_computed_tokens == len(document)
+    kv.release(asking)
+    assert allocator.num_free + kv.cache.total_pages == num_pages
+    tier.close()

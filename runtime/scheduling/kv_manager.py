@@ -13,8 +13,10 @@ full ones to the tree (or frees them as duplicates of pages the tree already had
 
 With a lower tier under the tree (host_tier.py, disk_tier.py, or host memory above disk), a
 waiting request's prefix may go on past what the tree holds: `start_load` allocates pages for
-what the tier has and loads them in the background while other requests run; the request
-waits, and `finish_loads` (on the engine thread, before each schedule) inserts the loaded
+what the tier has and loads them in the background while other requests run (or, when the
+device cannot take all of it yet and running requests will give pages back, has the request
+wait for them first: a partial load would leave the rest of the prefix to be computed); the
+request waits, and `finish_loads` (on the engine thread, before each schedule) inserts the loaded
 pages into the tree, as if just computed, so its attach then hits them. Until then the pages
 are neither free nor cached: they are `loading_pages`. Every page the tree takes is written
 to the tier too.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
+from enum import Enum
 
 from radixlm.runtime.scheduling.disk_tier import DiskTier
 from radixlm.runtime.scheduling.host_tier import HostTier
@@ -33,6 +36,13 @@ from radixlm.runtime.scheduling.radix_cache import RadixCache, TreeNode
 from radixlm.runtime.scheduling.request import Request
 
 log = logging.getLogger(__name__)
+
+
+class TierLoad(Enum):
+    """What start_load says of a waiting request."""
+    NONE = "none"  # nothing (more) to load: attach it
+    LOADING = "loading"  # its prefix is loading: it waits, others may run meanwhile
+    NO_ROOM = "no room"  # the tier has more of its prefix than the device can take now
 
 
 @dataclass
@@ -96,16 +106,19 @@ class KVManager:
     def loading_pages(self) -> int:
         return sum(len(load.pages) for load in self._loads.values())
 
-    def start_load(self, request: Request) -> bool:
-        """For a waiting request: True while the lower tier is loading its prefix (it should
-        wait), including when a load starts now; False when there is nothing to load (attach
-        it). A request is looked up in the tier once."""
+    def start_load(self, request: Request, wait_for_room: bool = False) -> TierLoad:
+        """For a waiting request: LOADING while the lower tier is loading its prefix (it
+        should wait), including when a load starts now; NONE when there is nothing to load
+        (attach it). With `wait_for_room` (other requests hold pages they will give back),
+        NO_ROOM when the device cannot take all the tier holds of the prefix now: loading
+        part of it would leave the rest to be computed again. Otherwise a request is looked
+        up in the tier once, and loads what fits."""
         if self.tier is None:
-            return False
+            return TierLoad.NONE
         if request in self._loads:
-            return True
+            return TierLoad.LOADING
         if request.tier_checked:
-            return False
+            return TierLoad.NONE
         assert self.cache is not None
         limit = _matchable(request)
         wanted = limit // self.page_size
@@ -113,26 +126,30 @@ class KVManager:
         have = len(hit.pages)
         if have >= wanted:
             request.tier_checked = True
-            return False
+            return TierLoad.NONE
         names = self.tier.chain(request.token_ids, wanted, request.namespace,
                                 request.tier_names)
         if any(load.names[0] == names[have] for load in self._loads.values()):
-            return True  # another request is loading the same pages: they will be cached
-        request.tier_checked = True
+            return TierLoad.LOADING  # another request is loading the same pages
         count = self.tier.present(names[have:])
         if not count:
-            return False
+            request.tier_checked = True
+            return TierLoad.NONE
         self.cache.lock(hit.node)  # the match stays while the rest loads
+        if wait_for_room and count > self.available_pages:
+            self.cache.unlock(hit.node)
+            return TierLoad.NO_ROOM
+        request.tier_checked = True
         if count > self.allocator.num_free:
             self.cache.evict(count - self.allocator.num_free)
         pages = self.allocator.allocate(min(count, self.allocator.num_free)) or []
         if not pages:
             self.cache.unlock(hit.node)
-            return False
+            return TierLoad.NONE
         future = self.tier.load_async(names[have:have + len(pages)], pages)
         self._loads[request] = _Load(hit.node, list(hit.pages), pages, future,
                                      names[have:have + len(pages)])
-        return True
+        return TierLoad.LOADING
 
     def finish_loads(self) -> None:
         """Insert the pages of the loads that are done into the tree (what failed to load

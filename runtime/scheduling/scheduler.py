@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from radixlm.runtime.config.engine_config import EngineConfig
-from radixlm.runtime.scheduling.kv_manager import KVManager
+from radixlm.runtime.scheduling.kv_manager import KVManager, TierLoad
 from radixlm.runtime.scheduling.program_stats import ProgramStats
 from radixlm.runtime.scheduling.request import Request, RequestStatus
 
@@ -164,8 +164,11 @@ class Scheduler:
                 continue  # wait for the other request's prefill to land in the cache
             if request.num_uncomputed - request.held_back_tokens <= 0:
                 continue  # nothing to compute until its grammar is ready
-            if self.kv.start_load(request):
-                continue  # its prefix is coming from the disk tier; others run meanwhile
+            load = self.kv.start_load(request, wait_for_room=bool(self.running))
+            if load is TierLoad.LOADING:
+                continue  # its prefix is coming from a lower tier; others run meanwhile
+            if load is TierLoad.NO_ROOM:
+                break  # as for a prompt that does not fit: wait for running requests' pages
             if not self._fits(request, hits.get(request, 0)):
                 break
             if not self.kv.attach(request):
