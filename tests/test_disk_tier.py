@@ -114,6 +114,45 @@ def test_a_full_disk_skips_pages_and_warns(tmp_path, monkeypatch, caplog):
     tier.close()
 
 
+def test_the_disk_below_host_memory_writes_from_the_host_slots(tmp_path, monkeypatch):
+    """Under a host tier, the disk writes each page from its host slot; a slot the writer
+    has not written yet is not reused (a page that finds no slot goes to the disk from the
+    KV cache), and every file holds its page's KV."""
+    disk = _tier(tmp_path)
+    page_bytes = 2 * disk.k[:, :4].numel() * disk.k.element_size()
+    host = HostTier(disk.k, disk.v, 4, max_bytes=2 * page_bytes, below=disk)
+    names = host.chain(list(range(32)), 8)
+    gate = threading.Event()
+    write = DiskTier._write_file
+
+    def held(self, *args):
+        gate.wait(10)
+        write(self, *args)
+    monkeypatch.setattr(DiskTier, "_write_file", held)
+    host.store(names[:2], [0, 1])
+    host.store(names[2:3], [2])  # both slots wait for the writer: the disk takes it alone
+    assert host.present(names) == 2 and host.stats()["host_pages"] == 2
+    expected = {name: (disk.k[:, page * 4:(page + 1) * 4].clone(),
+                       disk.v[:, page * 4:(page + 1) * 4].clone())
+                for name, page in zip(names[:3], range(3))}
+    disk.k[:, :12] = 0  # the pages are reused by the device: the host slots still hold them
+    disk.v[:, :12] = 0
+    gate.set()
+    host.flush()
+    host.store(names[3:4], [3])  # a slot is free to reuse now
+    assert host.stats()["host_pages"] == 2 and names[3] in host._slots
+    host.flush()
+    reader = _tier(tmp_path)
+    assert reader.present(names[:3]) == 3
+    for i, name in enumerate(names[:3]):
+        assert reader.load([name], [i]) == 1
+        k, v = expected[name]  # the KV as it was when stored
+        assert torch.equal(reader.k[:, i * 4:(i + 1) * 4], k)
+        assert torch.equal(reader.v[:, i * 4:(i + 1) * 4], v)
+    host.close()
+    reader.close()
+
+
 def test_budget_leftovers_and_two_writers(tmp_path):
     page_file = 2 * 2 * 4 * 2 * 4 * 4 + 50  # K and V of 2 layers, 4 slots; the header
     tier = _tier(tmp_path, max_bytes=3 * page_file)

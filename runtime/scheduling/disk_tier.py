@@ -28,7 +28,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -176,9 +176,25 @@ class DiskTier:
                 event = self._stream.record_event()
         for i, (name, _) in enumerate(new):
             try:
-                self._queue.put_nowait((name, kv[:, :, i], event))
+                self._queue.put_nowait((name, kv[:, :, i], event, None))
             except queue.Full:
                 self.counters["disk_store_skipped_pages"] += 1
+
+    def store_copies(self, pages: Sequence[tuple[str, torch.Tensor, Callable[[], None]]],
+                     copied: Any = None) -> None:
+        """Write pages whose KV is already in host memory (a host tier's slots, in a file's
+        layout [2, L, ps, H, D]) once `copied` (a CUDA event, or None) has passed, unless
+        their files exist; returns at once. Each page's callback runs once its memory is no
+        longer read: after its write, or at once when it is not written."""
+        for name, kv, done in pages:
+            if name in self._files:
+                done()
+                continue
+            try:
+                self._queue.put_nowait((name, kv, copied, done))
+            except queue.Full:
+                self.counters["disk_store_skipped_pages"] += 1
+                done()
 
     def settle(self, future: Future, loaded: int) -> int:
         """The pages of a finished load that can be used: all it loaded (one process)."""
@@ -211,17 +227,28 @@ class DiskTier:
             finally:
                 self._queue.task_done()
 
-    def _write(self, name: str, kv: torch.Tensor, copied: Any = None) -> None:
-        """Write one page's KV (`copied`: the CUDA event of its copy to host memory)."""
+    def _write(self, name: str, kv: torch.Tensor, copied: Any = None,
+               done: Callable[[], None] | None = None) -> None:
+        """Write one page's KV (`copied`: the CUDA event of its copy to host memory; `done`:
+        called once the memory is no longer read)."""
+        try:
+            self._write_file(name, kv, copied)
+        finally:
+            if done is not None:
+                done()
+
+    def _write_file(self, name: str, kv: torch.Tensor, copied: Any) -> None:
         if copied is not None:
             copied.synchronize()
         start = time.perf_counter()
-        payload = kv.contiguous().view(torch.uint8).numpy().tobytes()
-        header = _HEADER.pack(MAGIC, len(payload),
+        # The bytes as they lie (no copy into a bytes object, which would hold the
+        # interpreter lock for the whole page); hashing and writing release it.
+        payload = kv.contiguous().view(torch.uint8).numpy().reshape(-1)
+        header = _HEADER.pack(MAGIC, payload.nbytes,
                               hashlib.blake2b(payload, digest_size=32).digest())
         path = self._path(name)
         temp = path.with_name(f".{name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        self._make_room(len(header) + len(payload))
+        self._make_room(len(header) + payload.nbytes)
         try:
             with open(temp, "wb") as f:
                 f.write(header)
@@ -237,9 +264,9 @@ class DiskTier:
             return
         with self._lock:
             if name not in self._files:
-                self._files[name] = len(header) + len(payload)
+                self._files[name] = len(header) + payload.nbytes
                 self._bytes += self._files[name]
-        self.counters["disk_store_bytes"] += len(payload)
+        self.counters["disk_store_bytes"] += payload.nbytes
         self.counters["disk_store_seconds"] += time.perf_counter() - start
 
     def _make_room(self, size: int) -> None:

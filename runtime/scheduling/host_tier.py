@@ -14,13 +14,18 @@ reused right after) and copies them out on the side stream; a load enqueues its 
 side stream on the engine thread (so a later store into the same host slot comes after it)
 and is done when that stream reaches its event, which a background thread waits for: the
 request waits in the queue meanwhile, as for a disk load. The host pool is allocated once
-(`max_bytes`, pinned on a GPU); its slots are reused least recently used first.
+(`max_bytes`, pinned on a GPU); its slots are reused least recently used first. With the disk
+below, the disk's writer reads each page from its host slot (the device is not gathered twice
+and no staging memory is pinned on the engine thread), and a slot is not reused until its
+page is written.
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
@@ -52,6 +57,9 @@ class HostTier:
         self._slots: OrderedDict[str, int] = OrderedDict()
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._waiter = ThreadPoolExecutor(1, thread_name_prefix="radixlm-host-load")
+        # slot -> pages of it queued for the disk writer: not reused until written
+        self._writing: Counter[int] = Counter()
+        self._writing_lock = threading.Lock()
         self.counters = {"host_hit_tokens": 0, "host_load_bytes": 0, "host_load_seconds": 0.0,
                          "host_store_bytes": 0}
 
@@ -123,30 +131,71 @@ class HostTier:
     def store(self, names: Sequence[str], pages: Sequence[int]) -> None:
         """Copy these pages (their KV as it is now) into host memory, and to the disk below;
         returns at once on a GPU (the side stream copies)."""
+        new: list[tuple[int, int]] = []  # (page, slot)
+        for name, page in zip(names, pages):
+            if name not in self._slots:
+                slot = self._take_slot(name)
+                if slot is None:
+                    break  # every slot waits for the disk writer
+                new.append((page, slot))
+        if new:
+            self._copy_out(new)
         if self.below is not None:
-            self.below.store(names, pages)
-        new = [(name, page) for name, page in zip(names, pages) if name not in self._slots]
-        new = new[:self.num_slots]
-        if not new:
-            return
+            self._store_below(names, pages)
+
+    def _copy_out(self, new: list[tuple[int, int]]) -> None:
         # One gather on the compute stream, in the host pool's layout: [n, 2, L, ps, H, D].
-        kv = gather_pages(self.k, self.v, self.page_size, [page for _, page in new])
+        kv = gather_pages(self.k, self.v, self.page_size, [page for page, _ in new])
         kv = kv.permute(2, 0, 1, 3, 4, 5).contiguous()
         host = self.buffer.view(torch.uint8)
-        slots = [self._take_slot(name) for name, _ in new]
         compute = torch.cuda.current_stream(self.k.device) if self.cuda else None
         with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
             if compute is not None:
                 self.stream.wait_stream(compute)  # the gather above
                 kv.record_stream(self.stream)
-            for i, slot in enumerate(slots):
+            for i, (_, slot) in enumerate(new):
                 host[slot].copy_(kv[i], non_blocking=True)
         self.counters["host_store_bytes"] += len(new) * self.page_bytes
 
-    def _take_slot(self, name: str) -> int:
-        """A slot for `name`: a free one, or the least recently used one's. Copies into it
-        are enqueued on the side stream after any load still reading it."""
-        slot = self._free.pop() if self._free else self._slots.popitem(last=False)[1]
+    def _store_below(self, names: Sequence[str], pages: Sequence[int]) -> None:
+        """The disk writes the pages from their host slots (no second gather on the device,
+        no staging memory), which stay out of reuse until written; a page without a slot
+        goes from the device."""
+        assert self.below is not None
+        copies, others = [], []
+        for name, page in zip(names, pages):
+            slot = self._slots.get(name)
+            if slot is None:
+                others.append((name, page))
+            else:
+                with self._writing_lock:
+                    self._writing[slot] += 1
+                copies.append((name, self.buffer[slot], functools.partial(self._written, slot)))
+        # After every copy into host memory so far (this call's and earlier ones').
+        self.below.store_copies(copies, self.stream.record_event() if self.cuda else None)
+        if others:
+            self.below.store([n for n, _ in others], [p for _, p in others])
+
+    def _written(self, slot: int) -> None:
+        """(the disk writer's thread) A slot's page is on disk, or was skipped."""
+        with self._writing_lock:
+            self._writing[slot] -= 1
+            if not self._writing[slot]:
+                del self._writing[slot]
+
+    def _take_slot(self, name: str) -> int | None:
+        """A slot for `name`: a free one, or the least recently used one's that the disk
+        writer is not reading; None when there is none. Copies into it are enqueued on the
+        side stream after any load still reading it."""
+        if self._free:
+            slot = self._free.pop()
+        else:
+            for old, slot in self._slots.items():  # least recently used first
+                if slot not in self._writing:
+                    break
+            else:
+                return None
+            del self._slots[old]
         self._slots[name] = slot
         return slot
 
