@@ -374,35 +374,41 @@ def _engine_tokens(folder, prompts, params, setup=None, **options):
         return [o.token_ids for o in outs], [[lp.logprob for lp in o.logprobs] for o in outs]
 
 
+def _uncaptured_graphs(max_batch_size, record):
+    """An engine setup that gives the runner the graph runner, uncaptured (it runs its padded
+    batches eagerly), calling record(requests) with each step's rows."""
+    from radixlm.runtime.execution.cuda_graph import DecodeGraphs
+
+    def attach(engine):
+        core = engine.core
+        scratch = core.allocator.allocate(1)[0] * core.page_size  # a page no request gets
+        graphs = DecodeGraphs(core.runner.model, core.runner.attn, core.kv_cache, core.table,
+                              scratch, max_batch_size=max_batch_size,
+                              max_len=core.max_model_len, capture=False)
+        forward = graphs.forward
+
+        def recording_forward(requests, *args):
+            record(requests)
+            return forward(requests, *args)
+
+        graphs.forward = recording_forward
+        core.runner.cuda_graphs = graphs
+
+    return attach
+
+
 def case_decode_graph_padding_matches_eager():
     """The CUDA-graph runner's padded static batches, run eagerly: padded rows (a scratch
     slot, one-token contexts) change nothing, and batch sizes cross several padded sizes as
     requests finish at different lengths."""
     import tempfile
 
-    from radixlm.runtime.execution.cuda_graph import DecodeGraphs
-
     folder = save_llama(Path(tempfile.mkdtemp()), head_dim=32)
     prompts = PROMPTS[:5] + [[42]]  # a one-token prompt is a decode-shaped first step
     params = [{"temperature": 0, "max_new_tokens": 3 + 2 * i, "ignore_eos": True,
                "logprobs": True} for i in range(len(prompts))]
     seen: list[int] = []
-
-    def attach(engine):
-        core = engine.core
-        scratch = core.allocator.allocate(1)[0] * core.page_size  # a page no request gets
-        graphs = DecodeGraphs(core.runner.model, core.runner.attn, core.kv_cache, core.table,
-                              scratch, max_batch_size=5, max_len=core.max_model_len,
-                              capture=False)
-        forward = graphs.forward
-
-        def counting_forward(requests, *args):
-            seen.append(len(requests))
-            return forward(requests, *args)
-
-        graphs.forward = counting_forward
-        core.runner.cuda_graphs = graphs
-
+    attach = _uncaptured_graphs(5, lambda requests: seen.append(len(requests)))
     eager = _engine_tokens(folder, prompts, params, attention_backend="triton")
     padded = _engine_tokens(folder, prompts, params, setup=attach, attention_backend="triton")
     assert padded[0] == eager[0], (padded[0], eager[0])
@@ -418,28 +424,12 @@ def case_prompt_chunks_as_graph_rows_match_eager():
     tokens as the eager extend path, and logprobs within float32 noise."""
     import tempfile
 
-    from radixlm.runtime.execution.cuda_graph import DecodeGraphs
-
     folder = save_llama(Path(tempfile.mkdtemp()), head_dim=32)
     params = [{"temperature": 0, "max_new_tokens": 2 + i % 4, "ignore_eos": True,
                "logprobs": True} for i in range(len(PROMPTS))]
     chunks: list[int] = []  # the longest chunk of each graph step
-
-    def attach(engine):
-        core = engine.core
-        scratch = core.allocator.allocate(1)[0] * core.page_size
-        graphs = DecodeGraphs(core.runner.model, core.runner.attn, core.kv_cache, core.table,
-                              scratch, max_batch_size=48, max_len=core.max_model_len,
-                              capture=False)
-        forward = graphs.forward
-
-        def counting_forward(requests, *args):
-            chunks.append(max(sum(r is q for q in requests) for r in requests))
-            return forward(requests, *args)
-
-        graphs.forward = counting_forward
-        core.runner.cuda_graphs = graphs
-
+    attach = _uncaptured_graphs(
+        48, lambda requests: chunks.append(max(sum(r is q for q in requests) for r in requests)))
     eager = _engine_tokens(folder, PROMPTS, params, attention_backend="triton")
     rows = _engine_tokens(folder, PROMPTS, params, setup=attach, attention_backend="triton")
     assert rows[0] == eager[0], (rows[0], eager[0])
