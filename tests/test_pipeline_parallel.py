@@ -23,6 +23,7 @@ from radixlm.runtime.config.sampling_params import SamplingParams
 from radixlm.runtime.distributed.groups import split_layers
 from radixlm.runtime.engine.engine import Engine
 from radixlm.runtime.models.loader import load_model
+from radixlm.runtime.scheduling.kv_manager import TierLoad
 from radixlm.runtime.scheduling.pages import ReqToTokenTable
 from radixlm.runtime.scheduling.request import Request
 from radixlm.runtime.scheduling.scheduler import Scheduler
@@ -210,8 +211,8 @@ class _Pages:
     def attach(self, request):
         return True
 
-    def start_load(self, request):
-        return False
+    def start_load(self, request, wait_for_room=False):
+        return TierLoad.NONE
 
     def match(self, request):
         return 0
