@@ -676,7 +676,8 @@ def test_metrics(http, server):
                  "radixlm_request_prefill_time_seconds_bucket",
                  "radixlm_request_decode_time_seconds_bucket", "radixlm_num_preemptions_total",
                  "radixlm_samples_finished_total", "radixlm_grammar_compile_seconds_total",
-                 "radixlm_spec_decode_acceptance_rate"):
+                 "radixlm_spec_decode_acceptance_rate", "radixlm_engine_steps_total",
+                 "radixlm_engine_graph_steps_total"):
         assert name in text, name
     model = http.get("/get_model_info").json()["served_model_name"]
     assert (f'radixlm_requests_total{{model_name="{model}",route="/generate",status="200"}}'
@@ -688,6 +689,8 @@ def test_metrics(http, server):
     decode = next(line for line in samples
                   if line.startswith("radixlm_request_decode_time_seconds_count"))
     assert float(decode.split()[-1]) > 100
+    steps = next(line for line in samples if line.startswith("radixlm_engine_steps_total"))
+    assert float(steps.split()[-1]) > 100
     ttft_count = next(line for line in text.splitlines()
                       if line.startswith("radixlm_time_to_first_token_seconds_count"))
     assert float(ttft_count.split()[-1]) > 200

@@ -37,6 +37,9 @@ PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
 
 # Engine.stats() counters exported as counters: stat -> (metric, help).
 ENGINE_COUNTERS = {
+    "steps": ("radixlm_engine_steps", "Forward steps the engine ran"),
+    "graph_steps": ("radixlm_engine_graph_steps", "Of them, steps that replayed a CUDA graph "
+                    "(the rest ran the model eagerly)"),
     "retractions": ("radixlm_num_preemptions", "Requests retracted (preempted) for memory; "
                     "they restart from the prefix cache"),
     "spec_drafted_tokens": ("radixlm_spec_decode_num_draft_tokens", "Speculative tokens "
