@@ -249,6 +249,25 @@ def test_the_host_tier_gives_the_tokens_a_larger_pool_gives(tiny_chat_model, tmp
         assert_pages_add_up(engine)
 
 
+def test_revisited_documents_come_wholly_from_the_host_tier(tiny_chat_model):
+    """Three documents asked again all at once through a pool that holds about one of them
+    beside the others' decoding: each waits for room and loads its whole document (none is
+    loaded in part and computed for the rest), and the tokens are those of computing."""
+    docs = [f"Document {i}: " + f"fact {i} is about topic {i}. " * 30 for i in range(3)]
+    first = [doc + "Q: what?" for doc in docs]
+    again = [doc + "Q: and why?" for doc in docs]
+    reference, _, _ = run(tiny_chat_model, None, first + again)
+    with Engine(str(tiny_chat_model), max_total_tokens=512, host_cache_gb=0.01) as engine:
+        outs = engine.generate(first, GREEDY) + engine.generate(again, GREEDY)
+        assert [o.token_ids for o in outs] == reference
+        page = engine.stats()["page_size"]
+        doc_tokens = [len(engine.tokenizer.encode(doc)) for doc in docs]
+        for out, tokens in zip(outs[3:], doc_tokens):
+            assert out.cached_tokens >= tokens // page * page - page, (out.cached_tokens, tokens)
+        assert engine.stats()["host_hit_tokens"] > 0
+        assert_pages_add_up(engine)
+
+
 def test_pages_loaded_from_disk_are_kept_in_host_memory(tiny_chat_model, tmp_path):
     """After a restart the document's pages come from the disk, and go to host memory too:
     when the pool evicts them again, the next load comes from host memory."""

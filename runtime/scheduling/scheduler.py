@@ -164,7 +164,10 @@ class Scheduler:
                 continue  # wait for the other request's prefill to land in the cache
             if request.num_uncomputed - request.held_back_tokens <= 0:
                 continue  # nothing to compute until its grammar is ready
-            load = self.kv.start_load(request, wait_for_room=bool(self.running))
+            # Pages come back from running requests, and from loads in flight (their
+            # requests run next): while either holds some, a prefix waits for all its room.
+            load = self.kv.start_load(request,
+                                      wait_for_room=bool(self.running) or self.kv.loading)
             if load is TierLoad.LOADING:
                 continue  # its prefix is coming from a lower tier; others run meanwhile
             if load is TierLoad.NO_ROOM:
