@@ -204,6 +204,7 @@ class _Pages:
     page_size = 16
     cache = None
     available_pages = 1 << 20
+    loading = False
 
     def grow(self, request, tokens):
         return True
