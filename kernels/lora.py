@@ -18,6 +18,11 @@ Shrink splits `in` over SPLIT_K programs (a batch-1 GEMV needs the parallelism) 
 float32 partial sums [SPLIT_K, rows, P * R]; expand adds them in split order before rounding u
 to the weights' dtype (as the unfused x @ A^T would) — no atomics, so the result does not
 depend on which program ran first.
+
+Launch shapes, from a sweep on an H100 (8B layer shapes, batch 256, 1 and 64 adapters, ranks
+16 and 64; docs/lora.md): shrink is latency-bound, best with small programs (2 warps, 512
+inputs each, three stages); expand streams B and the output, best with wide column blocks
+(512) so that each program loads its tile's u once for many columns.
 """
 
 from __future__ import annotations
@@ -28,10 +33,15 @@ import triton.language as tl
 
 from radixlm.kernels.lora_rows import BLOCK_M, BLOCK_R
 
+SHRINK_INPUTS = 512  # inputs per shrink program (before the cap on programs)
+SHRINK_BLOCK_K = 128
+EXPAND_BLOCK_N = 512
+
 
 def split_k(in_features: int) -> int:
-    """Programs `in` is split over in shrink: about 1024 inputs each, at most 16."""
-    return max(1, min(16, triton.cdiv(in_features, 1024)))
+    """Programs `in` is split over in shrink: about SHRINK_INPUTS inputs each, at most 16.
+    Fixed by the layer alone, so a row's sums do not depend on its batch."""
+    return max(1, min(16, triton.cdiv(in_features, SHRINK_INPUTS)))
 
 
 @triton.jit
@@ -125,19 +135,19 @@ def lora_add(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tenso
         return out
     assert x.stride(1) == 1 and out.stride(1) == 1 and a.is_contiguous() and b.is_contiguous()
     assert rank_stride % BLOCK_R == 0 and width % rank_stride == 0
-    splits = split_k(in_features)
-    block_k = 64 if in_features <= 2048 else 128
-    k_per_split = triton.cdiv(triton.cdiv(in_features, splits), block_k) * block_k
+    block_k = min(SHRINK_BLOCK_K, max(16, triton.next_power_of_2(in_features)))
+    k_per_split = triton.cdiv(triton.cdiv(in_features, split_k(in_features)), block_k) * block_k
     splits = triton.cdiv(in_features, k_per_split)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     partials = torch.empty((splits, num_rows, width), dtype=torch.float32, device=x.device)
     _shrink_kernel[(num_tiles, width // BLOCK_R, splits)](
         x, a, rows, tiles, ranks, partials, num_rows, in_features, x.stride(0), width,
         rank_stride, k_per_split, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=block_k,
-        DOT_PRECISION=precision)
-    block_n = 64 if out_features <= 2048 else 128
+        DOT_PRECISION=precision, num_warps=2, num_stages=3)
+    block_n = min(EXPAND_BLOCK_N, max(16, triton.next_power_of_2(out_features)))
     _expand_kernel[(num_tiles, triton.cdiv(out_features, block_n))](
         partials, b, out, rows, tiles, ranks, part_cols, num_rows, out_features, out.stride(0),
         width, rank_stride, NUM_PARTS=part_cols.shape[0], SPLIT_K=splits, BLOCK_M=BLOCK_M,
-        BLOCK_R=BLOCK_R, BLOCK_N=block_n, DOT_PRECISION=precision)
+        BLOCK_R=BLOCK_R, BLOCK_N=block_n, DOT_PRECISION=precision, num_warps=4,
+        num_stages=3 if rank_stride >= 64 else 2)
     return out
