@@ -163,14 +163,15 @@ class HostTier:
         goes from the device."""
         assert self.below is not None
         copies, others = [], []
-        for name, page in zip(names, pages):
-            slot = self._slots.get(name)
-            if slot is None:
-                others.append((name, page))
-            else:
-                with self._writing_lock:
+        with self._writing_lock:  # once per call: the disk writer's thread takes it per page
+            for name, page in zip(names, pages):
+                slot = self._slots.get(name)
+                if slot is None:
+                    others.append((name, page))
+                else:
                     self._writing[slot] += 1
-                copies.append((name, self.buffer[slot], functools.partial(self._written, slot)))
+                    copies.append((name, self.buffer[slot],
+                                   functools.partial(self._written, slot)))
         # After every copy into host memory so far (this call's and earlier ones').
         self.below.store_copies(copies, self.stream.record_event() if self.cuda else None)
         if others:
