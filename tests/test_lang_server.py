@@ -100,7 +100,7 @@ def test_runtime_endpoint_streams_forks_and_releases_leases(server_url):
     assert "".join(pieces) == plain["answer"] and len(pieces) > 1
 
 
-def test_openai_backend_chat_completion_and_select_error(server_url):
+def test_openai_backend_chat_completion_and_select(server_url):
     backend = rl.OpenAI("default", base_url=server_url + "/v1", api_key="unused")
     with urllib.request.urlopen(server_url + "/v1/models") as response:
         backend.model = json.load(response)["data"][0]["id"]
@@ -122,10 +122,19 @@ def test_openai_backend_chat_completion_and_select_error(server_url):
         s += rl.user("Hi") + rl.assistant("Hello, " + rl.gen("rest", max_tokens=4))
 
     assert "start an assistant message" in str(partial.run(backend=backend).error())
-    # select needs prompt logprobs (echo), which the OpenAI routes do not return: a clear
-    # error, not a wrong answer.
-    error = pick.run(review="Great!", backend=backend).error()
-    assert "prompt-token logprobs" in str(error)
+    # select scores each choice through /v1/completions with echo and logprobs: the same
+    # pick, from the same logprobs, as the native route's.
+    @rl.function
+    def sentiment(s, review):
+        s += f"Review: {review}\nSentiment:" + rl.select(
+            "label", choices=[" positive", " negative", " mixed"])
+
+    remote = rl.RuntimeEndpoint(server_url)
+    for review in ("Great!", "Terrible, would not buy again.", "Fine, I guess."):
+        over_openai = sentiment.run(review=review, backend=backend)
+        native = sentiment.run(review=review, backend=remote)
+        assert over_openai.error() is None and over_openai["label"] == native["label"]
+    assert pick.run(review="Great!", backend=backend)["label"] in ("positive", "negative")
 
 
 def test_segments_over_http_give_what_calls_give(server_url):

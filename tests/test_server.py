@@ -301,6 +301,49 @@ def test_openai_chat_completion_and_streaming(client, offline):
     assert again.usage.prompt_tokens_details.cached_tokens > 0
 
 
+def test_openai_completion_echo_scores_the_prompt(client, http):
+    """echo: the prompt's text and logprobs before the completion's (max_tokens 0: the prompt
+    alone, how evaluation harnesses ask for a text's likelihood)."""
+    scored = client.completions.create(model="any", prompt=PROMPTS[0], max_tokens=0,
+                                       echo=True, logprobs=2, temperature=0)
+    choice, logprobs = scored.choices[0], scored.choices[0].logprobs
+    assert choice.text == PROMPTS[0] and scored.usage.completion_tokens == 0
+    native = http.post("/generate", json={
+        "text": PROMPTS[0], "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+        "logprob_start_len": 0, "top_logprobs_num": 2}).json()["meta_info"]
+    assert logprobs.token_logprobs == [lp for lp, _, _ in native["input_token_logprobs"]]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(len(top) == 2 for top in logprobs.top_logprobs[1:])
+    assert "".join(logprobs.tokens) == PROMPTS[0]
+    assert logprobs.text_offset == [len("".join(logprobs.tokens[:i]))
+                                    for i in range(len(logprobs.tokens))]
+    again = client.completions.create(model="any", prompt=PROMPTS[0], max_tokens=0,
+                                      echo=True, logprobs=2, temperature=0)
+    assert again.choices[0].logprobs.token_logprobs == logprobs.token_logprobs  # cached prefix
+
+    plain = client.completions.create(model="any", prompt=PROMPTS[4], max_tokens=6,
+                                      temperature=0, logprobs=1)
+    echoed = client.completions.create(model="any", prompt=PROMPTS[4], max_tokens=6,
+                                       temperature=0, logprobs=1, echo=True)
+    prompt_tokens = echoed.usage.prompt_tokens
+    assert echoed.choices[0].text == PROMPTS[4] + plain.choices[0].text
+    assert (echoed.choices[0].logprobs.token_logprobs[prompt_tokens:]
+            == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-4))
+    assert len(echoed.choices[0].logprobs.tokens) == prompt_tokens + 6
+
+    ids = http.post("/generate", json={"text": PROMPTS[1], "sampling_params": {
+        "max_new_tokens": 0}, "return_logprob": True, "logprob_start_len": 0}).json()
+    prompt_ids = [t for _, t, _ in ids["meta_info"]["input_token_logprobs"]]
+    from_ids = client.completions.create(model="any", prompt=prompt_ids, max_tokens=3,
+                                         temperature=0, echo=True)
+    streamed = [c.choices[0].text for c in client.completions.create(
+        model="any", prompt=PROMPTS[1], max_tokens=3, temperature=0, echo=True, stream=True)
+        if c.choices]
+    assert streamed[0] == PROMPTS[1]  # the prompt comes first
+    assert "".join(streamed) == from_ids.choices[0].text
+    assert from_ids.choices[0].text.startswith(PROMPTS[1])
+
+
 def test_openai_completion_n_logprobs_and_stop(client, offline):
     out = client.completions.create(model="any", prompt=PROMPTS[4], max_tokens=6,
                                     temperature=0, logprobs=3)
@@ -417,7 +460,9 @@ def error_of(response: Reply, status: int) -> dict:
     ("/v1/completions", {"prompt": "hi", "logprobs": 99}, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "top_k": "x"}, "top_k"),
     ("/v1/completions", {"prompt": "hi", "min_tokens": 9, "max_tokens": 2}, "min_tokens"),
-    ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "!"}, "suffix"),
+    ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1, "stream": True}, "echo"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"max_tokens": 2}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "frobnicate": True}, "frobnicate"),
     ("/v1/chat/completions", {"messages": []}, "messages"),

@@ -1,6 +1,6 @@
 """OpenAI request shapes (`/v1/completions`, `/v1/chat/completions`) mapped onto
 `SamplingParams`, with the extras SGLang and vLLM accept (top_k, min_p, ...). A field we do not
-know, or one we know but do not implement (echo, suffix), is a 400 naming it:
+know, or one we know but do not implement (suffix), is a 400 naming it:
 silently ignoring it would return something the client did not ask for. Tool calling's
 fields are in tool_requests.py."""
 
@@ -68,6 +68,7 @@ class OpenAIRequest:
     include_usage: bool
     cache_salt: str | None
     prompts: list[str] | list[list[int]] | None = None  # completions
+    echo: bool = False  # completions: each choice starts with its prompt
     messages: list[dict[str, Any]] | None = None  # chat
     tools: ToolRequest = dataclasses.field(default_factory=ToolRequest)  # chat
     template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # chat
@@ -79,20 +80,32 @@ class OpenAIRequest:
 
 
 def parse_completion(body: dict[str, Any], vocab_size: int) -> OpenAIRequest:
+    """With `echo`, each choice's text starts with its prompt and, with `logprobs`, so do its
+    logprobs (the first prompt token has none); `max_tokens: 0` then scores the prompt alone
+    (how evaluation harnesses compute a text's likelihood)."""
     f = Fields(body)
     f.only(COMPLETION_FIELDS)
-    _unsupported(f, echo=False, suffix="")
-    values, names = _common(f)
+    _unsupported(f, suffix="")
+    echo = f.boolean("echo", False)
+    values, names = _common(f, least_max_tokens=0 if echo else 1)
     if f.has("best_of") and f.integer("best_of") != values.get("n", 1):
         raise bad("best_of is not supported (it must equal n)", "best_of", "not_supported")
     k = f.integer("logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
     if k is not None:
         values.update(logprobs=True, top_logprobs_num=k)
         names["top_logprobs_num"] = "logprobs"
+        if echo:
+            if f.boolean("stream", False):
+                # The prompt's logprobs are known only once its request ends, after the
+                # stream has sent the generated text.
+                raise bad("echo with logprobs is not supported when streaming", "echo",
+                          "not_supported")
+            values["logprob_start_len"] = 0
     explicit = "max_new_tokens" in values
     values.setdefault("max_new_tokens", 16)  # OpenAI's default for completions
     req = _request(f, values, names, "max_tokens", explicit)
     req.prompts = _completion_prompts(body.get("prompt"), vocab_size)
+    req.echo = echo
     return req
 
 
@@ -201,7 +214,7 @@ def _chat_sdk_fields(f: Fields) -> None:
                   "modalities", "not_supported")
 
 
-def _common(f: Fields) -> tuple[dict[str, Any], dict[str, str]]:
+def _common(f: Fields, least_max_tokens: int = 1) -> tuple[dict[str, Any], dict[str, str]]:
     f.string("model")
     _sdk_fields(f)
     f.number("temperature", lo=0, hi=2)  # OpenAI's range (SamplingParams allows more)
@@ -210,7 +223,7 @@ def _common(f: Fields) -> tuple[dict[str, Any], dict[str, str]]:
     names.update(json_schema="response_format", json_object="response_format",
                  structural_tag="response_format")
     if f.has("max_tokens"):
-        values["max_new_tokens"] = f.integer("max_tokens", lo=1)
+        values["max_new_tokens"] = f.integer("max_tokens", lo=least_max_tokens)
     names["max_new_tokens"] = "max_tokens"
     for name in ("spaces_between_special_tokens", "no_stop_trim"):
         if f.has(name):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from aiohttp import web
@@ -68,7 +69,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
     assert req.prompts is not None
     prompts = [p if isinstance(p, list) else await state.codec.encode_prompt(p, "prompt")
                for p in req.prompts]
-    return await _respond(request, state, req, prompts, "cmpl", "text_completion")
+    echoes = None
+    if req.echo:  # a text prompt as sent; token ids as text
+        echoes = [p if isinstance(p, str)
+                  else await state.codec.decode(p, req.params.skip_special_tokens)
+                  for p in req.prompts]
+    return await _respond(request, state, req, prompts, "cmpl", "text_completion",
+                          echoes=echoes)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -133,13 +140,16 @@ def tool_error(req: OpenAIRequest, error: ApiError) -> ApiError:
 
 async def _respond(request: web.Request, state: ServerState, req: OpenAIRequest,
                    prompts: list[list[int]], prefix: str, kind: str,
-                   tool_format: str | None = None) -> web.StreamResponse:
+                   tool_format: str | None = None,
+                   echoes: list[str] | None = None) -> web.StreamResponse:
+    """`echoes`: completions' `echo`, each prompt's text to start its choices with."""
     rid = f"{prefix}-{uuid.uuid4().hex}"
     gen = generation(state, req, prompts, rid,
                      "prompt" if kind == "text_completion" else "messages")
     head = {"id": rid, "object": kind, "created": int(time.time()),
             "model": state.model_name if req.lora is None else req.lora[0]}
-    render = _Renderer(state, req, kind == "chat.completion", tool_format)
+    render = _Renderer(state, req, kind == "chat.completion", tool_format,
+                       None if echoes is None else _Echo(echoes, prompts))
     if req.stream:
         return await stream_events(request, _events(gen, head, render, req))
     async with gen:
@@ -156,10 +166,18 @@ async def _events(gen: HttpGeneration, head: dict[str, Any], render: "_Renderer"
     head = {**head, "object": head["object"] + (".chunk" if render.chat else "")}
     flat = {id(s): i for i, s in enumerate(gen.samples)}
     opened = not render.chat
+    echoed: set[int] = set()
     async with gen:
         async for sample, chunk in gen.chunks():
+            index = flat[id(sample)]
             if chunk.finish_reason == "abort" and chunk.error:
                 raise tool_error(req, abort_error(chunk.error, chunk.error_invalid))
+            if render.echo is not None and index not in echoed:
+                # Each choice's prompt first (echo with logprobs is refused when streaming).
+                echoed.add(index)
+                yield {**head, "choices": [{"index": index,
+                                            "text": render.echo.texts[sample.prompt_index],
+                                            "logprobs": None, "finish_reason": None}]}
             if not opened:
                 # OpenAI opens each choice with the assistant role. Sent with the engine's
                 # first chunk, not before: a request the engine refuses is still a plain 400.
@@ -171,7 +189,7 @@ async def _events(gen: HttpGeneration, head: dict[str, Any], render: "_Renderer"
             logprobs = chunk.logprobs if render.wants_logprobs else None
             if not (chunk.delta or chunk.finished or logprobs):
                 continue  # text held back (a possible stop string, half a character)
-            choice = await render.delta(flat[id(sample)], sample, chunk.delta, logprobs or [],
+            choice = await render.delta(index, sample, chunk.delta, logprobs or [],
                                         chunk.finish_reason)
             if choice is not None:
                 yield {**head, "choices": [choice]}
@@ -184,10 +202,12 @@ class _Renderer:
     tool calls parsed out (`tool_format`)."""
 
     def __init__(self, state: ServerState, req: OpenAIRequest, chat: bool,
-                 tool_format: str | None = None) -> None:
+                 tool_format: str | None = None, echo: "_Echo | None" = None) -> None:
         self.codec = state.codec
         self.chat = chat
+        self.echo = echo
         self.wants_logprobs = req.params.logprobs
+        self.skip_special = req.params.skip_special_tokens
         self.offsets: dict[int, int] = {}  # completions text_offset, per streamed choice
         self.tool_format = tool_format
         self.tool_names = [t["name"] for t in req.tools.tools]
@@ -197,11 +217,16 @@ class _Renderer:
         self.thinking: dict[int, reasoning.ReasoningStream] = {}  # per streamed choice
 
     async def choice(self, index: int, sample: Sample) -> dict[str, Any]:
-        logprobs = await self._logprobs(index, sample.logprobs) if self.wants_logprobs else None
         if not self.chat:
-            out = {"index": index, "text": sample.text, "logprobs": logprobs,
+            text, entries = sample.text, sample.logprobs
+            if self.echo is not None:
+                text = self.echo.texts[sample.prompt_index] + text
+                entries = self.echo.entries(sample) + entries
+            logprobs = await self._logprobs(index, entries) if self.wants_logprobs else None
+            out = {"index": index, "text": text, "logprobs": logprobs,
                    "finish_reason": sample.finish_reason}
             return _with_warnings(out, sample)
+        logprobs = await self._logprobs(index, sample.logprobs) if self.wants_logprobs else None
         thought, content, calls = None, sample.text, []
         if self.reasoning is not None:
             thought, content = reasoning.split(self.reasoning, content)
@@ -253,7 +278,9 @@ class _Renderer:
                "finish_reason": _finish(finish, made_calls) if finish is not None else None}
         return _with_warnings(out, sample) if finish is not None else out
 
-    async def _logprobs(self, index: int, entries: list[LogprobEntry]) -> dict[str, Any]:
+    async def _logprobs(self, index: int, entries: list[EchoEntry]) -> dict[str, Any]:
+        """The entries in the route's shape (in completions, an echoed prompt's first token
+        has no logprob: None)."""
         if self.chat:
             return {"content": await token_logprobs(self.codec, entries), "refusal": None}
         ids = [t for t, _, _ in entries] + [t for _, _, top in entries for t, _ in top or ()]
@@ -262,13 +289,35 @@ class _Renderer:
         offset = self.offsets.get(index, 0)
         for t, _, _ in entries:
             offsets.append(offset)
-            offset += len(texts[t])
+            # Offsets into the choice's text, which leaves out skipped special tokens (a BOS
+            # the tokenizer put before an echoed prompt, an EOS at the end).
+            if not (self.skip_special and self.codec.is_special(texts[t])):
+                offset += len(texts[t])
         self.offsets[index] = offset
         return {"tokens": [texts[t] for t, _, _ in entries],
                 "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": [{texts[a]: alp for a, alp in top or ()}
-                                 for _, _, top in entries],
+                "top_logprobs": [None if lp is None else {texts[a]: alp for a, alp in top or ()}
+                                 for _, lp, top in entries],
                 "text_offset": offsets}
+
+
+# A logprob entry of an echoed prompt token: (token, logprob, top), None for the first one's.
+EchoEntry = tuple[int, float | None, list[tuple[int, float]] | None]
+
+
+@dataclass
+class _Echo:
+    """Completions' `echo`: each prompt's text, and its ids for the prompt's logprobs."""
+
+    texts: list[str]
+    prompts: list[list[int]]
+
+    def entries(self, sample: Sample) -> list[EchoEntry]:
+        """The sample's prompt logprobs, one per prompt token (asked from position 0)."""
+        ids = self.prompts[sample.prompt_index]
+        logprobs = sample.prompt_logprobs or [None] * len(ids)
+        return [(t, None, None) if e is None else (t, e[1], e[2])
+                for t, e in zip(ids, logprobs)]
 
 
 async def token_logprobs(codec: Any, entries: list[LogprobEntry]) -> list[dict[str, Any]]:

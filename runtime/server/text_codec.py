@@ -173,6 +173,13 @@ class TextCodec:
             raise bad(f"tools: checking the parameter schemas took too long or too much "
                       f"memory ({exc.message}); simplify them", "tools") from None
 
+    async def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Token ids -> text ("" without a tokenizer: ids are then all there is)."""
+        if self.tokenizer is None:
+            return ""
+        return await self._run(lambda tok: tok.decode(ids,
+                                                      skip_special_tokens=skip_special_tokens))
+
     async def token_texts(self, ids: list[int]) -> list[str]:
         """Each token's own text (for logprobs), cached per id."""
         missing = sorted({t for t in ids if t not in self._token_text})
