@@ -344,6 +344,29 @@ def test_openai_completion_echo_scores_the_prompt(client, http):
     assert from_ids.choices[0].text.startswith(PROMPTS[1])
 
 
+def test_tokenize_and_detokenize(client, http):
+    """vLLM's token routes: the ids a generation runs, their texts, and back."""
+    reply = http.post("/tokenize", json={"prompt": PROMPTS[0], "return_token_strs": True}).json()
+    native = http.post("/generate", json={"text": PROMPTS[0], "sampling_params": {
+        "max_new_tokens": 0}, "return_logprob": True, "logprob_start_len": 0}).json()
+    assert reply["tokens"] == [t for _, t, _ in native["meta_info"]["input_token_logprobs"]]
+    assert reply["count"] == len(reply["tokens"]) and reply["max_model_len"] > 0
+    assert "".join(reply["token_strs"]) == PROMPTS[0]
+    assert http.post("/detokenize", json={"tokens": reply["tokens"]}).json() == {
+        "prompt": PROMPTS[0]}
+    plain = http.post("/tokenize", json={"prompt": PROMPTS[0], "add_special_tokens": False})
+    assert plain.json()["token_strs"] is None and plain.json()["count"] >= 1
+
+    messages = [{"role": "user", "content": "Hi there"}]
+    chat = http.post("/tokenize", json={"messages": messages}).json()
+    used = client.chat.completions.create(model="any", messages=messages, max_tokens=1)
+    assert chat["count"] == used.usage.prompt_tokens
+    open_turn = http.post("/tokenize", json={"messages": messages,
+                                             "add_generation_prompt": False}).json()
+    assert open_turn["count"] < chat["count"]
+    assert open_turn["tokens"] == chat["tokens"][:open_turn["count"]]
+
+
 def test_openai_completion_n_logprobs_and_stop(client, offline):
     out = client.completions.create(model="any", prompt=PROMPTS[4], max_tokens=6,
                                     temperature=0, logprobs=3)
@@ -463,6 +486,14 @@ def error_of(response: Reply, status: int) -> dict:
     ("/v1/completions", {"prompt": "hi", "suffix": "!"}, "suffix"),
     ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1, "stream": True}, "echo"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
+    ("/tokenize", {}, "messages"),
+    ("/tokenize", {"prompt": "a", "add_generation_prompt": True}, "add_generation_prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "b"}],
+                   "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, "chat_template_kwargs"),
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, "tokens"),
     ("/v1/completions", {"max_tokens": 2}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "frobnicate": True}, "frobnicate"),
     ("/v1/chat/completions", {"messages": []}, "messages"),

@@ -49,6 +49,8 @@ VALID: dict[str, dict[str, Any]] = {
     "/release_prefix": {"lease_id": "fuzz"},
     "/release_program": {"program_id": "fuzz"},
     "/abort_request": {"rid": "fuzz"},
+    "/tokenize": {"messages": HI, "add_generation_prompt": True, "return_token_strs": True},
+    "/detokenize": {"tokens": [19556, 905]},
     "/generate_program": {"text": "Q: hi", "stream": False, "steps": [
         {"before": " A:", "gen": {"sampling_params": {"max_new_tokens": 2}}},
         {"before": " so", "select": {"choices": ["yes", "no"]}}]},

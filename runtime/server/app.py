@@ -36,6 +36,7 @@ from radixlm.runtime.server import (
     openai_routes,
     program_routes,
     responses_routes,
+    tokenize_routes,
 )
 from radixlm.runtime.server.generation import HttpGeneration
 from radixlm.runtime.server.state import ServerState
@@ -62,6 +63,7 @@ def build_app(state: ServerState) -> web.Application:
     responses_routes.add_routes(app)
     program_routes.add_routes(app)
     lora_routes.add_routes(app)
+    tokenize_routes.add_routes(app)
     return app
 
 

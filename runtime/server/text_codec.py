@@ -111,6 +111,13 @@ class TextCodec:
             raise bad(f"{param} is empty after tokenization", param)
         return ids
 
+    async def tokenize(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """Text -> ids as /tokenize reports them: with special tokens as a prompt gets them, or
+        none; an empty result is allowed."""
+        if add_special_tokens:
+            return await self._encode(text, lambda tok: encode_prompt(tok, text), param)
+        return await self.encode_plain(text, param)
+
     async def encode_plain(self, text: str, param: str) -> list[int]:
         """Text that continues other text (e.g. a scored continuation): no special tokens."""
         return await self._encode(text, lambda tok: tok.encode(text, add_special_tokens=False),
