@@ -361,6 +361,12 @@ def test_tokenize_and_detokenize(client, http):
     chat = http.post("/tokenize", json={"messages": messages}).json()
     used = client.chat.completions.create(model="any", messages=messages, max_tokens=1)
     assert chat["count"] == used.usage.prompt_tokens
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    with_tools = http.post("/tokenize", json={"messages": messages, "tools": tools}).json()
+    used = client.chat.completions.create(model="any", messages=messages, max_tokens=1,
+                                          tools=tools)
+    assert with_tools["count"] == used.usage.prompt_tokens
     open_turn = http.post("/tokenize", json={"messages": messages,
                                              "add_generation_prompt": False}).json()
     assert open_turn["count"] < chat["count"]
@@ -490,7 +496,9 @@ def error_of(response: Reply, status: int) -> dict:
     ("/tokenize", {}, "messages"),
     ("/tokenize", {"prompt": "a", "add_generation_prompt": True}, "add_generation_prompt"),
     ("/tokenize", {"messages": [{"role": "user", "content": "b"}],
-                   "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, "chat_template_kwargs"),
+                   "chat_template_kwargs": {"chat_template": "{{ 1 }}"}},
+     "chat_template_kwargs.chat_template"),
+    ("/tokenize", {"prompt": "a", "tools": []}, "tools"),
     ("/tokenize", {"prompt": 5}, "prompt"),
     ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
     ("/detokenize", {"tokens": "abc"}, "tokens"),

@@ -90,7 +90,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                           tool_format)
 
 
-async def prepare_chat(state: ServerState, req: OpenAIRequest) -> tuple[list[int], str | None]:
+async def prepare_chat(state: ServerState, req: OpenAIRequest, add_generation_prompt: bool = True
+                       ) -> tuple[list[int], str | None]:
     """A parsed chat request made ready to run: its tools' schemas checked, the conversation
     rendered and encoded, the tool calls' structural tag set on its params. Returns the prompt
     and the format replies' tool calls are parsed in (None: no tools)."""
@@ -98,7 +99,7 @@ async def prepare_chat(state: ServerState, req: OpenAIRequest) -> tuple[list[int
     await state.codec.check_tool_schemas(req.tools.schemas)
     plan = tool_requests.plan(req.chat_template or state.codec.chat_template, req.messages,
                               req.tools, state.config.tool_call_parser)
-    text = await state.codec.render_chat(plan.messages, add_generation_prompt=True,
+    text = await state.codec.render_chat(plan.messages, add_generation_prompt,
                                          tools=plan.template_tools,
                                          template_kwargs=req.template_kwargs,
                                          template=req.chat_template)
