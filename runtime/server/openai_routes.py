@@ -222,7 +222,8 @@ class _Renderer:
             text, entries = sample.text, sample.logprobs
             if self.echo is not None:
                 text = self.echo.texts[sample.prompt_index] + text
-                entries = self.echo.entries(sample) + entries
+                if self.wants_logprobs:
+                    entries = self.echo.entries(sample) + entries
             logprobs = await self._logprobs(index, entries) if self.wants_logprobs else None
             out = {"index": index, "text": text, "logprobs": logprobs,
                    "finish_reason": sample.finish_reason}
@@ -314,7 +315,8 @@ class _Echo:
     prompts: list[list[int]]
 
     def entries(self, sample: Sample) -> list[EchoEntry]:
-        """The sample's prompt logprobs, one per prompt token (asked from position 0)."""
+        """The sample's prompt logprobs, one per prompt token (asked from position 0 when
+        the request wants logprobs: parse_completion)."""
         ids = self.prompts[sample.prompt_index]
         logprobs = sample.prompt_logprobs or [None] * len(ids)
         return [(t, None, None) if e is None else (t, e[1], e[2])
