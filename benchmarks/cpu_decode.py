@@ -24,7 +24,7 @@ a few minutes on 2 cores); without it the llama.cpp rows are left out and the JS
 `--requantize` (needs llama-cpp-python) also writes the embedded file in other GGUF types with
 llama.cpp's own quantizer (from its Q4_1 blocks: the speed of each type's kernels, not its
 quality) and measures batch 1 on each, ours beside llama.cpp on the same file.
-`--families gemma3,qwen3,gemma2` (needs llama-cpp-python) does the same for random-weight
+`--families gemma3,qwen3,gemma2,qwen3moe` (needs llama-cpp-python) does the same for random-weight
 files of other families at the shapes of real small checkpoints, with their large
 vocabularies (benchmarks/random_gguf.py), in each of `--family-types` (default Q4_K_M).
 """
@@ -94,15 +94,40 @@ def bandwidth_gb_s(mib: int = 256) -> float:
 
 def step_bytes(model: Any) -> int:
     """Bytes a batch-1 decode step reads: every parameter and buffer once (packed quantized
-    weights and the CPU kernel's tiles are buffers), and of the embedding table one row,
-    unless it is also the float head."""
+    weights and the CPU kernel's tiles are buffers), of the embedding table one row, unless
+    it is also the float head, and of a mixture of experts' experts the top-k's share."""
+    from radixlm.runtime.models.moe import SparseMoeBlock
+
     named = [*model.named_parameters(), *model.named_buffers()]
     tensors = {t.data_ptr(): t for _, t in named}
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     table = model.model.embed_tokens
     if model.lm_head is not None or table.packed_logits is not None:
         total -= table.weight[1:].numel() * table.weight.element_size()
+    for block in model.modules():
+        if isinstance(block, SparseMoeBlock):
+            experts = block.experts
+            unread = 1 - block.top_k / experts.num_experts
+            held = [*experts.parameters(), *experts.buffers(),
+                    *(t for s in getattr(experts, "cpu_stacks", {}).values() for t in s.tensors)]
+            total -= int(unread * sum(t.numel() * t.element_size() for t in held))
     return total
+
+
+def gguf_step_bytes(path: Path) -> int:
+    """Bytes llama.cpp reads a batch-1 decode step: the file's, less the experts that a
+    token's top-k routing leaves unread."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+    count = reader.fields.get(f"{arch}.expert_count")
+    total = path.stat().st_size
+    if count is None:
+        return total
+    unread = 1 - reader.fields[f"{arch}.expert_used_count"].contents() / count.contents()
+    experts = sum(int(t.n_bytes) for t in reader.tensors if "_exps." in t.name)
+    return total - int(unread * experts)
 
 
 def requantized(type_name: str, threads: int, source: Path | None = None) -> Path:
@@ -268,7 +293,7 @@ def llama_cpp(threads: int, path: Path | None = None) -> tuple[dict[str, Callabl
         llm.eval(ids)  # the prompt, logits of its last token (what one token needs)
         return len(ids), time.perf_counter() - start
     return ({"batch1": batch1, "batched": llama_cpp_batched(llm, threads), "prefill": prefill},
-            path.stat().st_size)
+            gguf_step_bytes(path))
 
 
 def llama_cpp_batched(llm: Any, threads: int) -> Callable[[int, int], float]:
@@ -360,7 +385,7 @@ def main() -> None:
                              "the same file), e.g. Q4_K_M,Q5_K_M,Q6_K,Q8_0")
     parser.add_argument("--families", default="",
                         help="random-weight files of other families to also measure at batch "
-                             "1, ours against llama.cpp: gemma3, qwen3, gemma2")
+                             "1, ours against llama.cpp: gemma3, qwen3, gemma2, qwen3moe")
     parser.add_argument("--family-types", default="Q4_K_M",
                         help="the GGUF types of the --families files, e.g. Q4_K_M,Q6_K")
     parser.add_argument("--out", default=None, help="JSON file (default: a dated file in "

@@ -16,7 +16,9 @@ from typing import Any
 import numpy as np
 
 # Shapes of released checkpoints: Gemma 3 270M, Qwen3 0.6B, Gemma 2 2B (its vocabulary and
-# widths, 8 of its 26 layers, to keep the file small).
+# widths, 8 of its 26 layers, to keep the file small), Qwen3-30B-A3B (its vocabulary and
+# widths, top-8 routing, 16 of its 48 layers and 16 of its 128 experts: a batch-1 token
+# reads the same bytes per layer as the real model's, the file is 1.1 GB instead of 18).
 FAMILIES: dict[str, dict[str, Any]] = {
     "gemma3": dict(like="Gemma 3 270M", hidden=640, layers=18, heads=4,
                    kv_heads=1, head_dim=256, ffn=2048, vocab=262144, window=512,
@@ -26,6 +28,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "gemma2": dict(like="Gemma 2 2B, 8 of 26 layers", hidden=2304, layers=8,
                    heads=8, kv_heads=4, head_dim=256, ffn=9216, vocab=256000, window=4096,
                    rope_theta=10_000.0, attn_softcap=50.0, final_softcap=30.0),
+    "qwen3moe": dict(like="Qwen3-30B-A3B, 16 of 48 layers, 16 of 128 experts", hidden=2048,
+                     layers=16, heads=32, kv_heads=4, head_dim=128, ffn=6144, vocab=151936,
+                     rope_theta=1_000_000.0, experts=16, experts_used=8, expert_ffn=768),
 }
 
 
@@ -56,6 +61,10 @@ def write_random_gguf(path: Path, family: str, tokenizer_file: Path, seed: int =
         writer.add_sliding_window(spec["window"])
     if "rope_theta_swa" in spec:
         writer.add_rope_freq_base_swa(spec["rope_theta_swa"])
+    if "experts" in spec:
+        writer.add_expert_count(spec["experts"])
+        writer.add_expert_used_count(spec["experts_used"])
+        writer.add_expert_feed_forward_length(spec["expert_ffn"])
     if "attn_softcap" in spec:
         writer.add_attn_logit_softcapping(spec["attn_softcap"])
         writer.add_final_logit_softcapping(spec["final_softcap"])
@@ -78,13 +87,22 @@ def write_random_gguf(path: Path, family: str, tokenizer_file: Path, seed: int =
         writer.add_tensor(blk + "attn_k.weight", matrix(kv_heads * head_dim, d))
         writer.add_tensor(blk + "attn_v.weight", matrix(kv_heads * head_dim, d))
         writer.add_tensor(blk + "attn_output.weight", matrix(d, heads * head_dim))
-        if arch in ("qwen3", "gemma3"):
+        if arch in ("qwen3", "qwen3moe", "gemma3"):
             writer.add_tensor(blk + "attn_q_norm.weight", norm(head_dim))
             writer.add_tensor(blk + "attn_k_norm.weight", norm(head_dim))
         if gemma:
             writer.add_tensor(blk + "post_attention_norm.weight", norm(d))
             writer.add_tensor(blk + "post_ffw_norm.weight", norm(d))
         writer.add_tensor(blk + "ffn_norm.weight", norm(d))
+        if "experts" in spec:  # a router and the experts stacked [E, ...]
+            experts, width = spec["experts"], spec["expert_ffn"]
+            writer.add_tensor(blk + "ffn_gate_inp.weight",
+                              matrix(experts, d).astype(np.float32))
+            for name, (rows, cols) in (("gate", (width, d)), ("up", (width, d)),
+                                       ("down", (d, width))):
+                writer.add_tensor(f"{blk}ffn_{name}_exps.weight",
+                                  np.stack([matrix(rows, cols) for _ in range(experts)]))
+            continue
         writer.add_tensor(blk + "ffn_gate.weight", matrix(ffn, d))
         writer.add_tensor(blk + "ffn_up.weight", matrix(ffn, d))
         writer.add_tensor(blk + "ffn_down.weight", matrix(d, ffn))

@@ -2,7 +2,8 @@
 // rotary, KV store, attention, o, norm, gate_up, SiLU-and-mul and down, then the final norm
 // (or, for a pipeline stage before the last, the residual stream), for any mix of rows: decode tokens, prefill chunks, speculative drafts being verified.
 // Gemma 2 and 3 too: (1 + w) norms, a norm after each sublayer as well as before, GELU (tanh),
-// soft-capped attention scores, and their local layers' own rotary tables.
+// soft-capped attention scores, and their local layers' own rotary tables. Mixtures of
+// experts too (Mixtral, Qwen2-MoE, Qwen3-MoE): a sparse layer's MLP is `sparse_mlp`.
 //
 // Why: at batch 1 on a small model each layer is ~40 tensor ops of a few microseconds of work,
 // and from Python each costs several microseconds of dispatch; the matmuls are only a third of
@@ -46,6 +47,9 @@
 //     or bfloat16; runtime/models/lora/slots.py), int32 cols [P, 2] (the output columns part
 //     p's rows of B may write); then, last, int32 ranks [slots] (each slot's adapter rank);
 //     and lora_slots [T] int64: each row's slot, -1 for none;
+//   experts[i], expert_specs[i]: a sparse layer's router, experts and shared expert's gate
+//     (sparse_mlp), both empty for a dense layer; a sparse layer's gate_up and down specs
+//     are its shared expert's, or -1 without one;
 //   reduce (None without tensor parallelism): called with the o and down projections' partial
 //     sums [T, d] over this rank's heads and MLP columns, returns their sum over the ranks.
 //     With H, Hkv and the linears this rank's shares, the step is this rank's part of the
@@ -61,6 +65,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cfloat>
 #include <cmath>
 #include <cstring>
@@ -133,7 +138,11 @@ struct NormWeight {
   }
 };
 
+// Tensors a stored linear takes: one dense tile tensor (0), seven per segment of integer
+// planes, none for a linear the layer does not have (-1: a sparse layer without a shared
+// expert has no dense MLP).
 size_t stored_tensors(int64_t segments) {
+  if (segments < 0) return 0;
   return segments == 0 ? 1 : segments * radixlm_cpu::SEGMENT_TENSORS;
 }
 
@@ -652,6 +661,147 @@ Tensor act_and_mul(const Tensor& gate_up, bool gelu) {
   return out;
 }
 
+// The sparse MLP of a mixture-of-experts layer (runtime/models/moe.py) for x [T, d]:
+//   spec = {E, top_k, renormalize, then (segments, width) of the router, the experts'
+//           gate_up and down, and the shared expert's gate (-1, 0: none)};
+//   t = the router's tensors, then gate_up's and down's, each stacked over the experts
+//       ([E, ...], expert e's at e: runtime/models/quantization/gguf_experts.py), then the
+//       shared expert's gate's;
+//   shared: the shared expert's output [T, d] (undefined without one).
+// Each row's softmax over the router's logits (float32), its top_k experts (the larger
+// probability first, the lower expert on a tie), their weights rescaled to sum to one with
+// renormalize. An expert runs its SiLU-gated MLP once over all the rows that chose it (each
+// row's sums are its own: cpu_linear.h); a row's output is its experts' outputs times their
+// weights in float32, summed in the order of the experts' ids and rounded once, as
+// layers/moe.py's grouped path rounds. With a shared expert: + sigmoid(gate(x)) * shared,
+// each rounded to A. Nothing a row gets depends on the other rows.
+template <typename A>
+Tensor sparse_mlp(const Tensor& x, const std::vector<Tensor>& t, const std::vector<int64_t>& spec,
+                  const Tensor& shared, const std::function<Tensor(const Tensor&)>& reduce) {
+  TORCH_CHECK(spec.size() == 11, "expert specs: eleven numbers per sparse layer");
+  const int64_t experts = spec[0], top_k = spec[1], rows = x.size(0), d = x.size(1);
+  const bool renormalize = spec[2] != 0;
+  const int64_t *router = spec.data() + 3, *gate_up = router + 2, *down = gate_up + 2,
+                *shared_gate = down + 2;
+  TORCH_CHECK(top_k >= 1 && top_k <= experts && router[1] == experts &&
+                  t.size() == stored_tensors(router[0]) + stored_tensors(gate_up[0]) +
+                                  stored_tensors(down[0]) + stored_tensors(shared_gate[0]),
+              "sparse layer: the specs do not match its tensors");
+  const Tensor logits = linear(x, t, 0, router[0], experts).contiguous();
+  const A* lg = logits.data_ptr<A>();
+  // Each row's choices (expert ids and weights), in the order of the ids.
+  std::vector<int64_t> chosen(rows * top_k);
+  std::vector<float> weight(rows * top_k);
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> by_expert(experts);  // (row, choice)
+  std::vector<float> probs(experts);
+  std::vector<std::pair<float, int64_t>> order(experts);
+  for (int64_t r = 0; r < rows; ++r) {
+    float top = -FLT_MAX;
+    for (int64_t e = 0; e < experts; ++e) top = std::max(top, to_f(lg[r * experts + e]));
+    float sum = 0.f;
+    for (int64_t e = 0; e < experts; ++e) {
+      probs[e] = exp_fixed(to_f(lg[r * experts + e]) - top);
+      sum += probs[e];
+    }
+    for (int64_t e = 0; e < experts; ++e) order[e] = {probs[e] / sum, e};
+    std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
+                      [](const auto& a, const auto& b) {
+                        return a.first > b.first || (a.first == b.first && a.second < b.second);
+                      });
+    float total = 0.f;
+    for (int64_t j = 0; j < top_k; ++j) total += order[j].first;
+    std::sort(order.begin(), order.begin() + top_k,
+              [](const auto& a, const auto& b) { return a.second < b.second; });
+    for (int64_t j = 0; j < top_k; ++j) {
+      chosen[r * top_k + j] = order[j].second;
+      weight[r * top_k + j] = renormalize ? order[j].first / total : order[j].first;
+      by_expert[order[j].second].emplace_back(r, j);
+    }
+  }
+  // Expert e's linear: the slices at e of its stacked tensors.
+  const size_t gate_up_at = stored_tensors(router[0]);
+  const size_t down_at = gate_up_at + stored_tensors(gate_up[0]);
+  auto expert_linear = [&](const Tensor& in, size_t first, const int64_t* linear_spec,
+                           int64_t e) {
+    std::vector<Tensor> slices;
+    for (size_t k = 0; k < stored_tensors(linear_spec[0]); ++k) {
+      slices.push_back(t[first + k].select(0, e));
+    }
+    return linear(in, slices, 0, linear_spec[0], linear_spec[1]);
+  };
+  // Each (row, choice)'s weighted output, float32.
+  std::vector<float> weighted(rows * top_k * d);
+  const A* xs = x.data_ptr<A>();
+  auto run_expert = [&](int64_t e) {
+    const auto& picks = by_expert[e];
+    const int64_t n = static_cast<int64_t>(picks.size());
+    Tensor in = at::empty({n, d}, x.options());
+    A* ins = in.data_ptr<A>();
+    for (int64_t i = 0; i < n; ++i) {
+      std::copy(xs + picks[i].first * d, xs + (picks[i].first + 1) * d, ins + i * d);
+    }
+    const Tensor act = act_and_mul<A>(expert_linear(in, gate_up_at, gate_up, e), false);
+    const Tensor out = expert_linear(act, down_at, down, e).contiguous();
+    const A* os = out.data_ptr<A>();
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t pair = picks[i].first * top_k + picks[i].second;
+      const float w = weight[pair];
+      float* dst = weighted.data() + pair * d;
+      for (int64_t c = 0; c < d; ++c) dst[c] = to_f(os[i * d + c]) * w;
+    }
+  };
+  // The active experts, most rows first.
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < experts; ++e) {
+    if (!by_expert[e].empty()) active.push_back(e);
+  }
+  std::stable_sort(active.begin(), active.end(), [&](int64_t a, int64_t b) {
+    return by_expert[a].size() > by_expert[b].size();
+  });
+  const int64_t threads = at::get_num_threads();
+  if (static_cast<int64_t>(active.size()) >= 2 * threads) {
+    // Enough experts to share out whole: one parallel region for the layer, each thread
+    // taking the next expert as it finishes one (a decode step's experts each have a row or
+    // two: split across threads, their small linears would pay a wake-up each). Where an
+    // expert runs does not change what it computes.
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      for (int64_t i = next++; i < static_cast<int64_t>(active.size()); i = next++) {
+        run_expert(active[i]);
+      }
+    });
+  } else {
+    for (int64_t e : active) run_expert(e);  // each linear split across the threads
+  }
+  Tensor out = at::empty({rows, d}, x.options());
+  A* o = out.data_ptr<A>();
+  at::parallel_for(0, rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t c = 0; c < d; ++c) {
+        float sum = 0.f;
+        for (int64_t j = 0; j < top_k; ++j) sum += weighted[(r * top_k + j) * d + c];
+        o[r * d + c] = to_a<A>(sum);
+      }
+    }
+  });
+  if (reduce) out = reduce(out).contiguous();
+  if (!shared.defined()) return out;
+  // out += sigmoid(gate(x)) * shared, each step rounded to A.
+  const size_t gate_at = down_at + stored_tensors(down[0]);
+  const Tensor gate = linear(x, t, gate_at, shared_gate[0], 1).contiguous();
+  const Tensor sh = shared.contiguous();
+  const A* g = gate.data_ptr<A>();
+  const A* sv = sh.data_ptr<A>();
+  o = out.data_ptr<A>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float scale = to_f(to_a<A>(1.f / (1.f + exp_fixed(-to_f(g[r])))));
+    for (int64_t c = 0; c < d; ++c) {
+      o[r * d + c] = to_a<A>(to_f(o[r * d + c]) + to_f(to_a<A>(scale * to_f(sv[r * d + c]))));
+    }
+  }
+  return out;
+}
+
 template <typename A>
 Tensor forward_rows(Tensor hidden, const Tensor& cos, const Tensor& sin,
                     const Tensor& local_cos, const Tensor& local_sin,
@@ -664,6 +814,8 @@ Tensor forward_rows(Tensor hidden, const Tensor& cos, const Tensor& sin,
                     int64_t kv_heads, int64_t head_dim, double eps, double scale,
                     double softcap, bool gelu,
                     const std::vector<Tensor>& lora, const Tensor& lora_slots,
+                    const std::vector<std::vector<Tensor>>& experts,
+                    const std::vector<std::vector<int64_t>>& expert_specs,
                     const std::function<Tensor(const Tensor&)>& reduce,
                     const std::function<void(int64_t)>& stored) {
   const int64_t* slots = lora.empty() ? nullptr : lora_slots.data_ptr<int64_t>();
@@ -672,7 +824,7 @@ Tensor forward_rows(Tensor hidden, const Tensor& cos, const Tensor& sin,
   auto project = [&](const Tensor& x, const std::vector<Tensor>& t, size_t at, int64_t planes,
                      int64_t width, size_t i, int j) {
     Tensor y = linear(x, t, at, planes, width);
-    if (slots != nullptr) {
+    if (slots != nullptr && lora[12 * i + 3 * j].numel() > 0) {
       y = y.contiguous();
       const size_t at = 12 * i + 3 * j;
       if (lora[at].scalar_type() == at::kBFloat16) {
@@ -717,10 +869,15 @@ Tensor forward_rows(Tensor hidden, const Tensor& cos, const Tensor& sin,
     } else {
       add_rms_norm<A>(h, &o, t[1], x, eps);
     }
-    Tensor gate_up = project(x, t, at_, p[2], n[2], i, 2);
-    at_ += stored_tensors(p[2]);
-    residual_in = project(act_and_mul<A>(gate_up, gelu), t, at_, p[3], n[3], i, 3);
-    if (reduce) residual_in = reduce(residual_in);
+    Tensor mlp;  // a dense layer's MLP, or a sparse layer's shared expert
+    if (p[2] >= 0) {
+      Tensor gate_up = project(x, t, at_, p[2], n[2], i, 2);
+      at_ += stored_tensors(p[2]);
+      mlp = project(act_and_mul<A>(gate_up, gelu), t, at_, p[3], n[3], i, 3);
+      if (reduce) mlp = reduce(mlp);
+    }
+    if (!experts[i].empty()) mlp = sparse_mlp<A>(x, experts[i], expert_specs[i], mlp, reduce);
+    residual_in = mlp;
     if (sandwich) {  // the next norm adds post_mlp_norm(down) to h
       Tensor normed = at::empty_like(residual_in);
       Tensor down = residual_in.contiguous();
@@ -747,8 +904,10 @@ Tensor forward(Tensor hidden, const Tensor& cos, const Tensor& sin, const Tensor
                const Tensor& token_seq, const Tensor& positions, const Tensor& pages,
                const Tensor& final_norm, int64_t page_size, int64_t heads, int64_t kv_heads,
                int64_t head_dim, double eps, double scale, double softcap, bool gelu,
-               const std::vector<Tensor>& lora,
-               const Tensor& lora_slots, const std::function<Tensor(const Tensor&)>& reduce,
+               const std::vector<Tensor>& lora, const Tensor& lora_slots,
+               const std::vector<std::vector<Tensor>>& experts,
+               const std::vector<std::vector<int64_t>>& expert_specs,
+               const std::function<Tensor(const Tensor&)>& reduce,
                const std::function<void(int64_t)>& stored) {
   TORCH_CHECK(hidden.is_contiguous() && hidden.scalar_type() == k_cache.scalar_type(),
               "hidden must be contiguous, of the KV cache's dtype");
@@ -760,6 +919,11 @@ Tensor forward(Tensor hidden, const Tensor& cos, const Tensor& sin, const Tensor
                   windows.size() == layers.size(),
               "specs and widths: four entries per layer; windows: one");
   TORCH_CHECK(heads / kv_heads <= 64, "at most 64 query heads per KV head");  // inv_sum
+  TORCH_CHECK(experts.size() == layers.size() && expert_specs.size() == layers.size(),
+              "experts and expert_specs: one entry per layer (empty for a dense one)");
+  for (size_t i = 0; i < layers.size(); ++i) {
+    TORCH_CHECK(specs[4 * i + 2] >= 0 || !experts[i].empty(), "a layer without an MLP");
+  }
   TORCH_CHECK(lora.empty() || (lora.size() == 12 * layers.size() + 1 &&
                                lora_slots.numel() == hidden.size(0) &&
                                lora.back().scalar_type() == at::kInt),
@@ -768,13 +932,15 @@ Tensor forward(Tensor hidden, const Tensor& cos, const Tensor& sin, const Tensor
     return forward_rows<float>(hidden, cos, sin, local_cos, local_sin, layers, specs, widths,
                                windows, k_cache, v_cache, out_slots, token_seq, positions, pages,
                                final_norm, page_size, heads, kv_heads, head_dim, eps, scale,
-                               softcap, gelu, lora, lora_slots, reduce, stored);
+                               softcap, gelu, lora, lora_slots, experts, expert_specs, reduce,
+                               stored);
   }
   TORCH_CHECK(hidden.scalar_type() == at::kBFloat16, "hidden: bfloat16 or float32");
   return forward_rows<BFloat16>(hidden, cos, sin, local_cos, local_sin, layers, specs, widths,
                                 windows, k_cache, v_cache, out_slots, token_seq, positions,
                                 pages, final_norm, page_size, heads, kv_heads, head_dim, eps,
-                                scale, softcap, gelu, lora, lora_slots, reduce, stored);
+                                scale, softcap, gelu, lora, lora_slots, experts, expert_specs,
+                                reduce, stored);
 }
 
 }  // namespace

@@ -30,14 +30,15 @@ def kernel():
     return module
 
 
-def _decode_both(model, kernel, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode_both(model, kernel, lengths: list[int],
+                 dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill B sequences of `lengths` tokens eagerly, then run one decode step through the
     kernel and through the eager model on copies of the same cache; their hidden states."""
     cfg = model.config
     page = 4
     counts = [-(-(n + 1) // page) for n in lengths]  # pages each sequence needs
     kv = KVCache(cfg.num_layers, sum(counts) * page, cfg.num_kv_heads, cfg.head_dim,
-                 torch.bfloat16, torch.device("cpu"), page_size=page)
+                 dtype, torch.device("cpu"), page_size=page)
     attn = TorchNativeAttention(cfg.head_dim ** -0.5)
     gen = torch.Generator().manual_seed(0)
     # Sequence i owns pages in reverse order from a block of its own: the page table matters.

@@ -169,8 +169,8 @@ def gguf_cache(tmp_path_factory, monkeypatch) -> Path:
 
 def test_converted_folder_holds_the_transformers_checkpoint(moe_files):
     """Config fields and every tensor: the converted folder is the transformers checkpoint
-    (names, expert order, un-permuted q/k), experts and routers always float; Q8_0 experts
-    are the original weights within Q8_0's rounding."""
+    (names, expert order, un-permuted q/k); routers always float; Q8_0 experts keep their
+    blocks, one slice per expert, and are the original weights within Q8_0's rounding."""
     from radixlm.runtime.models.quantization.gguf_blocks import GGUFBlocks
 
     folder = gguf_loader.convert_gguf(moe_files.gguf)
@@ -195,7 +195,9 @@ def test_converted_folder_holds_the_transformers_checkpoint(moe_files):
         types = json.loads(f.metadata()[gguf_loader.TYPES_METADATA])
         converted = {name: f.get_tensor(name) for name in f.keys()}
     assert set(converted) == set(reference)
-    assert not any(".experts." in name or name.endswith(".gate.weight") for name in types)
+    assert not any(name.endswith(".gate.weight") for name in types)  # the routers
+    experts = {name for name in converted if ".experts." in name}
+    assert (experts <= set(types)) == bool(moe_files.q8_0)
     for name, tensor in converted.items():
         if name in types:
             tensor = GGUFBlocks.from_rows(types[name], tensor).dequantize()
@@ -204,6 +206,7 @@ def test_converted_folder_holds_the_transformers_checkpoint(moe_files):
         assert types  # the attention's blocks were kept
         for name, tensor in converted.items():
             if ".experts." in name:
+                tensor = GGUFBlocks.from_rows(types[name], tensor).dequantize()
                 # Half a step (max |block| / 127), plus the step's float16 rounding times
                 # up to 127 codes: 127 * 2^-11 of a step.
                 original = moe_files.original[name]
@@ -227,13 +230,18 @@ def test_greedy_matches_transformers_through_the_engine(moe_files):
     check_engine_greedy(moe_files.folder, moe_files.gguf, shared=30)
 
 
-def test_bfloat16_cpu_runs_the_blocks_with_float_experts(tmp_path):
+@pytest.mark.parametrize("kernel", [True, False], ids=["our-kernel", "no-compiler"])
+def test_bfloat16_cpu_runs_the_files_blocks(tmp_path, monkeypatch, kernel):
     """The CPU default for a GGUF model (quantization "gguf", bfloat16): attention, dense and
-    shared-expert linears run their Q8_0 blocks packed, the experts and routers are bfloat16
-    floats; logits stay close to the float32 model's."""
+    shared-expert linears run their Q8_0 blocks packed, and so do the experts, stacked over
+    the experts in our kernel's tiles; the routers are bfloat16 floats. Logits stay close to
+    the float32 model's. Without our kernel (no compiler) the experts are bfloat16 floats."""
     from radixlm.runtime.models.layers.moe import FusedMoE
+    from radixlm.runtime.models.quantization import cpu_weights
     from radixlm.runtime.models.quantization.gguf import GGUFLinearMethod
 
+    if not kernel:
+        monkeypatch.setattr(cpu_weights, "linear_kernel", lambda: None)
     files = _make_files(tmp_path, "qwen2-moe", quantized=True)
     ids = torch.randint(3, 512, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     loaded = load_model(str(files.gguf), "auto", torch.bfloat16, CPU)
@@ -245,12 +253,65 @@ def test_bfloat16_cpu_runs_the_blocks_with_float_experts(tmp_path):
     assert isinstance(layers[1].mlp.gate_up_proj.quant_method, GGUFLinearMethod)  # dense layer
     experts = layers[0].mlp.experts
     assert isinstance(experts, FusedMoE) and experts.quant is None
-    assert experts.w13.dtype == torch.bfloat16 and experts.w13_scale is None
+    if kernel:
+        cfg = files.config
+        stacked = experts.gguf.linears
+        assert experts.w13.numel() == 0 and stacked["gate_up"].segments == 1
+        assert stacked["gate_up"].width == 2 * cfg["moe_intermediate_size"]
+        assert all(t.shape[0] == cfg["num_experts"] for s in stacked.values()
+                   for t in s.tensors)
+        # Q8_0 as a 4-bit plane and a compact high plane: about a byte per weight, where
+        # bfloat16 copies take two.
+        held = sum(t.numel() * t.element_size() for t in experts.buffers())
+        weights = 3 * cfg["num_experts"] * cfg["moe_intermediate_size"] * cfg["hidden_size"]
+        assert held < 1.3 * weights, held / weights
+    else:
+        assert experts.gguf is None
+        assert experts.w13.dtype == torch.bfloat16 and experts.w13_scale is None
     assert layers[0].mlp.gate.quant_method is None
     got = run_chunks(loaded, ids, [len(ids)])
     want = run_chunks(load_model(str(files.gguf), "auto", torch.float32, CPU), ids, [len(ids)])
     error = ((got - want).norm() / want.norm()).item()
     assert error < 3e-2, error  # measured 0.7%: bfloat16 activations and weights
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_cpu_kernel_matches_eager_and_keeps_rows_apart(tmp_path, monkeypatch, case):
+    """The C++ forward step runs the sparse layers too (routing, the experts' MLPs, the
+    shared expert, a dense layer beside them): a decode step gives the eager path's hidden
+    states, on the file's Q8_0 blocks in bfloat16 and on float experts in float32; and a
+    row's hidden state is the same bits whether its prompt was prefilled whole, in chunks,
+    decoded or beside other sequences (whose tokens route to other experts)."""
+    from test_cpu_decode import LAYOUTS, _decode_both, _rows_of
+
+    from radixlm.kernels import cpu_decode as kernel_build
+    from radixlm.runtime.attention.kv_cache import KVCache
+    from radixlm.runtime.attention.torch_native import TorchNativeAttention
+    from radixlm.runtime.execution.cpu_decode import unsupported
+
+    kernel = kernel_build.load()
+    if kernel is None:
+        pytest.skip("the CPU decode kernel does not build here (no C++ compiler?)")
+    files = _make_files(tmp_path, case, quantized=True)
+    for dtype in (torch.bfloat16, torch.float32):
+        model = load_model(str(files.gguf), "auto", dtype, CPU).model
+        cfg = model.config
+        assert unsupported(model, TorchNativeAttention(0.1), KVCache(
+            1, 8, cfg.num_kv_heads, cfg.head_dim, dtype, CPU, page_size=4)) is None
+        fast, eager = _decode_both(model, kernel, [5, 17, 9], dtype)
+        tolerance = 0.03 if dtype == torch.bfloat16 else 1e-5
+        assert (fast.float() - eager.float()).abs().max() <= tolerance * eager.abs().max()
+    gen = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, cfg.vocab_size, (40,), generator=gen) for _ in range(3)]
+    for dtype in (torch.bfloat16, torch.float32):
+        model = load_model(str(files.gguf), "auto", dtype, CPU).model
+        alone = _rows_of(model, kernel, [[(0, 40)]], ids[:1], dtype)
+        for steps in LAYOUTS:
+            rows = _rows_of(model, kernel, steps, ids, dtype)
+            for position in range(40):
+                if (0, position) in rows:
+                    assert torch.equal(rows[(0, position)], alone[(0, position)]), (
+                        dtype, steps, position)
 
 
 def _meta(values: dict):

@@ -220,5 +220,7 @@ def test_moe_tp2_greedy_matches_tp1(tmp_path):
             net = engine.core.runner.model
             net = net.model if tp > 1 else net  # rank 0's shard behind the sharded driver
             experts = net.model.layers[0].mlp.experts
-            assert experts.w2.shape[-1] == 32 // tp  # this rank's share of the channels
+            assert experts.intermediate_size == 32 // tp  # this rank's share of the channels
+            # tiled for the CPU forward step (its eager copy released): this rank's rows
+            assert experts.cpu_stacks["gate_up"].width == 2 * 32 // tp
     assert tokens[2] == tokens[1]

@@ -34,7 +34,9 @@ from radixlm.runtime.models.layers.linear import Linear
 from radixlm.runtime.models.layers.mlp import ACTIVATIONS as MLP_ACTIVATIONS
 from radixlm.runtime.models.layers.norm import OffsetRMSNorm, RMSNorm
 from radixlm.runtime.models.llama import LlamaForCausalLM
+from radixlm.runtime.models.moe import MoEForCausalLM, SparseMoeBlock
 from radixlm.runtime.models.quantization.cpu_weights import CpuWeights
+from radixlm.runtime.models.quantization.gguf_experts import StackedLinear, dense_stack
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +49,9 @@ def unsupported(model: torch.nn.Module, attn: AttentionBackend, kv_cache: KVCach
                 reduce: Reduce | None = None) -> str | None:
     """Why the kernel cannot run this model (None when it can)."""
     # Phi-3's loads differently and runs as Llama; Gemma 2 and 3 have their own flags.
-    if not isinstance(model, (LlamaForCausalLM, GemmaForCausalLM)):
-        return f"{type(model).__name__} is neither a Llama-family decoder nor Gemma"
+    if not isinstance(model, (LlamaForCausalLM, GemmaForCausalLM, MoEForCausalLM)):
+        return (f"{type(model).__name__} is neither a Llama-family decoder, a mixture of "
+                f"experts of one, nor Gemma")
     if not isinstance(attn, TorchNativeAttention):
         return "the attention backend is not torch"
     dtype = model.model.embed_tokens.weight.dtype
@@ -68,8 +71,11 @@ def unsupported(model: torch.nn.Module, attn: AttentionBackend, kv_cache: KVCach
     if _activation(model.model.layers[0]) not in ("silu", "gelu_pytorch_tanh"):
         return "the MLP's activation is neither SiLU nor GELU (tanh)"
     if not all(_coverable(linear, dtype) for layer in model.model.layers
-               for linear in _linears(layer)):
+               for linear in _linears(layer) + _routers(layer) if linear is not None):
         return "a linear layer is neither float nor in the CPU kernel's tiles (cpu_weights)"
+    if not all(_sparse(layer) is None or _sparse(layer).experts.gguf is not None
+               or _sparse(layer).experts.quant is None for layer in model.model.layers):
+        return "the experts are quantized (fp8 or int8)"
     return None
 
 
@@ -109,6 +115,8 @@ class CpuDecode:
                       cfg.head_dim ** -0.5 if attends.scale is None else attends.scale,
                       attends.logit_softcap or 0.0, _activation(first) == "gelu_pytorch_tanh")
         self.layers, self.specs, self.widths = [], [], []
+        self.experts: list[list[torch.Tensor]] = []  # per layer; empty for a dense one
+        self.expert_specs: list[list[int]] = []
         self.windows = [layer.self_attn.attends.sliding_window or 0
                         for layer in model.model.layers]
         none = torch.empty(0, dtype=dtype)
@@ -123,11 +131,14 @@ class CpuDecode:
                          _norm(layer.post_feedforward_layernorm)]
                         if hasattr(layer, "pre_feedforward_layernorm") else [none, none])
             for linear in _linears(layer):
-                planes, width, stored = _tiled(linear, dtype)
+                planes, width, stored = (-1, 0, []) if linear is None else _tiled(linear, dtype)
                 self.specs.append(planes)
                 self.widths.append(width)
                 tensors.extend(stored)
             self.layers.append(tensors)
+            experts, spec = _sparse_args(_sparse(layer), dtype)
+            self.experts.append(experts)
+            self.expert_specs.append(spec)
         self.final_norm = _norm(model.model.norm) if cfg.last_stage else none
         if cfg.first_stage:  # later pipeline stages do not score
             _tile_head(model, dtype)
@@ -160,7 +171,8 @@ class CpuDecode:
                                    self.specs, self.widths,
                                    self.windows, kv.k, kv.v, batch.out_slots, token_seq,
                                    batch.positions, pages, self.final_norm, *self.shape,
-                                   *self._adapters(), self.reduce, stored)
+                                   *self._adapters(), self.experts, self.expert_specs,
+                                   self.reduce, stored)
 
     def _adapters(self) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The kernel's LoRA arguments for this step: A, B and the part columns of each
@@ -170,16 +182,15 @@ class CpuDecode:
         if step is None:
             return self._no_lora
         if self._lora_tensors is None:  # the slots' tensors never move: listed once
+            names = {id(module): name for name, module in self.model.named_modules()}
             linears = self.lora.linears
+            none = [torch.empty(0)] * 3  # a linear without adapters (an MoE's shared expert)
             self._lora_tensors = [
-                t for i in range(len(self.layers)) for name in _LINEAR_NAMES
-                for linear in (linears[f"model.layers.{i}.{name}"],)
-                for t in (linear.a, linear.b, linear.part_cols)] + [self.lora.ranks]
+                t for layer in self.model.model.layers for linear in _linears(layer)
+                for slot in (None if linear is None else linears.get(names[id(linear)]),)
+                for t in (none if slot is None else (slot.a, slot.b, slot.part_cols))
+            ] + [self.lora.ranks]
         return self._lora_tensors, step.token_slots
-
-
-# The four linears of a layer, in the kernel's order.
-_LINEAR_NAMES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
 def _norm(norm: RMSNorm) -> torch.Tensor:
@@ -197,9 +208,61 @@ def _activation(layer: torch.nn.Module) -> str:
     return next((name for name, fn in MLP_ACTIVATIONS.items() if fn is act), repr(act))
 
 
-def _linears(layer: torch.nn.Module) -> list[Linear]:
-    return [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-            layer.mlp.down_proj]
+def _linears(layer: torch.nn.Module) -> list[Linear | None]:
+    """A layer's four linears in the kernel's order: qkv, o, gate_up, down (a sparse
+    layer's shared expert's, None without one)."""
+    mlp = layer.mlp
+    if isinstance(mlp, SparseMoeBlock):
+        mlp = mlp.shared_expert
+    return [layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+            None if mlp is None else mlp.gate_up_proj, None if mlp is None else mlp.down_proj]
+
+
+def _sparse(layer: torch.nn.Module) -> SparseMoeBlock | None:
+    return layer.mlp if isinstance(layer.mlp, SparseMoeBlock) else None
+
+
+def _routers(layer: torch.nn.Module) -> list[Linear]:
+    """A sparse layer's router, and its shared expert's gate where it has one."""
+    block = _sparse(layer)
+    if block is None:
+        return []
+    return [block.gate] + ([] if block.shared_expert_gate is None
+                           else [block.shared_expert_gate])
+
+
+def _sparse_args(block: SparseMoeBlock | None,
+                 dtype: torch.dtype) -> tuple[list[torch.Tensor], list[int]]:
+    """A sparse layer's tensors and specs as the kernel reads them (sparse_mlp in
+    cpu_decode.cpp): the router, the experts' stacked gate_up and down, the shared expert's
+    gate; nothing for a dense layer. Float experts are tiled here once and their eager
+    copies released, as `_tiled` does for a float linear."""
+    if block is None:
+        return [], []
+    experts = block.experts
+    if experts.gguf is not None:
+        stacks = experts.gguf.linears
+    else:
+        if not hasattr(experts, "cpu_stacks"):
+            float32 = dtype == torch.float32
+            experts.cpu_stacks = {"gate_up": dense_stack(experts.w13.detach(), float32),
+                                  "down": dense_stack(experts.w2.detach(), float32)}
+            for name in ("w13", "w2"):
+                setattr(experts, name, torch.nn.Parameter(torch.empty(0, dtype=dtype),
+                                                          requires_grad=False))
+        stacks = experts.cpu_stacks
+    tensors: list[torch.Tensor] = []
+    spec = [experts.num_experts, block.top_k, int(block.renormalize)]
+    parts: list[tuple[int, int, list[torch.Tensor]] | StackedLinear] = [
+        _tiled(block.gate, dtype), stacks["gate_up"], stacks["down"]]
+    if block.shared_expert_gate is not None:
+        parts.append(_tiled(block.shared_expert_gate, dtype))
+    for segments, width, stored in parts:
+        spec += [segments, width]
+        tensors += stored
+    if block.shared_expert_gate is None:
+        spec += [-1, 0]
+    return tensors, spec
 
 
 def _coverable(linear: Linear, dtype: torch.dtype) -> bool:

@@ -9,7 +9,8 @@ the safetensors metadata (`gguf_types`) and `quantization_config.quant_method = 
 config.json. Every other type is dequantized to float32 here. The loader decides per run
 whether the blocks are used packed (quantization "gguf") or dequantized to float.
 Mixture-of-experts files (Mixtral, Qwen2-MoE, Qwen3-MoE) add their config fields and expert
-tensors through `gguf_moe`; their experts and routers are always dequantized here. Gemma 2,
+tensors through `gguf_moe`; experts keep their blocks as the other linears do (one slice per
+expert), routers are always dequantized here. Gemma 2,
 Gemma 3 and Phi-3 add theirs through `gguf_families` (Gemma's norms without llama.cpp's +1,
 Phi-3's fused projections cut, its LongRoPE factors into the config).
 """
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["SUPPORTED_GGUF_ARCHITECTURES", "convert_gguf"]
 
 # Bump when the output of the conversion changes, so that stale cache folders are not reused.
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
 TYPES_METADATA = "gguf_types"  # safetensors metadata: {tensor name: block type} as JSON
 
 # GGUF architecture -> (HF architectures entry, HF model_type); "llama" with experts is
@@ -117,12 +118,13 @@ def _convert(path: pathlib.Path, out_dir: pathlib.Path) -> None:
         # GGUF lists dimensions innermost-first; the numpy data is already row-major [out, in].
         expected = _expected_shape(arch, base, kind == "bias", config)
         type_name = tensor.tensor_type.name
-        blocks = (type_name in NATIVE_TYPES and len(expected) == 2
-                  and base not in gguf_moe.FLOAT_TENSORS)
+        blocks = (type_name in NATIVE_TYPES and base not in gguf_moe.FLOAT_TENSORS
+                  and (len(expected) == 2 or base in gguf_moe.EXPERT_TENSORS))
         if blocks:
-            data = np.array(tensor.data)  # [rows, bytes per row]: the blocks, copied off the map
+            # [(experts,) rows, bytes per row]: the blocks, copied off the map
+            data = np.array(tensor.data)
             _, per_block, block_bytes = BLOCK_TYPES[type_id(type_name)]
-            shape = (data.shape[0], data.shape[1] // block_bytes * per_block)
+            shape = (*data.shape[:-1], data.shape[-1] // block_bytes * per_block)
         else:
             data = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
             data = gguf_families.hf_values(arch, base, gguf_moe.hf_layout(base, data))

@@ -10,8 +10,10 @@ llama.cpp stacks a layer's experts, one slice per expert (shapes as numpy reads 
     blk.N.ffn_gate_inp  [E, d]     -> the router, mlp.gate   (Mixtral: block_sparse_moe.gate)
 
 and Qwen2-MoE's shared expert as a dense MLP (ffn_{gate,up,down}_shexp) scaled by the sigmoid
-of ffn_gate_inp_shexp [d] (transformers: mlp.shared_expert_gate [1, d]). Experts are always
-dequantized to float32 by the converter (they are not kept as blocks), and so are the routers.
+of ffn_gate_inp_shexp [d] (transformers: mlp.shared_expert_gate [1, d]). Experts of the block
+types our CPU kernel runs keep their blocks, one [rows, bytes] slice per expert (the loader
+decides per run whether they run packed, quantization/gguf_experts.py, or are dequantized);
+the routers are always converted to float32.
 
 Metadata ({arch}.*) -> config.json:
 
@@ -37,8 +39,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["FLOAT_TENSORS", "MIXTRAL", "MOE_TYPES", "expected_shapes", "hf_layout",
-           "layer_tensors", "moe_config"]
+__all__ = ["EXPERT_TENSORS", "FLOAT_TENSORS", "MIXTRAL", "MOE_TYPES", "expected_shapes",
+           "hf_layout", "layer_tensors", "moe_config"]
 
 # The HF class of llama.cpp's "llama" architecture when the file has experts.
 MIXTRAL = ("MixtralForCausalLM", "mixtral")
@@ -52,10 +54,10 @@ _SHARED_EXPERT = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     _SHARED_GATE: "mlp.shared_expert_gate",
 }
-# Converted to float32 whatever their GGUF type: the experts (run as float, see
-# docs/models.md) and the routers (our models keep them in float: a rounding there changes
-# which experts run).
-FLOAT_TENSORS = frozenset((_ROUTER, _SHARED_GATE, *_EXPERTS))
+EXPERT_TENSORS = frozenset(_EXPERTS)  # stacked [E, rows, columns]
+# Converted to float32 whatever their GGUF type: the routers (our models keep them in float:
+# a rounding there changes which experts run).
+FLOAT_TENSORS = frozenset((_ROUTER, _SHARED_GATE))
 
 
 @dataclass(frozen=True)

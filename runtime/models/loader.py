@@ -347,7 +347,10 @@ def _pack_output_head(net: nn.Module, heads: dict[str, GGUFBlocks]) -> None:
 
 
 def _is_decoder_linear(name: str) -> bool:
-    return name.endswith(".weight") and name.rsplit(".", 2)[-2] in QUANTIZED_LINEARS
+    """A linear of a decoder layer that runs quantized: attention, MLP, experts (not the
+    routers, embeddings or head)."""
+    return name.endswith(".weight") and (name.rsplit(".", 2)[-2] in QUANTIZED_LINEARS
+                                         or ".experts." in name)
 
 
 def _init_dummy(net: nn.Module, seed: int) -> None:

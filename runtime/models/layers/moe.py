@@ -18,23 +18,28 @@ w13 holds this rank's gate and up rows, w2 its columns, and the partial sums are
 
 Quantized experts (quantization/experts.py) keep the two tensors in e4m3 or int8, with a
 float32 scale per output channel of each expert in `w13_scale` [E, 2I] and `w2_scale` [E, d].
+A GGUF model's experts on the CPU keep the file's blocks instead (quantization/gguf_experts.py:
+`gguf`, w13 and w2 then empty), run by our CPU kernel.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from radixlm.runtime.distributed.groups import TPInfo, all_reduce
+from radixlm.runtime.models.quantization import cpu_weights
 from radixlm.runtime.models.quantization.experts import (
     dequantize_experts,
     expert_linear,
     quantize_experts,
     stored_dtype,
 )
+from radixlm.runtime.models.quantization.gguf_blocks import GGUFBlocks
+from radixlm.runtime.models.quantization.gguf_experts import GGUFExperts
 from radixlm.runtime.models.quantization.quant_config import QuantConfig
 from radixlm.runtime.models.weights.loading import copy_weight, materialize, narrow
 
@@ -57,12 +62,28 @@ def grouped_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: t
                 ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
                 w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, d] through experts ids [T, k] with weights [T, k] -> [T, d] in x's dtype (SiLU
-    gate). Weighted in float32, summed per token in expert order. With scales, w13 and w2 are
-    quantized experts (e4m3 or int8, per-channel scales [E, 2I] and [E, d])."""
+    gate). With scales, w13 and w2 are quantized experts (e4m3 or int8, per-channel scales
+    [E, 2I] and [E, d])."""
+
+    def expert_mlp(expert: int, xs: torch.Tensor) -> torch.Tensor:
+        s13 = None if w13_scale is None else w13_scale[expert]
+        s2 = None if w2_scale is None else w2_scale[expert]
+        gate, up = expert_linear(xs, w13[expert], s13).chunk(2, dim=-1)  # [n, I] each
+        return expert_linear(F.silu(gate) * up, w2[expert], s2)
+
+    return grouped_experts(x, weights, ids, w13.shape[0], expert_mlp)
+
+
+def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    num_experts: int,
+                    expert_mlp: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """x [T, d] through experts ids [T, k] with weights [T, k] -> [T, d] in x's dtype, where
+    `expert_mlp(e, rows)` is expert e's MLP of its rows [n, d] -> [n, d]. Weighted in
+    float32, summed per token in expert order."""
     num_tokens, top_k = ids.shape
     flat = ids.flatten()  # [T * k]: pair p is token p // k's choice p % k
     order = flat.argsort(stable=True)  # pairs sorted by expert
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
     token_of = order // top_k  # [T * k] token of each sorted pair
     xs = x.index_select(0, token_of)  # [T * k, d], grouped by expert
     out = torch.empty(xs.shape, dtype=torch.float32, device=x.device)
@@ -71,10 +92,7 @@ def grouped_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: t
         if count == 0:
             continue
         rows = slice(start, start + count)
-        s13 = None if w13_scale is None else w13_scale[expert]
-        s2 = None if w2_scale is None else w2_scale[expert]
-        gate, up = expert_linear(xs[rows], w13[expert], s13).chunk(2, dim=-1)  # [n, I] each
-        out[rows] = expert_linear(F.silu(gate) * up, w2[expert], s2).float()  # [n, d]
+        out[rows] = expert_mlp(expert, xs[rows]).float()  # [n, d]
         start += count
     out *= weights.flatten()[order].unsqueeze(1)
     summed = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
@@ -84,7 +102,8 @@ def grouped_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: t
 class FusedMoE(nn.Module):
     """The experts of one MoE layer. `forward` takes the routing (see route_top_k). With a
     QuantConfig (fp8 or int8) the experts are quantized: float weights after loading, or an
-    FP8 checkpoint's e4m3 weights and scales as they are."""
+    FP8 checkpoint's e4m3 weights and scales as they are. With "gguf" (a GGUF model on the
+    CPU) they keep the file's blocks where our CPU kernel builds, and are float otherwise."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  dtype: torch.dtype, tp: TPInfo | None = None,
@@ -93,16 +112,21 @@ class FusedMoE(nn.Module):
         self.num_experts = num_experts
         self.tp = tp
         self.dtype = dtype
-        self.quant = quant
         self.start, size = (0, intermediate_size) if tp is None else tp.split(
             intermediate_size, "moe_intermediate_size")
         self.intermediate_size = size  # this rank's
+        self.gguf = None
+        if quant is not None and quant.method == "gguf":
+            quant = None  # float experts, unless the blocks run as they are:
+            if cpu_weights.linear_kernel() is not None:
+                self.gguf = GGUFExperts(num_experts, hidden_size, size)
+        self.quant = quant
         prequantized = quant is not None and quant.prequantized
         stored = stored_dtype(quant) if prequantized else dtype
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * size, hidden_size, dtype=stored),
-                                requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, size, dtype=stored),
-                               requires_grad=False)
+        shapes = (((num_experts, 2 * size, hidden_size), (num_experts, hidden_size, size))
+                  if self.gguf is None else ((0,), (0,)))
+        self.w13 = nn.Parameter(torch.empty(shapes[0], dtype=stored), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(shapes[1], dtype=stored), requires_grad=False)
         # Per-channel scales: a checkpoint's, or made after loading (quantize-on-load).
         for name, rows in (("w13_scale", 2 * size), ("w2_scale", hidden_size)):
             self.register_parameter(name, nn.Parameter(
@@ -121,6 +145,11 @@ class FusedMoE(nn.Module):
         """One expert's gate, up ([I, d]) or down ([d, I]) projection from the checkpoint, or
         its weight_scale (one per tensor, or one per output channel)."""
         expert, part = shard_id
+        if self.gguf is not None:
+            self.gguf.load(expert, part, loaded)
+            return
+        if isinstance(loaded, GGUFBlocks):  # a GGUF model whose blocks do not run here
+            loaded = loaded.dequantize()
         _, index = _PARTS[part]
         size = self.intermediate_size
         if param is self.w13_scale or param is self.w2_scale:
@@ -160,6 +189,8 @@ class FusedMoE(nn.Module):
     def process_weights_after_loading(self) -> None:
         """Quantize float experts (fp8, int8); on the CPU, a bfloat16 model's FP8 experts
         become bfloat16 weights (no fast fp8 product there)."""
+        if self.gguf is not None:
+            self.gguf.finish()
         if self.quant is None:
             return
         for name in ("w13", "w2"):
@@ -176,7 +207,9 @@ class FusedMoE(nn.Module):
                 self.register_parameter(f"{name}_scale", None)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None:
+        if self.gguf is not None:
+            out = grouped_experts(x, weights, ids, self.num_experts, self.gguf.expert_mlp)
+        elif self.kernel is not None:
             out = self.kernel.fused_moe(x, self.w13, self.w2, weights, ids,
                                         self.w13_scale, self.w2_scale)
         else:

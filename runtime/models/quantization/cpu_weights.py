@@ -130,6 +130,23 @@ def _stacked(parts: list[list[Plane]], columns: int) -> list[Plane]:
     return stacked
 
 
+def segments_of(parts: list[list[Plane]], rows: list[int], columns: int) -> list[list[Plane]]:
+    """A merged layer's parts as our kernel's segments: runs of parts of one form (plane
+    count and group) are stacked, each run a segment in its own form, where every part but
+    the last is whole tiles: a Q4_K part beside a Q6_K one then reads Q4_K's bytes, not a
+    6-bit form's. Otherwise all parts are one stack (`_stacked`)."""
+    if any(n % LANES for n in rows[:-1]):
+        return [_stacked(parts, columns)]
+    runs: list[list[list[Plane]]] = []
+    for planes in parts:
+        form = (len(planes), planes[0].scale.shape[1])
+        if runs and (len(runs[-1][0]), runs[-1][0][0].scale.shape[1]) == form:
+            runs[-1].append(planes)
+        else:
+            runs.append([planes])
+    return [_stacked(run, columns) for run in runs]
+
+
 class TiledPlanes(NamedTuple):
     """Planes in our kernel's form (kernels/cpu_linear.h): one segment of planes_linear's
     tensors, in its order. Tensors a form does not use are empty."""
@@ -363,21 +380,11 @@ class CpuWeights(nn.Module):
 
     @staticmethod
     def stack(parts: list[list[Plane]], rows: list[int], columns: int) -> "CpuWeights":
-        """Planes of several parts stacked along the rows (a merged layer's parts). Our
-        kernel runs runs of parts of one form (plane count and group) as segments, each in
-        its own form, where every part but the last is whole tiles: a Q4_K part beside a
-        Q6_K one then reads Q4_K's bytes, not a 6-bit form's. Otherwise all parts are one
-        stack (`_stacked`)."""
-        if linear_kernel() is None or any(n % LANES for n in rows[:-1]):
+        """Planes of several parts stacked along the rows (a merged layer's parts), as
+        `segments_of` groups them for our kernel; one stack for torch's."""
+        if linear_kernel() is None:
             return CpuWeights(_stacked(parts, columns))
-        runs: list[list[list[Plane]]] = []
-        for planes in parts:
-            form = (len(planes), planes[0].scale.shape[1])
-            if runs and (len(runs[-1][0]), runs[-1][0][0].scale.shape[1]) == form:
-                runs[-1].append(planes)
-            else:
-                runs.append([planes])
-        return CpuWeights(segments=[_stacked(run, columns) for run in runs])
+        return CpuWeights(segments=segments_of(parts, rows, columns))
 
     @staticmethod
     def from_row_blocks(blocks: Iterable[list[Plane]]) -> "CpuWeights":

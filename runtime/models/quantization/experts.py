@@ -38,14 +38,11 @@ INT8_KERNEL_ROWS = 16
 
 
 def expert_quant(quant: QuantConfig | None, architecture: str) -> QuantConfig | None:
-    """The quantization a MoE model's experts are stored in: the model's for fp8 and int8;
-    None (float) for a GGUF model, whose experts the converter dequantized while its other
-    linears keep their blocks. Formats whose expert layouts we do not read are refused (with
-    what to do instead)."""
-    if quant is None or quant.method in EXPERT_METHODS:
+    """The quantization a MoE model's experts are stored in: the model's for fp8, int8 and
+    gguf (the file's blocks, gguf_experts). Formats whose expert layouts we do not read are
+    refused (with what to do instead)."""
+    if quant is None or quant.method in (*EXPERT_METHODS, "gguf"):
         return quant
-    if quant.method == "gguf":
-        return None
     raise ValueError(
         f"{architecture}: quantization {quant.method!r} is not supported for mixture-of-experts "
         f"models (AWQ/GPTQ expert layouts are not read); use a float checkpoint with "
