@@ -388,6 +388,8 @@ def main() -> None:
                              "1, ours against llama.cpp: gemma3, qwen3, gemma2, qwen3moe")
     parser.add_argument("--family-types", default="Q4_K_M",
                         help="the GGUF types of the --families files, e.g. Q4_K_M,Q6_K")
+    parser.add_argument("--families-batched", action="store_true",
+                        help="also run the batched case (--batch) on the --families files")
     parser.add_argument("--out", default=None, help="JSON file (default: a dated file in "
                         "$RADIXLM_RESULTS_DIR or ~/.cache/radixlm/benchmarks)")
     args = parser.parse_args()
@@ -428,9 +430,11 @@ def main() -> None:
     for name in systems:
         call(name, "batch1", 8)  # warm-up
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in systems}
-    # Batched runs on the embedded file only: the other types are there for batch-1 speed.
-    batched: dict[str, list[float]] = {name: [] for name in systems
-                                       if "batched" in kinds[name] and files[name] is None}
+    # Batched runs on the embedded file (and the families' with --families-batched): the
+    # other types are there for batch-1 speed.
+    batched: dict[str, list[float]] = {
+        name: [] for name in systems if "batched" in kinds[name] and (
+            files[name] is None or (args.families_batched and "-" in file_label(name)))}
     for _ in range(args.repeats):  # interleaved: drift on a shared machine hits all alike
         for name in systems:
             samples[name].append(call(name, "batch1", args.tokens))
