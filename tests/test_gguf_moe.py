@@ -314,6 +314,35 @@ def test_cpu_kernel_matches_eager_and_keeps_rows_apart(tmp_path, monkeypatch, ca
                         dtype, steps, position)
 
 
+def test_conversion_writes_shards_of_bounded_size(tmp_path, monkeypatch):
+    """A conversion holds one shard of tensors in memory at a time: with shards smaller than
+    the model the folder has several files and an index, every tensor in one of them with
+    its block type, and the model loads the same logits as from one file."""
+    files = _make_files(tmp_path, "qwen3-moe", quantized=True)
+    ids = torch.randint(3, 512, (20,), generator=torch.Generator().manual_seed(5)).tolist()
+    whole = gguf_loader.convert_gguf(files.gguf, tmp_path / "one")
+    assert (whole / "model.safetensors").is_file()
+    monkeypatch.setattr(gguf_loader, "SHARD_BYTES", 64 << 10)
+    sharded = gguf_loader.convert_gguf(files.gguf, tmp_path / "shards")
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    names = sorted(set(index["weight_map"].values()))
+    assert len(names) > 2 and not (sharded / "model.safetensors").exists()
+    with safe_open(str(whole / "model.safetensors"), framework="pt") as f:
+        want_types = json.loads(f.metadata()[gguf_loader.TYPES_METADATA])
+        want = {name: f.get_tensor(name) for name in f.keys()}
+    got, got_types = {}, {}
+    for name in names:
+        with safe_open(str(sharded / name), framework="pt") as f:
+            got_types.update(json.loads(f.metadata()[gguf_loader.TYPES_METADATA]))
+            got.update({key: f.get_tensor(key) for key in f.keys()})
+            assert set(f.keys()) == {k for k, v in index["weight_map"].items() if v == name}
+    assert got_types == want_types and set(got) == set(want)
+    assert all(torch.equal(got[name], want[name]) for name in want)
+    logits = [run_chunks(load_model(str(folder), "auto", torch.bfloat16, CPU), ids, [20])
+              for folder in (whole, sharded)]
+    assert torch.equal(*logits)
+
+
 def _meta(values: dict):
     return lambda key, default=None: values.get(key, default)
 

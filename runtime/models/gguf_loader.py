@@ -1,8 +1,8 @@
 """Convert a GGUF model file into a Hugging Face-format model folder, cached on disk.
 
 The engine loads HF folders (config.json + safetensors + tokenizer files), so a GGUF file is
-written once as such a folder; later loads find it in the cache (gguf_cache.py) and skip the
-conversion.
+written once as such a folder (its tensors in shards of about SHARD_BYTES); later loads find
+it in the cache (gguf_cache.py) and skip the conversion.
 Tensors of the block types our kernels run as they are (`gguf_blocks.NATIVE_TYPES`: Q4_0, Q4_1,
 Q5_0, Q5_1, Q8_0, Q4_K, Q5_K) keep their blocks: uint8 [rows, bytes per row], their types in
 the safetensors metadata (`gguf_types`) and `quantization_config.quant_method = "gguf"` in
@@ -78,7 +78,7 @@ _TENSOR_NAME = re.compile(r"(?:blk\.(?P<layer>\d+)\.)?(?P<base>\w+)\.(?P<kind>we
 def convert_gguf(
     gguf_path: str | os.PathLike, cache_root: str | os.PathLike | None = None
 ) -> pathlib.Path:
-    """Return a folder with config.json, model.safetensors, tokenizer files (incl. chat template)
+    """Return a folder with config.json, safetensors, tokenizer files (incl. chat template)
     and generation_config.json for this GGUF file, converting it on first use."""
     return gguf_cache.converted_folder(gguf_path, _convert, CONVERTER_VERSION, cache_root)
 
@@ -87,7 +87,6 @@ def _convert(path: pathlib.Path, out_dir: pathlib.Path) -> None:
     # Heavy imports live here so that the cached path stays cheap.
     import gguf
     import torch
-    from safetensors.torch import save_file
 
     try:
         reader = gguf.GGUFReader(path)
@@ -108,8 +107,7 @@ def _convert(path: pathlib.Path, out_dir: pathlib.Path) -> None:
 
     from tqdm.auto import tqdm
 
-    tensors: dict[str, torch.Tensor] = {}
-    block_types: dict[str, str] = {}
+    shards = _ShardWriter(out_dir)
     for tensor in tqdm(reader.tensors, desc=f"converting {path.name}", unit="tensor",
                        leave=False, disable=None):
         if tensor.name in config_tensors:
@@ -134,13 +132,9 @@ def _convert(path: pathlib.Path, out_dir: pathlib.Path) -> None:
         data = rows_to_hf(arch, base, data, heads, kv_heads)  # whole rows: blocks too
         for part_base, part in gguf_families.split_fused(arch, base, data, config):
             for hf_name, array in _hf_tensors(layer, part_base, kind, part, layer_table):
-                tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(array))
-                if blocks:
-                    block_types[hf_name] = type_name
-    save_file(tensors, str(out_dir / "model.safetensors"),
-              metadata={"format": "pt", TYPES_METADATA: json.dumps(block_types)})
-    del tensors
-    if block_types:
+                shards.add(hf_name, torch.from_numpy(np.ascontiguousarray(array)),
+                           type_name if blocks else None)
+    if shards.close():
         config["quantization_config"] = {"quant_method": "gguf"}
 
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -150,6 +144,62 @@ def _convert(path: pathlib.Path, out_dir: pathlib.Path) -> None:
         generation["pad_token_id"] = int(pad_id)
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     _save_tokenizer(path, out_dir, _field(reader, "tokenizer.chat_template"))
+
+
+SHARD_BYTES = 2 << 30  # the converted tensors held in memory at a time
+
+
+class _ShardWriter:
+    """The converted tensors written as safetensors files of about SHARD_BYTES each, so
+    that converting holds one shard in memory, not the model (an 18 GB mixture-of-experts
+    file): `model.safetensors` when one file holds them all, else
+    `model-0000i-of-0000n.safetensors` and their index. Each file's metadata names the
+    GGUF block types of its tensors stored as blocks (TYPES_METADATA)."""
+
+    def __init__(self, out_dir: pathlib.Path) -> None:
+        self.out_dir = out_dir
+        self.pending: dict[str, Any] = {}
+        self.types: dict[str, str] = {}
+        self.pending_bytes = 0
+        self.written: list[tuple[pathlib.Path, list[str]]] = []
+        self.any_blocks = False
+
+    def add(self, name: str, tensor: Any, block_type: str | None) -> None:
+        self.pending[name] = tensor
+        if block_type is not None:
+            self.types[name] = block_type
+            self.any_blocks = True
+        self.pending_bytes += tensor.numel() * tensor.element_size()
+        if self.pending_bytes >= SHARD_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.pending:
+            return
+        path = self.out_dir / f"part-{len(self.written)}.safetensors"
+        save_file(self.pending, str(path),
+                  metadata={"format": "pt", TYPES_METADATA: json.dumps(self.types)})
+        self.written.append((path, list(self.pending)))
+        self.pending, self.types, self.pending_bytes = {}, {}, 0
+
+    def close(self) -> bool:
+        """Write what is pending, name the files (and the index); whether any tensor kept
+        its blocks."""
+        self._flush()
+        if len(self.written) == 1:
+            self.written[0][0].rename(self.out_dir / "model.safetensors")
+            return self.any_blocks
+        weight_map = {}
+        count = len(self.written)
+        for i, (path, names) in enumerate(self.written):
+            final = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+            path.rename(self.out_dir / final)
+            weight_map.update(dict.fromkeys(names, final))
+        index = {"metadata": {}, "weight_map": weight_map}
+        (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+        return self.any_blocks
 
 
 def _build_config(reader: Any, arch: str) -> dict[str, Any]:
