@@ -403,3 +403,25 @@ def test_an_adapter_of_phi3s_fused_layers_under_tensor_parallelism(tmp_path):
                     lora_modules=modules(folders, "fused")) as engine:
             got = engine.score(ids[:10], [ids[10:]], lora="fused")[0]
         assert max(abs(x - y) for x, y in zip(got, want)) < 1e-4, tp
+
+
+def test_an_adapter_on_a_mixture_of_experts_through_the_cpu_kernel(tmp_path):
+    """Qwen2-MoE (sparse layers with a shared expert, a dense layer): an adapter on the
+    attention runs in the CPU forward step beside the experts, whose linears have no
+    adapters; scores match peft."""
+    from test_gguf_moe import CASES
+
+    base = save_tiny_hf_model(tmp_path / "base", "llama", **CASES["qwen2-moe"][1])
+    adapter = make_adapter(tmp_path / "attn", base, 8, 16, ["q_proj", "v_proj", "o_proj"],
+                           False, seed=3)
+    folders = {"base": base, "attn": adapter}
+    ids = torch.randint(3, 512, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    with Engine(str(base), device="cpu", dtype="float32", page_size=4,
+                lora_modules=modules(folders, "attn")) as engine:
+        assert engine.core.runner.cpu_decode is not None
+        got = engine.score(ids[:10], [ids[10:]], lora="attn")[0]
+        plain = engine.score(ids[:10], [ids[10:]])[0]
+        assert_no_leak(engine)
+    assert max(abs(x - y) for x, y in zip(got, peft_logprobs(folders, "attn", ids, 10))) < 1e-4
+    assert max(abs(x - y) for x, y in zip(plain, peft_logprobs(folders, None, ids, 10))) < 1e-4
+    assert max(abs(x - y) for x, y in zip(got, plain)) > 1e-2
