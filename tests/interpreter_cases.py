@@ -1,20 +1,25 @@
 """Running a test file's Triton kernel cases under the Triton interpreter, on CPU.
 
 TRITON_INTERPRET must be set before triton is imported, so the cases (`case_*` functions of
-a test file) run in a subprocess that executes the file itself as a script; the test process
-reads back one JSON line of results and turns each case into a test.
+a test file) run in subprocesses that execute the file itself as a script, one per core
+(up to WORKERS) each taking the next case not yet taken: the interpreter is single-threaded
+Python.
+The test process reads back one JSON line of results from each and turns each case into a
+test.
 """
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -24,12 +29,34 @@ def collect_cases(namespace: dict[str, Any]) -> list[str]:
     return sorted(name[len("case_"):] for name in namespace if name.startswith("case_"))
 
 
-def run_cases(namespace: dict[str, Any]) -> dict[str, dict]:
-    """Run every case of a module (in the interpreter process); one failure does not stop
-    the others."""
-    torch.set_num_threads(2)
+WORKERS = 2  # interpreter processes per test file, at most one per core
+
+
+def _next_case(counter: str | None, names: list[str]) -> Iterator[str]:
+    """The cases this process runs: all of them, or with a `counter` file shared by the
+    workers, each next one no worker has taken yet (taken under a lock on the file)."""
+    if counter is None:
+        yield from names
+        return
+    while True:
+        with open(counter, "r+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            taken = int(f.read() or 0)
+            f.seek(0)
+            f.write(str(taken + 1))
+            f.truncate()
+        if taken >= len(names):
+            return
+        yield names[taken]
+
+
+def run_cases(namespace: dict[str, Any], counter: str | None = None,
+              workers: int = 1) -> dict[str, dict]:
+    """Run a module's cases (in an interpreter process; with a `counter`, those this worker
+    takes, see _next_case); one failure does not stop the others."""
+    torch.set_num_threads(max(1, 2 // workers))
     results = {}
-    for name in collect_cases(namespace):
+    for name in _next_case(counter, collect_cases(namespace)):
         start = time.perf_counter()
         try:
             detail, ok = namespace["case_" + name](), True
@@ -45,15 +72,30 @@ def results_under_interpreter(test_file: str) -> dict[str, dict]:
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, os.path.abspath(test_file)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        pytest.fail(f"interpreter run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1])
+    workers = max(1, min(WORKERS, os.cpu_count() or 1))
+    counter = tempfile.NamedTemporaryFile("w", suffix=".cases", delete=False)
+    counter.close()
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(test_file), counter.name,
+                               str(workers)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(workers)]
+    results: dict[str, dict] = {}
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=300)
+            lines = out.strip().splitlines()
+            if proc.returncode != 0 or not lines:
+                pytest.fail(f"interpreter run failed ({proc.returncode}):\n{err[-4000:]}")
+            results.update(json.loads(lines[-1]))
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        os.unlink(counter.name)
+    return results
 
 
 def main(namespace: dict[str, Any]) -> None:
     """The script entry point of a test file with interpreter cases."""
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    print(json.dumps(run_cases(namespace)))
+    counter, workers = (sys.argv[1], int(sys.argv[2])) if len(sys.argv) > 2 else (None, 1)
+    print(json.dumps(run_cases(namespace, counter, workers)))
