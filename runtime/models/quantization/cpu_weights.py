@@ -22,6 +22,7 @@ keeps the planes' scales in bfloat16 and its batched steps are slow.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from types import ModuleType
 from typing import NamedTuple
@@ -34,9 +35,6 @@ from radixlm.kernels import cpu_decode as cpu_kernel
 
 KERNEL_GROUPS = (256, 128, 64, 32)  # the group sizes torch's int4 kernel takes
 LANES = 16  # output channels per tile of our kernel
-# Where input k0 + m of a run of 8 goes in a tile's 32-bit code word: even inputs in the low
-# half, odd ones in the high half (pairs for the bfloat16 dot-product instruction).
-_NIBBLE_SHIFTS = (0, 16, 4, 20, 8, 24, 12, 28)
 
 
 class ScaleFactors(NamedTuple):
@@ -268,25 +266,30 @@ def _zero_factor(zero: torch.Tensor, scale: torch.Tensor,
 def _words(codes: torch.Tensor, pad: int, tiles: int, bits: int) -> torch.Tensor:
     """[N, K] codes as a plane's int32 words [tiles, K bits / 32, 16] (cpu_linear.h): 4 bits
     in the nibble layout of pairs; 1 or 2 bits with a word's even inputs in its low half and
-    odd ones in its high half, each half in input order. Packed a block of tiles at a
-    time: the int64 intermediates of a whole large-vocabulary head would take several times
-    the model's size in memory."""
+    odd ones in its high half, each half in input order. In every form a word's input m sits
+    at bit 16 (m % 2) + bits (m // 2), so byte b of the word holds the inputs
+    2 (b % 2 * per_byte + i) + b // 2 at bits i * bits: the words are built as their bytes,
+    in uint8, a block of tiles at a time (wider intermediates of a whole large-vocabulary
+    head would take several times the model's size in memory)."""
     columns = codes.shape[1]
-    per_word = 32 // bits
-    if bits == 4:
-        shifts = torch.tensor(_NIBBLE_SHIFTS, dtype=torch.int64)
-    else:
-        m = torch.arange(per_word, dtype=torch.int64)
-        shifts = 16 * (m % 2) + bits * (m // 2)
+    per_word, per_byte = 32 // bits, 8 // bits
     out = torch.empty(tiles, columns // per_word, LANES, dtype=torch.int32)
     for first in range(0, tiles, _PACK_TILES):
         last = min(tiles, first + _PACK_TILES)
-        c = codes[first * LANES:last * LANES].to(torch.int64)
-        c = F.pad(c, (0, 0, 0, (last - first) * LANES - c.shape[0]),
-                  value=8 if bits == 4 else 0)
-        words = (c.view(last - first, LANES, columns // per_word, per_word) << shifts).sum(-1)
-        words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
-        out[first:last] = words.transpose(1, 2)
+        c = codes[first * LANES:last * LANES].to(torch.uint8)
+        if c.shape[0] < (last - first) * LANES:  # the last tile's channels past N
+            c = F.pad(c, (0, 0, 0, (last - first) * LANES - c.shape[0]),
+                      value=8 if bits == 4 else 0)
+        # [..., word, input m] -> [..., word, m % 2, m // 2 as (byte half, i)]: byte
+        # b = 2 (m % 2) + (m // 2) // per_byte, its i-th code m // 2 % per_byte
+        c = c.view(last - first, LANES, columns // per_word, per_word // 2, 2).transpose(-1, -2)
+        c = c.reshape(last - first, LANES, columns // per_word, 4, per_byte)
+        word_bytes = c[..., 0].clone()
+        for i in range(1, per_byte):
+            word_bytes |= c[..., i] << (bits * i)
+        if sys.byteorder == "big":  # byte 0 is the word's lowest bits wherever it is stored
+            word_bytes = word_bytes.flip(-1)
+        out[first:last] = word_bytes.contiguous().view(torch.int32).squeeze(-1).transpose(1, 2)
     return out
 
 
