@@ -49,8 +49,8 @@ class StackedLinear(NamedTuple):
 
 class GGUFExperts(nn.Module):
     """The experts of one MoE layer from a GGUF file: `load` each expert's parts as they come
-    (GGUFBlocks, or float weights where the file's type has no blocks), `finish` once all
-    are in; then each expert's MLP runs as `expert_mlp`."""
+    (GGUFBlocks, or float weights where the file's type has no blocks); the last one tiles
+    them all (`finish`); then each expert's MLP runs as `expert_mlp`."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -69,9 +69,13 @@ class GGUFExperts(nn.Module):
             raise ValueError(f"expert {expert}'s {part} projection has shape "
                              f"{tuple(loaded.shape)}, expected {self.shapes[part]}")
         self._parts[expert, part] = loaded
+        if len(self._parts) == len(self.shapes) * self.num_experts:
+            self.finish()  # now, not after the whole model: its blocks are freed layer by layer
 
     def finish(self) -> None:
-        """Tile every expert's parts into the stacks (the blocks are then released)."""
+        """Tile every expert's parts into the stacks (the blocks are then released); once."""
+        if self.linears:
+            return
         for name, parts in LINEAR_PARTS.items():
             rows = [self.shapes[p][0] for p in parts]
             columns = self.shapes[parts[0]][1]
@@ -115,9 +119,6 @@ class GGUFExperts(nn.Module):
         weight = torch.cat([p.dequantize() if isinstance(p, GGUFBlocks) else p.float()
                             for p in parts])
         return 0, [tile_dense(weight.to(torch.bfloat16))]
-
-    def checkpoint_complete(self) -> bool:
-        return len(self._parts) == len(self.shapes) * self.num_experts
 
     def linear(self, name: str, expert: int, x: torch.Tensor) -> torch.Tensor:
         """x [n, K] (bfloat16) through expert `expert`'s linear `name` -> [n, N] bfloat16."""
