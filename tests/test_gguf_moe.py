@@ -377,3 +377,55 @@ def test_moe_config_refuses_what_our_models_cannot_run(model_type, extra, layers
     keys = {"expert_count": 8, "expert_used_count": 2} | extra
     with pytest.raises(ValueError, match=match):
         gguf_moe.moe_config(model_type, _meta(keys), _QWEN2_SHAPES, layers)
+
+
+@pytest.mark.parametrize("form", ["blocks", "float-down", "forms-differ"])
+def test_gguf_experts_stack_each_expert_as_its_own_linears(monkeypatch, form):
+    """GGUFExperts tiles every expert's Q8_0 blocks into stacks over the experts; each
+    expert's MLP equals the same expert run through its own CpuWeights (one linear per
+    part, the kernel's own product), whether the parts are blocks, a part is float (a type
+    without blocks: dense tiles for every expert), or one expert's compact form differs
+    from the others' (then every expert is tiled in the uncompacted form)."""
+    from radixlm.runtime.models.quantization import gguf_experts
+    from radixlm.runtime.models.quantization.cpu_weights import CpuWeights, linear_kernel
+    from radixlm.runtime.models.quantization.gguf_blocks import GGUFBlocks
+
+    if linear_kernel() is None:
+        pytest.skip("the CPU kernel does not build here (no C++ compiler?)")
+    experts, hidden, inter = 4, 64, 32
+    gen = torch.Generator().manual_seed(0)
+    parts = {}
+    for e in range(experts):
+        for part, shape in (("gate", (inter, hidden)), ("up", (inter, hidden)),
+                            ("down", (hidden, inter))):
+            w = torch.randn(shape, generator=gen) * 0.1
+            if form == "float-down" and part == "down":
+                parts[e, part] = w
+            else:
+                blocks = gguf.quants.quantize(w.numpy(), Q8_0)
+                parts[e, part] = GGUFBlocks.from_rows("Q8_0", torch.from_numpy(blocks))
+    if form == "forms-differ":  # expert 2's compact tiles come out with float32 scales
+        tile = gguf_experts.tile_planes
+        calls = iter(range(10 ** 6))
+
+        def odd_one(planes, compact=True):
+            tiled = tile(planes, compact)
+            if compact and next(calls) % experts == 2:
+                tiled = tiled._replace(scales=tiled.scales.float())
+            return tiled
+        monkeypatch.setattr(gguf_experts, "tile_planes", odd_one)
+    layer = gguf_experts.GGUFExperts(experts, hidden, inter)
+    for (e, part), loaded in parts.items():
+        layer.load(e, part, loaded)
+    assert layer.linears and all(t.shape[0] == experts for s in layer.linears.values()
+                                 for t in s.tensors)
+    assert (layer.linears["down"].segments == 0) == (form == "float-down")
+    x = (torch.randn(5, hidden, generator=gen)).to(torch.bfloat16)
+    for e in range(experts):
+        def own(part):
+            p = parts[e, part]
+            return (CpuWeights(dense=p) if isinstance(p, torch.Tensor)
+                    else CpuWeights(p.planes()))
+        gate, up = own("gate")(x), own("up")(x)
+        want = own("down")(torch.nn.functional.silu(gate) * up)
+        assert torch.equal(layer.expert_mlp(e, x), want), e
