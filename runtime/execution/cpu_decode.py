@@ -73,8 +73,8 @@ def unsupported(model: torch.nn.Module, attn: AttentionBackend, kv_cache: KVCach
     if not all(_coverable(linear, dtype) for layer in model.model.layers
                for linear in _linears(layer) + _routers(layer) if linear is not None):
         return "a linear layer is neither float nor in the CPU kernel's tiles (cpu_weights)"
-    if not all(_sparse(layer) is None or _sparse(layer).experts.gguf is not None
-               or _sparse(layer).experts.quant is None for layer in model.model.layers):
+    blocks = [b for b in map(_sparse, model.model.layers) if b is not None]
+    if any(b.experts.gguf is None and b.experts.quant is not None for b in blocks):
         return "the experts are quantized (fp8 or int8)"
     return None
 

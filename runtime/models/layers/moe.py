@@ -189,9 +189,7 @@ class FusedMoE(nn.Module):
     def process_weights_after_loading(self) -> None:
         """Quantize float experts (fp8, int8); on the CPU, a bfloat16 model's FP8 experts
         become bfloat16 weights (no fast fp8 product there)."""
-        if self.gguf is not None:
-            self.gguf.finish()
-        if self.quant is None:
+        if self.quant is None:  # float, or GGUF blocks (tiled as their last part loaded)
             return
         for name in ("w13", "w2"):
             param, scale = getattr(self, name), getattr(self, f"{name}_scale")

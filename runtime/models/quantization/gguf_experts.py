@@ -73,9 +73,7 @@ class GGUFExperts(nn.Module):
             self.finish()  # now, not after the whole model: its blocks are freed layer by layer
 
     def finish(self) -> None:
-        """Tile every expert's parts into the stacks (the blocks are then released); once."""
-        if self.linears:
-            return
+        """Tile every expert's parts into the stacks (the blocks are then released)."""
         for name, parts in LINEAR_PARTS.items():
             rows = [self.shapes[p][0] for p in parts]
             columns = self.shapes[parts[0]][1]
