@@ -27,6 +27,8 @@ quality) and measures batch 1 on each, ours beside llama.cpp on the same file.
 `--families gemma3,qwen3,gemma2,qwen3moe` (needs llama-cpp-python) does the same for random-weight
 files of other families at the shapes of real small checkpoints, with their large
 vocabularies (benchmarks/random_gguf.py), in each of `--family-types` (default Q4_K_M).
+`--small-pages-too` also runs ours on every GGUF file with its weights in ordinary 4 KiB pages
+(RADIXLM_HUGE_PAGES=0), to measure what huge pages give in the same run.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ TOPICS = ["volcanoes", "the moon", "bees", "rainbows", "trains", "chess", "glaci
           "owls", "bread", "magnets", "comets", "tides", "deserts", "violins", "bridges"]
 
 
+SMALL_PAGES = " small-pages"  # a system run with RADIXLM_HUGE_PAGES=0 (--small-pages-too)
 SEQUENCE_CELLS = 256  # llama.cpp's KV cells per sequence in the batched run (prompt + tokens)
 
 
@@ -354,6 +357,8 @@ def worker(system: str, threads: int, path: Path | None, conn: Any) -> None:
     import torch
 
     torch.set_num_threads(threads)
+    if system.endswith(SMALL_PAGES):
+        os.environ["RADIXLM_HUGE_PAGES"] = "0"  # read as the weights are tiled
     if system.startswith("radixlm "):
         runs, weights = ours(system.split()[1], path)
     elif system == "transformers float32":
@@ -390,6 +395,9 @@ def main() -> None:
                         help="the GGUF types of the --families files, e.g. Q4_K_M,Q6_K")
     parser.add_argument("--families-batched", action="store_true",
                         help="also run the batched case (--batch) on the --families files")
+    parser.add_argument("--small-pages-too", action="store_true",
+                        help="also run ours on each GGUF file with its weights in ordinary "
+                             "pages (RADIXLM_HUGE_PAGES=0; docs/cpu.md), in the same run")
     parser.add_argument("--out", default=None, help="JSON file (default: a dated file in "
                         "$RADIXLM_RESULTS_DIR or ~/.cache/radixlm/benchmarks)")
     args = parser.parse_args()
@@ -411,6 +419,10 @@ def main() -> None:
             path = requantized(type_name, args.threads, source)
             label = f"{family}-{type_name}"
             files[f"radixlm gguf {label}"] = files[f"llama.cpp {label}"] = path
+    if args.small_pages_too:
+        for name in [n for n in files if n.startswith("radixlm gguf")]:
+            label = name if name.count(" ") > 1 else f"{name} Q4_1"
+            files[f"{label}{SMALL_PAGES}"] = files[name]
     systems = list(files)
     ctx = mp.get_context("spawn")
     pipes, procs, weights, kinds = {}, [], {}, {}
@@ -470,12 +482,12 @@ def main() -> None:
     def times(value: float | None, base: dict | None, key: str) -> str:
         return f"{value / base[key]:.2f}x" if value and base and base.get(key) else "-"
 
-    print(f"{'system':<30}{'TTFT ms':>9}{'decode tok/s':>14}{'step MB':>9}{'floor tok/s':>13}"
+    print(f"{'system':<44}{'TTFT ms':>9}{'decode tok/s':>14}{'step MB':>9}{'floor tok/s':>13}"
           f"{'vs llama.cpp':>14}{'batched tok/s':>15}{'vs HF':>8}{'vs llama.cpp':>14}")
     for r in rows:
         b = r.get("batched_tokens_per_s")
         peer = peers.get(file_label(r["system"]))
-        print(f"{r['system']:<30}{r['ttft_ms']:>9.0f}{r['decode_tokens_per_s']:>14.1f}"
+        print(f"{r['system']:<44}{r['ttft_ms']:>9.0f}{r['decode_tokens_per_s']:>14.1f}"
               f"{r['step_mb']:>9.0f}{r['floor_tokens_per_s']:>13.0f}"
               f"{times(r['decode_tokens_per_s'], peer, 'decode_tokens_per_s'):>14}"
               f"{(f'{b:.0f}' if b else '-'):>15}{times(b, hf_row, 'batched_tokens_per_s'):>8}"

@@ -9,9 +9,12 @@ Llama-3-8B's shapes (bf16, CUDA-graph timed):
 `--sweep` instead times the invariant matmul's candidate tilings (rows per program, warps,
 pipeline stages, one loop or a loop per segment, and two segment policies) at each row count
 against cuBLAS, and checks that every tiling gives the same bits as the shipped one's
-(InvariantConfig.tilings was chosen from this table).
+(InvariantConfig.tilings was chosen from this table). `--segments` times each count of K
+segments (each its own invariant sum) with the decode tilings' pipeline depths and K tiles at
+1-64 rows and the shipped tilings at more rows, checking each for one set of bits at every
+row count.
 
-    python benchmarks/invariant_kernels.py [--sweep] [--out benchmarks/results/NAME.json]
+    python benchmarks/invariant_kernels.py [--sweep | --segments] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -129,6 +132,65 @@ def sweep() -> list[dict]:
     return rows
 
 
+SEGMENT_ROWS = [1, 8, 64, 256, 4096]
+
+
+def forced(segs: int, tiling: Tiling, block_k: int = 64) -> InvariantConfig:
+    """A configuration with `segs` segments of K (fewer where K has fewer tiles) and one
+    tiling for every row count."""
+    return InvariantConfig(block_k=block_k, max_segs=segs, min_seg_blocks=1,
+                           programs_per_sm=1 << 20, tilings=((ANY, tiling),))
+
+
+def sweep_segments() -> list[dict]:
+    """Segment counts (a change of the numerics: each count is its own invariant sum) against
+    the split tilings' depth and K tile at 1-64 rows, and the shipped tilings at more rows;
+    every variant of a count is checked for the same bits as that count's 128-row tiling
+    over all the rows."""
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name, (n, k) in LINEARS.items():
+        counts = [m for m in SEGMENT_ROWS if name != "head" or m <= 256]
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) / k ** 0.5
+        x_all = torch.randn(max(counts), k, device="cuda", dtype=torch.bfloat16, generator=gen)
+        out_dtype = torch.float32 if name == "head" else None
+        seen = set()
+        for segs in (1, 2, 4, 8, 16, 32):
+            actual = segments_for(n, k, x_all.device, forced(segs, Tiling(128, 8, 4)))
+            if actual in seen or (name == "head" and segs > 2):
+                continue
+            seen.add(actual)
+            reference = invariant_matmul(x_all, w, out_dtype,
+                                         config=forced(segs, Tiling(128, 8, 4)))
+            for m in counts:
+                x = x_all[:m].clone()
+                calls = 10 if m <= 512 else 2
+                if m <= 64:
+                    variants = {f"split s{st} k{bk}": forced(segs, Tiling(64, 4, st, split=True),
+                                                            bk)
+                                for st in (3, 4, 5) for bk in (64, 128)}
+                else:
+                    variants = {"shipped tiling": forced(segs, InvariantConfig().tiling(m))}
+                row = {"linear": name, "rows": m, "segments": actual[1], "seg_len": actual[0],
+                       "cublas_us": time_us(lambda: default_linear(x, w, name == "head"), calls),
+                       "variants": {}}
+                for label, cfg in variants.items():
+                    if segments_for(n, k, x.device, cfg) != actual:
+                        continue  # the K tile does not divide this segment length
+                    same = torch.equal(invariant_matmul(x, w, out_dtype, config=cfg),
+                                       reference[:m])
+                    us = time_us(lambda: invariant_matmul(x, w, out_dtype, config=cfg), calls)
+                    row["variants"][label] = {"us": us, "same_bits": same}
+                best = min(row["variants"].items(), key=lambda kv: kv[1]["us"])
+                print(f"{name:>8} {m:>6} rows {actual[1]:>3} segs: cuBLAS {row['cublas_us']:8.1f}"
+                      f" us, best {best[0]} {best[1]['us']:8.1f} us "
+                      f"({best[1]['us'] / row['cublas_us']:.2f}x); same bits "
+                      f"{sum(v['same_bits'] for v in row['variants'].values())}"
+                      f"/{len(row['variants'])}", flush=True)
+                rows.append(row)
+    return rows
+
+
 def attention() -> list[dict]:
     heads, kv_heads, dim = 32, 8, 128
     results = []
@@ -186,15 +248,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true",
                         help="time the matmul's candidate tilings instead (see the docstring)")
+    parser.add_argument("--segments", action="store_true",
+                        help="time segment counts against the decode tilings instead (see "
+                             "sweep_segments)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     record = {"benchmark": "invariant_kernels", "date": datetime.date.today().isoformat(),
               "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}}
-    if args.sweep:
+    if args.segments:
+        record["segments"] = sweep_segments()
+    elif args.sweep:
         record["sweep"] = sweep()
     else:
         record |= {"linears": linears(), "attention": attention()}
-    kind = "invariant_sweep" if args.sweep else "invariant_kernels"
+    kind = ("invariant_segments" if args.segments else "invariant_sweep" if args.sweep
+            else "invariant_kernels")
     out = Path(args.out or results_dir() / f"{kind}_{record['date']}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")

@@ -64,10 +64,11 @@ class InvariantConfig:
     block_n: int = 128
     block_k: int = 64
     group_m: int = 8  # tiles of GROUP_M row blocks share a column block in L2 (prefill)
-    # Segments: enough programs for two per SM at one row, at most max_segs, and none shorter
-    # than min_seg_blocks K tiles.
+    # Segments: enough programs for programs_per_sm per SM at one row, at most max_segs, and
+    # none shorter than min_seg_blocks K tiles.
     max_segs: int = 16
     min_seg_blocks: int = 4
+    programs_per_sm: int = 2
     # (most rows, tiling), by increasing rows; the last one serves any larger M. Chosen by
     # a sweep on an H100 at Llama-3-8B's shapes (docs/deterministic.md).
     tilings: tuple[tuple[int, Tiling], ...] = (
@@ -227,7 +228,7 @@ def _segments(n: int, k: int, sms: int, config: InvariantConfig) -> tuple[int, i
     tiles = triton.cdiv(n, config.block_n)
     blocks = triton.cdiv(k, config.block_k)
     segs = 1
-    while (tiles * segs < 2 * sms and segs < config.max_segs
+    while (tiles * segs < config.programs_per_sm * sms and segs < config.max_segs
            and blocks // (2 * segs) >= config.min_seg_blocks):
         segs *= 2
     seg_len = triton.cdiv(blocks, segs) * config.block_k

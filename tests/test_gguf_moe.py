@@ -408,8 +408,8 @@ def test_gguf_experts_stack_each_expert_as_its_own_linears(monkeypatch, form):
         tile = gguf_experts.tile_planes
         calls = iter(range(10 ** 6))
 
-        def odd_one(planes, compact=True):
-            tiled = tile(planes, compact)
+        def odd_one(planes, compact=True, kept=True):
+            tiled = tile(planes, compact, kept)
             if compact and next(calls) % experts == 2:
                 tiled = tiled._replace(scales=tiled.scales.float())
             return tiled

@@ -35,6 +35,7 @@ from radixlm.runtime.models.layers.mlp import ACTIVATIONS as MLP_ACTIVATIONS
 from radixlm.runtime.models.layers.norm import OffsetRMSNorm, RMSNorm
 from radixlm.runtime.models.llama import LlamaForCausalLM
 from radixlm.runtime.models.moe import MoEForCausalLM, SparseMoeBlock
+from radixlm.runtime.models.quantization import host_memory
 from radixlm.runtime.models.quantization.cpu_weights import CpuWeights
 from radixlm.runtime.models.quantization.gguf_experts import StackedLinear, dense_stack
 
@@ -142,6 +143,7 @@ class CpuDecode:
         self.final_norm = _norm(model.model.norm) if cfg.last_stage else none
         if cfg.first_stage:  # later pipeline stages do not score
             _tile_head(model, dtype)
+        host_memory.return_freed_heap()  # the eager copies of what was tiled here
         self.lora = None  # the adapters' slots (models.lora.slots.LoRASlots), when served
         self._lora_tensors: list[torch.Tensor] | None = None
         self._no_lora: tuple[list[torch.Tensor], torch.Tensor] = ([], torch.empty(0,

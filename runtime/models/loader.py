@@ -27,6 +27,7 @@ from radixlm.runtime.models.layers.linear import Linear, use_small_batch_gemv
 from radixlm.runtime.models.layers.moe import FusedMoE
 from radixlm.runtime.models.layers.norm import RMSNorm
 from radixlm.runtime.models.presets import ARCHITECTURE_PRESETS
+from radixlm.runtime.models.quantization import host_memory
 from radixlm.runtime.models.quantization.block_fp8 import (
     BlockFp8,
     block_fp8_format,
@@ -202,6 +203,8 @@ def load_model(model: str | None, load_format: str, dtype: torch.dtype,
     _process_quantized_weights(net)
     if quant is not None and device.type == "cuda":
         torch.cuda.empty_cache()  # the float weights quantized away: free for the KV pool
+    if device.type == "cpu":
+        host_memory.return_freed_heap()  # the load's intermediates, kept by the C heap
     net.eval()
     # Fused Triton norms, activation and rotary, and the small-batch GEMV, on CUDA; CPU keeps
     # the plain torch ops.

@@ -12,9 +12,8 @@ nothing.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
-from typing import Any
+
+from radixlm.runtime.models.quantization.host_memory import libc
 
 TRIM_DELAY = 0.5  # seconds after a large request: its objects are gone by then
 MIN_INTERVAL = 1.0
@@ -26,14 +25,14 @@ ARENAS = 2
 
 class HeapTrimmer:
     def __init__(self) -> None:
-        libc = _libc()
-        self._trim = getattr(libc, "malloc_trim", None)
+        c = libc()
+        self._trim = getattr(c, "malloc_trim", None)
         self._scheduled = False  # a trim is pending, running, or cooling down
         self._again = False  # asked for again meanwhile: trim once more after the cool-down
-        if libc is not None and hasattr(libc, "mallopt"):
+        if c is not None and hasattr(c, "mallopt"):
             # Each thread that parses a large body would otherwise get an arena of its own
             # (up to 8 per core), and freed memory scatters across them.
-            libc.mallopt(M_ARENA_MAX, ARENAS)
+            c.mallopt(M_ARENA_MAX, ARENAS)
 
     def trim_soon(self) -> None:
         """Trim the heap shortly (called on the event loop); repeated calls coalesce."""
@@ -56,10 +55,3 @@ class HeapTrimmer:
         if self._again:  # a large request finished after the trim started
             self.trim_soon()
 
-
-def _libc() -> Any:
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name) if name else None
-    except OSError:
-        return None

@@ -23,7 +23,7 @@ keeps the planes' scales in bfloat16 and its batched steps are slow.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import NamedTuple
 
@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlm.kernels import cpu_decode as cpu_kernel
+from radixlm.runtime.models.quantization import host_memory
 
 KERNEL_GROUPS = (256, 128, 64, 32)  # the group sizes torch's int4 kernel takes
 LANES = 16  # output channels per tile of our kernel
@@ -158,7 +159,7 @@ class TiledPlanes(NamedTuple):
     min_base: torch.Tensor
 
 
-def tile_planes(planes: list[Plane], compact: bool = True) -> TiledPlanes:
+def tile_planes(planes: list[Plane], compact: bool = True, kept: bool = True) -> TiledPlanes:
     """Our kernel's form of one or two planes (kernels/cpu_linear.h). The last plane is the
     kernel's low plane: codes int32 [tiles, 1, K / 8, 16]. With two, the first (the files'
     high codes, summed first) is its high plane, in as few bits as its codes need where its
@@ -172,8 +173,11 @@ def tile_planes(planes: list[Plane], compact: bool = True) -> TiledPlanes:
     summed), or [tiles, 16] when each channel's zeros are one factor times its low scales
     (symmetric formats: Q8_0's are 8 s, Q5_0's 120 s), less the K-quants' mins as int8 codes
     and a negated float16 base. `compact=False`: none of these savings. Channels past N (up
-    to a whole tile) have scale and zero 0."""
+    to a whole tile) have scale and zero 0. `kept`: the tensors go where a CpuWeights keeps
+    them (huge pages, host_memory); False for tiles that are copied on (a stack's part)."""
     rows, columns = planes[0].codes.shape
+    empty = host_memory.empty if kept else _empty
+    place = host_memory.copy_of if kept else torch.Tensor.contiguous
     tiles = -(-rows // LANES)
     pad = tiles * LANES - rows
     *high, low = planes
@@ -188,7 +192,7 @@ def tile_planes(planes: list[Plane], compact: bool = True) -> TiledPlanes:
             bits = fits[0] if fits else 4
         else:
             scales.append(first.scale)
-        hi = _words(first.codes, pad, tiles, bits)
+        hi = _words(first.codes, pad, tiles, bits, empty)
     zero = sum(plane.zero.float() for plane in planes)
     none = torch.empty(0)
     factored = _factored(low, zero) if compact and len(scales) == 1 else None
@@ -209,9 +213,8 @@ def tile_planes(planes: list[Plane], compact: bool = True) -> TiledPlanes:
         scale_base = min_codes = min_base = none
     zeros = (_lanes_last(zero, pad, tiles) if factor is None
              else F.pad(factor, (0, pad)).view(tiles, LANES))
-    return TiledPlanes(_words(low.codes, pad, tiles, 4).unsqueeze(1).contiguous(),
-                       hi.contiguous(), scales.contiguous(), scale_base.contiguous(),
-                       zeros.contiguous(), min_codes.contiguous(), min_base.contiguous())
+    return TiledPlanes(_words(low.codes, pad, tiles, 4, empty).unsqueeze(1), hi,
+                       *map(place, (scales, scale_base, zeros, min_codes, min_base)))
 
 
 def _factored(low: Plane, zero: torch.Tensor) -> tuple | None:
@@ -263,17 +266,19 @@ def _zero_factor(zero: torch.Tensor, scale: torch.Tensor,
     return factor if torch.equal(got, zero) else None
 
 
-def _words(codes: torch.Tensor, pad: int, tiles: int, bits: int) -> torch.Tensor:
+def _words(codes: torch.Tensor, pad: int, tiles: int, bits: int,
+           empty: Callable[..., torch.Tensor]) -> torch.Tensor:
     """[N, K] codes as a plane's int32 words [tiles, K bits / 32, 16] (cpu_linear.h): 4 bits
     in the nibble layout of pairs; 1 or 2 bits with a word's even inputs in its low half and
     odd ones in its high half, each half in input order. In every form a word's input m sits
     at bit 16 (m % 2) + bits (m // 2), so byte b of the word holds the inputs
     2 (b % 2 * per_byte + i) + b // 2 at bits i * bits: the words are built as their bytes,
     in uint8, a block of tiles at a time (wider intermediates of a whole large-vocabulary
-    head would take several times the model's size in memory)."""
+    head would take several times the model's size in memory). `empty(shape, dtype)` gives
+    the output's memory."""
     columns = codes.shape[1]
     per_word, per_byte = 32 // bits, 8 // bits
-    out = torch.empty(tiles, columns // per_word, LANES, dtype=torch.int32)
+    out = empty((tiles, columns // per_word, LANES), torch.int32)
     for first in range(0, tiles, _PACK_TILES):
         last = min(tiles, first + _PACK_TILES)
         c = codes[first * LANES:last * LANES].to(torch.uint8)
@@ -296,16 +301,23 @@ def _words(codes: torch.Tensor, pad: int, tiles: int, bits: int) -> torch.Tensor
 _PACK_TILES = 256  # tiles (of 16 channels) packed at a time by _words
 
 
-def tile_dense(weight: torch.Tensor) -> torch.Tensor:
+def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
+def tile_dense(weight: torch.Tensor, kept: bool = False) -> torch.Tensor:
     """Our kernel's form of a dense [N, K] weight: bfloat16 [tiles, K / 2, 32], lane j holding
-    channel j's weights of inputs k and k + 1; float32 [tiles, K, 16]."""
+    channel j's weights of inputs k and k + 1; float32 [tiles, K, 16]. `kept`: in the memory
+    a CpuWeights keeps (huge pages, host_memory)."""
     rows, columns = weight.shape
     tiles = -(-rows // LANES)
     w = F.pad(weight, (0, 0, 0, tiles * LANES - rows))
     if w.dtype == torch.float32:
-        return w.view(tiles, LANES, columns).transpose(1, 2).contiguous()
-    return (w.to(torch.bfloat16).view(tiles, LANES, columns // 2, 2).transpose(1, 2)
-            .reshape(tiles, columns // 2, 2 * LANES).contiguous())
+        tiled = w.view(tiles, LANES, columns).transpose(1, 2)
+    else:
+        tiled = w.to(torch.bfloat16).view(tiles, LANES, columns // 2, 2).transpose(1, 2)
+    out = host_memory.copy_of(tiled) if kept else tiled.contiguous()
+    return out if w.dtype == torch.float32 else out.view(tiles, columns // 2, 2 * LANES)
 
 
 def _lanes_last(per_group: torch.Tensor, pad: int, tiles: int,
@@ -325,7 +337,9 @@ class CpuWeights(nn.Module):
     `float32=True`: then the activations stay float32), with an optional input permutation
     (GPTQ act-order: x[..., perm]). Held in our kernel's tiles where it builds (`tiled`), else
     in torch's layouts. `segments`: planes of consecutive ranges of the outputs, each tiled
-    in its own form (`stack`; our kernel only)."""
+    in its own form (`stack`; our kernel only). `tiles`: segments already tiled, in the
+    memory they are to stay in (`from_row_blocks`). Tiles are held in huge pages where the
+    system gives them (host_memory)."""
 
     def __init__(self, planes: list[Plane] | None = None, dense: torch.Tensor | None = None,
                  perm: torch.Tensor | None = None, float32: bool = False,
@@ -359,7 +373,7 @@ class CpuWeights(nn.Module):
         self.register_buffer("perm", perm)
         if dense is not None:
             dense = dense.to(self.activations)
-            self.register_buffer("dense", tile_dense(dense) if self.tiled else dense)
+            self.register_buffer("dense", tile_dense(dense, kept=True) if self.tiled else dense)
             self._tensors = [self.dense]
             return
         self.dense = None
@@ -399,7 +413,7 @@ class CpuWeights(nn.Module):
             return CpuWeights(segments=list(blocks))
         runs: list[list] = []  # [form, rows, tiles of its blocks]
         for planes in blocks:
-            tiled = tile_planes(planes)
+            tiled = tile_planes(planes, kept=False)
             form = (len(planes), [(t.dtype, t.shape[1:]) for t in tiled])
             if runs and runs[-1][0] == form:
                 runs[-1][1] += planes[0].codes.shape[0]
@@ -407,8 +421,7 @@ class CpuWeights(nn.Module):
             else:
                 runs.append([form, planes[0].codes.shape[0], [tiled]])
         return CpuWeights(tiles=[
-            (rows, form[0], TiledPlanes(*(torch.cat(t) if len(parts) > 1 else t[0]
-                                          for t in zip(*parts))))
+            (rows, form[0], TiledPlanes(*map(host_memory.cat, zip(*parts))))
             for form, rows, parts in runs])
 
     def kernel_form(self) -> tuple[int, int, list[torch.Tensor]] | None:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixlm.runtime.models.quantization import host_memory
 from radixlm.runtime.models.quantization.cpu_weights import (
     linear_kernel,
     segments_of,
@@ -98,7 +99,7 @@ class GGUFExperts(nn.Module):
                                             compact)
             if e == 0:
                 segments = segments_e
-                stacked = [torch.empty((self.num_experts, *t.shape), dtype=t.dtype)
+                stacked = [host_memory.empty((self.num_experts, *t.shape), t.dtype)
                            for t in tiles]
             elif segments_e != segments or [(t.dtype, t.shape) for t in tiles] != [
                     (s.dtype, s.shape[1:]) for s in stacked]:
@@ -113,7 +114,7 @@ class GGUFExperts(nn.Module):
         if all(isinstance(p, GGUFBlocks) for p in parts):
             segments = segments_of([p.planes() for p in parts], rows, columns)
             return len(segments), [t for planes in segments
-                                   for t in tile_planes(planes, compact)]
+                                   for t in tile_planes(planes, compact, kept=False)]
         weight = torch.cat([p.dequantize() if isinstance(p, GGUFBlocks) else p.float()
                             for p in parts])
         return 0, [tile_dense(weight.to(torch.bfloat16))]
@@ -138,7 +139,7 @@ def dense_stack(weights: torch.Tensor, float32: bool) -> StackedLinear:
     experts, rows, _ = weights.shape
     dtype = torch.float32 if float32 else torch.bfloat16
     first = tile_dense(weights[0].to(dtype))
-    stacked = torch.empty((experts, *first.shape), dtype=dtype)
+    stacked = host_memory.empty((experts, *first.shape), dtype)
     for e in range(experts):
         stacked[e] = tile_dense(weights[e].to(dtype))
     return StackedLinear(0, rows, [stacked])
