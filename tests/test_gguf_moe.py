@@ -314,6 +314,44 @@ def test_cpu_kernel_matches_eager_and_keeps_rows_apart(tmp_path, monkeypatch, ca
                         dtype, steps, position)
 
 
+def test_speculation_and_batching_leave_a_request_unchanged(tmp_path):
+    """Through the engine on the default CPU path (the file's Q8_0 blocks, bfloat16, the
+    kernel's sparse layers): a greedy request's tokens and logprobs are the same bits with
+    n-gram speculation on, beside other requests, and with a prefix cached, as alone on a cold
+    engine; the speculator did draft (its verification steps ran), and no page leaked."""
+    from test_engine import assert_no_leak
+
+    from radixlm.kernels import cpu_decode as kernel_build
+    from radixlm.runtime import Engine, SamplingParams
+
+    if kernel_build.load() is None:
+        pytest.skip("the CPU decode kernel does not build here (no C++ compiler?)")
+    files = _make_files(tmp_path, "qwen3-moe", quantized=True)
+    gen = torch.Generator().manual_seed(4)
+    # Repeated phrases give the n-gram speculator drafts to verify.
+    phrase = torch.randint(3, 512, (6,), generator=gen).tolist()
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() + phrase * 4 + phrase[:3]
+               for n in (3, 11, 20)]
+    params = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True, logprobs=True,
+                            top_logprobs_num=3)
+    options = dict(max_total_tokens=2048, page_size=4, chunked_prefill_size=8,
+                   max_num_batched_tokens=24)
+    with Engine(str(files.gguf), **options) as plain:
+        assert plain.core.runner.cpu_decode is not None
+        alone = []
+        for ids in prompts:
+            plain.flush_cache()
+            alone.append(plain.generate(input_ids=ids, sampling_params=params))
+    with Engine(str(files.gguf), speculative="ngram", **options) as speculating:
+        speculating.generate(input_ids=prompts[1][:9], sampling_params={"max_new_tokens": 1})
+        got = speculating.generate(input_ids=prompts, sampling_params=[params] * len(prompts))
+        assert speculating.stats()["spec_drafted_tokens"] > 0
+        assert_no_leak(speculating)
+    for want, out in zip(alone, got):
+        assert out.token_ids == want.token_ids
+        assert out.logprobs == want.logprobs
+
+
 def test_conversion_writes_shards_of_bounded_size(tmp_path, monkeypatch):
     """A conversion holds one shard of tensors in memory at a time: with shards smaller than
     the model the folder has several files and an index, every tensor in one of them with
