@@ -10,9 +10,9 @@ Llama-3-8B's shapes (bf16, CUDA-graph timed):
 pipeline stages, one loop or a loop per segment, and two segment policies) at each row count
 against cuBLAS, and checks that every tiling gives the same bits as the shipped one's
 (InvariantConfig.tilings was chosen from this table). `--segments` times each count of K
-segments (each its own invariant sum) with the decode tilings' pipeline depths and K tiles at
-1-64 rows and the shipped tilings at more rows, checking each for one set of bits at every
-row count.
+segments (each its own invariant sum) with the decode tilings' pipeline depths at 1-64 rows
+and the shipped tilings at more rows, checking each for one set of bits at every row count
+(the segment policy, InvariantConfig's, was chosen from this table).
 
     python benchmarks/invariant_kernels.py [--sweep | --segments] [--out FILE.json]
 """
@@ -27,8 +27,10 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from radixlm.kernels import invariant_attention as ia
+from radixlm.kernels import invariant_matmul as invariant_matmul_module
 from radixlm.kernels import triton_attention as ta
 from radixlm.kernels.gemv import NARROW_MAX_N, gemv
 from radixlm.kernels.invariant_matmul import InvariantConfig, Tiling, invariant_matmul, segments_for
@@ -135,59 +137,71 @@ def sweep() -> list[dict]:
 SEGMENT_ROWS = [1, 8, 64, 256, 4096]
 
 
-def forced(segs: int, tiling: Tiling, block_k: int = 64) -> InvariantConfig:
-    """A configuration with `segs` segments of K (fewer where K has fewer tiles) and one
-    tiling for every row count."""
-    return InvariantConfig(block_k=block_k, max_segs=segs, min_seg_blocks=1,
-                           programs_per_sm=1 << 20, tilings=((ANY, tiling),))
+def forced(segs: int, tiling: Tiling) -> InvariantConfig:
+    """A configuration with `segs` segments of K (fewer where K has fewer tiles; with the
+    SM count lifted, see sweep_segments) and one tiling for every row count."""
+    return InvariantConfig(max_segs=segs, min_seg_blocks=1, tilings=((ANY, tiling),))
 
 
 def sweep_segments() -> list[dict]:
     """Segment counts (a change of the numerics: each count is its own invariant sum) against
-    the split tilings' depth and K tile at 1-64 rows, and the shipped tilings at more rows;
+    the split tilings' pipeline depth at 1-64 rows, and the shipped tilings at more rows;
     every variant of a count is checked for the same bits as that count's 128-row tiling
     over all the rows."""
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for name, (n, k) in LINEARS.items():
-        counts = [m for m in SEGMENT_ROWS if name != "head" or m <= 256]
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) / k ** 0.5
-        x_all = torch.randn(max(counts), k, device="cuda", dtype=torch.bfloat16, generator=gen)
-        out_dtype = torch.float32 if name == "head" else None
-        seen = set()
-        for segs in (1, 2, 4, 8, 16, 32):
-            actual = segments_for(n, k, x_all.device, forced(segs, Tiling(128, 8, 4)))
-            if actual in seen or (name == "head" and segs > 2):
-                continue
-            seen.add(actual)
-            reference = invariant_matmul(x_all, w, out_dtype,
-                                         config=forced(segs, Tiling(128, 8, 4)))
-            for m in counts:
-                x = x_all[:m].clone()
-                calls = 10 if m <= 512 else 2
-                if m <= 64:
-                    variants = {f"split s{st} k{bk}": forced(segs, Tiling(64, 4, st, split=True),
-                                                            bk)
-                                for st in (3, 4, 5) for bk in (64, 128)}
-                else:
-                    variants = {"shipped tiling": forced(segs, InvariantConfig().tiling(m))}
-                row = {"linear": name, "rows": m, "segments": actual[1], "seg_len": actual[0],
-                       "cublas_us": time_us(lambda: default_linear(x, w, name == "head"), calls),
-                       "variants": {}}
-                for label, cfg in variants.items():
-                    if segments_for(n, k, x.device, cfg) != actual:
-                        continue  # the K tile does not divide this segment length
+    sms = invariant_matmul_module.num_sms
+    # Segment counts beyond the shipped policy's (one row's programs within one per SM):
+    # with the SM count lifted, max_segs alone sets the count.
+    invariant_matmul_module.num_sms = lambda device: 1 << 30
+    try:
+        for name, (n, k) in LINEARS.items():
+            rows += _sweep_segments_of(name, n, k, gen)
+    finally:
+        invariant_matmul_module.num_sms = sms
+    return rows
+
+
+def _sweep_segments_of(name: str, n: int, k: int, gen: torch.Generator) -> list[dict]:
+    rows = []
+    counts = [m for m in SEGMENT_ROWS if name != "head" or m <= 256]
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) / k ** 0.5
+    x_all = torch.randn(max(counts), k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    out_dtype = torch.float32 if name == "head" else None
+    seen = set()
+    for segs in (1, 2, 4, 8, 16):
+        actual = segments_for(n, k, x_all.device, forced(segs, Tiling(128, 8, 4)))
+        if actual in seen or (name == "head" and segs > 2):
+            continue
+        seen.add(actual)
+        reference = invariant_matmul(x_all, w, out_dtype,
+                                     config=forced(segs, Tiling(128, 8, 4)))
+        for m in counts:
+            x = x_all[:m].clone()
+            calls = 10 if m <= 512 else 2
+            if m <= 64:
+                variants = {f"split s{st}": forced(segs, Tiling(64, 4, st, split=True))
+                            for st in (3, 4, 5, 6)}
+            else:
+                variants = {"shipped tiling": forced(segs, InvariantConfig().tiling(m))}
+            row = {"linear": name, "rows": m, "segments": actual[1], "seg_len": actual[0],
+                   "cublas_us": time_us(lambda: default_linear(x, w, name == "head"), calls),
+                   "variants": {}}
+            for label, cfg in variants.items():
+                try:
                     same = torch.equal(invariant_matmul(x, w, out_dtype, config=cfg),
                                        reference[:m])
-                    us = time_us(lambda: invariant_matmul(x, w, out_dtype, config=cfg), calls)
-                    row["variants"][label] = {"us": us, "same_bits": same}
-                best = min(row["variants"].items(), key=lambda kv: kv[1]["us"])
-                print(f"{name:>8} {m:>6} rows {actual[1]:>3} segs: cuBLAS {row['cublas_us']:8.1f}"
-                      f" us, best {best[0]} {best[1]['us']:8.1f} us "
-                      f"({best[1]['us'] / row['cublas_us']:.2f}x); same bits "
-                      f"{sum(v['same_bits'] for v in row['variants'].values())}"
-                      f"/{len(row['variants'])}", flush=True)
-                rows.append(row)
+                except triton.runtime.errors.OutOfResources:
+                    continue  # too deep a pipeline for the shared memory
+                us = time_us(lambda: invariant_matmul(x, w, out_dtype, config=cfg), calls)
+                row["variants"][label] = {"us": us, "same_bits": same}
+            best = min(row["variants"].items(), key=lambda kv: kv[1]["us"])
+            print(f"{name:>8} {m:>6} rows {actual[1]:>3} segs: cuBLAS {row['cublas_us']:8.1f}"
+                  f" us, best {best[0]} {best[1]['us']:8.1f} us "
+                  f"({best[1]['us'] / row['cublas_us']:.2f}x); same bits "
+                  f"{sum(v['same_bits'] for v in row['variants'].values())}"
+                  f"/{len(row['variants'])}", flush=True)
+            rows.append(row)
     return rows
 
 

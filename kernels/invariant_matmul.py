@@ -64,15 +64,18 @@ class InvariantConfig:
     block_n: int = 128
     block_k: int = 64
     group_m: int = 8  # tiles of GROUP_M row blocks share a column block in L2 (prefill)
-    # Segments: enough programs for programs_per_sm per SM at one row, at most max_segs, and
-    # none shorter than min_seg_blocks K tiles.
+    # Segments: as many as keep one row's programs (column tiles x segments) within one per
+    # SM, at most max_segs, and none shorter than min_seg_blocks K tiles. Fewer, longer
+    # programs measured faster than two per SM at one row (each keeps more loads in flight,
+    # and fewer partial sums are added) and at many rows (fewer segment sums); the 8B model
+    # on an H100: qkv 2 segments, o and down 4, gate_up and the head 1
+    # (benchmarks/invariant_kernels.py --segments; docs/deterministic.md).
     max_segs: int = 16
     min_seg_blocks: int = 4
-    programs_per_sm: int = 2
     # (most rows, tiling), by increasing rows; the last one serves any larger M. Chosen by
     # a sweep on an H100 at Llama-3-8B's shapes (docs/deterministic.md).
     tilings: tuple[tuple[int, Tiling], ...] = (
-        (64, Tiling(64, 4, 4, split=True)),
+        (64, Tiling(64, 4, 5, split=True)),
         (256, Tiling(64, 4, 4)),
         (1 << 62, Tiling(128, 8, 4)),
     )
@@ -228,7 +231,7 @@ def _segments(n: int, k: int, sms: int, config: InvariantConfig) -> tuple[int, i
     tiles = triton.cdiv(n, config.block_n)
     blocks = triton.cdiv(k, config.block_k)
     segs = 1
-    while (tiles * segs < config.programs_per_sm * sms and segs < config.max_segs
+    while (tiles * 2 * segs <= sms and segs < config.max_segs
            and blocks // (2 * segs) >= config.min_seg_blocks):
         segs *= 2
     seg_len = triton.cdiv(blocks, segs) * config.block_k
