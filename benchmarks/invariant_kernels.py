@@ -75,6 +75,22 @@ def linears() -> list[dict]:
     return rows
 
 
+def time_variants(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None,
+                  configs: dict[str, InvariantConfig], reference: torch.Tensor,
+                  calls: int) -> dict[str, dict]:
+    """Each configuration's time and whether it gives `reference`'s bits; one whose pipeline
+    does not fit the shared memory is left out."""
+    out = {}
+    for label, cfg in configs.items():
+        try:
+            same = torch.equal(invariant_matmul(x, w, out_dtype, config=cfg), reference)
+        except triton.runtime.errors.OutOfResources:
+            continue
+        us = time_us(lambda: invariant_matmul(x, w, out_dtype, config=cfg), calls)
+        out[label] = {"us": us, "same_bits": same}
+    return out
+
+
 SWEEP_ROWS = [1, 8, 64, 128, 256, 512, 2048, 16384]
 ANY = 1 << 62
 
@@ -120,15 +136,13 @@ def sweep() -> list[dict]:
                    "cublas_us": time_us(lambda: default_linear(x, w, name == "head"), calls),
                    "shipped_us": time_us(lambda: invariant_matmul(x, w, out_dtype), calls),
                    "variants": {}}
-            for label, cfg in sweep_variants(m).items():
-                same = torch.equal(invariant_matmul(x, w, out_dtype, config=cfg), shipped[:m])
-                us = time_us(lambda: invariant_matmul(x, w, out_dtype, config=cfg), calls)
-                row["variants"][label] = {"us": us, "same_bits_as_shipped": same}
+            row["variants"] = time_variants(x, w, out_dtype, sweep_variants(m), shipped[:m],
+                                            calls)
             best = min(row["variants"].items(), key=lambda kv: kv[1]["us"])
             print(f"{name:>8} {m:>6} rows: cuBLAS {row['cublas_us']:8.1f} us, shipped "
                   f"{row['shipped_us'] / row['cublas_us']:.2f}x, best {best[0]} "
                   f"{best[1]['us'] / row['cublas_us']:.2f}x; same bits: "
-                  f"{sum(v['same_bits_as_shipped'] for v in row['variants'].values())}"
+                  f"{sum(v['same_bits'] for v in row['variants'].values())}"
                   f"/{len(row['variants'])}", flush=True)
             rows.append(row)
     return rows
@@ -187,14 +201,7 @@ def _sweep_segments_of(name: str, n: int, k: int, gen: torch.Generator) -> list[
             row = {"linear": name, "rows": m, "segments": actual[1], "seg_len": actual[0],
                    "cublas_us": time_us(lambda: default_linear(x, w, name == "head"), calls),
                    "variants": {}}
-            for label, cfg in variants.items():
-                try:
-                    same = torch.equal(invariant_matmul(x, w, out_dtype, config=cfg),
-                                       reference[:m])
-                except triton.runtime.errors.OutOfResources:
-                    continue  # too deep a pipeline for the shared memory
-                us = time_us(lambda: invariant_matmul(x, w, out_dtype, config=cfg), calls)
-                row["variants"][label] = {"us": us, "same_bits": same}
+            row["variants"] = time_variants(x, w, out_dtype, variants, reference[:m], calls)
             best = min(row["variants"].items(), key=lambda kv: kv[1]["us"])
             print(f"{name:>8} {m:>6} rows {actual[1]:>3} segs: cuBLAS {row['cublas_us']:8.1f}"
                   f" us, best {best[0]} {best[1]['us']:8.1f} us "
