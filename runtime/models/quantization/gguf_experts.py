@@ -140,7 +140,8 @@ def dense_stack(weights: torch.Tensor, float32: bool) -> StackedLinear:
     dtype = torch.float32 if float32 else torch.bfloat16
     first = tile_dense(weights[0].to(dtype))
     stacked = host_memory.empty((experts, *first.shape), dtype)
-    for e in range(experts):
+    stacked[0] = first
+    for e in range(1, experts):
         stacked[e] = tile_dense(weights[e].to(dtype))
     return StackedLinear(0, rows, [stacked])
 
