@@ -14,7 +14,8 @@ segments (each its own invariant sum) with the decode tilings' pipeline depths a
 and the shipped tilings at more rows, checking each for one set of bits at every row count
 (the segment policy, InvariantConfig's, was chosen from this table).
 
-    python benchmarks/invariant_kernels.py [--sweep | --segments] [--out FILE.json]
+    python benchmarks/invariant_kernels.py [--sweep | --segments [--shipped-segments]]
+        [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -157,33 +159,38 @@ def forced(segs: int, tiling: Tiling) -> InvariantConfig:
     return InvariantConfig(max_segs=segs, min_seg_blocks=1, tilings=((ANY, tiling),))
 
 
-def sweep_segments() -> list[dict]:
+def sweep_segments(shipped_only: bool = False) -> list[dict]:
     """Segment counts (a change of the numerics: each count is its own invariant sum) against
-    the split tilings' pipeline depth at 1-64 rows, and the shipped tilings at more rows;
-    every variant of a count is checked for the same bits as that count's 128-row tiling
-    over all the rows."""
+    the split tilings' pipeline depth at 1-64 rows, and the shipped tilings at more rows,
+    each also with two K tiles a loop step (u2); every variant of a count is checked for the
+    same bits as that count's 128-row tiling over all the rows. `shipped_only`: only the
+    count the shipped policy picks for each linear."""
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
+    device = torch.device("cuda")
+    shipped = {name: segments_for(n, k, device)[1] for name, (n, k) in LINEARS.items()}
     sms = invariant_matmul_module.num_sms
     # Segment counts beyond the shipped policy's (one row's programs within one per SM):
     # with the SM count lifted, max_segs alone sets the count.
     invariant_matmul_module.num_sms = lambda device: 1 << 30
     try:
         for name, (n, k) in LINEARS.items():
-            rows += _sweep_segments_of(name, n, k, gen)
+            counts = (shipped[name],) if shipped_only else (1, 2, 4, 8, 16)
+            rows += _sweep_segments_of(name, n, k, gen, counts)
     finally:
         invariant_matmul_module.num_sms = sms
     return rows
 
 
-def _sweep_segments_of(name: str, n: int, k: int, gen: torch.Generator) -> list[dict]:
+def _sweep_segments_of(name: str, n: int, k: int, gen: torch.Generator,
+                       segment_counts: tuple[int, ...]) -> list[dict]:
     rows = []
     counts = [m for m in SEGMENT_ROWS if name != "head" or m <= 256]
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) / k ** 0.5
     x_all = torch.randn(max(counts), k, device="cuda", dtype=torch.bfloat16, generator=gen)
     out_dtype = torch.float32 if name == "head" else None
     seen = set()
-    for segs in (1, 2, 4, 8, 16):
+    for segs in segment_counts:
         actual = segments_for(n, k, x_all.device, forced(segs, Tiling(128, 8, 4)))
         if actual in seen or (name == "head" and segs > 2):
             continue
@@ -196,8 +203,13 @@ def _sweep_segments_of(name: str, n: int, k: int, gen: torch.Generator) -> list[
             if m <= 64:
                 variants = {f"split s{st}": forced(segs, Tiling(64, 4, st, split=True))
                             for st in (3, 4, 5, 6)}
+                variants |= {f"split s{st} u2": forced(segs, Tiling(64, 4, st, True, 2))
+                             for st in (2, 3, 4)}
             else:
-                variants = {"shipped tiling": forced(segs, InvariantConfig().tiling(m))}
+                shipped = InvariantConfig().tiling(m)
+                variants = {"shipped tiling": forced(segs, shipped)}
+                variants |= {f"shipped tiling s{st} u2": forced(segs, replace(
+                    shipped, num_stages=st, unroll=2)) for st in (3, 4)}
             row = {"linear": name, "rows": m, "segments": actual[1], "seg_len": actual[0],
                    "cublas_us": time_us(lambda: default_linear(x, w, name == "head"), calls),
                    "variants": {}}
@@ -272,12 +284,14 @@ def main() -> None:
     parser.add_argument("--segments", action="store_true",
                         help="time segment counts against the decode tilings instead (see "
                              "sweep_segments)")
+    parser.add_argument("--shipped-segments", action="store_true",
+                        help="with --segments: only the count the segment policy picks")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     record = {"benchmark": "invariant_kernels", "date": datetime.date.today().isoformat(),
               "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}}
     if args.segments:
-        record["segments"] = sweep_segments()
+        record["segments"] = sweep_segments(args.shipped_segments)
     elif args.sweep:
         record["sweep"] = sweep()
     else:

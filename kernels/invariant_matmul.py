@@ -48,13 +48,17 @@ from radixlm.kernels.split_k import num_sms, split_k_buffers
 
 @dataclass(frozen=True)
 class Tiling:
-    """How one launch spreads the work: rows per program, warps, pipeline depth, and whether
-    the K segments run as separate programs (`split`: for one row tile, M <= block_m). None
-    of these changes an output element's float operations (see InvariantConfig)."""
+    """How one launch spreads the work: rows per program, warps, pipeline depth, whether
+    the K segments run as separate programs (`split`: for one row tile, M <= block_m), and
+    how many K tiles one step of a program's loop loads (`unroll`: 2 keeps twice the bytes
+    in flight per pipeline stage, as a 128-wide tile would, yet issues the same 64-wide dots
+    in the same order). None of these changes an output element's float operations (see
+    InvariantConfig)."""
     block_m: int
     num_warps: int
     num_stages: int
     split: bool = False
+    unroll: int = 1
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,8 @@ class InvariantConfig:
             if tiling.block_m % 64 or tiling.block_m < 16 * tiling.num_warps:
                 raise ValueError(f"tiling {tiling}: block_m must be a multiple of 64 with at "
                                  f"least 64 rows per 4 warps")
+            if tiling.unroll not in (1, 2):
+                raise ValueError(f"tiling {tiling}: unroll must be 1 or 2")
             if tiling.split and tiling.block_m != self.tilings[0][1].block_m:
                 raise ValueError("only the first tiling may split K")
 
@@ -118,15 +124,17 @@ def _dot_tile(acc, x_rows, w_rows, mask_m, mask_n, offs_k, k0, K):
 
 @triton.jit
 def _sum_segments(x_rows, w_rows, mask_m, mask_n, offs_k, K, seg_len, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr):
     """Every segment of K, each summed from zero over its K tiles and added in order:
     [BLOCK_M, BLOCK_N] float32. One loop over every tile, so the loads stay pipelined across
-    segment boundaries."""
+    segment boundaries. UNROLL tiles a step (seg_len is then a multiple of UNROLL tiles)."""
     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K * UNROLL):
         acc = _dot_tile(acc, x_rows, w_rows, mask_m, mask_n, offs_k, k0, K)
-        k_next = k0 + BLOCK_K
+        if UNROLL == 2:
+            acc = _dot_tile(acc, x_rows, w_rows, mask_m, mask_n, offs_k, k0 + BLOCK_K, K)
+        k_next = k0 + BLOCK_K * UNROLL
         if (k_next % seg_len == 0) | (k_next >= K):  # a segment ends: add it, start anew
             total += acc
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -135,11 +143,15 @@ def _sum_segments(x_rows, w_rows, mask_m, mask_n, offs_k, K, seg_len, BLOCK_M: t
 
 @triton.jit
 def _segment(x_rows, w_rows, mask_m, mask_n, offs_k, k_lo, k_hi, K, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """sum over k in [k_lo, k_hi) of x[:, k] * w[:, k]^T, from zero: [BLOCK_M, BLOCK_N]."""
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr):
+    """sum over k in [k_lo, k_hi) of x[:, k] * w[:, k]^T, from zero: [BLOCK_M, BLOCK_N].
+    With UNROLL 2 the segment is a whole number of tile pairs, except the last one of K,
+    whose odd tile past K adds a dot of zeros (exact)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K * UNROLL):
         acc = _dot_tile(acc, x_rows, w_rows, mask_m, mask_n, offs_k, k0, K)
+        if UNROLL == 2:
+            acc = _dot_tile(acc, x_rows, w_rows, mask_m, mask_n, offs_k, k0 + BLOCK_K, K)
     return acc
 
 
@@ -161,7 +173,7 @@ def _invariant_mm_kernel(x_ptr, w_ptr, out_ptr, x_scale_ptr, w_scale_ptr, partia
                          stride_xm, stride_wn, stride_om,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP_M: tl.constexpr, SPLIT: tl.constexpr, SCALED: tl.constexpr,
-                         FLAT: tl.constexpr):
+                         FLAT: tl.constexpr, UNROLL: tl.constexpr):
     # M is not specialized: a separate compile for M == 1 would be a second kernel, and the
     # point of this one is that every M runs the same code.
     # FLAT: one loop over every K tile (short segments); else a loop per segment.
@@ -188,7 +200,7 @@ def _invariant_mm_kernel(x_ptr, w_ptr, out_ptr, x_scale_ptr, w_scale_ptr, partia
         seg = tl.program_id(1)
         k_lo = seg * seg_len
         acc = _segment(x_rows, w_rows, mask_m, mask_n, offs_k, k_lo,
-                       tl.minimum(k_lo + seg_len, K), K, BLOCK_M, BLOCK_N, BLOCK_K)
+                       tl.minimum(k_lo + seg_len, K), K, BLOCK_M, BLOCK_N, BLOCK_K, UNROLL)
         # workspace [column tiles, segments, M, BLOCK_N] float32
         cols = tl.arange(0, BLOCK_N)
         tile_ptr = partials_ptr + pid_n * num_segs * M * BLOCK_N
@@ -209,13 +221,14 @@ def _invariant_mm_kernel(x_ptr, w_ptr, out_ptr, x_scale_ptr, w_scale_ptr, partia
     else:
         if FLAT:
             total = _sum_segments(x_rows, w_rows, mask_m, mask_n, offs_k, K, seg_len, BLOCK_M,
-                                  BLOCK_N, BLOCK_K)
+                                  BLOCK_N, BLOCK_K, UNROLL)
         else:
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for seg in range(0, num_segs):
                 k_lo = seg * seg_len
                 total += _segment(x_rows, w_rows, mask_m, mask_n, offs_k, k_lo,
-                                  tl.minimum(k_lo + seg_len, K), K, BLOCK_M, BLOCK_N, BLOCK_K)
+                                  tl.minimum(k_lo + seg_len, K), K, BLOCK_M, BLOCK_N, BLOCK_K,
+                                  UNROLL)
         _store_tile(out_ptr, x_scale_ptr, w_scale_ptr, total, offs_m, offs_n, mask_m, mask_n,
                     stride_om, SCALED)
 
@@ -276,6 +289,8 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor,
     else:
         partials = counters = out  # never read: SPLIT is off
         grid = (triton.cdiv(m, tiling.block_m) * tiles_n,)
+    # Two tiles a step only where every segment is whole pairs of tiles (the same dots).
+    unroll = tiling.unroll if (seg_len // config.block_k) % tiling.unroll == 0 else 1
     xs = x_scale.reshape(-1) if scaled else out
     ws = w_scale.reshape(-1) if scaled else out
     _invariant_mm_kernel[grid](
@@ -283,6 +298,6 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor,
         x2.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=tiling.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, SPLIT=split, SCALED=scaled,
-        FLAT=seg_len // config.block_k <= config.flat_max_tiles,
+        FLAT=seg_len // config.block_k <= config.flat_max_tiles, UNROLL=unroll,
         num_warps=tiling.num_warps, num_stages=tiling.num_stages)
     return out.view(*x.shape[:-1], n)

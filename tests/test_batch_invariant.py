@@ -95,7 +95,8 @@ def _hopper_mma_instructions(kernel, tiling, block_n: int, block_k: int, operand
                       "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "partials_ptr": "*fp32",
                       "counters_ptr": "*i32"})
     constants = {"BLOCK_M": tiling.block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
-                 "GROUP_M": 8, "SPLIT": tiling.split, "SCALED": operand != "bf16", "FLAT": flat}
+                 "GROUP_M": 8, "SPLIT": tiling.split, "SCALED": operand != "bf16", "FLAT": flat,
+                 "UNROLL": tiling.unroll}
     signature.update({name: "constexpr" for name in constants})
     aligned = [name for name in names if name.endswith("_ptr") or name.startswith("stride")]
     attrs = {(names.index(name),): [["tt.divisibility", 16]]
@@ -158,11 +159,18 @@ def case_matmul_rows_do_not_depend_on_m():
     small = InvariantConfig(tilings=((8, Tiling(64, 4, 2, split=True)), (40, Tiling(64, 4, 3)),
                                      (1 << 62, Tiling(128, 8, 4))))
     nested = InvariantConfig(flat_max_tiles=0)  # a loop per segment
+    # Two K tiles a loop step: the same dots in the same order (the last segment of K has an
+    # odd tile here, past K, that adds zeros).
+    paired = InvariantConfig(tilings=((8, Tiling(64, 4, 2, split=True, unroll=2)),
+                                      (40, Tiling(64, 4, 3, unroll=2)),
+                                      (1 << 62, Tiling(128, 8, 3, unroll=2))))
+    paired_nested = InvariantConfig(tilings=paired.tilings, flat_max_tiles=0)
+    assert (seg_len // 64) % 2 == 0, "the case must exercise paired tiles"
     for lo, hi in ((0, 1), (0, 3), (7, 20), (0, 64), (10, 75), (3, 150)):
         rows = invariant_matmul(x[lo:hi].clone(), weight)
         assert torch.equal(rows, full[lo:hi]), (lo, hi)
     for lo, hi in ((0, 3), (7, 30), (3, 150)):  # every tiling, and a loop per segment
-        for config in (small, nested):
+        for config in (small, nested, paired, paired_nested):
             rows = invariant_matmul(x[lo:hi].clone(), weight, config=config)
             assert torch.equal(rows, full[lo:hi]), (lo, hi, config)
     head = invariant_matmul(x[:5], weight, torch.float32)
