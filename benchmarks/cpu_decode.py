@@ -354,6 +354,8 @@ def llama_cpp_batched(llm: Any, threads: int) -> Callable[[int, int], float]:
 
 def worker(system: str, threads: int, path: Path | None, conn: Any) -> None:
     """One system in this process: build it, then run what the parent asks, one at a time."""
+    if system.startswith("radixlm "):
+        import radixlm  # noqa: F401  (before torch, as a program does: lang/openmp_spin.py)
     import torch
 
     torch.set_num_threads(threads)
@@ -401,7 +403,8 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="JSON file (default: a dated file in "
                         "$RADIXLM_RESULTS_DIR or ~/.cache/radixlm/benchmarks)")
     args = parser.parse_args()
-    systems = [f"radixlm {fmt}" for fmt in args.formats.split(",")] + ["transformers float32"]
+    systems = [f"radixlm {fmt}" for fmt in filter(None, args.formats.split(","))]
+    systems.append("transformers float32")
     has_llama = importlib.util.find_spec("llama_cpp") is not None
     if has_llama:
         systems.append("llama.cpp Q4_1")
@@ -431,6 +434,7 @@ def main() -> None:
         proc = ctx.Process(target=worker, args=(name, args.threads, files[name], child),
                            daemon=True)
         proc.start()
+        child.close()  # a worker that dies then ends recv() with EOFError instead of a hang
         _, weights[name], kinds[name] = parent.recv()
         pipes[name] = parent
         procs.append(proc)

@@ -22,6 +22,7 @@ from typing import Any
 
 # First: a source checkout's root comes off sys.path before anything can import from it.
 import radixlm.source_checkout  # noqa: F401  (sorted first: keep it so)
+import radixlm.openmp_spin  # noqa: F401  (before anything imports torch)
 from radixlm.backends.backend import (
     Backend,
     BackendError,
