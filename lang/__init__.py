@@ -20,9 +20,11 @@ from __future__ import annotations
 
 from typing import Any
 
-# First: a source checkout's root comes off sys.path before anything can import from it.
-import radixlm.source_checkout  # noqa: F401  (sorted first: keep it so)
-import radixlm.openmp_spin  # noqa: F401  (before anything imports torch)
+# First, before anything imports torch: libgomp's spin count (lang/openmp_spin.py); and a
+# source checkout's root off sys.path before anything can import from it. Neither imports
+# anything of the checkout's.
+import radixlm.openmp_spin  # noqa: F401  (sorted first: keep both so)
+import radixlm.source_checkout  # noqa: F401
 from radixlm.backends.backend import (
     Backend,
     BackendError,
