@@ -381,7 +381,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--formats", default="gguf,float32,bfloat16,int8")
+    parser.add_argument("--formats", default="gguf,float32,bfloat16,int8",
+                        help="ours on the embedded file in these formats ('' for none: only "
+                             "the --requantize and --families files)")
     parser.add_argument("--batch", type=int, default=64, help="0: skip the batched runs")
     parser.add_argument("--batch-tokens", type=int, default=64)
     parser.add_argument("--long-prompts", default="",

@@ -93,6 +93,11 @@ def time_variants(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | Non
     return out
 
 
+def same_bits(row: dict) -> str:
+    """How many of a row's variants gave the reference's bits, as 'k/n'."""
+    return f"{sum(v['same_bits'] for v in row['variants'].values())}/{len(row['variants'])}"
+
+
 SWEEP_ROWS = [1, 8, 64, 128, 256, 512, 2048, 16384]
 ANY = 1 << 62
 
@@ -137,15 +142,13 @@ def sweep() -> list[dict]:
             row = {"linear": name, "rows": m,
                    "cublas_us": time_us(lambda: default_linear(x, w, name == "head"), calls),
                    "shipped_us": time_us(lambda: invariant_matmul(x, w, out_dtype), calls),
-                   "variants": {}}
-            row["variants"] = time_variants(x, w, out_dtype, sweep_variants(m), shipped[:m],
-                                            calls)
+                   "variants": time_variants(x, w, out_dtype, sweep_variants(m), shipped[:m],
+                                             calls)}
             best = min(row["variants"].items(), key=lambda kv: kv[1]["us"])
             print(f"{name:>8} {m:>6} rows: cuBLAS {row['cublas_us']:8.1f} us, shipped "
                   f"{row['shipped_us'] / row['cublas_us']:.2f}x, best {best[0]} "
                   f"{best[1]['us'] / row['cublas_us']:.2f}x; same bits: "
-                  f"{sum(v['same_bits'] for v in row['variants'].values())}"
-                  f"/{len(row['variants'])}", flush=True)
+                  f"{same_bits(row)}", flush=True)
             rows.append(row)
     return rows
 
@@ -212,14 +215,12 @@ def _sweep_segments_of(name: str, n: int, k: int, gen: torch.Generator,
                     shipped, num_stages=st, unroll=2)) for st in (3, 4)}
             row = {"linear": name, "rows": m, "segments": actual[1], "seg_len": actual[0],
                    "cublas_us": time_us(lambda: default_linear(x, w, name == "head"), calls),
-                   "variants": {}}
-            row["variants"] = time_variants(x, w, out_dtype, variants, reference[:m], calls)
+                   "variants": time_variants(x, w, out_dtype, variants, reference[:m], calls)}
             best = min(row["variants"].items(), key=lambda kv: kv[1]["us"])
             print(f"{name:>8} {m:>6} rows {actual[1]:>3} segs: cuBLAS {row['cublas_us']:8.1f}"
                   f" us, best {best[0]} {best[1]['us']:8.1f} us "
                   f"({best[1]['us'] / row['cublas_us']:.2f}x); same bits "
-                  f"{sum(v['same_bits'] for v in row['variants'].values())}"
-                  f"/{len(row['variants'])}", flush=True)
+                  f"{same_bits(row)}", flush=True)
             rows.append(row)
     return rows
 
