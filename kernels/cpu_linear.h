@@ -44,9 +44,11 @@
 //     order.
 // x [M, K] is bfloat16 or float32; y [M, N] has x's dtype, rounded once from float32 (or is
 // float32 with float_out: logits). With
-// bfloat16 inputs on a CPU with AVX512-BF16 a pair is one vdpbf16ps step; elsewhere two fused
-// multiply-adds: the results differ between the two kinds of CPU, never between two runs on
-// one.
+// bfloat16 inputs on a CPU with AVX512-BF16 a pair is one vdpbf16ps step; on one with
+// AVX512-VNNI but no BF16 the inputs are held as int16 per group (int16_groups) and a pair
+// of integer planes is one vpdpwssd step, the group's sums exact; elsewhere (and for dense
+// weights there) two fused multiply-adds. The results differ between these kinds of CPU,
+// never between two runs on one.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -172,25 +174,55 @@ struct Vec {
 };
 #endif
 
+// The pair instruction: a pair of 16-bit inputs (k, k + 1) times a pair of 16-bit weights,
+// both products added to a 32-bit lane, in one instruction. With AVX512-BF16 the inputs are
+// the bfloat16 activations and the sums float32 (vdpbf16ps); with AVX512-VNNI but no BF16
+// they are the activations as int16 (int16_groups) and the sums int32 (vpdpwssd), exact
+// within a group. Both read the weights' codes from a 32-entry table with vpermw.
 #if defined(__AVX512BF16__)
+#define RADIXLM_PAIRS 1
+struct Pairs {
+  using Sum = __m512;
+  static constexpr bool INT16 = false;
+  static uint16_t entry(int v) { return at::BFloat16(static_cast<float>(v)).x; }
+  static Sum zero() { return _mm512_setzero_ps(); }
+  static Sum dot(Sum acc, __m512i w, __m512i x) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x);
+  }
+};
+#elif defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define RADIXLM_PAIRS 1
+struct Pairs {
+  using Sum = __m512i;
+  static constexpr bool INT16 = true;
+  static uint16_t entry(int v) { return static_cast<uint16_t>(static_cast<int16_t>(v)); }
+  static Sum zero() { return _mm512_setzero_si512(); }
+  static Sum dot(Sum acc, __m512i w, __m512i x) { return _mm512_dpwssd_epi32(acc, w, x); }
+};
+#endif
+
+#if defined(RADIXLM_PAIRS)
 constexpr bool PAIR_INSTRUCTION = true;
-// 32 bfloat16s: entry e is (e mod 16) - 8, so a 16-bit index's 5th bit (the next nibble's
+// Dense bfloat16 weights take the pair instruction on bfloat16 inputs only.
+constexpr bool DENSE_PAIRS = !Pairs::INT16;
+// 32 entries: entry e is (e mod 16) - 8, so a 16-bit index's 5th bit (the next nibble's
 // lowest) does not matter.
 inline __m512i nibble_table() {
   alignas(64) uint16_t t[32];
-  for (int e = 0; e < 32; ++e) t[e] = at::BFloat16(static_cast<float>(e % 16 - 8)).x;
+  for (int e = 0; e < 32; ++e) t[e] = Pairs::entry(e % 16 - 8);
   return _mm512_load_si512(t);
 }
-// 64 bfloat16s: entry e is e - 136, a joined 5- or 6-bit code's value (Vec::joined), as
-// the two 32-entry halves vpermt2w indexes with 6 bits (vpermw with 5).
+// 64 entries: entry e is e - 136, a joined 5- or 6-bit code's value (Vec::joined), as the
+// two 32-entry halves vpermt2w indexes with 6 bits (vpermw with 5).
 inline void joined_tables(__m512i* low, __m512i* high) {
   alignas(64) uint16_t t[64];
-  for (int e = 0; e < 64; ++e) t[e] = at::BFloat16(static_cast<float>(e - 136)).x;
+  for (int e = 0; e < 64; ++e) t[e] = Pairs::entry(e - 136);
   *low = _mm512_load_si512(t);
   *high = _mm512_load_si512(t + 32);
 }
 #else
 constexpr bool PAIR_INSTRUCTION = false;
+constexpr bool DENSE_PAIRS = false;
 #endif
 
 // A block's running sums stay in registers over its inputs: loaded from out (0 at the first
@@ -401,12 +433,14 @@ void dense_block(const float* x, int64_t k_in, int64_t k_begin, int64_t k_end,
   store_sums(acc, out, out_stride);
 }
 
-#if defined(__AVX512BF16__)
-// The same blocks for bfloat16 inputs, one vdpbf16ps per input pair.
+#if defined(RADIXLM_PAIRS)
+// The same blocks with the pair instruction: x the 16-bit inputs (bfloat16, or int16 times
+// mult per row and group, int16_groups). A group's int32 sums are exact; widened to float32
+// and times mult (a power of two: exact), they take the float32 sums' place.
 template <int T, int R, int HB, bool DS>
-void planes_block_pairs(const at::BFloat16* x, const float* xsum, int64_t k_in, int64_t group,
-                        int64_t k_begin, int64_t k_end, const PlaneTiles& pw, float* out,
-                        int64_t out_stride) {
+void planes_block_pairs(const uint16_t* x, const float* mult, const float* xsum, int64_t k_in,
+                        int64_t group, int64_t k_begin, int64_t k_end, const PlaneTiles& pw,
+                        float* out, int64_t out_stride) {
   constexpr int P = summed_planes<HB>();
   constexpr bool JOINED = HB == 1 || HB == 2;
   const int64_t groups = k_in / group;
@@ -420,10 +454,10 @@ void planes_block_pairs(const at::BFloat16* x, const float* xsum, int64_t k_in, 
   load_sums(acc, k_begin == 0, out, out_stride);
   Bases<T> bases;
   for (int64_t g = k_begin / group; g < k_end / group; ++g) {
-    __m512 part[T][P][R];
+    typename Pairs::Sum part[T][P][R];
     for (int t = 0; t < T; ++t)
       for (int p = 0; p < P; ++p)
-        for (int r = 0; r < R; ++r) part[t][p][r] = _mm512_setzero_ps();
+        for (int r = 0; r < R; ++r) part[t][p][r] = Pairs::zero();
     for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 8) {
       __m512i w[T][2];
       for (int t = 0; t < T; ++t) {
@@ -438,7 +472,7 @@ void planes_block_pairs(const at::BFloat16* x, const float* xsum, int64_t k_in, 
         }
       }
       for (int i = 0; i < 4; ++i) {
-        __m512bh q[T][P];
+        __m512i q[T][P];
         for (int t = 0; t < T; ++t) {
           const __m512i index = i == 0 ? w[t][0] : _mm512_srli_epi16(w[t][0], 4 * i);
           if constexpr (JOINED) {
@@ -446,34 +480,40 @@ void planes_block_pairs(const at::BFloat16* x, const float* xsum, int64_t k_in, 
             const __m512i top = hs <= 4 ? _mm512_slli_epi16(w[t][1], 4 - hs)
                                         : _mm512_srli_epi16(w[t][1], hs - 4);
             const __m512i code = _mm512_ternarylogic_epi32(nibbles, index, top, 0xCA);
-            q[t][0] = (__m512bh)(HB == 1 ? _mm512_permutexvar_epi16(code, joined_low)
-                                         : _mm512_permutex2var_epi16(joined_low, code,
-                                                                      joined_high));
+            q[t][0] = HB == 1 ? _mm512_permutexvar_epi16(code, joined_low)
+                              : _mm512_permutex2var_epi16(joined_low, code, joined_high);
           } else {
-            q[t][0] = (__m512bh)_mm512_permutexvar_epi16(index, table);
+            q[t][0] = _mm512_permutexvar_epi16(index, table);
           }
           if constexpr (HB == 4) {
             const __m512i hindex = i == 0 ? w[t][1] : _mm512_srli_epi16(w[t][1], 4 * i);
-            q[t][1] = (__m512bh)_mm512_permutexvar_epi16(hindex, table);
+            q[t][1] = _mm512_permutexvar_epi16(hindex, table);
           }
         }
         for (int r = 0; r < R; ++r) {
           int32_t pair;
           std::memcpy(&pair, x + r * k_in + k0 + 2 * i, sizeof(pair));
-          const __m512bh xs = (__m512bh)_mm512_set1_epi32(pair);
+          const __m512i xs = _mm512_set1_epi32(pair);
           for (int t = 0; t < T; ++t)
-            for (int p = 0; p < P; ++p) {
-              part[t][p][r] = _mm512_dpbf16_ps(part[t][p][r], q[t][p], xs);
-            }
+            for (int p = 0; p < P; ++p) part[t][p][r] = Pairs::dot(part[t][p][r], q[t][p], xs);
         }
       }
     }
-    add_group<T, R, P, DS>(acc, g, [&](int t, int p, int r) { return Vec{part[t][p][r]}; },
-                           pw.constants, bases, xsum, groups);
+    add_group<T, R, P, DS>(acc, g, [&](int t, int p, int r) {
+      if constexpr (Pairs::INT16) {
+        return Vec{_mm512_mul_ps(_mm512_cvtepi32_ps(part[t][p][r]),
+                                 _mm512_set1_ps(mult[r * groups + g]))};
+      } else {
+        return Vec{part[t][p][r]};
+      }
+    }, pw.constants, bases, xsum, groups);
   }
   store_sums(acc, out, out_stride);
 }
 
+#endif
+
+#if defined(__AVX512BF16__)
 template <int T, int R>
 void dense_block_pairs(const at::BFloat16* x, int64_t k_in, int64_t k_begin, int64_t k_end,
                        const at::BFloat16* weight, int64_t tile_stride, float* out,
@@ -578,6 +618,51 @@ inline std::vector<float> as_float(const at::Tensor& x) {
   return out;
 }
 
+#if defined(RADIXLM_PAIRS)
+// Each row's inputs as int16 times a power of two per group of `group` inputs (mult, one per
+// row and group): q = x / mult rounded to the nearest integer (ties to even), mult chosen so
+// that the group's largest |q| is below 2^15. A bfloat16 input within 2^7 of its group's
+// largest is held exactly (its 8 significant bits fit); a smaller one is rounded to a
+// multiple of mult, an error below 2^-15 of the group's largest. A function of the row alone,
+// as every sum here is. A NaN or infinity makes its group's mult NaN, so that the outputs
+// are NaN as the float32 sums' would be. xsum: each group's sum of those inputs (mult times
+// the exact sum of q), for the zeros' term: the codes' offsets and the zeros then cancel as
+// they do in the weights, whatever the rounding (an exact sum of x there would leave the
+// offset, up to 136 times a code, times the rounding).
+inline void int16_groups(const std::vector<float>& xf, int64_t groups_total, int64_t group,
+                         std::vector<uint16_t>* q, std::vector<float>* mult, float* xsum) {
+  q->resize(groups_total * group);
+  mult->resize(groups_total);
+  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
+  for (int64_t g = 0; g < groups_total; ++g) {
+    const float* x = xf.data() + g * group;
+    // The largest |x|'s float32 bits (ordered as |x| for finite values; NaN's above all).
+    __m512i top = _mm512_setzero_si512();
+    for (int64_t i = 0; i < group; i += LANES) {
+      const __mmask16 m = group - i >= LANES ? 0xFFFF : (1u << (group - i)) - 1;
+      const __m512i bits = _mm512_castps_si512(_mm512_maskz_loadu_ps(m, x + i));
+      top = _mm512_max_epu32(top, _mm512_and_si512(bits, magnitude));
+    }
+    const int field = static_cast<int>(_mm512_reduce_max_epu32(top) >> 23);  // its exponent
+    // |x| < 2^(field - 126), so x * 2^(141 - field) < 2^15; kept to normal float32 powers
+    // (groups of |x| < 2^-112 lose precision, nothing else).
+    const int up = std::min(141 - field, 126);
+    (*mult)[g] = field == 255 ? NAN : std::ldexp(1.f, -up);
+    const __m512 scale = _mm512_castsi512_ps(_mm512_set1_epi32((up + 127) << 23));
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t i = 0; i < group; i += LANES) {
+      const __mmask16 m = group - i >= LANES ? 0xFFFF : (1u << (group - i)) - 1;
+      const __m512i v =
+          _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), scale));
+      _mm256_mask_storeu_epi16(q->data() + g * group + i, m, _mm512_cvtepi32_epi16(v));
+      sum = _mm512_add_epi32(sum, v);
+    }
+    // |sum| < 2^15 group: exact in float32 for groups up to 2^9
+    xsum[g] = static_cast<float>(_mm512_reduce_add_epi32(sum)) * (*mult)[g];
+  }
+}
+#endif
+
 // A plane linear's tensors (see the header), SEGMENT_TENSORS per segment of its outputs:
 // codes, hi, scales, scale_base, zeros, min_codes, min_base ([0] where not used).
 constexpr size_t SEGMENT_TENSORS = 7;
@@ -645,6 +730,16 @@ inline void planes_segment(const at::Tensor& x, const std::vector<float>& xf,
   const PlaneTiles first{codes.data_ptr<int32_t>(), hb > 0 ? hi.data_ptr<int32_t>() : nullptr,
                          all, (k_in / 8) * LANES, hb > 0 ? hi.size(1) * LANES : 0};
   const bool pairs = PAIR_INSTRUCTION && x.scalar_type() == at::kBFloat16;
+#if defined(RADIXLM_PAIRS)
+  // The pair instruction's inputs: x's bfloat16s, or them as int16 per group (with mult).
+  std::vector<uint16_t> x16;
+  std::vector<float> mult;
+  if (pairs && Pairs::INT16) int16_groups(xf, rows * groups, group, &x16, &mult, xsum.data());
+  const uint16_t* x_pairs = !pairs          ? nullptr
+                            : Pairs::INT16 ? x16.data()
+                                           : reinterpret_cast<const uint16_t*>(
+                                                 x.data_ptr<at::BFloat16>());
+#endif
   auto run = [&](auto hb_const, auto ds_const) {
     constexpr int HB = decltype(hb_const)::value;
     constexpr bool DS = decltype(ds_const)::value;
@@ -658,9 +753,10 @@ inline void planes_segment(const at::Tensor& x, const std::vector<float>& xf,
           w.codes += t0 * first.tile_codes;
           if (HB > 0) w.hi += t0 * first.tile_hi;
           w.constants = all.from_tile(t0);
-#if defined(__AVX512BF16__)
+#if defined(RADIXLM_PAIRS)
           if (pairs) {
-            planes_block_pairs<T, R, HB, DS>(x.data_ptr<at::BFloat16>() + r0 * k_in,
+            planes_block_pairs<T, R, HB, DS>(x_pairs + r0 * k_in,
+                                             Pairs::INT16 ? mult.data() + r0 * groups : nullptr,
                                              xsum.data() + r0 * groups, k_in, group, k0, k1,
                                              w, o, width);
             return;
@@ -714,7 +810,7 @@ inline at::Tensor dense_linear(const at::Tensor& x_in, const at::Tensor& weight,
   // Not zeroed: every block writes its outputs before it reads them.
   const at::Tensor out_t = at::empty({rows, width}, at::kFloat);
   float* out = out_t.data_ptr<float>();
-  const bool pairs = PAIR_INSTRUCTION && bf16 && x.scalar_type() == at::kBFloat16;
+  const bool pairs = DENSE_PAIRS && bf16 && x.scalar_type() == at::kBFloat16;
   const std::vector<float> xf = pairs ? std::vector<float>() : as_float(x);
   for_each_block<1>(rows, tiles, k_in, CHUNK_INPUTS, [&](auto t_const, auto r_const,
                                                          int64_t t0, int64_t r0, int64_t k0,

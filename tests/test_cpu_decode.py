@@ -251,6 +251,58 @@ def test_compact_high_planes(kernel, bits, group, symmetric):
                                full[start:stop])
 
 
+@pytest.mark.parametrize("bits, group", [(2, 16), (0, 32)])
+def test_inputs_of_any_size_in_one_group(kernel, bits, group):
+    """A group of inputs may hold an outlier beside values a million times smaller. On a CPU
+    with AVX512-VNNI but no BF16 the kernel sums bfloat16 inputs as int16 under a power of two
+    per group, each within 2^-15 of its group's largest |x| (exact within 2^7 of it); on the
+    others the float32 sums are closer still. Either way the result is that close to the
+    exact product. A channel whose weights are zero as codes at their offset and a zero that
+    cancels them gives zero to float32 rounding (the zeros' term must sum the same inputs as
+    the codes'), and a NaN or an infinity in a row makes that row's outputs non-finite and
+    leaves the other rows' bits as they were."""
+    from radixlm.runtime.models.quantization.cpu_weights import (
+        Plane,
+        dequantize_planes,
+        tile_planes,
+    )
+
+    gen = torch.Generator().manual_seed(bits + group)
+    n, k, rows = 37, 128, 9
+    scale = (torch.rand(n, k // group, generator=gen) * 0.02).half().float()
+    planes = [Plane(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8), scale,
+                    torch.randn(n, k // group, generator=gen) * 0.01)]
+    if bits:  # a 6-bit code: 16 hi + lo, the high plane first
+        planes.insert(0, Plane(torch.randint(0, 1 << bits, (n, k), generator=gen,
+                                             dtype=torch.uint8), 16 * scale,
+                               torch.zeros(n, k // group)))
+    # channel 0: the largest code (16 * 3 + 15 - 136 = -73 read whole, or 15 - 8) cancelled
+    planes[-1].codes[0] = 15
+    planes[-1].zero[0] = (73 if bits else -7) * scale[0]
+    if bits:
+        planes[0].codes[0] = 3
+    tiles, weight = tile_planes(planes), dequantize_planes(planes).double()
+    assert weight[0].eq(0).all()
+    sizes = 10.0 ** (torch.rand(rows, k, generator=gen) * 7 - 4)  # 1e-4 .. 1e3
+    x = (torch.randn(rows, k, generator=gen) * sizes).bfloat16()
+    x[0] = 0  # a row of zeros
+    full = kernel.planes_linear(x, list(tiles), n, True).double()
+    want = x.double() @ weight.t()
+    largest = x.double().abs().unflatten(1, (-1, group)).amax(2)  # [rows, groups]
+    bound = (largest.repeat_interleave(group, 1) * 2.0 ** -15
+             + x.double().abs() * 1e-6) @ weight.abs().t()
+    assert (full - want)[:, 1:].abs().le(bound[:, 1:]).all()
+    assert full[0].eq(0).all()
+    stored = x.double().abs() @ (2 * planes[-1].zero[0].double().abs()).repeat_interleave(group)
+    assert full[:, 0].abs().le(1e-6 * stored).all()
+    bad = x.clone()
+    bad[2, 5], bad[6, 100] = float("nan"), float("inf")
+    out = kernel.planes_linear(bad, list(tiles), n, True).double()
+    assert not out[[2, 6]].isfinite().any()
+    others = [r for r in range(rows) if r not in (2, 6)]
+    assert torch.equal(out[others], full[others])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_dense_rows_do_not_depend_on_the_batch(kernel, dtype):
     from radixlm.runtime.models.quantization.cpu_weights import tile_dense
