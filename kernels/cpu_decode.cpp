@@ -951,4 +951,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W.T for int4 planes in tiles (cpu_linear.h)");
   m.def("dense_linear", &radixlm_cpu::dense_linear,
         "x @ W.T for dense tiles (cpu_linear.h)");
+  m.def("pair_inputs", &radixlm_cpu::pair_inputs,
+        "how this build sums bfloat16 inputs times integer planes (cpu_linear.h)");
 }

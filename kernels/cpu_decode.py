@@ -100,8 +100,11 @@ def _flags() -> tuple[list[str], list[str]]:
     # keeps one thread pool. Where that runtime is not found, the loops run on one thread.
     # -fno-trapping-math lets loops that round (exp's 2^n, the softmax and SiLU) vectorize;
     # it changes no result, only what a floating-point trap would see.
+    # RADIXLM_CPU_MARCH: the CPU to compile for, `native` (this one) unless set, e.g.
+    # x86-64-v3 for any AVX2 CPU (docs/cpu.md).
     runtime = _openmp_runtime()
-    cflags = ["-O3", "-march=native", "-fno-trapping-math"] + (["-fopenmp"] if runtime else [])
+    march = os.environ.get("RADIXLM_CPU_MARCH", "native")
+    cflags = ["-O3", f"-march={march}", "-fno-trapping-math"] + (["-fopenmp"] if runtime else [])
     return cflags, [runtime] if runtime else []
 
 

@@ -45,10 +45,11 @@
 // x [M, K] is bfloat16 or float32; y [M, N] has x's dtype, rounded once from float32 (or is
 // float32 with float_out: logits). With
 // bfloat16 inputs on a CPU with AVX512-BF16 a pair is one vdpbf16ps step; on one with
-// AVX512-VNNI but no BF16 the inputs are held as int16 per group (int16_groups) and a pair
-// of integer planes is one vpdpwssd step, the group's sums exact; elsewhere (and for dense
-// weights there) two fused multiply-adds. The results differ between these kinds of CPU,
-// never between two runs on one.
+// AVX512BW or AVX2 but no BF16 the inputs are held as int16 per group (int16_groups) and a
+// pair of integer planes is one vpdpwssd step (or vpmaddwd and an add), the group's sums
+// exact, so all of these give one set of bits; elsewhere (and for dense weights there) two
+// fused multiply-adds. The results differ between these kinds of CPU, never between two runs
+// on one.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -58,9 +59,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -176,35 +178,59 @@ struct Vec {
 
 // The pair instruction: a pair of 16-bit inputs (k, k + 1) times a pair of 16-bit weights,
 // both products added to a 32-bit lane, in one instruction. With AVX512-BF16 the inputs are
-// the bfloat16 activations and the sums float32 (vdpbf16ps); with AVX512-VNNI but no BF16
-// they are the activations as int16 (int16_groups) and the sums int32 (vpdpwssd), exact
-// within a group. Both read the weights' codes from a 32-entry table with vpermw.
+// the bfloat16 activations and the sums float32 (vdpbf16ps). Elsewhere with AVX512BW or AVX2
+// they are the activations as int16 (int16_groups) and the sums int32, exact within a group
+// (vpdpwssd with AVX512-VNNI, else vpmaddwd and an add): every such CPU gets the same bits.
+// The 512-bit paths read the codes from a 32-entry table with vpermw.
 #if defined(__AVX512BF16__)
 #define RADIXLM_PAIRS 1
 struct Pairs {
   using Sum = __m512;
-  static constexpr bool INT16 = false;
   static uint16_t entry(int v) { return at::BFloat16(static_cast<float>(v)).x; }
   static Sum zero() { return _mm512_setzero_ps(); }
   static Sum dot(Sum acc, __m512i w, __m512i x) {
     return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x);
   }
 };
-#elif defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#elif defined(__AVX512BW__)
 #define RADIXLM_PAIRS 1
 struct Pairs {
   using Sum = __m512i;
-  static constexpr bool INT16 = true;
   static uint16_t entry(int v) { return static_cast<uint16_t>(static_cast<int16_t>(v)); }
   static Sum zero() { return _mm512_setzero_si512(); }
-  static Sum dot(Sum acc, __m512i w, __m512i x) { return _mm512_dpwssd_epi32(acc, w, x); }
+  static Sum dot(Sum acc, __m512i w, __m512i x) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, w, x);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
+#endif
+  }
 };
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+#define RADIXLM_PAIRS_256 1
 #endif
 
-#if defined(RADIXLM_PAIRS)
+// Whether bfloat16 inputs take a pair instruction, and whether as int16 (int16_groups).
+#if defined(RADIXLM_PAIRS) || defined(RADIXLM_PAIRS_256)
 constexpr bool PAIR_INSTRUCTION = true;
+#else
+constexpr bool PAIR_INSTRUCTION = false;
+#endif
+#if defined(__AVX512BF16__)
+constexpr bool INT16_INPUTS = false;
+#else
+constexpr bool INT16_INPUTS = PAIR_INSTRUCTION;
+#endif
 // Dense bfloat16 weights take the pair instruction on bfloat16 inputs only.
-constexpr bool DENSE_PAIRS = !Pairs::INT16;
+constexpr bool DENSE_PAIRS = PAIR_INSTRUCTION && !INT16_INPUTS;
+
+// How this build sums bfloat16 inputs times integer planes: "bfloat16" pairs, "int16" pairs
+// (one set of bits for the 512- and 256-bit forms) or "float32" lanes.
+inline std::string pair_inputs() {
+  return !PAIR_INSTRUCTION ? "float32" : INT16_INPUTS ? "int16" : "bfloat16";
+}
+
+#if defined(RADIXLM_PAIRS)
 // 32 entries: entry e is (e mod 16) - 8, so a 16-bit index's 5th bit (the next nibble's
 // lowest) does not matter.
 inline __m512i nibble_table() {
@@ -220,9 +246,6 @@ inline void joined_tables(__m512i* low, __m512i* high) {
   *low = _mm512_load_si512(t);
   *high = _mm512_load_si512(t + 32);
 }
-#else
-constexpr bool PAIR_INSTRUCTION = false;
-constexpr bool DENSE_PAIRS = false;
 #endif
 
 // A block's running sums stay in registers over its inputs: loaded from out (0 at the first
@@ -435,12 +458,13 @@ void dense_block(const float* x, int64_t k_in, int64_t k_begin, int64_t k_end,
 
 #if defined(RADIXLM_PAIRS)
 // The same blocks with the pair instruction: x the 16-bit inputs (bfloat16, or int16 times
-// mult per row and group, int16_groups). A group's int32 sums are exact; widened to float32
-// and times mult (a power of two: exact), they take the float32 sums' place.
+// mult per row and group, int16_groups; qsum is for the AVX2 version). A group's int32 sums
+// are exact; widened to float32 (rounded only past 2^24) and times mult (a power of two),
+// they take the float32 sums' place.
 template <int T, int R, int HB, bool DS>
-void planes_block_pairs(const uint16_t* x, const float* mult, const float* xsum, int64_t k_in,
-                        int64_t group, int64_t k_begin, int64_t k_end, const PlaneTiles& pw,
-                        float* out, int64_t out_stride) {
+void planes_block_pairs(const uint16_t* x, const float* mult, const int32_t* /*qsum*/,
+                        const float* xsum, int64_t k_in, int64_t group, int64_t k_begin,
+                        int64_t k_end, const PlaneTiles& pw, float* out, int64_t out_stride) {
   constexpr int P = summed_planes<HB>();
   constexpr bool JOINED = HB == 1 || HB == 2;
   const int64_t groups = k_in / group;
@@ -500,7 +524,7 @@ void planes_block_pairs(const uint16_t* x, const float* mult, const float* xsum,
       }
     }
     add_group<T, R, P, DS>(acc, g, [&](int t, int p, int r) {
-      if constexpr (Pairs::INT16) {
+      if constexpr (INT16_INPUTS) {
         return Vec{_mm512_mul_ps(_mm512_cvtepi32_ps(part[t][p][r]),
                                  _mm512_set1_ps(mult[r * groups + g]))};
       } else {
@@ -618,48 +642,143 @@ inline std::vector<float> as_float(const at::Tensor& x) {
   return out;
 }
 
-#if defined(RADIXLM_PAIRS)
 // Each row's inputs as int16 times a power of two per group of `group` inputs (mult, one per
 // row and group): q = x / mult rounded to the nearest integer (ties to even), mult chosen so
 // that the group's largest |q| is below 2^15. A bfloat16 input within 2^7 of its group's
 // largest is held exactly (its 8 significant bits fit); a smaller one is rounded to a
 // multiple of mult, an error below 2^-15 of the group's largest. A function of the row alone,
 // as every sum here is. A NaN or infinity makes its group's mult NaN, so that the outputs
-// are NaN as the float32 sums' would be. xsum: each group's sum of those inputs (mult times
-// the exact sum of q), for the zeros' term: the codes' offsets and the zeros then cancel as
-// they do in the weights, whatever the rounding (an exact sum of x there would leave the
-// offset, up to 136 times a code, times the rounding).
+// are NaN as the float32 sums' would be. qsum: each group's exact sum of q; xsum: mult times
+// it, for the zeros' term: the codes' offsets and the zeros then cancel as they do in the
+// weights, whatever the rounding (an exact sum of x there would leave the offset, up to 136
+// times a code, times the rounding).
 inline void int16_groups(const std::vector<float>& xf, int64_t groups_total, int64_t group,
-                         std::vector<uint16_t>* q, std::vector<float>* mult, float* xsum) {
-  q->resize(groups_total * group);
+                         std::vector<uint16_t>* q, std::vector<float>* mult,
+                         std::vector<int32_t>* qsum, float* xsum) {
+  q->assign(groups_total * group, 0);
   mult->resize(groups_total);
-  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
+  qsum->resize(groups_total);
   for (int64_t g = 0; g < groups_total; ++g) {
     const float* x = xf.data() + g * group;
     // The largest |x|'s float32 bits (ordered as |x| for finite values; NaN's above all).
-    __m512i top = _mm512_setzero_si512();
-    for (int64_t i = 0; i < group; i += LANES) {
-      const __mmask16 m = group - i >= LANES ? 0xFFFF : (1u << (group - i)) - 1;
-      const __m512i bits = _mm512_castps_si512(_mm512_maskz_loadu_ps(m, x + i));
-      top = _mm512_max_epu32(top, _mm512_and_si512(bits, magnitude));
+    uint32_t top = 0;
+    for (int64_t i = 0; i < group; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, x + i, sizeof(bits));
+      top = std::max(top, bits & 0x7FFFFFFFu);
     }
-    const int field = static_cast<int>(_mm512_reduce_max_epu32(top) >> 23);  // its exponent
+    const int field = static_cast<int>(top >> 23);  // its exponent
+    if (field == 255) {
+      (*mult)[g] = NAN, (*qsum)[g] = 0, xsum[g] = NAN;
+      continue;
+    }
     // |x| < 2^(field - 126), so x * 2^(141 - field) < 2^15; kept to normal float32 powers
     // (groups of |x| < 2^-112 lose precision, nothing else).
     const int up = std::min(141 - field, 126);
-    (*mult)[g] = field == 255 ? NAN : std::ldexp(1.f, -up);
-    const __m512 scale = _mm512_castsi512_ps(_mm512_set1_epi32((up + 127) << 23));
-    __m512i sum = _mm512_setzero_si512();
-    for (int64_t i = 0; i < group; i += LANES) {
-      const __mmask16 m = group - i >= LANES ? 0xFFFF : (1u << (group - i)) - 1;
-      const __m512i v =
-          _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), scale));
-      _mm256_mask_storeu_epi16(q->data() + g * group + i, m, _mm512_cvtepi32_epi16(v));
-      sum = _mm512_add_epi32(sum, v);
+    const uint32_t scale_bits = static_cast<uint32_t>(up + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &scale_bits, sizeof(scale));
+    (*mult)[g] = std::ldexp(1.f, -up);
+    uint16_t* out = q->data() + g * group;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < group; ++i) {
+      // x * scale is exact (a power of two); adding and taking away 1.5 * 2^23 rounds it to
+      // an integer, to nearest, ties to even (|x * scale| < 2^15).
+      const float rounded = (x[i] * scale + 12582912.f) - 12582912.f;
+      const int32_t n = static_cast<int32_t>(rounded);
+      out[i] = static_cast<uint16_t>(static_cast<int16_t>(n));
+      sum += n;
     }
     // |sum| < 2^15 group: exact in float32 for groups up to 2^9
-    xsum[g] = static_cast<float>(_mm512_reduce_add_epi32(sum)) * (*mult)[g];
+    (*qsum)[g] = sum;
+    xsum[g] = static_cast<float>(sum) * (*mult)[g];
   }
+}
+
+#if defined(RADIXLM_PAIRS_256)
+// planes_block_pairs on AVX2 (no AVX-512): int16 inputs, a pair of codes times a pair of
+// inputs in one vpmaddwd (vpdpwssd with AVX-VNNI). A tile's 16 channels are two 8-lane
+// halves, summed one after the other over a group so that a half's running sums fit the 16
+// registers. Codes are read unsigned (the low nibble, and a joined code's high bits above
+// it) and their offset taken away once per group: sum (c - offset) q = sum c q - offset
+// sum q, exact in int32, so the sums and the bits are those of the 512-bit int16 path.
+template <int T, int R, int HB, bool DS>
+void planes_block_pairs(const uint16_t* x, const float* mult, const int32_t* qsum,
+                        const float* xsum, int64_t k_in, int64_t group, int64_t k_begin,
+                        int64_t k_end, const PlaneTiles& pw, float* out, int64_t out_stride) {
+  constexpr int P = summed_planes<HB>();
+  constexpr bool JOINED = HB == 1 || HB == 2;
+  constexpr int OFFSET = JOINED ? 136 : 8;  // Vec::joined's and Vec::nibble's
+  const int64_t groups = k_in / group;
+  const __m256i nibbles = _mm256_set1_epi16(0x000F);
+  const __m256i high_bits = _mm256_set1_epi16(static_cast<int16_t>(((1 << HB) - 1) << 4));
+  Vec acc[T][R];
+  load_sums(acc, k_begin == 0, out, out_stride);
+  Bases<T> bases;
+  for (int64_t g = k_begin / group; g < k_end / group; ++g) {
+    Vec part[T][P][R];
+    for (int h = 0; h < 2; ++h) {
+      __m256i sum[T][P][R];
+      for (int t = 0; t < T; ++t)
+        for (int p = 0; p < P; ++p)
+          for (int r = 0; r < R; ++r) sum[t][p][r] = _mm256_setzero_si256();
+      for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 8) {
+        __m256i w[T][2];
+        for (int t = 0; t < T; ++t) {
+          w[t][0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+              pw.codes + t * pw.tile_codes + (k0 / 8) * LANES + 8 * h));
+          if constexpr (HB > 0) {
+            int shift;
+            w[t][1] = _mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(hi_word<HB>(pw, t, k0, &shift) + 8 * h));
+            // JOINED: the pair k0, k0 + 1's high bits to bit 0 of each 16-bit lane
+            if constexpr (JOINED) w[t][1] = _mm256_srl_epi16(w[t][1], _mm_cvtsi32_si128(shift));
+          }
+        }
+        for (int i = 0; i < 4; ++i) {
+          __m256i c[T][P];
+          for (int t = 0; t < T; ++t) {
+            c[t][0] = _mm256_and_si256(_mm256_srli_epi16(w[t][0], 4 * i), nibbles);
+            if constexpr (JOINED) {
+              const int hs = HB * i;  // pair i's high bits, to bits 4..
+              const __m256i top = hs <= 4 ? _mm256_slli_epi16(w[t][1], 4 - hs)
+                                          : _mm256_srli_epi16(w[t][1], hs - 4);
+              c[t][0] = _mm256_or_si256(c[t][0], _mm256_and_si256(top, high_bits));
+            }
+            if constexpr (HB == 4) {
+              c[t][1] = _mm256_and_si256(_mm256_srli_epi16(w[t][1], 4 * i), nibbles);
+            }
+          }
+          for (int r = 0; r < R; ++r) {
+            int32_t pair;
+            std::memcpy(&pair, x + r * k_in + k0 + 2 * i, sizeof(pair));
+            const __m256i xs = _mm256_set1_epi32(pair);
+            for (int t = 0; t < T; ++t)
+              for (int p = 0; p < P; ++p) {
+#if defined(__AVXVNNI__)
+                sum[t][p][r] = _mm256_dpwssd_avx_epi32(sum[t][p][r], c[t][p], xs);
+#else
+                sum[t][p][r] = _mm256_add_epi32(sum[t][p][r], _mm256_madd_epi16(c[t][p], xs));
+#endif
+              }
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256i offset = _mm256_set1_epi32(OFFSET * qsum[r * groups + g]);
+        const __m256 m = _mm256_set1_ps(mult[r * groups + g]);
+        for (int t = 0; t < T; ++t)
+          for (int p = 0; p < P; ++p) {
+            const __m256i exact = _mm256_sub_epi32(sum[t][p][r], offset);
+            _mm256_storeu_ps(part[t][p][r].v + 8 * h,
+                             _mm256_mul_ps(_mm256_cvtepi32_ps(exact), m));
+          }
+      }
+    }
+    add_group<T, R, P, DS>(acc, g, [&](int t, int p, int r) { return part[t][p][r]; },
+                           pw.constants, bases, xsum, groups);
+  }
+  store_sums(acc, out, out_stride);
 }
 #endif
 
@@ -730,16 +849,17 @@ inline void planes_segment(const at::Tensor& x, const std::vector<float>& xf,
   const PlaneTiles first{codes.data_ptr<int32_t>(), hb > 0 ? hi.data_ptr<int32_t>() : nullptr,
                          all, (k_in / 8) * LANES, hb > 0 ? hi.size(1) * LANES : 0};
   const bool pairs = PAIR_INSTRUCTION && x.scalar_type() == at::kBFloat16;
-#if defined(RADIXLM_PAIRS)
   // The pair instruction's inputs: x's bfloat16s, or them as int16 per group (with mult).
   std::vector<uint16_t> x16;
   std::vector<float> mult;
-  if (pairs && Pairs::INT16) int16_groups(xf, rows * groups, group, &x16, &mult, xsum.data());
-  const uint16_t* x_pairs = !pairs          ? nullptr
-                            : Pairs::INT16 ? x16.data()
+  std::vector<int32_t> qsum;
+  if (pairs && INT16_INPUTS) int16_groups(xf, rows * groups, group, &x16, &mult, &qsum,
+                                          xsum.data());
+  const uint16_t* x_pairs = !pairs         ? nullptr
+                            : INT16_INPUTS ? x16.data()
                                            : reinterpret_cast<const uint16_t*>(
                                                  x.data_ptr<at::BFloat16>());
-#endif
+  (void)x_pairs;  // unused where no pair instruction is built
   auto run = [&](auto hb_const, auto ds_const) {
     constexpr int HB = decltype(hb_const)::value;
     constexpr bool DS = decltype(ds_const)::value;
@@ -753,12 +873,12 @@ inline void planes_segment(const at::Tensor& x, const std::vector<float>& xf,
           w.codes += t0 * first.tile_codes;
           if (HB > 0) w.hi += t0 * first.tile_hi;
           w.constants = all.from_tile(t0);
-#if defined(RADIXLM_PAIRS)
+#if defined(RADIXLM_PAIRS) || defined(RADIXLM_PAIRS_256)
           if (pairs) {
-            planes_block_pairs<T, R, HB, DS>(x_pairs + r0 * k_in,
-                                             Pairs::INT16 ? mult.data() + r0 * groups : nullptr,
-                                             xsum.data() + r0 * groups, k_in, group, k0, k1,
-                                             w, o, width);
+            planes_block_pairs<T, R, HB, DS>(
+                x_pairs + r0 * k_in, INT16_INPUTS ? mult.data() + r0 * groups : nullptr,
+                INT16_INPUTS ? qsum.data() + r0 * groups : nullptr, xsum.data() + r0 * groups,
+                k_in, group, k0, k1, w, o, width);
             return;
           }
 #endif

@@ -7,7 +7,12 @@ whole, chunked or decoded)."""
 
 from __future__ import annotations
 
+import os
+import platform
 import statistics
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -301,6 +306,57 @@ def test_inputs_of_any_size_in_one_group(kernel, bits, group):
     assert not out[[2, 6]].isfinite().any()
     others = [r for r in range(rows) if r not in (2, 6)]
     assert torch.equal(out[others], full[others])
+
+
+def _formats_outputs(kernel) -> dict[str, torch.Tensor]:
+    """planes_linear on random planes of the formats' shapes (4-bit codes, 5- and 6-bit
+    codes read whole, two nibble planes), bfloat16 and float32 inputs, 9 rows at once and
+    row 3 alone."""
+    from radixlm.runtime.models.quantization.cpu_weights import Plane, tile_planes
+
+    out = {}
+    for bits, group in ((0, 32), (1, 32), (2, 16), (4, 32)):
+        gen = torch.Generator().manual_seed(bits)
+        n, k = 37, 128
+        scale = (torch.rand(n, k // group, generator=gen) * 0.02).half().float()
+        planes = [Plane(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8),
+                        scale, torch.randn(n, k // group, generator=gen) * 0.01)]
+        if bits:
+            planes.insert(0, Plane(torch.randint(0, 1 << bits, (n, k), generator=gen,
+                                                 dtype=torch.uint8), 16 * scale,
+                                   torch.zeros(n, k // group)))
+        tiles = list(tile_planes(planes, compact=bits != 4))
+        for dtype in (torch.bfloat16, torch.float32):
+            x = (torch.randn(9, k, generator=gen) * 3).to(dtype)
+            out[f"{bits}/{dtype}"] = kernel.planes_linear(x, tiles, n, True)
+            out[f"{bits}/{dtype}/row 3"] = kernel.planes_linear(x[3:4], tiles, n, True)
+    return out
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="an x86-64 build")
+def test_an_avx2_build_gives_the_same_bits(kernel, tmp_path):
+    """Most laptops' x86 CPUs have AVX2 but not AVX-512. Built for them (RADIXLM_CPU_MARCH=
+    x86-64-v3), the kernel sums int16 inputs in 8-lane halves of a tile (vpmaddwd) where a
+    CPU with AVX-512 but no BF16 sums whole tiles (vpdpwssd): both sums are exact integers, so
+    the bits are the same; float32 inputs take float32 lanes of either width, the same
+    fused multiply-adds. Checked against this build where it sums int16 too, and on its own
+    for rows that do not depend on the batch."""
+    if "avx2" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this CPU cannot run an AVX2 build")
+    script = ("import sys, torch; sys.path.insert(0, sys.argv[2]); import test_cpu_decode as t; "
+              "from radixlm.kernels import cpu_decode as kb; k = kb.load(); "
+              "assert k.pair_inputs() == 'int16', k.pair_inputs(); "
+              "torch.save(t._formats_outputs(k), sys.argv[1])")
+    env = dict(os.environ, RADIXLM_CPU_MARCH="x86-64-v3")
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "avx2.pt"),
+                    str(Path(__file__).parent)], env=env, check=True, timeout=900)
+    avx2 = torch.load(tmp_path / "avx2.pt")
+    native = _formats_outputs(kernel)
+    for key, value in avx2.items():
+        if key.endswith("row 3"):
+            assert torch.equal(value, avx2[key.removesuffix("/row 3")][3:4]), key
+        if "float32" in key or kernel.pair_inputs() == "int16":
+            assert torch.equal(value, native[key]), key
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
