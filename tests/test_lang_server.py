@@ -293,10 +293,16 @@ def test_speculation_writes_a_chat_message_with_text_between_gens(server_url):
     name, birthday, job = state["name"], state["birthday"], state["job"]
     assert all(value.strip() for value in (name, birthday, job))
     assert state.messages()[-1]["content"] == f"Name:{name}\nBirthday:{birthday}\nJob:{job}"
-    # Asked in SGLang's own words, this small model writes something else: a clear error
-    # naming the reply.
-    error = speculating.run(system=False, ask="Please generate new Name, Birthday and Job.\n",
-                            backend=backend, temperature=0).error()
+    # A reply that does not follow the program's text (no model starts its reply with this
+    # made-up field name, whichever way the CPU rounds): a clear error naming the reply.
+
+    def odd_fields(s):
+        s += rl.user(follows)
+        s += rl.assistant("Qzx-Vorn:" + rl.gen("a", stop="\n") + "\nBirthday:"
+                          + rl.gen("b", stop="\n"))
+
+    error = rl.function(num_api_spec_tokens=64)(odd_fields).run(
+        backend=backend, temperature=0).error()
     assert "does not follow the program's text" in str(error)
 
 
