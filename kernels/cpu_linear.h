@@ -805,13 +805,17 @@ inline void planes_segment(const at::Tensor& x, const std::vector<float>& xf,
   TORCH_CHECK(scales.size(2) == (hb > 0 && !derived ? 2 : 1), "planes_linear: scales");
   TORCH_CHECK(hb == 0 || hb == 4 || derived,
               "planes_linear: a 1- or 2-bit high plane's scales are derived");
+  const bool pairs = PAIR_INSTRUCTION && x.scalar_type() == at::kBFloat16;
+  // Each group's sum of inputs, for the zeros' term. The int16 path sums its own int16
+  // inputs instead (int16_groups), so that a code's offset cancels exactly.
   std::vector<float> xsum(rows * groups);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < groups; ++g) {
-      float s = 0.f;
-      for (int64_t k = g * group; k < (g + 1) * group; ++k) s += xf[r * k_in + k];
-      xsum[r * groups + g] = s;
-    }
+  if (!(pairs && INT16_INPUTS))
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t g = 0; g < groups; ++g) {
+        float s = 0.f;
+        for (int64_t k = g * group; k < (g + 1) * group; ++k) s += xf[r * k_in + k];
+        xsum[r * groups + g] = s;
+      }
   GroupConstants all;
   all.groups = groups;
   all.S = static_cast<int>(scales.size(2));
@@ -848,7 +852,6 @@ inline void planes_segment(const at::Tensor& x, const std::vector<float>& xf,
   }
   const PlaneTiles first{codes.data_ptr<int32_t>(), hb > 0 ? hi.data_ptr<int32_t>() : nullptr,
                          all, (k_in / 8) * LANES, hb > 0 ? hi.size(1) * LANES : 0};
-  const bool pairs = PAIR_INSTRUCTION && x.scalar_type() == at::kBFloat16;
   // The pair instruction's inputs: x's bfloat16s, or them as int16 per group (with mult).
   std::vector<uint16_t> x16;
   std::vector<float> mult;
