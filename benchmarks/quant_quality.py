@@ -15,8 +15,10 @@ window attends only to itself). For each configuration:
 
 Configurations: fp32; bf16; fp8 (W8A8, per-channel weights, per-token activations); int8
 (weight-only, per-channel); int4 RTN, AWQ, GPTQ and GPTQ with act-order (group 128, asymmetric,
-written by `radixlm quantize` and loaded back from disk); and float weights with a float8 KV
-cache (`kv_cache_dtype`: every token attends through the rounded K and V). Activations are
+written by `radixlm quantize` and loaded back from disk); float weights with a float8 KV
+cache (`kv_cache_dtype`: every token attends through the rounded K and V); and float weights
+whose linears' inputs are rounded to int8 per group of 32 or 256, as llama.cpp's integer dot
+products round them (INT8_ACTIVATIONS). Activations are
 float32 except for bf16 (and fp8's quantized products) and the CPU paths: the GGUF file's own
 blocks (the default CPU path), int8 as int4 planes and fp8 as bfloat16 weights, all with
 bfloat16 activations.
@@ -78,6 +80,12 @@ CONFIGS: dict[str, tuple[torch.dtype, str | None, QuantizeOptions | None]] = {
     "fp32, fp8_e5m2 KV": (torch.float32, None, None),
     "bf16, fp8_e4m3 KV": (torch.bfloat16, "none", None),
 }
+# Float weights whose every decoder linear sees its input rounded to int8 per group of this
+# many values (scale: the group's largest |x| / 127), the way llama.cpp's Q8_0 / Q8_1 (32) and
+# Q8_K (256) blocks round activations for its integer dot products: what an int8 input path
+# of the CPU kernel would cost, apart from the weights' own rounding.
+INT8_ACTIVATIONS = {"fp32, int8 activations /32": 32, "fp32, int8 activations /256": 256}
+CONFIGS |= {name: (torch.float32, None, None) for name in INT8_ACTIVATIONS}
 KV_CACHE = {"fp32, fp8_e4m3 KV": torch.float8_e4m3fn, "fp32, fp8_e5m2 KV": torch.float8_e5m2,
             "bf16, fp8_e4m3 KV": torch.float8_e4m3fn}
 
@@ -88,13 +96,33 @@ def linear_bytes(model: torch.nn.Module) -> int:
                for t in [*m.parameters(), *m.buffers()])
 
 
+def round_to_int8_groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x with each group of `group` values along the last axis rounded to int8 steps of the
+    group's largest |x| / 127 (float32 values)."""
+    groups = x.float().reshape(-1, group)
+    step = groups.abs().amax(-1, keepdim=True) / 127
+    rounded = torch.where(step > 0, torch.round(groups / step) * step, groups)
+    return rounded.reshape(x.shape).to(x.dtype)
+
+
+def round_linear_inputs(model: torch.nn.Module, group: int) -> None:
+    """Every decoder linear rounds its input with round_to_int8_groups first."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.register_forward_pre_hook(
+                lambda _, args: (round_to_int8_groups(args[0], group), *args[1:]))
+
+
 def build(name: str, folder: Path, calibration: torch.Tensor, work: Path,
           device: torch.device) -> tuple:
     """The model of one configuration, and the seconds its quantizer took (0 if none).
     Quantizers run where the model is loaded."""
     dtype, online, offline = CONFIGS[name]
     if offline is None:
-        return load_model(str(folder), "auto", dtype, device, quantization=online).model, 0.0
+        model = load_model(str(folder), "auto", dtype, device, quantization=online).model
+        if name in INT8_ACTIVATIONS:
+            round_linear_inputs(model, INT8_ACTIVATIONS[name])
+        return model, 0.0
     source = load_model(str(folder), "auto", torch.float32, device).model
     start = time.perf_counter()
     results = quantize_model(source, calibration, offline)
