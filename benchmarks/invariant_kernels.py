@@ -7,15 +7,16 @@ Llama-3-8B's shapes (bf16, CUDA-graph timed):
   kernels against kernels/invariant_attention.py.
 
 `--sweep` instead times the invariant matmul's candidate tilings (rows per program, warps,
-pipeline stages, one loop or a loop per segment, and two segment policies) at each row count
-against cuBLAS, and checks that every tiling gives the same bits as the shipped one's
-(InvariantConfig.tilings was chosen from this table). `--segments` times each count of K
+pipeline stages, one loop or a loop per segment, two segment policies, and tiles loaded by
+the copy engine (TMA), one program per tile or a few per SM walking them) at each row count
+(`--rows`) against cuBLAS, and checks that every tiling gives the same bits as the shipped
+one's (InvariantConfig.tilings was chosen from this table). `--segments` times each count of K
 segments (each its own invariant sum) with the decode tilings' pipeline depths at 1-64 rows
 and the shipped tilings at more rows, checking each for one set of bits at every row count
 (the segment policy, InvariantConfig's, was chosen from this table).
 
-    python benchmarks/invariant_kernels.py [--sweep | --segments [--shipped-segments]]
-        [--out FILE.json]
+    python benchmarks/invariant_kernels.py [--sweep [--rows 1,64,256,2048] |
+        --segments [--shipped-segments]] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -88,6 +89,9 @@ def time_variants(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | Non
             same = torch.equal(invariant_matmul(x, w, out_dtype, config=cfg), reference)
         except triton.runtime.errors.OutOfResources:
             continue
+        except Exception as error:  # a variant this Triton cannot build: say so, go on
+            print(f"    {label}: {type(error).__name__}: {str(error)[:200]}")
+            continue
         us = time_us(lambda: invariant_matmul(x, w, out_dtype, config=cfg), calls)
         out[label] = {"us": us, "same_bits": same}
     return out
@@ -115,23 +119,28 @@ def sweep_variants(m: int) -> dict[str, InvariantConfig]:
             for stages in (2, 3, 4):
                 out[f"split64w4s{stages} seg{segs[0]}/{segs[1]}"] = config(
                     Tiling(64, 4, stages, split=True), segs=segs)
+        for stages in (4, 5, 6):
+            out[f"tma split64w4s{stages}"] = config(Tiling(64, 4, stages, split=True, tma=True))
         out["tile64w4s4 flat"] = config(Tiling(64, 4, 4))
         return out
-    for block_m, warps, stages in ((64, 4, 3), (64, 4, 4), (128, 4, 4), (128, 8, 3),
-                                   (128, 8, 4)):
+    for block_m, warps, stages in ((64, 4, 3), (64, 4, 4), (128, 8, 4)):
         out[f"tile{block_m}w{warps}s{stages} flat"] = config(Tiling(block_m, warps, stages))
-    for block_m, warps in ((64, 4), (128, 8)):
-        out[f"tile{block_m}w{warps}s4 nest"] = config(Tiling(block_m, warps, 4), flat=False)
-        out[f"tile{block_m}w{warps}s4 flat seg32/2"] = config(Tiling(block_m, warps, 4),
-                                                              segs=(32, 2))
+    out["tile64w4s4 nest"] = config(Tiling(64, 4, 4), flat=False)
+    # The copy engine's loads (TMA), one program per tile or a few per SM walking the tiles.
+    for block_m, warps, stages, per_sm in ((64, 4, 3, 0), (64, 4, 4, 0), (64, 4, 5, 0),
+                                          (128, 4, 4, 0), (128, 8, 3, 0), (128, 8, 4, 0),
+                                          (64, 4, 4, 2), (64, 4, 4, 1), (128, 8, 4, 1),
+                                          (128, 8, 3, 1)):
+        label = f"tma tile{block_m}w{warps}s{stages}" + (f" p{per_sm}" if per_sm else "")
+        out[label] = config(Tiling(block_m, warps, stages, tma=True, persistent=per_sm))
     return out
 
 
-def sweep() -> list[dict]:
+def sweep(row_counts: list[int]) -> list[dict]:
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name, (n, k) in LINEARS.items():
-        counts = [m for m in SWEEP_ROWS if name != "head" or m <= 256]
+        counts = [m for m in row_counts if name != "head" or m <= 256]
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) / k ** 0.5
         x_all = torch.randn(max(counts), k, device="cuda", dtype=torch.bfloat16, generator=gen)
         out_dtype = torch.float32 if name == "head" else None
@@ -287,6 +296,8 @@ def main() -> None:
                              "sweep_segments)")
     parser.add_argument("--shipped-segments", action="store_true",
                         help="with --segments: only the count the segment policy picks")
+    parser.add_argument("--rows", default=",".join(map(str, SWEEP_ROWS)),
+                        help="with --sweep: the row counts, comma-separated")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     record = {"benchmark": "invariant_kernels", "date": datetime.date.today().isoformat(),
@@ -294,7 +305,7 @@ def main() -> None:
     if args.segments:
         record["segments"] = sweep_segments(args.shipped_segments)
     elif args.sweep:
-        record["sweep"] = sweep()
+        record["sweep"] = sweep([int(m) for m in args.rows.split(",")])
     else:
         record |= {"linears": linears(), "attention": attention()}
     kind = ("invariant_segments" if args.segments else "invariant_sweep" if args.sweep

@@ -32,6 +32,13 @@ them one way whichever rows and warps issue it. Triton picks the instruction fro
 columns and how the warps split it: BLOCK_N stays 128, and each warpgroup (4 warps) gets whole
 64-row slices (`InvariantConfig` refuses a tiling that would split the columns instead).
 tests/test_batch_invariant.py checks the compiled PTX of every tiling for one instruction.
+
+How the tiles reach shared memory is not part of the numerics either: a tiling may load them
+through Hopper's copy engine (`Tiling.tma`: one tensor-memory-accelerator request per tile,
+zeros past the edges as the masked loads give) and walk several output tiles per program
+(`Tiling.persistent`); operands the copy engine cannot address (a start or row not 16-byte
+aligned) take plain loads, with the same dots in the same order, so the same bits.
+benchmarks/invariant_kernels.py --sweep times those variants beside the others.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from radixlm.kernels.split_k import num_sms, split_k_buffers
 
@@ -52,13 +60,19 @@ class Tiling:
     the K segments run as separate programs (`split`: for one row tile, M <= block_m), and
     how many K tiles one step of a program's loop loads (`unroll`: 2 keeps twice the bytes
     in flight per pipeline stage, as a 128-wide tile would, yet issues the same 64-wide dots
-    in the same order). None of these changes an output element's float operations (see
-    InvariantConfig)."""
+    in the same order), whether the tiles come through the copy engine (`tma`: Hopper's
+    tensor memory accelerator, one thread's request per tile instead of every thread's
+    addresses; where the GPU or the operands' alignment does not allow it, the same tiling
+    runs with plain loads), and whether a program walks several output tiles (`persistent`:
+    one grid of a few programs per SM, whose next tile's loads overlap this one's end). None
+    of these changes an output element's float operations (see InvariantConfig)."""
     block_m: int
     num_warps: int
     num_stages: int
     split: bool = False
     unroll: int = 1
+    tma: bool = False
+    persistent: int = 0  # programs per SM; 0: one program per output tile
 
 
 @dataclass(frozen=True)
@@ -101,6 +115,8 @@ class InvariantConfig:
                 raise ValueError(f"tiling {tiling}: unroll must be 1 or 2")
             if tiling.split and tiling.block_m != self.tilings[0][1].block_m:
                 raise ValueError("only the first tiling may split K")
+            if tiling.split and tiling.persistent:
+                raise ValueError(f"tiling {tiling}: a split tiling is not persistent")
 
     def tiling(self, m: int) -> Tiling:
         for most_rows, tiling in self.tilings:
@@ -113,27 +129,37 @@ DEFAULT = InvariantConfig()
 
 
 @triton.jit
-def _dot_tile(acc, x_rows, w_rows, mask_m, mask_n, offs_k, k0, K):
-    """acc + x[:, k0:k0 + BLOCK_K] @ w[:, k0:k0 + BLOCK_K]^T: one K tile of the product."""
-    k = k0 + offs_k
-    in_k = k < K
-    x = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & in_k[None, :], other=0.0)
-    w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & in_k[None, :], other=0.0)
+def _dot_tile(acc, x_src, w_src, mask_m, mask_n, offs_k, off_m, off_n, k0, K,
+              TMA: tl.constexpr):
+    """acc + x[:, k0:k0 + BLOCK_K] @ w[:, k0:k0 + BLOCK_K]^T: one K tile of the product.
+    x_src, w_src: the operands' descriptors with TMA (tiles at rows off_m and off_n), else
+    pointers to the tile's rows (masked by mask_m and mask_n). Both read zeros past the
+    edges."""
+    if TMA:
+        x = x_src.load([off_m, k0])
+        w = w_src.load([off_n, k0])
+    else:
+        k = k0 + offs_k
+        in_k = k < K
+        x = tl.load(x_src + k[None, :], mask=mask_m[:, None] & in_k[None, :], other=0.0)
+        w = tl.load(w_src + k[None, :], mask=mask_n[:, None] & in_k[None, :], other=0.0)
     return tl.dot(x, tl.trans(w), acc)  # [M, K] x [K, N]: W read K-major, as stored
 
 
 @triton.jit
-def _sum_segments(x_rows, w_rows, mask_m, mask_n, offs_k, K, seg_len, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr):
+def _sum_segments(x_src, w_src, mask_m, mask_n, offs_k, off_m, off_n, K, seg_len,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  UNROLL: tl.constexpr, TMA: tl.constexpr):
     """Every segment of K, each summed from zero over its K tiles and added in order:
     [BLOCK_M, BLOCK_N] float32. One loop over every tile, so the loads stay pipelined across
     segment boundaries. UNROLL tiles a step (seg_len is then a multiple of UNROLL tiles)."""
     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K * UNROLL):
-        acc = _dot_tile(acc, x_rows, w_rows, mask_m, mask_n, offs_k, k0, K)
+        acc = _dot_tile(acc, x_src, w_src, mask_m, mask_n, offs_k, off_m, off_n, k0, K, TMA)
         if UNROLL == 2:
-            acc = _dot_tile(acc, x_rows, w_rows, mask_m, mask_n, offs_k, k0 + BLOCK_K, K)
+            acc = _dot_tile(acc, x_src, w_src, mask_m, mask_n, offs_k, off_m, off_n,
+                            k0 + BLOCK_K, K, TMA)
         k_next = k0 + BLOCK_K * UNROLL
         if (k_next % seg_len == 0) | (k_next >= K):  # a segment ends: add it, start anew
             total += acc
@@ -142,16 +168,18 @@ def _sum_segments(x_rows, w_rows, mask_m, mask_n, offs_k, K, seg_len, BLOCK_M: t
 
 
 @triton.jit
-def _segment(x_rows, w_rows, mask_m, mask_n, offs_k, k_lo, k_hi, K, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr):
+def _segment(x_src, w_src, mask_m, mask_n, offs_k, off_m, off_n, k_lo, k_hi, K,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             UNROLL: tl.constexpr, TMA: tl.constexpr):
     """sum over k in [k_lo, k_hi) of x[:, k] * w[:, k]^T, from zero: [BLOCK_M, BLOCK_N].
     With UNROLL 2 the segment is a whole number of tile pairs, except the last one of K,
     whose odd tile past K adds a dot of zeros (exact)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K * UNROLL):
-        acc = _dot_tile(acc, x_rows, w_rows, mask_m, mask_n, offs_k, k0, K)
+        acc = _dot_tile(acc, x_src, w_src, mask_m, mask_n, offs_k, off_m, off_n, k0, K, TMA)
         if UNROLL == 2:
-            acc = _dot_tile(acc, x_rows, w_rows, mask_m, mask_n, offs_k, k0 + BLOCK_K, K)
+            acc = _dot_tile(acc, x_src, w_src, mask_m, mask_n, offs_k, off_m, off_n,
+                            k0 + BLOCK_K, K, TMA)
     return acc
 
 
@@ -167,40 +195,49 @@ def _store_tile(out_ptr, x_scale_ptr, w_scale_ptr, total, offs_m, offs_n, mask_m
              total.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
+@triton.jit
+def _tile_of(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of output tile number `tile`, grouped so that neighbours
+    share W tiles in L2."""
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (tile // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (tile % per_group) % group_rows, (tile % per_group) // group_rows
+
+
 @triton.jit(do_not_specialize=["M"])
-def _invariant_mm_kernel(x_ptr, w_ptr, out_ptr, x_scale_ptr, w_scale_ptr, partials_ptr,
+def _invariant_mm_kernel(x_src, w_src, out_ptr, x_scale_ptr, w_scale_ptr, partials_ptr,
                          counters_ptr, M, N, K, seg_len, num_segs,
                          stride_xm, stride_wn, stride_om,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP_M: tl.constexpr, SPLIT: tl.constexpr, SCALED: tl.constexpr,
-                         FLAT: tl.constexpr, UNROLL: tl.constexpr):
+                         FLAT: tl.constexpr, UNROLL: tl.constexpr, TMA: tl.constexpr,
+                         PERSISTENT: tl.constexpr):
     # M is not specialized: a separate compile for M == 1 would be a second kernel, and the
     # point of this one is that every M runs the same code.
+    # x_src, w_src: tensor descriptors with TMA, else the operands' first elements.
     # FLAT: one loop over every K tile (short segments); else a loop per segment.
-    if SPLIT:  # grid (column tiles, segments); one row tile
-        pid_m = 0
-        pid_n = tl.program_id(0)
-    else:  # grid (row tiles * column tiles), grouped so neighbours share W tiles in L2
-        pid = tl.program_id(0)
-        tiles_m = tl.cdiv(M, BLOCK_M)
-        tiles_n = tl.cdiv(N, BLOCK_N)
-        per_group = GROUP_M * tiles_n
-        first_m = (pid // per_group) * GROUP_M
-        group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % group_rows
-        pid_n = (pid % per_group) // group_rows
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # PERSISTENT: each program walks the output tiles pid, pid + programs, ...
     offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    x_rows = x_ptr + offs_m[:, None] * stride_xm
-    w_rows = w_ptr + offs_n[:, None] * stride_wn
-    if SPLIT:
+    if SPLIT:  # grid (column tiles, segments); one row tile
+        pid_n = tl.program_id(0)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_m = offs_m < M
+        mask_n = offs_n < N
+        if TMA:
+            x_tile = x_src
+            w_tile = w_src
+        else:
+            x_tile = x_src + offs_m[:, None] * stride_xm
+            w_tile = w_src + offs_n[:, None] * stride_wn
         seg = tl.program_id(1)
         k_lo = seg * seg_len
-        acc = _segment(x_rows, w_rows, mask_m, mask_n, offs_k, k_lo,
-                       tl.minimum(k_lo + seg_len, K), K, BLOCK_M, BLOCK_N, BLOCK_K, UNROLL)
+        acc = _segment(x_tile, w_tile, mask_m, mask_n, offs_k, 0, pid_n * BLOCK_N, k_lo,
+                       tl.minimum(k_lo + seg_len, K), K, BLOCK_M, BLOCK_N, BLOCK_K, UNROLL,
+                       TMA)
         # workspace [column tiles, segments, M, BLOCK_N] float32
         cols = tl.arange(0, BLOCK_N)
         tile_ptr = partials_ptr + pid_n * num_segs * M * BLOCK_N
@@ -218,19 +255,50 @@ def _invariant_mm_kernel(x_ptr, w_ptr, out_ptr, x_scale_ptr, w_scale_ptr, partia
             _store_tile(out_ptr, x_scale_ptr, w_scale_ptr, total, offs_m, offs_n, mask_m,
                         mask_n, stride_om, SCALED)
             tl.atomic_xchg(counters_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+    elif PERSISTENT:
+        tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
+            _output_tile(x_src, w_src, out_ptr, x_scale_ptr, w_scale_ptr, tile, M, N, K,
+                         seg_len, num_segs, stride_xm, stride_wn, stride_om, BLOCK_M, BLOCK_N,
+                         BLOCK_K, GROUP_M, SCALED, FLAT, UNROLL, TMA)
     else:
-        if FLAT:
-            total = _sum_segments(x_rows, w_rows, mask_m, mask_n, offs_k, K, seg_len, BLOCK_M,
-                                  BLOCK_N, BLOCK_K, UNROLL)
-        else:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for seg in range(0, num_segs):
-                k_lo = seg * seg_len
-                total += _segment(x_rows, w_rows, mask_m, mask_n, offs_k, k_lo,
-                                  tl.minimum(k_lo + seg_len, K), K, BLOCK_M, BLOCK_N, BLOCK_K,
-                                  UNROLL)
-        _store_tile(out_ptr, x_scale_ptr, w_scale_ptr, total, offs_m, offs_n, mask_m, mask_n,
-                    stride_om, SCALED)
+        _output_tile(x_src, w_src, out_ptr, x_scale_ptr, w_scale_ptr, tl.program_id(0), M, N,
+                     K, seg_len, num_segs, stride_xm, stride_wn, stride_om, BLOCK_M, BLOCK_N,
+                     BLOCK_K, GROUP_M, SCALED, FLAT, UNROLL, TMA)
+
+
+@triton.jit
+def _output_tile(x_src, w_src, out_ptr, x_scale_ptr, w_scale_ptr, tile, M, N, K, seg_len,
+                 num_segs, stride_xm, stride_wn, stride_om, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                 SCALED: tl.constexpr, FLAT: tl.constexpr, UNROLL: tl.constexpr,
+                 TMA: tl.constexpr):
+    """Output tile number `tile`, every segment of K summed and added in order."""
+    pid_m, pid_n = _tile_of(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    if TMA:
+        x_tile = x_src
+        w_tile = w_src
+    else:
+        x_tile = x_src + offs_m[:, None] * stride_xm
+        w_tile = w_src + offs_n[:, None] * stride_wn
+    if FLAT:
+        total = _sum_segments(x_tile, w_tile, mask_m, mask_n, offs_k, pid_m * BLOCK_M,
+                              pid_n * BLOCK_N, K, seg_len, BLOCK_M, BLOCK_N, BLOCK_K, UNROLL,
+                              TMA)
+    else:
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for seg in range(0, num_segs):
+            k_lo = seg * seg_len
+            total += _segment(x_tile, w_tile, mask_m, mask_n, offs_k, pid_m * BLOCK_M,
+                              pid_n * BLOCK_N, k_lo, tl.minimum(k_lo + seg_len, K), K, BLOCK_M,
+                              BLOCK_N, BLOCK_K, UNROLL, TMA)
+    _store_tile(out_ptr, x_scale_ptr, w_scale_ptr, total, offs_m, offs_n, mask_m, mask_n,
+                stride_om, SCALED)
 
 
 def segments_for(n: int, k: int, device: torch.device,
@@ -249,6 +317,16 @@ def _segments(n: int, k: int, sms: int, config: InvariantConfig) -> tuple[int, i
         segs *= 2
     seg_len = triton.cdiv(blocks, segs) * config.block_k
     return seg_len, triton.cdiv(k, seg_len)
+
+
+def tma_usable(*operands: torch.Tensor) -> bool:
+    """Whether the copy engine can load these 2-D operands' tiles: a Hopper or newer GPU,
+    16-byte aligned starts and rows, and the last axis contiguous."""
+    first = operands[0]
+    if first.device.type != "cuda" or torch.cuda.get_device_capability(first.device)[0] < 9:
+        return False
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+               and t.stride(-1) == 1 for t in operands)
 
 
 def invariant_matmul(x: torch.Tensor, weight: torch.Tensor,
@@ -288,16 +366,25 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor,
         grid: tuple[int, ...] = (tiles_n, num_segs)
     else:
         partials = counters = out  # never read: SPLIT is off
-        grid = (triton.cdiv(m, tiling.block_m) * tiles_n,)
+        tiles = triton.cdiv(m, tiling.block_m) * tiles_n
+        persistent = tiling.persistent * num_sms(x.device)
+        grid = (min(tiles, persistent) if persistent else tiles,)
     # Two tiles a step only where every segment is whole pairs of tiles (the same dots).
     unroll = tiling.unroll if (seg_len // config.block_k) % tiling.unroll == 0 else 1
     xs = x_scale.reshape(-1) if scaled else out
     ws = w_scale.reshape(-1) if scaled else out
+    tma = tiling.tma and tma_usable(x2, weight)
+    if tma:
+        x_src = TensorDescriptor.from_tensor(x2, [tiling.block_m, config.block_k])
+        w_src = TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k])
+    else:
+        x_src, w_src = x2, weight
     _invariant_mm_kernel[grid](
-        x2, weight, out, xs, ws, partials, counters, m, n, k, seg_len, num_segs,
+        x_src, w_src, out, xs, ws, partials, counters, m, n, k, seg_len, num_segs,
         x2.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=tiling.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, SPLIT=split, SCALED=scaled,
-        FLAT=seg_len // config.block_k <= config.flat_max_tiles, UNROLL=unroll,
+        FLAT=seg_len // config.block_k <= config.flat_max_tiles, UNROLL=unroll, TMA=tma,
+        PERSISTENT=bool(tiling.persistent) and not split,
         num_warps=tiling.num_warps, num_stages=tiling.num_stages)
     return out.view(*x.shape[:-1], n)

@@ -82,7 +82,8 @@ def test_deterministic_is_a_no_op_on_cpu(tmp_path):
 def _hopper_mma_instructions(kernel, tiling, block_n: int, block_k: int, operand: str,
                              flat: bool) -> set:
     """The tensor-core instructions in the kernel's PTX for sm_90, compiled with the pointer
-    and stride alignment a real launch gets (Triton specializes those)."""
+    and stride alignment a real launch gets (Triton specializes those); with the copy
+    engine's loads where the tiling asks for them."""
     import re
 
     import triton
@@ -91,14 +92,21 @@ def _hopper_mma_instructions(kernel, tiling, block_n: int, block_k: int, operand
 
     names = kernel.arg_names
     signature = {name: "i32" for name in names}
-    signature.update({"x_ptr": f"*{operand}", "w_ptr": f"*{operand}", "out_ptr": "*bf16",
-                      "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "partials_ptr": "*fp32",
-                      "counters_ptr": "*i32"})
+    if tiling.tma:
+        sources = {"x_src": f"tensordesc<{operand}[{tiling.block_m}, {block_k}]>",
+                   "w_src": f"tensordesc<{operand}[{block_n}, {block_k}]>"}
+    else:
+        sources = {"x_src": f"*{operand}", "w_src": f"*{operand}"}
+    signature.update(sources | {"out_ptr": "*bf16", "x_scale_ptr": "*fp32",
+                                "w_scale_ptr": "*fp32", "partials_ptr": "*fp32",
+                                "counters_ptr": "*i32"})
     constants = {"BLOCK_M": tiling.block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
                  "GROUP_M": 8, "SPLIT": tiling.split, "SCALED": operand != "bf16", "FLAT": flat,
-                 "UNROLL": tiling.unroll}
+                 "UNROLL": tiling.unroll, "TMA": tiling.tma,
+                 "PERSISTENT": bool(tiling.persistent)}
     signature.update({name: "constexpr" for name in constants})
-    aligned = [name for name in names if name.endswith("_ptr") or name.startswith("stride")]
+    aligned = [name for name in names if name.endswith("_ptr") or name.startswith("stride")
+               or (name.endswith("_src") and not tiling.tma)]
     attrs = {(names.index(name),): [["tt.divisibility", 16]]
              for name in aligned + ["N", "K", "seg_len"]}
     compiled = triton.compile(
@@ -106,21 +114,28 @@ def _hopper_mma_instructions(kernel, tiling, block_n: int, block_k: int, operand
         target=GPUTarget("cuda", 90, 32),
         options={"num_warps": tiling.num_warps, "num_stages": tiling.num_stages})
     ptx = compiled.asm["ptx"]
-    assert "cp.async" in ptx, "the loads must be pipelined"
+    loads = "cp.async.bulk.tensor" if tiling.tma else "cp.async"
+    assert loads in ptx, "the loads must be pipelined"
     return set(re.findall(r"wgmma\.mma_async\.[\w.]+", ptx))
 
 
 @pytest.mark.parametrize("operand", ["bf16", "fp8e4nv"])
 def test_every_tiling_issues_the_same_tensor_core_instruction(operand):
-    """Deterministic mode picks the matmul's tiling by row count; that is only invariant if
-    every tiling adds a dot's products with the same instruction. Checked on the PTX."""
+    """Deterministic mode picks the matmul's tiling by row count, and the copy engine's loads
+    where the GPU and the operands allow them; that is only invariant if every tiling, with
+    either kind of load, adds a dot's products with the same instruction. Checked on the
+    PTX."""
+    from dataclasses import replace
+
     pytest.importorskip("triton.backends.nvidia")
     from radixlm.kernels.invariant_matmul import DEFAULT, _invariant_mm_kernel
 
+    tilings = {replace(tiling, tma=tma) for _, tiling in DEFAULT.tilings for tma in (False, True)}
+    tilings |= {replace(tiling, persistent=1) for tiling in tilings if not tiling.split}
     shapes = {(tiling, flat): _hopper_mma_instructions(_invariant_mm_kernel, tiling,
                                                        DEFAULT.block_n, DEFAULT.block_k,
                                                        operand, flat)
-              for _, tiling in DEFAULT.tilings for flat in (False, True)}
+              for tiling in tilings for flat in (False, True)}
     found = set().union(*shapes.values())
     assert len(found) == 1 and all(shapes.values()), shapes
     k = 16 if operand == "bf16" else 32
