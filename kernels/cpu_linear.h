@@ -272,7 +272,8 @@ struct Pairs {
 #endif
   }
 };
-#elif defined(__AVX2__) && !defined(__AVX512F__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+// (with the 256-bit Vec above, whose halves planes_block_pairs writes)
 #define RADIXLM_PAIRS_256 1
 #endif
 
