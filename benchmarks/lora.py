@@ -1,8 +1,9 @@
 """Multi-LoRA serving: decode throughput with adapters mixed in one batch, against the base
 model alone, in one run.
 
-Random PEFT adapters (every projection of every layer targeted, rank R) are written for the
-model, then the same batch of greedy requests runs on an engine serving them: without
+Random PEFT adapters (rank R, on every layer's projections: all seven by default, or those
+`--targets` names, e.g. q_proj,v_proj, PEFT's default for Llama) are written for the model,
+then the same batch of greedy requests runs on an engine serving them: without
 adapters (the base model, the baseline: same engine, same KV pool), with 1 adapter for every
 row, and with K distinct adapters spread over the rows (K up to the batch,
 max_loras_per_batch = K so they all run together); and once on an engine without adapters
@@ -41,8 +42,8 @@ from radixlm.runtime import Engine
 
 from results_dir import results_dir
 
-TARGETS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
-           "mlp": ("gate_proj", "up_proj", "down_proj")}
+BLOCKS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
+          "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 
 def shapes(cfg: Any) -> dict[str, tuple[int, int]]:
@@ -53,23 +54,23 @@ def shapes(cfg: Any) -> dict[str, tuple[int, int]]:
             "gate_proj": (d, inter), "up_proj": (d, inter), "down_proj": (inter, d)}
 
 
-def write_adapter(folder: Path, cfg: Any, rank: int, seed: int, dtype: torch.dtype) -> Path:
+def write_adapter(folder: Path, cfg: Any, rank: int, seed: int, dtype: torch.dtype,
+                  targets: list[str]) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(cfg.num_layers):
-        for block, names in TARGETS.items():
-            for name in names:
-                fan_in, fan_out = shapes(cfg)[name]
-                key = f"base_model.model.model.layers.{layer}.{block}.{name}"
-                tensors[f"{key}.lora_A.weight"] = (
-                    torch.randn(rank, fan_in, generator=gen) / fan_in ** 0.5).to(dtype)
-                tensors[f"{key}.lora_B.weight"] = (
-                    torch.randn(fan_out, rank, generator=gen) / rank ** 0.5 * 0.1).to(dtype)
+        for name in targets:
+            fan_in, fan_out = shapes(cfg)[name]
+            key = f"base_model.model.model.layers.{layer}.{BLOCKS[name]}.{name}"
+            tensors[f"{key}.lora_A.weight"] = (
+                torch.randn(rank, fan_in, generator=gen) / fan_in ** 0.5).to(dtype)
+            tensors[f"{key}.lora_B.weight"] = (
+                torch.randn(fan_out, rank, generator=gen) / rank ** 0.5 * 0.1).to(dtype)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     (folder / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none",
-        "target_modules": [n for names in TARGETS.values() for n in names]}))
+        "target_modules": targets}))
     return folder
 
 
@@ -103,15 +104,19 @@ def run(engine: Engine, prompts: list[list[int]], loras: list[str | None] | None
             "decode_tokens_per_s": (tokens - len(prompts)) / max(seconds - prefill_s, 1e-9)}
 
 
-# An 8B Llama's decoder layer: (in, parts' outputs) of its four linears.
+# An 8B Llama's decoder layer: (in, parts' outputs) of its four linears, and the PEFT
+# modules of the parts.
 LAYER_8B = {"qkv": (4096, [4096, 1024, 1024]), "o": (4096, [4096]),
             "gate_up": (4096, [14336, 14336]), "down": (14336, [4096])}
+PARTS = {"qkv": ["q_proj", "k_proj", "v_proj"], "o": ["o_proj"],
+         "gate_up": ["gate_proj", "up_proj"], "down": ["down_proj"]}
 
 
-def kernel_table(ranks: list[int], counts: list[int], batch: int, layers: int = 32
-                 ) -> dict[str, Any]:
+def kernel_table(ranks: list[int], counts: list[int], batch: int, targets: list[str],
+                 layers: int = 32) -> dict[str, Any]:
     """The GPU kernels alone (kernels/lora.py), an 8B model's layer shapes in bfloat16: one
-    step's updates (the four linears of `layers` layers, replayed as a CUDA graph) against
+    step's updates (the linears `targets` train, of `layers` layers, replayed as a CUDA
+    graph) against
     the same step's base products, and against the floor of reading every distinct
     adapter's weights once at the card's copy bandwidth (measured here)."""
     from radixlm.kernels.lora import lora_add
@@ -133,7 +138,11 @@ def kernel_table(ranks: list[int], counts: list[int], batch: int, layers: int = 
     for rank in ranks:
         for count in counts:
             slots = {}
+            adapter_bytes = 0
             for n, (i, parts) in LAYER_8B.items():
+                trained = [rank if module in targets else 0 for module in PARTS[n]]
+                if not any(trained):
+                    continue  # the engine holds no slots for this linear
                 width = len(parts) * rank
                 cols, first = [], 0
                 for size in parts:
@@ -141,22 +150,21 @@ def kernel_table(ranks: list[int], counts: list[int], batch: int, layers: int = 
                     first += size
                 slots[n] = (torch.randn(count, width, i, dtype=bf16, device=dev) / i ** 0.5,
                             torch.randn(count, width, first, dtype=bf16, device=dev) / 64,
-                            torch.tensor(cols, dtype=torch.int32, device=dev))
+                            torch.tensor(cols, dtype=torch.int32, device=dev),
+                            torch.tensor([trained] * count, dtype=torch.int32, device=dev))
+                adapter_bytes += sum(r * (i + o) for r, o in zip(trained, parts)) * 2 * count
             rows, tiles = group_rows([r % count for r in range(batch)])
             rows_t = torch.tensor(rows, dtype=torch.int32, device=dev)
             tiles_t = torch.tensor(tiles, dtype=torch.int32, device=dev).view(-1, TILE_FIELDS)
-            ranks_t = torch.full((count,), rank, dtype=torch.int32, device=dev)
             outs = {n: torch.zeros(batch, sum(o), dtype=bf16, device=dev)
                     for n, (_, o) in LAYER_8B.items()}
 
             def step() -> None:
-                for n in LAYER_8B:
-                    a, b, cols = slots[n]
-                    lora_add(x_in[n], outs[n], a, b, rows_t, tiles_t, len(tiles), ranks_t,
+                for n, (a, b, cols, part_ranks) in slots.items():
+                    lora_add(x_in[n], outs[n], a, b, rows_t, tiles_t, len(tiles), part_ranks,
                              cols, rank)
 
             ms = median_replay_ms(capture(step, layers), 5)
-            adapter_bytes = sum(rank * (i + sum(o)) for i, o in LAYER_8B.values()) * 2 * count
             floor = layers * adapter_bytes / bandwidth * 1e3
             table["runs"][f"rank {rank}, {count} adapters"] = {
                 "ms": ms, "floor_ms": floor, "vs_base_linears": ms / base_ms}
@@ -177,8 +185,14 @@ def main() -> None:
     parser.add_argument("--engine-options", type=json.loads, default={},
                         help="JSON of Engine options (model, device, ...); default: the "
                              "embedded model on the CPU")
+    parser.add_argument("--targets", default=",".join(BLOCKS),
+                        help="the projections the adapters train (default: all seven)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    targets = args.targets.split(",")
+    unknown = [t for t in targets if t not in BLOCKS]
+    if unknown:
+        parser.error(f"--targets: {unknown} are not among {', '.join(BLOCKS)}")
     ranks = [int(r) for r in args.ranks.split(",")]
     counts = [int(k) for k in args.adapters.split(",")]
     options = {"device": "cpu", **args.engine_options}
@@ -188,7 +202,7 @@ def main() -> None:
     kernels = None
     if device == "cuda":
         try:
-            kernels = kernel_table(ranks, counts, args.batch)
+            kernels = kernel_table(ranks, counts, args.batch, targets)
         except Exception as exc:  # noqa: BLE001 - recorded; the engine runs still tell
             print(f"kernel timing failed: {exc!r}")
             kernels = {"error": repr(exc)}
@@ -205,7 +219,7 @@ def main() -> None:
         for rank in ranks:
             # At most 8 distinct files; more adapters reuse them under other names (each
             # name is its own adapter and slot to the engine).
-            files = [write_adapter(Path(tmp) / f"r{rank}-{i}", cfg, rank, i, dtype)
+            files = [write_adapter(Path(tmp) / f"r{rank}-{i}", cfg, rank, i, dtype, targets)
                      for i in range(min(8, max(counts)))]
             names = [f"r{rank}-{k}" for k in range(max(counts))]
             modules = [f"{name}={files[k % len(files)]}" for k, name in enumerate(names)]
@@ -219,7 +233,8 @@ def main() -> None:
                     tps = timing["tokens_per_s"]
                     key = f"rank {rank}, {count} adapter{'s' if count > 1 else ''}"
                     # Per token per layer: u = A x over every part, B u over every output.
-                    extra = sum(rank * (i + o) for i, o in shapes(cfg).values())
+                    extra = sum(rank * (i + o) for name, (i, o) in shapes(cfg).items()
+                                if name in targets)
                     adapter_bytes = extra * cfg.num_layers * dtype.itemsize
                     results[key] = {"rank": rank, "adapters": count, **timing,
                                     "vs_base": tps / base["tokens_per_s"],
@@ -251,7 +266,8 @@ def main() -> None:
                           "threads": torch.get_num_threads(),
                           "gpu": torch.cuda.get_device_name() if device == "cuda" else None},
               "config": {"batch": args.batch, "prompt_tokens": args.prompt_tokens,
-                         "new_tokens": args.new_tokens, "engine_options": options},
+                         "new_tokens": args.new_tokens, "targets": targets,
+                         "engine_options": options},
               "results": results, "kernels": kernels}
     out = Path(args.out or results_dir() / f"lora_{device}_{record['date']}.json")
     out.write_text(json.dumps(record, indent=2) + "\n")

@@ -8,8 +8,10 @@ nothing, so a CUDA graph can be captured with as many tiles as its batch size co
 and replayed with fewer. Rows of the base model are in no tile and are not touched.
 
 Weights, per linear (see runtime/models/lora/slots.py): A [slots, P * R, in] (part p's A in
-rows p R .. p R + rank) and B transposed [slots, P * R, out]. `ranks[slot]` is the slot's
-adapter rank, so a rank-16 adapter in rank-64 slots reads a quarter of the weights.
+rows p R .. p R + rank) and B transposed [slots, P * R, out]. `part_ranks[slot, p]` is the
+rank of the slot's adapter on part p, so a rank-16 adapter in rank-64 slots reads a quarter of
+the weights, and a part the adapter does not train (k of an adapter of q and v) none: an output
+tile no trained part may write is not read or written at all.
 `part_cols[p]` = (first, stop) output columns part p's B may write: expand reads part p's
 rank block only for output tiles inside them, so a fused qkv or gate_up layer does not read
 the zeros of its B outside each part.
@@ -45,16 +47,17 @@ def split_k(in_features: int) -> int:
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, rows_ptr, tiles_ptr, ranks_ptr, partial_ptr,
+def _shrink_kernel(x_ptr, a_ptr, rows_ptr, tiles_ptr, part_ranks_ptr, partial_ptr,
                    num_rows, in_features, stride_x, width, rank_stride, k_per_split,
-                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
+                   NUM_PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     tile = tl.program_id(0)
     rank_block = tl.program_id(1)
     split = tl.program_id(2)
     slot = tl.load(tiles_ptr + tile * 3)
     if slot >= 0:
-        rank = tl.load(ranks_ptr + slot)
+        part = rank_block * BLOCK_R // rank_stride
+        rank = tl.load(part_ranks_ptr + slot * NUM_PARTS + part)
         if (rank_block * BLOCK_R) % rank_stride < rank:
             first = tl.load(tiles_ptr + tile * 3 + 1)
             stop = tl.load(tiles_ptr + tile * 3 + 2)
@@ -79,7 +82,8 @@ def _shrink_kernel(x_ptr, a_ptr, rows_ptr, tiles_ptr, ranks_ptr, partial_ptr,
 
 
 @triton.jit
-def _expand_kernel(partial_ptr, b_ptr, out_ptr, rows_ptr, tiles_ptr, ranks_ptr, part_cols_ptr,
+def _expand_kernel(partial_ptr, b_ptr, out_ptr, rows_ptr, tiles_ptr, part_ranks_ptr,
+                   part_cols_ptr,
                    num_rows, out_features, stride_out, width, rank_stride,
                    NUM_PARTS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -87,7 +91,6 @@ def _expand_kernel(partial_ptr, b_ptr, out_ptr, rows_ptr, tiles_ptr, ranks_ptr, 
     col_block = tl.program_id(1)
     slot = tl.load(tiles_ptr + tile * 3)
     if slot >= 0:
-        rank = tl.load(ranks_ptr + slot)
         first = tl.load(tiles_ptr + tile * 3 + 1)
         stop = tl.load(tiles_ptr + tile * 3 + 2)
         m = first + tl.arange(0, BLOCK_M)
@@ -99,10 +102,14 @@ def _expand_kernel(partial_ptr, b_ptr, out_ptr, rows_ptr, tiles_ptr, ranks_ptr, 
         n_stop = tl.minimum(n_first + BLOCK_N, out_features)
         b_base = b_ptr + slot.to(tl.int64) * width * out_features
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        touched = False  # whether any part of the adapter may write these columns
         for p in tl.static_range(NUM_PARTS):
             cols_first = tl.load(part_cols_ptr + 2 * p)
             cols_stop = tl.load(part_cols_ptr + 2 * p + 1)
-            if (cols_first < n_stop) & (cols_stop > n_first):
+            rank = tl.load(part_ranks_ptr + slot * NUM_PARTS + p)
+            writes = (cols_first < n_stop) & (cols_stop > n_first) & (rank > 0)
+            touched = touched | writes
+            if writes:
                 for j in range(0, rank, BLOCK_R):
                     r = p * rank_stride + j + tl.arange(0, BLOCK_R)
                     u = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -112,21 +119,22 @@ def _expand_kernel(partial_ptr, b_ptr, out_ptr, rows_ptr, tiles_ptr, ranks_ptr, 
                     w = tl.load(b_base + r[:, None] * out_features + n[None, :],
                                 mask=n_ok[None, :], other=0.0)
                     acc = tl.dot(u.to(w.dtype), w, acc, input_precision=DOT_PRECISION)
-        ptrs = out_ptr + rows[:, None] * stride_out + n[None, :]
-        mask = m_ok[:, None] & n_ok[None, :]
-        current = tl.load(ptrs, mask=mask, other=0.0)
-        tl.store(ptrs, (current.to(tl.float32) + acc).to(current.dtype), mask=mask)
+        if touched:
+            ptrs = out_ptr + rows[:, None] * stride_out + n[None, :]
+            mask = m_ok[:, None] & n_ok[None, :]
+            current = tl.load(ptrs, mask=mask, other=0.0)
+            tl.store(ptrs, (current.to(tl.float32) + acc).to(current.dtype), mask=mask)
 
 
 def lora_add(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-             rows: torch.Tensor, tiles: torch.Tensor, num_tiles: int, ranks: torch.Tensor,
+             rows: torch.Tensor, tiles: torch.Tensor, num_tiles: int, part_ranks: torch.Tensor,
              part_cols: torch.Tensor, rank_stride: int) -> torch.Tensor:
     """out[row] += B[slot] (A[slot] x[row]) for each row of the first `num_tiles` tiles, in
     place; returns out.
 
     x [T, in] and out [T, out] with contiguous columns; a [S, W, in] and b [S, W, out]
     contiguous (W = parts * rank_stride); rows and tiles [>= num_tiles, 3] int32 (as in the
-    module docstring); ranks [S] int32; part_cols [parts, 2] int32.
+    module docstring); part_ranks [S, parts] int32; part_cols [parts, 2] int32.
     """
     num_rows, in_features = x.shape
     out_features = out.shape[1]
@@ -135,18 +143,21 @@ def lora_add(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tenso
         return out
     assert x.stride(1) == 1 and out.stride(1) == 1 and a.is_contiguous() and b.is_contiguous()
     assert rank_stride % BLOCK_R == 0 and width % rank_stride == 0
+    assert part_ranks.shape[1] == part_cols.shape[0] == width // rank_stride
     block_k = min(SHRINK_BLOCK_K, max(16, triton.next_power_of_2(in_features)))
     k_per_split = triton.cdiv(triton.cdiv(in_features, split_k(in_features)), block_k) * block_k
     splits = triton.cdiv(in_features, k_per_split)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     partials = torch.empty((splits, num_rows, width), dtype=torch.float32, device=x.device)
     _shrink_kernel[(num_tiles, width // BLOCK_R, splits)](
-        x, a, rows, tiles, ranks, partials, num_rows, in_features, x.stride(0), width,
-        rank_stride, k_per_split, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=block_k,
+        x, a, rows, tiles, part_ranks, partials, num_rows, in_features, x.stride(0), width,
+        rank_stride, k_per_split, NUM_PARTS=part_cols.shape[0], BLOCK_M=BLOCK_M,
+        BLOCK_R=BLOCK_R, BLOCK_K=block_k,
         DOT_PRECISION=precision, num_warps=2, num_stages=3)
     block_n = min(EXPAND_BLOCK_N, max(16, triton.next_power_of_2(out_features)))
     _expand_kernel[(num_tiles, triton.cdiv(out_features, block_n))](
-        partials, b, out, rows, tiles, ranks, part_cols, num_rows, out_features, out.stride(0),
+        partials, b, out, rows, tiles, part_ranks, part_cols, num_rows, out_features,
+        out.stride(0),
         width, rank_stride, NUM_PARTS=part_cols.shape[0], SPLIT_K=splits, BLOCK_M=BLOCK_M,
         BLOCK_R=BLOCK_R, BLOCK_N=block_n, DOT_PRECISION=precision, num_warps=4,
         num_stages=3 if rank_stride >= 64 else 2)

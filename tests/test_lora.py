@@ -141,6 +141,41 @@ def test_prefix_cache_is_kept_apart_per_adapter(models):
             gc.enable()
 
 
+def test_only_the_layers_adapters_train_hold_slots(models):
+    """An adapter of q, v and down (b) gives slots to the qkv and down layers only, with k's
+    rank 0 in them, and still matches peft; lora_target_modules widens or narrows the layers,
+    and a runtime-loaded adapter training others is refused naming the option."""
+    ids = torch.randint(3, 512, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    with Engine(str(models["base"]), device="cpu", dtype="float32",
+                lora_modules=modules(models, "b")) as engine:
+        linears = engine.core.lora.slots.linears
+        assert {name.rpartition(".")[2] for name in linears} == {"qkv_proj", "down_proj"}
+        assert len(linears) == 2 * engine.core.runner.model.config.num_layers
+        got = engine.score(ids[:12], [ids[12:]], lora="b")[0]
+        slot = engine.core.lora.slots.slot_of(engine.core.lora.adapters["b"])
+        qkv = next(lin for name, lin in linears.items() if name.endswith("qkv_proj"))
+        assert qkv.part_ranks[slot].tolist() == [4, 0, 4]  # q, k, v
+    want = peft_logprobs(models, "b", ids, 12)
+    assert max(abs(x - y) for x, y in zip(got, want)) < 1e-4
+    with Engine(str(models["base"]), device="cpu", dtype="float32",
+                allow_runtime_lora_loading=True,
+                lora_target_modules=["q_proj", "v_proj", "down_proj"]) as engine:
+        assert {name.rpartition(".")[2] for name in engine.core.lora.slots.linears} == {
+            "qkv_proj", "down_proj"}
+        engine.load_lora("b", str(models["b"]))
+        with pytest.raises(ValueError, match=r"lora_target_modules: adapter 'c' trains .*"
+                                             r"\(gate_up_proj, o_proj\)"):
+            engine.load_lora("c", str(models["c"]))
+        assert [a["name"] for a in engine.loras()] == ["b"]
+    with Engine(str(models["base"]), device="cpu", dtype="float32",
+                allow_runtime_lora_loading=True, lora_target_modules="all") as engine:
+        assert len(engine.core.lora.slots.linears) == 4 * engine.core.runner.model.config.num_layers
+    for targets, message in ((["o_proj"], "adapter 'b' trains"), (["q"], r"\['q'\] are not")):
+        with pytest.raises(ValueError, match=f"lora_target_modules: {message}"):
+            Engine(str(models["base"]), device="cpu", dtype="float32",
+                   lora_modules=modules(models, "b"), lora_target_modules=targets)
+
+
 def test_runtime_loading(models):
     ids = list(range(10, 30))
     params = {"temperature": 0, "max_new_tokens": 4}

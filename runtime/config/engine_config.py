@@ -177,6 +177,11 @@ class EngineConfig:
     # llama.cpp GGUF adapter file); requests pick one by name (Engine.generate(lora=...),
     # `model` on the OpenAI routes, `lora_path` on /generate). See docs/lora.md.
     lora_modules: tuple[str, ...] | None = None
+    # The modules adapters may train, as PEFT names them (q_proj, k_proj, v_proj, o_proj,
+    # gate_proj, up_proj, down_proj, or all): only these layers hold adapter slots and run
+    # updates. None: those the lora_modules adapters train, or every one with
+    # allow_runtime_lora_loading. A runtime-loaded adapter training others is refused.
+    lora_target_modules: tuple[str, ...] | None = None
     # Adapters one batch may mix (the slots on the device; more wait for a slot).
     max_loras_per_batch: int = 8
     # The largest adapter rank served (slots are sized for it). None: the largest rank of
@@ -322,10 +327,15 @@ class EngineConfig:
         return paths
 
     def _check_lora_options(self) -> None:
-        if isinstance(self.lora_modules, (str, list)):  # one entry, or a list from Python
-            object.__setattr__(self, "lora_modules", (self.lora_modules,)
-                               if isinstance(self.lora_modules, str)
-                               else tuple(self.lora_modules))
+        for name in ("lora_modules", "lora_target_modules"):
+            value = getattr(self, name)
+            if isinstance(value, (str, list)):  # one entry, or a list from Python
+                object.__setattr__(self, name, (value,) if isinstance(value, str)
+                                   else tuple(value))
+        if self.lora_target_modules is not None and (
+                not self.lora_target_modules
+                or not all(isinstance(t, str) for t in self.lora_target_modules)):
+            raise ValueError("lora_target_modules must be module names (q_proj, ..., or all)")
         self.lora_paths()
         for name in ("max_loras_per_batch", "max_loaded_loras"):
             _positive_int(getattr(self, name), name)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from radixlm.runtime.config.engine_config import EngineConfig
-from radixlm.runtime.models.lora.adapter import LoRAAdapter, load_adapter
+from radixlm.runtime.models.lora.adapter import LoRAAdapter, load_adapter, targeted_linears
 from radixlm.runtime.models.lora.slots import LoRASlots, slot_dtype
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,9 @@ class LoRARegistry:
         for adapter in self.adapters.values():
             self._check_rank(adapter)
         self.slots = LoRASlots(model, config.max_loras_per_batch, self.max_rank,
-                               slot_dtype(device, dtype), device)
+                               slot_dtype(device, dtype), device, self._targets())
+        for adapter in self.adapters.values():
+            self._check_targets(adapter)
         # Tensor parallelism names adapters by their index in this list, the same on every
         # rank (EngineCore.load_lora extends it).
         self.slots.catalog = [self.adapters[n] for n in sorted(self.adapters)]
@@ -76,6 +78,7 @@ class LoRARegistry:
                                  f"most max_loaded_loras allows; unload one first")
             adapter = load_adapter(name, path, self.model)
             self._check_rank(adapter)
+            self._check_targets(adapter)
             self.adapters[name] = adapter
         log.info("LoRA adapter %r loaded: rank %d, from %s", name, adapter.rank, path)
         return adapter
@@ -104,6 +107,25 @@ class LoRARegistry:
     def listing(self) -> list[dict[str, Any]]:
         return [{"name": a.name, "path": a.path, "rank": a.rank}
                 for a in self.adapters.values()]
+
+    def _targets(self) -> set[str] | None:
+        """The linears that hold slots: lora_target_modules', else those the adapters given
+        at start train (an adapter of q and v costs nothing in the other layers), else, with
+        runtime loading, every decoder linear (None)."""
+        if self.config.lora_target_modules is not None:
+            return targeted_linears(self.model, self.config.lora_target_modules)
+        if self.config.allow_runtime_lora_loading:
+            return None
+        return {module for a in self.adapters.values() for module in a.modules}
+
+    def _check_targets(self, adapter: LoRAAdapter) -> None:
+        outside = {m.rpartition(".")[2] for m in adapter.modules} - {
+            m.rpartition(".")[2] for m in self.slots.linears}
+        if any(m not in self.slots.linears for m in adapter.modules):
+            raise ValueError(
+                f"lora_target_modules: adapter {adapter.name!r} trains layers this engine "
+                f"holds no adapter slots for ({', '.join(sorted(outside)) or 'other layers'});"
+                f" start it with --lora-target-modules naming them, or all")
 
     def _check_rank(self, adapter: LoRAAdapter) -> None:
         if adapter.rank > self.max_rank:

@@ -232,7 +232,7 @@ _ALIASES = {"tp_size": ["--tp", "--tensor-parallel-size", "-tp"],
             "max_model_len": ["--context-length"],
             "kv_cache_memory_fraction": ["--mem-fraction-static", "--gpu-memory-utilization"]}
 # Engine flags that take several values (a tuple of strings), with what each one is.
-_LISTS = {"lora_modules": "NAME=PATH"}
+_LISTS = {"lora_modules": "NAME=PATH", "lora_target_modules": "MODULE"}
 # Engine flags with a fixed set of values (listed in --help, checked by argparse).
 _CHOICES = {"attention_backend": ATTENTION_BACKENDS, "schedule_policy": SCHEDULE_POLICIES,
             "program_policy": PROGRAM_POLICIES,

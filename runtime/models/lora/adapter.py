@@ -22,7 +22,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from safetensors import safe_open
@@ -123,6 +123,33 @@ def load_adapter(name: str, path: str | Path, model: torch.nn.Module) -> LoRAAda
             _add_module(adapter, name, part_module, a, part_b, model, modules, config)
         adapter.rank = max(adapter.rank, rank)
     return adapter
+
+
+def targeted_linears(model: Any, targets: Sequence[str]) -> set[str]:
+    """Our decoder linears (module names) that adapters of these PEFT module names may train:
+    "q_proj" names every layer's fused qkv_proj, "all" every supported module. ValueError
+    naming lora_target_modules for a name we do not run."""
+    unknown = [t for t in targets if t != "all" and t not in SUPPORTED_TARGETS]
+    if unknown:
+        raise ValueError(f"lora_target_modules: {unknown} are not supported (supported: "
+                         f"{', '.join(SUPPORTED_TARGETS)}, or all)")
+    wanted = SUPPORTED_TARGETS if "all" in targets else tuple(targets)
+    chosen = set()
+    for name, module in model.named_modules():
+        if not (isinstance(module, Linear) and adaptable(name)):
+            continue
+        parent, _, leaf = name.rpartition(".")
+        # PEFT names a projection beside our fused layer (self_attn.q_proj for
+        # self_attn.qkv_proj); the checkpoint routing says which of ours it lands in.
+        if any(leaf == t or next(iter(model.route(f"{parent}.{t}.weight", None)),
+                                 (None,))[0] == f"{name}.weight" for t in wanted):
+            chosen.add(name)
+    return chosen
+
+
+def adaptable(module_name: str) -> bool:
+    """The decoder layers' linears (not the MoE experts, embeddings or head)."""
+    return ".layers." in module_name and ".experts" not in module_name
 
 
 def _parts_to_place(module_name: str, b: torch.Tensor, model: Any,

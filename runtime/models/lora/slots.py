@@ -30,7 +30,7 @@ import torch
 from radixlm.kernels.host_copy import to_device
 from radixlm.kernels.lora_rows import BLOCK_R, TILE_FIELDS, group_rows, max_tiles
 from radixlm.runtime.models.layers.linear import Linear
-from radixlm.runtime.models.lora.adapter import LoRAAdapter, load_adapter
+from radixlm.runtime.models.lora.adapter import LoRAAdapter, adaptable, load_adapter
 
 
 @dataclass
@@ -66,11 +66,16 @@ class LoRALinear:
         # for them): the part's own, widened when an adapter's module spans several parts.
         self._cols = [[linear.offsets[p], linear.offsets[p + 1]] for p in range(parts)]
         self.part_cols = torch.tensor(self._cols, dtype=torch.int32, device=device)
+        # Each slot's adapter's rank on each part: 0 for a part it does not train (k of an
+        # adapter of q and v), whose weights and output columns the kernels then skip.
+        self.part_ranks = torch.zeros(num_slots, parts, dtype=torch.int32, device=device)
 
     def fill(self, slot: int, adapter_parts: Sequence) -> None:
         self.a[slot].zero_()
         self.b[slot].zero_()
+        ranks = [0] * len(self._cols)
         for p in adapter_parts:
+            ranks[p.part] = max(ranks[p.part], p.a.shape[0])
             r, rows = p.a.shape[0], p.b.shape[0]
             first = p.part * self.rank
             self.a[slot, first:first + r].copy_(_staged(p.a, self.a), non_blocking=True)
@@ -80,6 +85,8 @@ class LoRALinear:
             if p.row_start < cols[0] or p.row_start + rows > cols[1]:
                 cols[:] = min(cols[0], p.row_start), max(cols[1], p.row_start + rows)
                 self.part_cols.copy_(torch.tensor(self._cols, dtype=torch.int32))
+        self.part_ranks[slot].copy_(_staged(torch.tensor(ranks, dtype=torch.int32),
+                                            self.part_ranks), non_blocking=True)
 
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out + this step's updates, row by row each adapter's own."""
@@ -91,7 +98,7 @@ class LoRALinear:
 
             step = self.owner.uploaded(step)
             return lora_add(x, out, self.a, self.b, step.rows, step.tiles, step.num_tiles,
-                            self.owner.ranks, self.part_cols, self.rank)
+                            self.part_ranks, self.part_cols, self.rank)
         for slot, rows in step.groups:
             xs = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
             update = (xs.to(self.a.dtype) @ self.a[slot].T) @ self.b[slot]
@@ -106,7 +113,8 @@ class LoRASlots:
     """`num_slots` adapter slots over a model's linears (`Linear.lora` set on each)."""
 
     def __init__(self, model: torch.nn.Module, num_slots: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device,
+                 targets: set[str] | None = None) -> None:
         if num_slots < 1 or max_rank < 1:
             raise ValueError("max_loras_per_batch and max_lora_rank must be at least 1")
         self.num_slots = num_slots
@@ -115,9 +123,13 @@ class LoRASlots:
         self.use_kernels = uses_kernels(device)
         # The rows each part's A takes in a slot (a multiple of the kernels' rank block).
         stride = -(-max_rank // BLOCK_R) * BLOCK_R if self.use_kernels else max_rank
+        # Only the linears some adapter may train (`targets`; None: every decoder linear)
+        # hold slots and run updates.
+        self.targets = targets
         self.linears: dict[str, LoRALinear] = {}
         for name, module in model.named_modules():
-            if isinstance(module, Linear) and _adaptable(name):
+            if (isinstance(module, Linear) and adaptable(name)
+                    and (targets is None or name in targets)):
                 module.lora = self.linears[name] = LoRALinear(
                     module, num_slots, stride, dtype, device, self)
         self.ranks = torch.zeros(num_slots, dtype=torch.int32, device=device)
@@ -261,8 +273,9 @@ def follower_slots(model: torch.nn.Module, spec: dict[str, Any], model_dtype: to
                    device: torch.device) -> LoRASlots:
     """A tensor-parallel rank's slots, as rank 0 describes its own (`describe`): the same
     adapters, in the same order, each loaded as this rank's share of it."""
+    targets = None if spec["targets"] is None else set(spec["targets"])
     slots = LoRASlots(model, spec["slots"], spec["rank"], slot_dtype(device, model_dtype),
-                      device)
+                      device, targets)
     slots.catalog = [load_adapter(name, path, model) for name, path in spec["adapters"]]
     return slots
 
@@ -270,6 +283,7 @@ def follower_slots(model: torch.nn.Module, spec: dict[str, Any], model_dtype: to
 def describe(slots: LoRASlots) -> dict[str, Any]:
     """What another tensor-parallel rank needs to build the same slots."""
     return {"slots": slots.num_slots, "rank": slots.max_rank,
+            "targets": None if slots.targets is None else sorted(slots.targets),
             "adapters": [(a.name, a.path) for a in slots.catalog]}
 
 
@@ -284,8 +298,3 @@ def _staged(host: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 def uses_kernels(device: torch.device) -> bool:
     """Whether the updates run in the Triton kernels (on a GPU) or as torch matmuls."""
     return device.type == "cuda"
-
-
-def _adaptable(module_name: str) -> bool:
-    """The decoder layers' linears (not the MoE experts, embeddings or head)."""
-    return ".layers." in module_name and ".experts" not in module_name
