@@ -109,8 +109,8 @@ class LoRARegistry:
                 for a in self.adapters.values()]
 
     def _targets(self) -> set[str] | None:
-        """The linears that hold slots: lora_target_modules', else those the adapters given
-        at start train (an adapter of q and v costs nothing in the other layers), else, with
+        """The linears that hold slots: those lora_target_modules names, else those the
+        adapters given at start train (an adapter of q and v costs nothing in the other layers), else, with
         runtime loading, every decoder linear (None)."""
         if self.config.lora_target_modules is not None:
             return targeted_linears(self.model, self.config.lora_target_modules)
@@ -119,13 +119,13 @@ class LoRARegistry:
         return {module for a in self.adapters.values() for module in a.modules}
 
     def _check_targets(self, adapter: LoRAAdapter) -> None:
-        outside = {m.rpartition(".")[2] for m in adapter.modules} - {
-            m.rpartition(".")[2] for m in self.slots.linears}
-        if any(m not in self.slots.linears for m in adapter.modules):
+        outside = sorted({m.rpartition(".")[2] for m in adapter.modules
+                          if m not in self.slots.linears})
+        if outside:
             raise ValueError(
                 f"lora_target_modules: adapter {adapter.name!r} trains layers this engine "
-                f"holds no adapter slots for ({', '.join(sorted(outside)) or 'other layers'});"
-                f" start it with --lora-target-modules naming them, or all")
+                f"holds no adapter slots for ({', '.join(outside)}); start it with "
+                f"--lora-target-modules naming them, or all")
 
     def _check_rank(self, adapter: LoRAAdapter) -> None:
         if adapter.rank > self.max_rank:
