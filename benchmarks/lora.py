@@ -30,6 +30,7 @@ import argparse
 import datetime
 import json
 import platform
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -102,6 +103,10 @@ def run(engine: Engine, prompts: list[list[int]], loras: list[str | None] | None
     engine.flush_cache()
     return {"tokens_per_s": tokens / seconds, "prefill_s": prefill_s,
             "decode_tokens_per_s": (tokens - len(prompts)) / max(seconds - prefill_s, 1e-9)}
+
+
+def median(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
 
 
 # An 8B Llama's decoder layer: (in, parts' outputs) of its four linears, and the PEFT
@@ -185,6 +190,8 @@ def main() -> None:
     parser.add_argument("--engine-options", type=json.loads, default={},
                         help="JSON of Engine options (model, device, ...); default: the "
                              "embedded model on the CPU")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds of the runs in each engine (medians; for a noisy CPU)")
     parser.add_argument("--targets", default=",".join(BLOCKS),
                         help="the projections the adapters train (default: all seven)")
     parser.add_argument("--out", default=None)
@@ -225,11 +232,18 @@ def main() -> None:
             modules = [f"{name}={files[k % len(files)]}" for k, name in enumerate(names)]
             with Engine(**options, lora_modules=modules, max_loras_per_batch=max(counts),
                         max_lora_rank=rank) as engine:
-                base = results[f"rank {rank} engine, no adapter"] = run(
-                    engine, prompts, None, args.new_tokens)
+                # Rounds alternate the base and each adapter count, so that a machine's
+                # drift moves them alike; each figure is the median of its rounds.
+                rounds: dict[int, list[dict[str, float]]] = {0: [], **{c: [] for c in counts}}
+                for _ in range(args.repeats):
+                    rounds[0].append(run(engine, prompts, None, args.new_tokens))
+                    for count in counts:
+                        rounds[count].append(run(engine, prompts,
+                                                 [names[i % count] for i in range(args.batch)],
+                                                 args.new_tokens))
+                base = results[f"rank {rank} engine, no adapter"] = median(rounds[0])
                 for count in counts:
-                    loras = [names[i % count] for i in range(args.batch)]
-                    timing = run(engine, prompts, loras, args.new_tokens)
+                    timing = median(rounds[count])
                     tps = timing["tokens_per_s"]
                     key = f"rank {rank}, {count} adapter{'s' if count > 1 else ''}"
                     # Per token per layer: u = A x over every part, B u over every output.
@@ -267,6 +281,7 @@ def main() -> None:
                           "gpu": torch.cuda.get_device_name() if device == "cuda" else None},
               "config": {"batch": args.batch, "prompt_tokens": args.prompt_tokens,
                          "new_tokens": args.new_tokens, "targets": targets,
+                         "repeats": args.repeats,
                          "engine_options": options},
               "results": results, "kernels": kernels}
     out = Path(args.out or results_dir() / f"lora_{device}_{record['date']}.json")
