@@ -110,8 +110,8 @@ class LoRARegistry:
 
     def _targets(self) -> set[str] | None:
         """The linears that hold slots: those lora_target_modules names, else those the
-        adapters given at start train (an adapter of q and v costs nothing in the other layers), else, with
-        runtime loading, every decoder linear (None)."""
+        adapters given at start train (an adapter of q and v costs nothing in the other
+        layers), else, with runtime loading, every decoder linear (None)."""
         if self.config.lora_target_modules is not None:
             return targeted_linears(self.model, self.config.lora_target_modules)
         if self.config.allow_runtime_lora_loading:
