@@ -187,7 +187,7 @@ def sweep_decode(spec, configs=DECODE_SWEEP, splits_list=(1, 2, 4, 8, 16, 32)) -
 # replays, as the engine runs them, so launch overhead is not counted.
 # The configs are the front runners of wider sweeps (2026-12-04: tiles of 16-128 tokens, 2-8
 # warps, 1-3 stages, 1-64 splits); the float8 cases also read V as float8 (not as int16 pairs)
-# and widen to bfloat16 once each, for scale.
+# and widen to bfloat16 once each, and e4m3 by integer ops (fp8_v_cvt off), for scale.
 _DECODE = ta.DecodeConfig
 _FP8_BASELINES = [_DECODE(128, 4, 3, fp8_v_pairs=False),
                   _DECODE(128, 4, 3, fp8_as_fp16=False, fp8_v_pairs=False)]
@@ -200,6 +200,7 @@ LATENCY = {  # name: (batch, context, storage dtype, configs, split counts)
         (64, 4, 3), (128, 4, 3), (64, 4, 4), (128, 4, 2))], (1,)),
     "B256 ctx1536 fp8_e4m3": (256, 1536, torch.float8_e4m3fn, [_DECODE(n, w, s) for n, w, s in (
         (128, 4, 3), (128, 4, 4), (64, 4, 3), (64, 4, 4), (256, 4, 3), (128, 8, 3))]
+        + [_DECODE(n, 4, s, fp8_v_cvt=False) for n, s in ((128, 3), (64, 4))]
         + _FP8_BASELINES, (1,)),
     "B256 ctx1536 fp8_e5m2": (256, 1536, torch.float8_e5m2, [_DECODE(128, 4, 3)]
                               + _FP8_BASELINES[:1], (1,)),
@@ -349,6 +350,9 @@ def main() -> None:
                              "default decode config on the long-context cases; latency: only "
                              "the decode steps of the 8B benchmarks (batch 1 and 256, bf16 and "
                              "float8 caches), timed as graph replays")
+    parser.add_argument("--cases", default="",
+                        help="with --sweep latency: only the steps whose name contains this "
+                             "(e.g. 'fp8_e4m3')")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -375,7 +379,8 @@ def main() -> None:
     # cut short still leaves everything measured so far.
     if args.sweep == "latency":
         steps = [(f"latency {name}", lambda n=name: sweeps.__setitem__(
-            n, sweep_latency(LATENCY[n], args.bandwidth))) for name in LATENCY]
+            n, sweep_latency(LATENCY[n], args.bandwidth))) for name in LATENCY
+            if args.cases in name]
     else:
         steps = [(name, lambda n=name, s=spec: bench_decode(n, s, args.bandwidth, rows))
                  for name, spec in DECODE.items()]

@@ -10,7 +10,9 @@ Nothing here reads device memory from the host: grid sizes come from host-side l
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import triton
@@ -36,6 +38,9 @@ class DecodeConfig:
     fp8_as_fp16: bool = True
     # A float8 V under a 16-bit query: read it as int16 pairs of head dims (see triton_decode).
     fp8_v_pairs: bool = True
+    # ... and widen e4m3 pairs with the GPU's pairwise conversion rather than integer ops
+    # (CUDA only: the Triton interpreter cannot run the instruction).
+    fp8_v_cvt: bool = True
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,19 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, num_sms
 def _dot_precision(dtype: torch.dtype) -> str:
     # tf32 would cost fp32 models their agreement with the torch backend; 16-bit ignores this.
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@cache
+def _fp8_cvt_on(device_index: int) -> bool:
+    return (os.environ.get("TRITON_INTERPRET") != "1"
+            and torch.cuda.get_device_capability(device_index) >= (8, 9))
+
+
+def _has_fp8_cvt(device: torch.device) -> bool:
+    """Whether kernels on `device` can use the float8 conversion instructions in inline PTX
+    (sm_89+; not the CPU or the Triton interpreter)."""
+    return device.type == "cuda" and _fp8_cvt_on(
+        device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _pow2(n: int, floor: int = 16) -> int:
@@ -178,8 +196,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     v_pairs = (cfg.fp8_v_pairs and v_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
                and head_dim % 2 == 0 and q.dtype in (torch.bfloat16, torch.float16))
     v_e4m3 = v_cache.dtype == torch.float8_e4m3fn
-    if v_pairs:  # the widened pairs are e4m3 values * 2^-8 (see triton_decode)
-        v_cache, v_scale = v_cache.view(torch.int16), v_scale * (256.0 if v_e4m3 else 1.0)
+    v_cvt = v_pairs and v_e4m3 and cfg.fp8_v_cvt and _has_fp8_cvt(q.device)
+    if v_pairs:  # integer-widened e4m3 pairs are the values * 2^-8 (see triton_decode)
+        v_cache = v_cache.view(torch.int16)
+        v_scale = v_scale * (256.0 if v_e4m3 and not v_cvt else 1.0)
     decode_split_kernel[(num_decode, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_o, part_lse, slot_table, kv_lens, seq_rows, q_rows,
         score_mul, cap_mul, v_scale, window or NO_WINDOW, num_splits, num_heads,
@@ -189,8 +209,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         BLOCK_N=cfg.block_n, DIRECT=direct, SOFTCAP=softcap is not None,
         DOT_PRECISION=_dot_precision(q.dtype),
         WIDEN_FP16=cfg.fp8_as_fp16 and k_cache.element_size() == 1 and q.dtype == torch.bfloat16,
-        V_PAIRS=v_pairs, V_E4M3=v_e4m3, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl_options(q.device))
+        V_PAIRS=v_pairs, V_E4M3=v_e4m3, V_CVT=v_cvt, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl_options(q.device))
     if not direct:
         block_s = triton.next_power_of_2(num_splits)
         decode_merge_kernel[(num_decode, num_heads)](

@@ -24,7 +24,9 @@ p on its own. V is the transposed operand of p @ v, and shared memory has no tra
 matrix load for 8-bit data: read as float8, the tile came back from shared memory a byte at
 a time (128 loads per thread per tile, profiled on an H200); as int16 it takes the 16-bit
 transposing load. The widening is exact: e5m2 is the top byte of a float16, and e4m3 placed
-below the sign bit is a float16 of the value * 2^-8 (the caller folds 2^8 into out_mul).
+below the sign bit is a float16 of the value * 2^-8 (the caller folds 2^8 into out_mul). On
+CUDA (V_CVT) e4m3 pairs are widened by the GPU's pairwise conversion instead, one instruction
+a pair against ~8 integer ops (128 registers a thread against 145, Triton 3.6, sm_90).
 
 (Merging in the split kernel itself, the last split of each sequence and KV head taking a
 ticket and merging, made batch-1 decode attention slower on an H200: 14 us a layer against 12
@@ -75,6 +77,15 @@ def fp8_pairs_to_fp16(pairs, HIGH: tl.constexpr, E4M3: tl.constexpr):
 
 
 @triton.jit
+def e4m3_pairs_to_fp16_cvt(pairs):
+    """int16 lanes each holding two e4m3 bytes -> (float16 of the low byte, of the high byte),
+    exact values, by the hardware's pairwise conversion: one instruction a lane (CUDA sm_89+)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 r; cvt.rn.f16x2.e4m3x2 r, $2; mov.b32 {$0, $1}, r; }",
+        "=h,=h,h", [pairs], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+
+
+@triton.jit
 def store_rows(ptrs, acc, acc_even, acc_odd, mul, mask_h, HEAD_DIM: tl.constexpr,
                BLOCK_D: tl.constexpr, V_PAIRS: tl.constexpr):
     """Rows [BLOCK_H, HEAD_DIM] starting at ptrs ([BLOCK_H, 1]): acc * mul, or with V_PAIRS
@@ -102,7 +113,7 @@ def decode_split_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
     SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_FP16: tl.constexpr,
-    V_PAIRS: tl.constexpr, V_E4M3: tl.constexpr, PDL: tl.constexpr,
+    V_PAIRS: tl.constexpr, V_E4M3: tl.constexpr, V_CVT: tl.constexpr, PDL: tl.constexpr,
 ):
     # V_PAIRS: v_cache_ptr is the float8 V cache viewed as int16 (its strides stride_vs and
     # stride_vh in int16 units, read only then), V_E4M3 its format (else e5m2).
@@ -161,10 +172,15 @@ def decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         if V_PAIRS:
             p16 = p.to(tl.float16)
-            acc_even = acc_even * alpha[:, None] + tl.dot(
-                p16, fp8_pairs_to_fp16(pairs, False, V_E4M3), input_precision=DOT_PRECISION)
-            acc_odd = acc_odd * alpha[:, None] + tl.dot(
-                p16, fp8_pairs_to_fp16(pairs, True, V_E4M3), input_precision=DOT_PRECISION)
+            if V_CVT:
+                v_even, v_odd = e4m3_pairs_to_fp16_cvt(pairs)
+            else:
+                v_even = fp8_pairs_to_fp16(pairs, False, V_E4M3)
+                v_odd = fp8_pairs_to_fp16(pairs, True, V_E4M3)
+            acc_even = acc_even * alpha[:, None] + tl.dot(p16, v_even,
+                                                          input_precision=DOT_PRECISION)
+            acc_odd = acc_odd * alpha[:, None] + tl.dot(p16, v_odd,
+                                                        input_precision=DOT_PRECISION)
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
                                                 input_precision=DOT_PRECISION)

@@ -155,8 +155,9 @@ def test_fp8_cache_matches_dequantized_reference(name, storage, layout):
 @pytest.mark.parametrize("storage", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_fp8_v_read_as_pairs_equals_byte_reads(storage):
     """The decode kernel reads a float8 V as int16 pairs under a bf16 query and widens the
-    bytes itself (triton_decode): the output of reading V as float8, split or not, up to the
-    compiler's choice of fused multiply-adds (measured ~3e-5 apart on an H200)."""
+    bytes itself (triton_decode; e4m3 by the pairwise conversion instruction or, with
+    fp8_v_cvt off, by integer ops): the output of reading V as float8, split or not, up to
+    the compiler's choice of fused multiply-adds (measured ~3e-5 apart on an H200)."""
     from radixlm.kernels.triton_attention import DecodeConfig
     from radixlm.runtime.attention.triton_backend import TritonAttention
 
@@ -166,13 +167,14 @@ def test_fp8_v_read_as_pairs_equals_byte_reads(storage):
     batch.kv_cache.set_scales([0.5], [2.0])
     for splits in (1, 7):
         outs = []
-        for pairs in (True, False):
-            backend = TritonAttention(128 ** -0.5, num_splits=splits,
-                                      decode_config=DecodeConfig(fp8_v_pairs=pairs))
+        for config in (DecodeConfig(), DecodeConfig(fp8_v_cvt=False),
+                       DecodeConfig(fp8_v_pairs=False)):
+            backend = TritonAttention(128 ** -0.5, num_splits=splits, decode_config=config)
             backend.plan(batch)
             outs.append(backend.forward(q, k, v, 0, batch))
         assert torch.isfinite(outs[0]).all()
-        assert rel_err(outs[0], outs[1]) < 1e-3, f"splits {splits}"
+        for other in outs[1:]:
+            assert rel_err(outs[0], other) < 1e-3, f"splits {splits}"
 
 
 def test_fused_rotary_store_fp8_same_bytes_as_backend_store():
