@@ -86,34 +86,24 @@ def _hopper_mma_instructions(kernel, tiling, block_n: int, block_k: int, operand
     engine's loads where the tiling asks for them."""
     import re
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from sm90_ptx import ptx_for_sm90
 
     names = kernel.arg_names
-    signature = {name: "i32" for name in names}
     if tiling.tma:
         sources = {"x_src": f"tensordesc<{operand}[{tiling.block_m}, {block_k}]>",
                    "w_src": f"tensordesc<{operand}[{block_n}, {block_k}]>"}
     else:
         sources = {"x_src": f"*{operand}", "w_src": f"*{operand}"}
-    signature.update(sources | {"out_ptr": "*bf16", "x_scale_ptr": "*fp32",
-                                "w_scale_ptr": "*fp32", "partials_ptr": "*fp32",
-                                "counters_ptr": "*i32"})
+    signature = sources | {"out_ptr": "*bf16", "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32",
+                           "partials_ptr": "*fp32", "counters_ptr": "*i32"}
     constants = {"BLOCK_M": tiling.block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
                  "GROUP_M": 8, "SPLIT": tiling.split, "SCALED": operand != "bf16", "FLAT": flat,
                  "UNROLL": tiling.unroll, "TMA": tiling.tma,
                  "PERSISTENT": bool(tiling.persistent)}
-    signature.update({name: "constexpr" for name in constants})
     aligned = [name for name in names if name.endswith("_ptr") or name.startswith("stride")
                or (name.endswith("_src") and not tiling.tma)]
-    attrs = {(names.index(name),): [["tt.divisibility", 16]]
-             for name in aligned + ["N", "K", "seg_len"]}
-    compiled = triton.compile(
-        ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),
-        target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": tiling.num_warps, "num_stages": tiling.num_stages})
-    ptx = compiled.asm["ptx"]
+    ptx = ptx_for_sm90(kernel, signature, constants, aligned + ["N", "K", "seg_len"],
+                       tiling.num_warps, tiling.num_stages)
     loads = "cp.async.bulk.tensor" if tiling.tma else "cp.async"
     assert loads in ptx, "the loads must be pipelined"
     return set(re.findall(r"wgmma\.mma_async\.[\w.]+", ptx))

@@ -507,24 +507,6 @@ def test_kernel_under_interpreter(interpreter_results, case):
 # -- what the CUDA-only paths compile to (PTX for sm_90, no GPU needed) ----------------------
 
 
-def _ptx_for_sm90(kernel, signature: dict, constants: dict, num_warps: int = 4,
-                  num_stages: int = 3) -> str:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    names = kernel.arg_names
-    full = {name: "i32" for name in names} | signature
-    full.update({name: "constexpr" for name in constants})
-    aligned = [name for name in names if name.endswith("_ptr") or name.startswith("stride")]
-    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    compiled = triton.compile(ASTSource(fn=kernel, signature=full, constexprs=constants,
-                                        attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
-    return compiled.asm["ptx"]
-
-
 def test_e4m3_v_pairs_come_back_by_transposing_loads_and_widen_by_conversion():
     """The decode kernel's float8 V under a bf16 query on CUDA (V_PAIRS with V_CVT): the V
     tile leaves shared memory by 16-bit transposing matrix loads, never a byte at a time, and
@@ -534,6 +516,8 @@ def test_e4m3_v_pairs_come_back_by_transposing_loads_and_widen_by_conversion():
     import re
 
     pytest.importorskip("triton.backends.nvidia")
+    from sm90_ptx import ptx_for_sm90
+
     from radixlm.kernels.triton_decode import decode_split_kernel
 
     signature = {"q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*i16",
@@ -544,7 +528,10 @@ def test_e4m3_v_pairs_come_back_by_transposing_loads_and_widen_by_conversion():
     constants = dict(GROUP=4, HEAD_DIM=128, BLOCK_H=16, BLOCK_D=128, BLOCK_N=128, DIRECT=True,
                      SOFTCAP=False, DOT_PRECISION="tf32", WIDEN_FP16=True, V_PAIRS=True,
                      V_E4M3=True, V_CVT=True, PDL=True)
-    ptx = _ptx_for_sm90(decode_split_kernel, signature, constants)
+    aligned = [name for name in decode_split_kernel.arg_names
+               if name.endswith("_ptr") or name.startswith("stride")]
+    ptx = ptx_for_sm90(decode_split_kernel, signature, constants, aligned, num_warps=4,
+                       num_stages=3)
     assert re.search(r"ldmatrix\.sync\.aligned\.\S*trans", ptx)
     assert not re.search(r"ld\.shared\.[usb]8", ptx), "V read from shared memory byte by byte"
     # K's widening (128 keys x 128 dims / 2 per instruction / 128 threads) and V's, alike
