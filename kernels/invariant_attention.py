@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from radixlm.kernels.pdl import pdl_options, pdl_prologue
 from radixlm.kernels.triton_attention import NO_WINDOW, _score_factors
 from radixlm.kernels.triton_decode import scores
 
@@ -114,6 +115,7 @@ def invariant_attention_kernel(
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, DECODE: tl.constexpr, PARTIALS: tl.constexpr,
     WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (blocks, KV heads, workers).
 
@@ -125,6 +127,7 @@ def invariant_attention_kernel(
     Extend: block i is BLOCK_TOKENS queries of batch row block_rows_ptr[i] from query
     block_m0_ptr[i] of its chunk (the host's block table does not depend on GROUP), taken
     BLOCK_T at a time."""
+    pdl_prologue(PDL)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     row = tl.load(block_rows_ptr + pid)
@@ -222,10 +225,11 @@ def invariant_merge_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, seq_rows_ptr, q_rows_ptr, kv_lens_ptr,
     out_mul, window, num_heads, max_splits, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT_LEN: tl.constexpr, WINDOWED: tl.constexpr,
+    SPLIT_LEN: tl.constexpr, WINDOWED: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid (decode sequences, KV heads): fold the partials of one decode query's splits in
     split order, as invariant_attention_kernel folds them in registers."""
+    pdl_prologue(PDL)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     kv_len = tl.load(kv_lens_ptr + tl.load(seq_rows_ptr + pid))
@@ -319,13 +323,14 @@ def invariant_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out.stride(0), out.stride(1), DECODE=True, PARTIALS=partials,
         WINDOWED=window is not None, SOFTCAP=softcap is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
-        num_stages=3, **meta)
+        num_stages=3, **meta, **pdl_options(q.device))
     if partials:
         invariant_merge_kernel[(num_decode, num_kv_heads)](
             part_o, part_lse, out, seq_rows, q_rows, kv_lens, v_scale, win, num_heads,
             max_splits, out.stride(0), out.stride(1), GROUP=meta["GROUP"],
             HEAD_DIM=head_dim, BLOCK_R=meta["BLOCK_R"], BLOCK_D=meta["BLOCK_D"],
-            SPLIT_LEN=SPLIT, WINDOWED=window is not None, num_warps=4)
+            SPLIT_LEN=SPLIT, WINDOWED=window is not None, num_warps=4,
+            **pdl_options(q.device))
 
 
 def invariant_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -349,4 +354,4 @@ def invariant_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out.stride(0), out.stride(1), DECODE=False, PARTIALS=False,
         WINDOWED=window is not None, SOFTCAP=softcap is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
-        num_stages=3, **meta)
+        num_stages=3, **meta, **pdl_options(q.device))

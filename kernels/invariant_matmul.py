@@ -38,7 +38,9 @@ through Hopper's copy engine (`Tiling.tma`: one tensor-memory-accelerator reques
 zeros past the edges as the masked loads give) and walk several output tiles per program
 (`Tiling.persistent`); operands the copy engine cannot address (a start or row not 16-byte
 aligned) take plain loads, with the same dots in the same order, so the same bits.
-benchmarks/invariant_kernels.py --sweep times those variants beside the others.
+benchmarks/invariant_kernels.py --sweep times those variants beside the others. Nor is how
+the kernel is launched: on Hopper it takes part in programmatic dependent launch
+(kernels/pdl.py), set up while the kernel before it runs and waiting for it before any load.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from radixlm.kernels.pdl import pdl_options, pdl_prologue
 from radixlm.kernels.split_k import num_sms, split_k_buffers
 
 
@@ -215,12 +218,13 @@ def _invariant_mm_kernel(x_src, w_src, out_ptr, x_scale_ptr, w_scale_ptr, partia
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP_M: tl.constexpr, SPLIT: tl.constexpr, SCALED: tl.constexpr,
                          FLAT: tl.constexpr, UNROLL: tl.constexpr, TMA: tl.constexpr,
-                         PERSISTENT: tl.constexpr):
+                         PERSISTENT: tl.constexpr, PDL: tl.constexpr):
     # M is not specialized: a separate compile for M == 1 would be a second kernel, and the
     # point of this one is that every M runs the same code.
     # x_src, w_src: tensor descriptors with TMA, else the operands' first elements.
     # FLAT: one loop over every K tile (short segments); else a loop per segment.
     # PERSISTENT: each program walks the output tiles pid, pid + programs, ...
+    pdl_prologue(PDL)
     offs_k = tl.arange(0, BLOCK_K)
     if SPLIT:  # grid (column tiles, segments); one row tile
         pid_n = tl.program_id(0)
@@ -387,5 +391,5 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor,
         GROUP_M=config.group_m, SPLIT=split, SCALED=scaled,
         FLAT=seg_len // config.block_k <= config.flat_max_tiles, UNROLL=unroll, TMA=tma,
         PERSISTENT=bool(tiling.persistent) and not split,
-        num_warps=tiling.num_warps, num_stages=tiling.num_stages)
+        num_warps=tiling.num_warps, num_stages=tiling.num_stages, **pdl_options(x.device))
     return out.view(*x.shape[:-1], n)

@@ -99,7 +99,7 @@ def _hopper_mma_instructions(kernel, tiling, block_n: int, block_k: int, operand
     constants = {"BLOCK_M": tiling.block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
                  "GROUP_M": 8, "SPLIT": tiling.split, "SCALED": operand != "bf16", "FLAT": flat,
                  "UNROLL": tiling.unroll, "TMA": tiling.tma,
-                 "PERSISTENT": bool(tiling.persistent)}
+                 "PERSISTENT": bool(tiling.persistent), "PDL": True}
     aligned = [name for name in names if name.endswith("_ptr") or name.startswith("stride")
                or (name.endswith("_src") and not tiling.tma)]
     ptx = ptx_for_sm90(kernel, signature, constants, aligned + ["N", "K", "seg_len"],
