@@ -47,10 +47,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from radixlm.kernels.pdl import pdl_options, pdl_prologue
@@ -384,12 +386,43 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor,
         w_src = TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k])
     else:
         x_src, w_src = x2, weight
-    _invariant_mm_kernel[grid](
-        x_src, w_src, out, xs, ws, partials, counters, m, n, k, seg_len, num_segs,
-        x2.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=tiling.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        GROUP_M=config.group_m, SPLIT=split, SCALED=scaled,
-        FLAT=seg_len // config.block_k <= config.flat_max_tiles, UNROLL=unroll, TMA=tma,
-        PERSISTENT=bool(tiling.persistent) and not split,
-        num_warps=tiling.num_warps, num_stages=tiling.num_stages, **pdl_options(x.device))
+
+    def launch(num_stages: int) -> None:
+        _invariant_mm_kernel[grid](
+            x_src, w_src, out, xs, ws, partials, counters, m, n, k, seg_len, num_segs,
+            x2.stride(0), weight.stride(0), out.stride(0),
+            BLOCK_M=tiling.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            GROUP_M=config.group_m, SPLIT=split, SCALED=scaled,
+            FLAT=seg_len // config.block_k <= config.flat_max_tiles, UNROLL=unroll, TMA=tma,
+            PERSISTENT=bool(tiling.persistent) and not split,
+            num_warps=tiling.num_warps, num_stages=num_stages, **pdl_options(x.device))
+
+    launch_within_shared_memory(launch, tiling.num_stages,
+                                (tiling, unroll, tma, x2.dtype, x.device))
     return out.view(*x.shape[:-1], n)
+
+
+# Pipeline depths that compiled, by (tiling, unroll, tma, dtype, device).
+_STAGES: dict[tuple, int] = {}
+
+
+def launch_within_shared_memory(launch: Callable[[int], None], num_stages: int,
+                                key: tuple) -> None:
+    """launch(num_stages), or with as many fewer stages as the GPU's shared memory needs.
+
+    The tilings' depths were chosen for 16-bit and float8 operands on Hopper (227 KB of
+    shared memory a block); float32 operands take twice the bytes a stage, and GPUs such as
+    Ada's and Ampere's consumer cards have 99 KB. The depth only sets how many tiles are in
+    flight, never which float operations an output gets, so a shallower pipeline gives the
+    same bits. Triton refuses a kernel that does not fit before launching anything (also
+    inside a CUDA graph capture); the depth that compiles is remembered."""
+    stages = _STAGES.get(key, num_stages)
+    while True:
+        try:
+            launch(stages)
+            break
+        except OutOfResources:
+            if stages <= 1:
+                raise
+            stages -= 1
+    _STAGES[key] = stages

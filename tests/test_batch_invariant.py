@@ -132,6 +132,34 @@ def test_every_tiling_issues_the_same_tensor_core_instruction(operand):
     assert next(iter(found)).startswith(f"wgmma.mma_async.sync.aligned.m64n{DEFAULT.block_n}k{k}")
 
 
+def test_a_pipeline_too_deep_for_the_gpus_shared_memory_is_made_shallower():
+    """float32 operands, or a GPU with 99 KB of shared memory, cannot hold every tiling's
+    pipeline: the launch retries with fewer stages (the same float operations) and remembers
+    the depth that fitted, so the next call compiles nothing that fails."""
+    from triton.runtime.errors import OutOfResources
+
+    from radixlm.kernels.invariant_matmul import launch_within_shared_memory
+
+    tried = []
+
+    def launch(stages: int) -> None:
+        tried.append(stages)
+        if stages > 3:
+            raise OutOfResources(stages * 49152, 3 * 49152 + 1024, "shared memory")
+
+    key = ("a tiling", "float32", "this test")
+    launch_within_shared_memory(launch, 5, key)
+    assert tried == [5, 4, 3]
+    launch_within_shared_memory(launch, 5, key)
+    assert tried == [5, 4, 3, 3]
+
+    def never_fits(stages: int) -> None:
+        raise OutOfResources(1 << 20, 1024, "shared memory")
+
+    with pytest.raises(OutOfResources):
+        launch_within_shared_memory(never_fits, 2, ("another", "key"))
+
+
 def test_a_tiling_that_would_split_columns_is_refused():
     from radixlm.kernels.invariant_matmul import InvariantConfig, Tiling
 
