@@ -147,8 +147,8 @@ def test_one_prompt_is_admitted_before_the_rest_of_a_large_batch(http):
         done[name] = time.monotonic()
 
     batch = threading.Thread(target=send, args=("batch", {
-        "text": [f"prompt {i}" for i in range(16)],
-        "sampling_params": {"max_new_tokens": 200, "ignore_eos": True, "temperature": 0}}))
+        "text": [f"prompt {i}" for i in range(16)],  # four waves of four running
+        "sampling_params": {"max_new_tokens": 50, "ignore_eos": True, "temperature": 0}}))
     batch.start()
     deadline = time.monotonic() + 30
     while http.get("/get_server_info").json()["stats"]["num_waiting"] == 0:
