@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from interpreter_cases import collect_cases, main, results_under_interpreter
@@ -108,6 +108,7 @@ def case_parts_an_adapter_does_not_train():
 
 
 @given(st.lists(st.integers(-1, 5), max_size=80))
+@settings(deadline=None)  # the first example imports the kernels' module
 def test_rows_grouped_by_slot_in_tiles(token_slots):
     """group_rows against a naive grouping: every adapted row once, slot by slot in row order,
     tiles of at most 16 rows of one slot covering them, within max_tiles."""
