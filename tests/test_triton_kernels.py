@@ -538,5 +538,65 @@ def test_e4m3_v_pairs_come_back_by_transposing_loads_and_widen_by_conversion():
     assert ptx.count("cvt.rn.f16x2.e4m3x2") >= 2 * 64
 
 
+# Shared memory a block may use on Ampere's and Ada's consumer cards (sm_86, sm_89: RTX
+# 30x0 and 40x0, A10, L4); the H100 and H200 have 227 KB.
+CONSUMER_CARD_SHARED = 101376
+
+
+def test_the_default_cuda_kernels_fit_a_consumer_cards_shared_memory():
+    """The shipped tiles of the decode attention (bf16 and float8 caches), the prefill
+    attention and the small-batch GEMV, compiled for sm_89: each must fit 99 KB of shared
+    memory, or a user's RTX card would refuse the kernel at its first launch. (The batch-
+    invariant matmul instead takes fewer stages where they do not fit: test_batch_invariant.)"""
+    pytest.importorskip("triton.backends.nvidia")
+    from sm90_ptx import compile_for_cuda
+
+    from radixlm.kernels import gemv
+    from radixlm.kernels import triton_attention as ta
+    from radixlm.kernels.triton_decode import decode_split_kernel
+    from radixlm.kernels.triton_extend import extend_kernel
+
+    def aligned(kernel) -> list[str]:
+        return [name for name in kernel.arg_names
+                if name.endswith("_ptr") or name.startswith("stride")]
+
+    used = {}
+    decode = ta.decode_config(torch.bfloat16, 128)
+    for cache in ("bf16", "fp8e4nv"):
+        fp8 = cache != "bf16"
+        signature = {"q_ptr": "*bf16", "k_cache_ptr": f"*{cache}",
+                     "v_cache_ptr": "*i16" if fp8 else "*bf16", "out_ptr": "*bf16",
+                     "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "slot_table_ptr": "*i64",
+                     "kv_lens_ptr": "*i32", "seq_rows_ptr": "*i32", "q_rows_ptr": "*i32",
+                     "score_mul": "fp32", "cap_mul": "fp32", "out_mul": "fp32"}
+        constants = dict(GROUP=4, HEAD_DIM=128, BLOCK_H=16, BLOCK_D=128,
+                         BLOCK_N=decode.block_n, DIRECT=False, SOFTCAP=False,
+                         DOT_PRECISION="tf32", WIDEN_FP16=fp8, V_PAIRS=fp8, V_E4M3=fp8,
+                         V_CVT=fp8, PDL=False)
+        used[f"decode, {cache} cache"] = compile_for_cuda(
+            decode_split_kernel, signature, constants, aligned(decode_split_kernel),
+            decode.num_warps, decode.num_stages, capability=89).metadata.shared
+    extend = ta.extend_config(torch.bfloat16, 128)
+    signature = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
+                 "out_ptr": "*bf16", "slot_table_ptr": "*i64", "block_rows_ptr": "*i32",
+                 "block_m0_ptr": "*i32", "q_starts_ptr": "*i32", "q_lens_ptr": "*i32",
+                 "kv_lens_ptr": "*i32", "score_mul": "fp32", "cap_mul": "fp32",
+                 "out_mul": "fp32"}
+    constants = dict(GROUP=4, HEAD_DIM=128, BLOCK_M=extend.block_m, BLOCK_N=extend.block_n,
+                     BLOCK_D=128, WINDOWED=False, SOFTCAP=False, DOT_PRECISION="tf32")
+    used["extend"] = compile_for_cuda(extend_kernel, signature, constants,
+                                      aligned(extend_kernel), extend.num_warps,
+                                      extend.num_stages, capability=89).metadata.shared
+    narrow = gemv.NARROW
+    constants = dict(BLOCK_N=narrow.block_n, BLOCK_K=narrow.block_k,
+                     NUM_STAGES=narrow.num_stages, PDL=False)
+    used["gemv"] = compile_for_cuda(gemv._gemv_dot_kernel,
+                                    {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"},
+                                    constants, aligned(gemv._gemv_dot_kernel) + ["K"],
+                                    narrow.num_warps, narrow.num_stages,
+                                    capability=89).metadata.shared
+    assert all(0 < size <= CONSUMER_CARD_SHARED for size in used.values()), used
+
+
 if __name__ == "__main__":
     main(globals())
