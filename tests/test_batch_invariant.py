@@ -79,15 +79,17 @@ def test_deterministic_is_a_no_op_on_cpu(tmp_path):
 # -- the compiled matmul (ahead of time for Hopper, no GPU needed) ---------------------------
 
 
-def _hopper_mma_instructions(kernel, tiling, block_n: int, block_k: int, operand: str,
-                             flat: bool) -> set:
-    """The tensor-core instructions in the kernel's PTX for sm_90, compiled with the pointer
-    and stride alignment a real launch gets (Triton specializes those); with the copy
-    engine's loads where the tiling asks for them."""
+def _mma_instructions(kernel, tiling, block_n: int, block_k: int, operand: str, flat: bool,
+                      capability: int = 90) -> set:
+    """The tensor-core instructions in the kernel's PTX for sm_<capability>, compiled with the
+    pointer and stride alignment a real launch gets (Triton specializes those); with the copy
+    engine's loads where the tiling asks for them (Hopper only), and PDL where the GPU has
+    it, as a launch there does."""
     import re
 
-    from sm90_ptx import ptx_for_sm90
+    from sm90_ptx import compile_for_cuda
 
+    hopper = capability >= 90
     names = kernel.arg_names
     if tiling.tma:
         sources = {"x_src": f"tensordesc<{operand}[{tiling.block_m}, {block_k}]>",
@@ -99,14 +101,15 @@ def _hopper_mma_instructions(kernel, tiling, block_n: int, block_k: int, operand
     constants = {"BLOCK_M": tiling.block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
                  "GROUP_M": 8, "SPLIT": tiling.split, "SCALED": operand != "bf16", "FLAT": flat,
                  "UNROLL": tiling.unroll, "TMA": tiling.tma,
-                 "PERSISTENT": bool(tiling.persistent), "PDL": True}
+                 "PERSISTENT": bool(tiling.persistent), "PDL": hopper}
     aligned = [name for name in names if name.endswith("_ptr") or name.startswith("stride")
                or (name.endswith("_src") and not tiling.tma)]
-    ptx = ptx_for_sm90(kernel, signature, constants, aligned + ["N", "K", "seg_len"],
-                       tiling.num_warps, tiling.num_stages)
+    ptx = compile_for_cuda(kernel, signature, constants, aligned + ["N", "K", "seg_len"],
+                           tiling.num_warps, tiling.num_stages, capability).asm["ptx"]
     loads = "cp.async.bulk.tensor" if tiling.tma else "cp.async"
     assert loads in ptx, "the loads must be pipelined"
-    return set(re.findall(r"wgmma\.mma_async\.[\w.]+", ptx))
+    instruction = r"wgmma\.mma_async\.[\w.]+" if hopper else r"mma\.sync\.aligned\.[\w.]+"
+    return set(re.findall(instruction, ptx))
 
 
 @pytest.mark.parametrize("operand", ["bf16", "fp8e4nv"])
@@ -122,14 +125,34 @@ def test_every_tiling_issues_the_same_tensor_core_instruction(operand):
 
     tilings = {replace(tiling, tma=tma) for _, tiling in DEFAULT.tilings for tma in (False, True)}
     tilings |= {replace(tiling, persistent=1) for tiling in tilings if not tiling.split}
-    shapes = {(tiling, flat): _hopper_mma_instructions(_invariant_mm_kernel, tiling,
-                                                       DEFAULT.block_n, DEFAULT.block_k,
-                                                       operand, flat)
+    shapes = {(tiling, flat): _mma_instructions(_invariant_mm_kernel, tiling, DEFAULT.block_n,
+                                                DEFAULT.block_k, operand, flat)
               for tiling in tilings for flat in (False, True)}
     found = set().union(*shapes.values())
     assert len(found) == 1 and all(shapes.values()), shapes
     k = 16 if operand == "bf16" else 32
     assert next(iter(found)).startswith(f"wgmma.mma_async.sync.aligned.m64n{DEFAULT.block_n}k{k}")
+
+
+@pytest.mark.parametrize("operand", ["bf16", "fp8e4nv"])
+def test_every_tiling_issues_one_instruction_on_ada_too(operand):
+    """Before Hopper the dots are warp-level `mma.sync` (m16n8k16, k32 for float8 on Ada):
+    each warp walks its part of the tile in the same k steps whatever the tiling, so one
+    instruction again means one order of the products. sm_89 (RTX 40x0, L4), plain loads (no
+    copy engine there)."""
+    from dataclasses import replace
+
+    pytest.importorskip("triton.backends.nvidia")
+    from radixlm.kernels.invariant_matmul import DEFAULT, _invariant_mm_kernel
+
+    tilings = {replace(tiling, tma=False) for _, tiling in DEFAULT.tilings}
+    shapes = {(tiling, flat): _mma_instructions(_invariant_mm_kernel, tiling, DEFAULT.block_n,
+                                                DEFAULT.block_k, operand, flat, capability=89)
+              for tiling in tilings for flat in (False, True)}
+    found = set().union(*shapes.values())
+    assert len(found) == 1 and all(shapes.values()), shapes
+    k = 16 if operand == "bf16" else 32
+    assert next(iter(found)).startswith(f"mma.sync.aligned.m16n8k{k}.row.col.f32")
 
 
 def test_a_pipeline_too_deep_for_the_gpus_shared_memory_is_made_shallower():
