@@ -16,9 +16,11 @@ window attends only to itself). For each configuration:
 Configurations: fp32; bf16; fp8 (W8A8, per-channel weights, per-token activations); int8
 (weight-only, per-channel); int4 RTN, AWQ, GPTQ and GPTQ with act-order (group 128, asymmetric,
 written by `radixlm quantize` and loaded back from disk); float weights with a float8 KV
-cache (`kv_cache_dtype`: every token attends through the rounded K and V); and float weights
-whose linears' inputs are rounded to int8 per group of 32 or 256, as llama.cpp's integer dot
-products round them (INT8_ACTIVATIONS). Activations are
+cache (`kv_cache_dtype`: every token attends through the rounded K and V), also with the
+attention's products in float8 as a float8 tensor-core kernel would compute them
+(FP8_ATTENTION, emulated on the torch backend); and float weights whose linears' inputs are
+rounded to int8 per group of 32 or 256, as llama.cpp's integer dot products round them
+(INT8_ACTIVATIONS). Activations are
 float32 except for bf16 (and fp8's quantized products) and the CPU paths: the GGUF file's own
 blocks (the default CPU path), int8 as int4 planes and fp8 as bfloat16 weights, all with
 bfloat16 activations.
@@ -36,16 +38,18 @@ float8 cache's widening in them) produce the scores rather than its prefill kern
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import platform
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import torch
 
-from radixlm.runtime.attention import create_backend
+from radixlm.runtime.attention import create_backend, torch_native
 from radixlm.runtime.models.layers.linear import Linear
 from radixlm.runtime.models.loader import load_model, resolve_model
 from radixlm.runtime.quantize.calibration import (
@@ -86,8 +90,18 @@ CONFIGS: dict[str, tuple[torch.dtype, str | None, QuantizeOptions | None]] = {
 # of the CPU kernel would cost, apart from the weights' own rounding.
 INT8_ACTIVATIONS = {"fp32, int8 activations /32": 32, "fp32, int8 activations /256": 256}
 CONFIGS |= {name: (torch.float32, None, None) for name in INT8_ACTIVATIONS}
+# Float weights and a float8 KV cache whose attention multiplies in float8 as well, as a
+# float8 tensor-core kernel would (FP8_ATTENTION below): emulated on the torch backend.
+FP8_ATTENTION = ("fp32, fp8_e4m3 KV, fp8 attention", "bf16, fp8_e4m3 KV, fp8 attention")
+CONFIGS |= {"fp32, fp8_e4m3 KV, fp8 attention": (torch.float32, None, None),
+            "bf16, fp8_e4m3 KV, fp8 attention": (torch.bfloat16, "none", None)}
 KV_CACHE = {"fp32, fp8_e4m3 KV": torch.float8_e4m3fn, "fp32, fp8_e5m2 KV": torch.float8_e5m2,
-            "bf16, fp8_e4m3 KV": torch.float8_e4m3fn}
+            "bf16, fp8_e4m3 KV": torch.float8_e4m3fn,
+            **{name: torch.float8_e4m3fn for name in FP8_ATTENTION}}
+# The probabilities are scaled by this power of two before their rounding to e4m3 (and the
+# sum divided by it after): exp(s - max) lies in (0, 1], and e4m3's normal range starts at
+# 2^-6, so unscaled most small probabilities would round to few bits or to zero.
+P_SCALE = 256.0
 
 
 def linear_bytes(model: torch.nn.Module) -> int:
@@ -111,6 +125,64 @@ def round_linear_inputs(model: torch.nn.Module, group: int) -> None:
         if isinstance(module, Linear):
             module.register_forward_pre_hook(
                 lambda _, args: (round_to_int8_groups(args[0], group), *args[1:]))
+
+
+def e4m3(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to float8 e4m3 (values within +-448), back in float32."""
+    return x.to(torch.float8_e4m3fn).float()
+
+
+def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  visible: torch.Tensor | None, scale: float,
+                  p_scale: float = P_SCALE) -> torch.Tensor:
+    """Attention as a float8 tensor-core kernel would compute it over a float8 cache: q
+    [B, H, Q, D] rounded to e4m3 per row (scale: the row's max |q| / 448) and multiplied by
+    the keys (k, v [B, Hkv, L, D]: the cache's e4m3 values) with float32 sums; the softmax in
+    float32; each row's probabilities exp(s - max) times p_scale rounded to e4m3 before their
+    product with V, their sum taken before the rounding. `visible` (broadcastable to
+    [B, H, Q, L]) or, None, causal. The row max is the whole row's, where a kernel keeps a
+    running one per key tile: the same rounding for every tile at or after the row's
+    largest score, the normal range's same relative step before it."""
+    group = q.shape[1] // k.shape[1]
+    q = q.float()
+    q_scale = (q.abs().amax(-1, keepdim=True) / 448).clamp(min=1e-12)
+    keys = k.float().repeat_interleave(group, dim=1)
+    values = v.float().repeat_interleave(group, dim=1)
+    scores = torch.matmul(e4m3(q / q_scale), keys.transpose(-1, -2)) * (q_scale * scale)
+    if visible is None:
+        q_len, kv_len = scores.shape[-2:]
+        visible = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(
+            kv_len - q_len)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.exp(scores - scores.amax(-1, keepdim=True))
+    rounded = e4m3(probs * p_scale)
+    return torch.matmul(rounded, values) / (p_scale * probs.sum(-1, keepdim=True))
+
+
+@contextlib.contextmanager
+def emulated_fp8_attention(on: bool, p_scale: float):
+    """The torch backend's prefill (SDPA) and decode products through fp8_attention while
+    the block runs (no softcap: not the default model's)."""
+    if not on:
+        yield
+        return
+
+    def sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+        return fp8_attention(q, k, v, attn_mask, scale, p_scale).to(q.dtype)
+
+    def decode(q, k, v, valid, scale):  # q [B, H, D], k/v [B, L, Hkv, D], valid [B, 1, 1, L]
+        out = fp8_attention(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), valid, scale,
+                            p_scale)
+        return out.squeeze(2).to(q.dtype)
+
+    functional = types.SimpleNamespace(**{**vars(torch_native.F),
+                                          "scaled_dot_product_attention": sdpa})
+    saved = torch_native.F, torch_native._decode_attention
+    torch_native.F, torch_native._decode_attention = functional, decode
+    try:
+        yield
+    finally:
+        torch_native.F, torch_native._decode_attention = saved
 
 
 def build(name: str, folder: Path, calibration: torch.Tensor, work: Path,
@@ -143,6 +215,8 @@ def main() -> None:
                         choices=["torch", "triton", "flashinfer"])
     parser.add_argument("--one-token-steps", action="store_true",
                         help="score each window a token at a time (the decode kernels)")
+    parser.add_argument("--fp8-p-scale", type=float, default=P_SCALE,
+                        help="the fp8-attention configs' scale of the probabilities")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -161,8 +235,11 @@ def main() -> None:
             attn = create_backend(args.attention_backend, model.config.head_dim ** -0.5,
                                   device)
             start = time.perf_counter()
-            logprobs, top1 = sequence_scores(model, heldout, KV_CACHE.get(name), attn,
-                                             args.one_token_steps)
+            if name in FP8_ATTENTION and args.attention_backend != "torch":
+                raise SystemExit(f"{name!r} is emulated on the torch attention backend")
+            with emulated_fp8_attention(name in FP8_ATTENTION, args.fp8_p_scale):
+                logprobs, top1 = sequence_scores(model, heldout, KV_CACHE.get(name), attn,
+                                                 args.one_token_steps)
             logprobs, top1 = logprobs.cpu(), top1.cpu()
             eval_s = time.perf_counter() - start
             if reference is None:
@@ -191,7 +268,8 @@ def main() -> None:
                    "calibration_windows": args.num_samples, "group_size": 128,
                    "int4_grid": "asymmetric (zero point)", "device": args.device,
                    "attention_backend": args.attention_backend,
-                   "one_token_steps": args.one_token_steps},
+                   "one_token_steps": args.one_token_steps,
+                   "fp8_attention_p_scale": args.fp8_p_scale},
         "rows": rows,
     }
     out = Path(args.out or results_dir() /

@@ -111,6 +111,47 @@ def test_quantized_loads_of_a_float_checkpoint(tmp_path):
         load_model(str(src), "auto", torch.float32, CPU, quantization="gptq")
 
 
+def test_the_float8_attention_emulation_is_attention_with_the_roundings_added(
+        tmp_path, monkeypatch):
+    """quant_quality.py's float8 tensor-core attention: without its roundings it is the
+    torch backend's attention (causal, grouped queries); with them, a few percent off; a
+    decode row equals the prefill's last one; and a model scored through it gives the same
+    scores a token at a time as in one prefill."""
+    from pathlib import Path
+
+    import torch.nn.functional as F
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    import quant_quality
+
+    from radixlm.runtime.attention import torch_native
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, 40, 64, generator=gen) for heads in (6, 2, 2))
+    exact = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.125,
+                                           enable_gqa=True)
+    rounded = quant_quality.fp8_attention(q, k, v, None, 0.125)
+    error = ((rounded - exact).norm() / exact.norm()).item()
+    assert 1e-3 < error < 0.05, error
+    last = quant_quality.fp8_attention(q[:, :, -1:], k, v, torch.ones(1, 1, 1, 40).bool(),
+                                       0.125)
+    assert torch.allclose(last[:, :, 0], rounded[:, :, -1], atol=1e-5)
+    with monkeypatch.context() as patch:
+        patch.setattr(quant_quality, "e4m3", lambda x: x)
+        plain = quant_quality.fp8_attention(q, k, v, None, 0.125)
+    assert torch.allclose(plain, exact, atol=1e-5)
+
+    saved = torch_native.F, torch_native._decode_attention
+    src = save_tiny_hf_model(tmp_path, "llama")
+    model = load_model(str(src), "auto", torch.float32, CPU).model
+    ids = torch.randint(3, 512, (2, 16), generator=gen)
+    with quant_quality.emulated_fp8_attention(True, 256.0):
+        prefill_lp, _ = sequence_scores(model, ids, torch.float8_e4m3fn)
+        steps_lp, _ = sequence_scores(model, ids, torch.float8_e4m3fn, one_token_steps=True)
+    assert (torch_native.F, torch_native._decode_attention) == saved  # restored
+    assert (steps_lp - prefill_lp).abs().mean() < 0.02
+
+
 @pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
 def test_scores_a_token_at_a_time_equal_one_prefill(tmp_path, kv_dtype):
     """quant_quality.py --one-token-steps: sequences as decode steps, side by side, score each
