@@ -26,9 +26,10 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 # Two test processes: much of the suite waits on servers, subprocesses and timeouts rather
-# than computing, so two keep two cores busy (about 15 minutes on 2 cores against 21 in one).
+# than computing, so two keep two cores busy. A file's tests stay in one process, in order
+# (`--dist loadfile`): some read what the module's earlier tests left in a shared server.
 test: $(STAMP)
-	$(PY) -m pytest -q -ra -n 2 tests
+	$(PY) -m pytest -q -ra -n 2 --dist loadfile tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/offline_throughput.py
