@@ -11,21 +11,28 @@ weights. Per row:
   decode - GPU is the host's share of a step;
 - the floor: weights (all but the input embedding table, which is only gathered) plus the KV
   the step reads, at the card's measured copy bandwidth.
+- with `--trace-steps N`: N more decode steps traced, host and device (graphs and overlap as
+  configured): the device's busy and idle time per step and its busy time by kernel kind;
+  the Chrome trace is written beside the JSON.
 
     python benchmarks/one_batch.py [--batch-sizes 1 8 32 128 256] [--attention-backend triton]
         [--kv-cache-dtype fp8_e4m3] [--quantization fp8] [--profile] [--deterministic]
+        [--trace-steps N]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gzip
 import json
+import shutil
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 
 from radixlm.runtime import Engine
 
@@ -93,8 +100,7 @@ def profile_step(core) -> dict[str, float]:
         ms = getattr(event, "device_time_total", 0) / 1e3
         if ms <= 0:
             continue
-        kind = next((k for k, names in KERNEL_KINDS if any(n in event.key for n in names)),
-                    "other")
+        kind = kernel_kind(event.key)
         kinds[kind] = kinds.get(kind, 0.0) + ms
     kinds["total"] = sum(kinds.values())
     top = sorted(prof.key_averages(), key=lambda e: -getattr(e, "device_time_total", 0))[:12]
@@ -102,8 +108,58 @@ def profile_step(core) -> dict[str, float]:
     return kinds
 
 
+def kernel_kind(name: str) -> str:
+    return next((k for k, names in KERNEL_KINDS if any(n in name for n in names)), "other")
+
+
+def summarize_trace(device: list[tuple[float, float, str]], launches: list[float],
+                    steps: int) -> dict:
+    """Device activity (start us, end us, name) of `steps` traced steps, and the host times of
+    their graph launches (us, the same clock): see trace_steps."""
+    device = sorted(device)
+    marks = [next(s for s, _, _ in device if s >= t) for t in sorted(launches)
+             if any(s >= t for s, _, _ in device)]
+    if len(marks) >= 4:  # the first two steps settle (the trace starts from a drained device)
+        start, end, counted = marks[2], marks[-1], len(marks) - 3
+    else:
+        start, end, counted = device[0][0], device[-1][1], steps
+    busy, cursor, kinds = 0.0, start, {}
+    for s, e, name in device:
+        if e <= start or s >= end:
+            continue
+        s, e = max(s, start), min(e, end)
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + (e - s) / 1e3
+        if e > cursor:
+            busy += e - max(s, cursor)
+            cursor = e
+    return {"steps": counted, "step_ms": (end - start) / 1e3 / counted,
+            "busy_ms": busy / 1e3 / counted, "idle_ms": (end - start - busy) / 1e3 / counted,
+            "busy_ms_by_kind": {k: v / counted for k, v in
+                                sorted(kinds.items(), key=lambda kv: -kv[1])}}
+
+
+def trace_steps(core, steps: int) -> tuple[dict, torch.profiler.profile]:
+    """`steps` real decode steps (graphs and overlap as configured) under the profiler, host
+    and device. Per steady step (between the first kernels of consecutive graph replays; the
+    first two traced steps left out, as the trace starts from a drained device): its length
+    on the device, the time the device was busy and idle, and the busy time by kernel kind.
+    Without graphs (or under 4 steps), the whole traced window divided by the steps."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            core.step()
+        torch.cuda.synchronize()
+    events = list(prof.profiler.kineto_results.events())
+    device = [(e.start_ns() / 1e3, e.end_ns() / 1e3, e.name()) for e in events
+              if e.device_type() == DeviceType.CUDA and e.duration_ns() > 0]
+    launches = [e.start_ns() / 1e3 for e in events
+                if e.device_type() == DeviceType.CPU and "GraphLaunch" in e.name()]
+    summary = summarize_trace(device, launches, steps)
+    return summary, prof
+
+
 def run_batch(engine: Engine, batch: int, input_len: int, output_len: int,
-              seed: int, profile: bool = False) -> dict:
+              seed: int, profile: bool = False, trace: int = 0) -> dict:
     gen = torch.Generator().manual_seed(seed)
     vocab = engine.model_config.vocab_size
     prompts = torch.randint(0, vocab, (batch, input_len), generator=gen).tolist()
@@ -146,7 +202,7 @@ def run_batch(engine: Engine, batch: int, input_len: int, output_len: int,
                 prefill_steps.append(1e3 * (time.perf_counter() - t0))
             prefill = time.perf_counter() - start
             first = {k: len(v) for k, v in timings.items()}
-            steps, gpu, kernels = [], None, None
+            steps, gpu, kernels, traced = [], None, None, None
             while core.has_work:
                 t0 = time.perf_counter()
                 core.step()
@@ -155,12 +211,15 @@ def run_batch(engine: Engine, batch: int, input_len: int, output_len: int,
                     gpu = time_graph(engine, batch)
                     if profile:
                         kernels = profile_step(core)  # a step of its own, not timed
+                    if trace:
+                        traced = trace_steps(core, trace)  # steps of their own, not timed
             total = time.perf_counter() - start
         finally:
             del core.scheduler.schedule, core._postprocess, core.runner.launch
         host = {k: 1e3 * statistics.median(v[first[k]:] or [0.0]) for k, v in timings.items()}
         return {"prefill_s": prefill, "prefill_steps_ms": prefill_steps, "steps": steps,
-                "gpu_ms": gpu, "total_s": total, "decode_parts_ms": host, "kernels_ms": kernels}
+                "gpu_ms": gpu, "total_s": total, "decode_parts_ms": host, "kernels_ms": kernels,
+                "trace": traced}
 
     out = engine._call(drive)
     assert all(r.num_output_tokens == output_len for r in requests), "a request ended early"
@@ -208,10 +267,17 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of the script")
     parser.add_argument("--profile", action="store_true",
                         help="break one decode step per batch size down by kernel kind")
+    parser.add_argument("--trace-steps", type=int, default=0, metavar="N",
+                        help="trace N (6 or more) real decode steps per batch size (host and "
+                             "device): "
+                             "busy and idle device time per step, by kernel kind; the "
+                             "Chrome trace is written beside the JSON")
     parser.add_argument("--hf-baseline", type=int, nargs="*", default=None, metavar="BATCH",
                         help="also time transformers eager decode at these batch sizes")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.trace_steps and args.device != "cuda":
+        parser.error("--trace-steps traces CUDA devices")
 
     max_bs = max(args.batch_sizes)
     ctx = args.input_len + args.output_len
@@ -228,10 +294,13 @@ def main() -> None:
     # Warm-up: enough prompts that prefill chunks share steps with 15..75 decode rows, so the
     # Triton kernel variants of mixed steps compile here and not inside a timed prefill.
     run_batch(engine, min(80, max_bs), args.input_len, 4, seed=99)
-    rows = []
+    rows, traces = [], []
     for i, batch in enumerate(args.batch_sizes):
         r = run_batch(engine, batch, args.input_len, args.output_len, seed=i,
-                      profile=args.profile)
+                      profile=args.profile, trace=args.trace_steps)
+        if r["trace"] is not None:
+            r["trace"], prof = r["trace"]
+            traces.append((batch, prof))
         decode_ms = 1e3 * statistics.median(r["steps"])
         # Mean context over the decode steps: prompt + half the output.
         kv_bytes = batch * (args.input_len + args.output_len / 2) * kv_per_token
@@ -249,6 +318,7 @@ def main() -> None:
             "gpu_ratio_to_floor": r["gpu_ms"] / floor_ms if r["gpu_ms"] else None,
             "kv_gb_per_step": kv_bytes / 1e9, "decode_host_parts_ms": r["decode_parts_ms"],
             "decode_kernels_ms": r["kernels_ms"], "prefill_steps_ms": r["prefill_steps_ms"],
+            "decode_trace": r["trace"],
         })
     attn = type(engine.core.runner.attn).__name__
     overlap = engine.core.overlap
@@ -275,6 +345,12 @@ def main() -> None:
             print(f"  batch {row['batch']} eager step, GPU ms by kernel kind: " + ", ".join(
                 f"{k} {v:.3f}" for k, v in kernels.items() if k != "top_kernels"))
     for row in rows:
+        trace = row["decode_trace"]
+        if trace:
+            print(f"  batch {row['batch']} traced steps: {trace['step_ms']:.2f} ms on the "
+                  f"device, busy {trace['busy_ms']:.2f}, idle {trace['idle_ms']:.2f}; " +
+                  ", ".join(f"{k} {v:.3f}" for k, v in trace["busy_ms_by_kind"].items()))
+    for row in rows:
         gpu = row["decode_gpu_ms"]
         print(f"{row['batch']:>5} {row['prefill_ms']:>11.1f} {row['prefill_tflops']:>8.0f} "
               f"{row['decode_ms_per_token']:>10.2f} {gpu or float('nan'):>7.2f} "
@@ -298,6 +374,13 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}")
+    for batch, prof in traces:
+        path = out.with_name(f"{out.stem}_trace_b{batch}.json")
+        prof.export_chrome_trace(str(path))
+        with open(path, "rb") as raw, gzip.open(f"{path}.gz", "wb") as packed:
+            shutil.copyfileobj(raw, packed)
+        path.unlink()
+        print(f"wrote {path}.gz")
 
 
 if __name__ == "__main__":
