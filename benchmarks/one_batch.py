@@ -268,10 +268,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="break one decode step per batch size down by kernel kind")
     parser.add_argument("--trace-steps", type=int, default=0, metavar="N",
-                        help="trace N (6 or more) real decode steps per batch size (host and "
-                             "device): "
-                             "busy and idle device time per step, by kernel kind; the "
-                             "Chrome trace is written beside the JSON")
+                        help="trace N (6 or more) real decode steps per batch size, host "
+                             "and device: busy and idle device time per step, by kernel "
+                             "kind; the Chrome trace is written beside the JSON")
     parser.add_argument("--hf-baseline", type=int, nargs="*", default=None, metavar="BATCH",
                         help="also time transformers eager decode at these batch sizes")
     parser.add_argument("--out", default=None)
