@@ -411,8 +411,9 @@ def launch_within_shared_memory(launch: Callable[[int], None], num_stages: int,
     """launch(num_stages), or with as many fewer stages as the GPU's shared memory needs.
 
     The tilings' depths were chosen for 16-bit and float8 operands on Hopper (227 KB of
-    shared memory a block); float32 operands take twice the bytes a stage, and GPUs such as
-    Ada's and Ampere's consumer cards have 99 KB. The depth only sets how many tiles are in
+    shared memory a block); float32 operands take twice the bytes a stage, more than Hopper
+    has for the decode tiling and more than the 99 KB of Ada's and Ampere's consumer cards
+    for every tiling (docs/deterministic.md). The depth only sets how many tiles are in
     flight, never which float operations an output gets, so a shallower pipeline gives the
     same bits. Triton refuses a kernel that does not fit before launching anything (also
     inside a CUDA graph capture); the depth that compiles is remembered."""
