@@ -47,15 +47,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from radixlm.kernels.pdl import pdl_options, pdl_prologue
+from radixlm.kernels.shared_memory import launch_within_shared_memory
 from radixlm.kernels.split_k import num_sms, split_k_buffers
 
 
@@ -400,30 +399,3 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor,
     launch_within_shared_memory(launch, tiling.num_stages,
                                 (tiling, unroll, tma, x2.dtype, x.device))
     return out.view(*x.shape[:-1], n)
-
-
-# Pipeline depths that compiled, by (tiling, unroll, tma, dtype, device).
-_STAGES: dict[tuple, int] = {}
-
-
-def launch_within_shared_memory(launch: Callable[[int], None], num_stages: int,
-                                key: tuple) -> None:
-    """launch(num_stages), or with as many fewer stages as the GPU's shared memory needs.
-
-    The tilings' depths were chosen for 16-bit and float8 operands on Hopper (227 KB of
-    shared memory a block); float32 operands take twice the bytes a stage, more than Hopper
-    has for the decode tiling and more than the 99 KB of Ada's and Ampere's consumer cards
-    for every tiling (docs/deterministic.md). The depth only sets how many tiles are in
-    flight, never which float operations an output gets, so a shallower pipeline gives the
-    same bits. Triton refuses a kernel that does not fit before launching anything (also
-    inside a CUDA graph capture); the depth that compiles is remembered."""
-    stages = _STAGES.get(key, num_stages)
-    while True:
-        try:
-            launch(stages)
-            break
-        except OutOfResources:
-            if stages <= 1:
-                raise
-            stages -= 1
-    _STAGES[key] = stages

@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from radixlm.kernels.shared_memory import launch_within_shared_memory
 from radixlm.kernels.split_k import num_sms, split_for
 from radixlm.kernels.w4a16_gemv import MAX_ROWS, int_gemv
 
@@ -305,8 +306,17 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                                  **cfg)
     else:
         grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), split)
-        _w4a16_kernel[grid](*args, m, n, k, group_size, k_per_split, *strides, BITS=bits,
-                            BLOCK_K=block_k, IEEE=x.dtype == torch.float32, **cfg)
+        stages = cfg.pop("num_stages", 3)
+
+        def launch(num_stages: int) -> None:
+            _w4a16_kernel[grid](*args, m, n, k, group_size, k_per_split, *strides, BITS=bits,
+                                BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
+                                num_stages=num_stages, **cfg)
+
+        # The tiles of 17-64 rows (BLOCK_K 128, 4 stages) take 119-132 KB of shared memory:
+        # more than consumer cards' 99 KB.
+        launch_within_shared_memory(launch, stages, ("w4a16", tuple(sorted(cfg.items())),
+                                                     block_k, bits, x.dtype, x.device))
     if split == 1:
         return out[0]
     result = torch.empty((m, n), dtype=x.dtype, device=x.device)

@@ -161,7 +161,7 @@ def test_a_pipeline_too_deep_for_the_gpus_shared_memory_is_made_shallower():
     the depth that fitted, so the next call compiles nothing that fails."""
     from triton.runtime.errors import OutOfResources
 
-    from radixlm.kernels.invariant_matmul import launch_within_shared_memory
+    from radixlm.kernels.shared_memory import launch_within_shared_memory
 
     tried = []
 

@@ -547,7 +547,8 @@ def test_the_default_cuda_kernels_fit_a_consumer_cards_shared_memory():
     """The shipped tiles of the decode attention (bf16 and float8 caches), the prefill
     attention and the small-batch GEMV, compiled for sm_89: each must fit 99 KB of shared
     memory, or a user's RTX card would refuse the kernel at its first launch. (The batch-
-    invariant matmul instead takes fewer stages where they do not fit: test_batch_invariant.)"""
+    invariant matmul and the INT4/INT8 tensor-core kernel instead take fewer stages where
+    theirs do not fit: kernels/shared_memory.py, test_batch_invariant.)"""
     pytest.importorskip("triton.backends.nvidia")
     from sm90_ptx import compile_for_cuda
 
