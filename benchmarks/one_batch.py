@@ -128,7 +128,8 @@ def summarize_trace(device: list[tuple[float, float, str]], launches: list[float
         if e <= start or s >= end:
             continue
         s, e = max(s, start), min(e, end)
-        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + (e - s) / 1e3
+        kind = kernel_kind(name)
+        kinds[kind] = kinds.get(kind, 0.0) + (e - s) / 1e3
         if e > cursor:
             busy += e - max(s, cursor)
             cursor = e

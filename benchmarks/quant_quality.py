@@ -161,13 +161,9 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 @contextlib.contextmanager
-def emulated_fp8_attention(on: bool, p_scale: float):
+def emulated_fp8_attention(p_scale: float):
     """The torch backend's prefill (SDPA) and decode products through fp8_attention while
     the block runs (no softcap: not the default model's)."""
-    if not on:
-        yield
-        return
-
     def sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
         return fp8_attention(q, k, v, attn_mask, scale, p_scale).to(q.dtype)
 
@@ -238,7 +234,8 @@ def main() -> None:
             start = time.perf_counter()
             if name in FP8_ATTENTION and args.attention_backend != "torch":
                 raise SystemExit(f"{name!r} is emulated on the torch attention backend")
-            with emulated_fp8_attention(name in FP8_ATTENTION, args.fp8_p_scale):
+            with (emulated_fp8_attention(args.fp8_p_scale) if name in FP8_ATTENTION
+                  else contextlib.nullcontext()):
                 logprobs, top1 = sequence_scores(model, heldout, KV_CACHE.get(name), attn,
                                                  args.one_token_steps)
             logprobs, top1 = logprobs.cpu(), top1.cpu()

@@ -145,7 +145,7 @@ def test_the_float8_attention_emulation_is_attention_with_the_roundings_added(
     src = save_tiny_hf_model(tmp_path, "llama")
     model = load_model(str(src), "auto", torch.float32, CPU).model
     ids = torch.randint(3, 512, (2, 16), generator=gen)
-    with quant_quality.emulated_fp8_attention(True, 256.0):
+    with quant_quality.emulated_fp8_attention(256.0):
         prefill_lp, _ = sequence_scores(model, ids, torch.float8_e4m3fn)
         steps_lp, _ = sequence_scores(model, ids, torch.float8_e4m3fn, one_token_steps=True)
     assert (torch_native.F, torch_native._decode_attention) == saved  # restored
