@@ -88,6 +88,16 @@ inline float to_f(float x) { return x; }
 template <typename A>
 inline A to_a(float v) { return A(v); }
 
+// c10's rounding to bfloat16 (to nearest even; NaN to the quiet NaN 0x7FC0) written without
+// its branch, so that the compiler vectorizes loops of it: the same bits for every input.
+template <>
+inline BFloat16 to_a<BFloat16>(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return BFloat16(static_cast<uint16_t>(v != v ? 0x7FC0u : rounded), BFloat16::from_bits());
+}
+
 // Rows of a per-row loop given to one thread at least: a row of a small model is too little
 // work to wake a thread for.
 constexpr int64_t ROWS_PER_TASK = 8;
@@ -95,9 +105,24 @@ constexpr int64_t ROWS_PER_TASK = 8;
 // exp(x) for x <= 88, written as plain arithmetic so that the compiler vectorizes loops of it
 // and every lane computes the same thing (a library exp may take another path for a loop's
 // tail than for its vectors). exp(x) = 2^n exp(r), |r| <= ln2 / 2, exp(r) by its Taylor
-// series to r^7 (relative error < 1e-8 before rounding).
-inline float exp_fixed(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
+// series to r^7 (relative error < 1e-8 before rounding). Its argument is clamped to
+// [range.lo, range.hi] = [-87, 88] (exp_range).
+struct ExpRange {
+  float lo, hi;
+};
+
+// exp_fixed's range, read through volatiles once before a loop. Were the bounds constants,
+// GCC would split a vectorized loop into its clamped and unclamped cases, fold exp of each
+// bound, and compute every case in every lane before blending: SiLU's x / (1 + exp(88)) is a
+// denormal for most x, and each vector of denormals costs a microcode assist (SiLU ran six
+// times slower). The lanes kept, and so the bits, are the same either way.
+inline ExpRange exp_range() {
+  static volatile float lo = -87.0f, hi = 88.0f;
+  return {lo, hi};
+}
+
+inline float exp_fixed(float x, ExpRange range) {
+  x = std::min(std::max(x, range.lo), range.hi);
   const float n = std::floor(x * 1.44269504f + 0.5f);
   const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
   float p = 1.f / 5040.f;
@@ -115,7 +140,9 @@ inline float exp_fixed(float x) {
 }
 
 // tanh(x) from exp_fixed, for the same reason: 1 - 2 / (exp(2x) + 1).
-inline float tanh_fixed(float x) { return 1.f - 2.f / (exp_fixed(2.f * x) + 1.f); }
+inline float tanh_fixed(float x, ExpRange range) {
+  return 1.f - 2.f / (exp_fixed(2.f * x, range) + 1.f);
+}
 
 // A norm's weight: of the activations' dtype (Llama: the normalized value is rounded before
 // the weight multiplies it), or float32 (1 + w) (Gemma's offset norms: no rounding between).
@@ -339,7 +366,8 @@ void score_chunk(const float* q, const int64_t* queries, const float* keys, int6
     lanes[c].store(out);
     float* sc = scores + queries[c] * padded + j0;
     if (softcap > 0.f) {
-      for (int l = 0; l < 16; ++l) sc[l] = softcap * tanh_fixed(out[l] * scale / softcap);
+      const ExpRange range = exp_range();
+      for (int l = 0; l < 16; ++l) sc[l] = softcap * tanh_fixed(out[l] * scale / softcap, range);
     } else {
       for (int l = 0; l < 16; ++l) sc[l] = out[l] * scale;
     }
@@ -457,6 +485,7 @@ Tensor attention(const Tensor& qkv, const Tensor& k_layer, const Tensor& v_layer
         });
       }
       inv_sum.resize(queries);
+      const ExpRange range = exp_range();
       for (int64_t r = 0; r < n; ++r) {
         const int64_t len = pos[r0 + r] + 1, first = first_of(r);
         for (int64_t h = 0; h < group; ++h) {
@@ -466,7 +495,8 @@ Tensor attention(const Tensor& qkv, const Tensor& k_layer, const Tensor& v_layer
           float lanes[16] = {};
           for (int64_t j = 0; j < padded; j += 16) {
             for (int l = 0; l < 16; ++l) {
-              const float e = j + l < len && j + l >= first ? exp_fixed(sc[j + l] - top) : 0.f;
+              const float e =
+                  j + l < len && j + l >= first ? exp_fixed(sc[j + l] - top, range) : 0.f;
               sc[j + l] = e;
               lanes[l] += e;
             }
@@ -649,12 +679,21 @@ Tensor act_and_mul(const Tensor& gate_up, bool gelu) {
     for (int64_t r = begin; r < end; ++r) {
       const A* g = in + r * 2 * inter;
       const A* u = g + inter;
-      for (int64_t i = 0; i < inter; ++i) {
-        const float x = to_f(g[i]);
-        const float act =
-            gelu ? 0.5f * x * (1.f + tanh_fixed(0.7978845608f * (x + 0.044715f * x * x * x)))
-                 : x / (1.f + exp_fixed(-x));
-        o[r * inter + i] = to_a<A>(to_f(to_a<A>(act)) * to_f(u[i]));
+      A* y = o + r * inter;
+      // one loop per activation, each branch-free so that it vectorizes
+      const ExpRange range = exp_range();
+      if (gelu) {
+        for (int64_t i = 0; i < inter; ++i) {
+          const float x = to_f(g[i]);
+          const float act =
+              0.5f * x * (1.f + tanh_fixed(0.7978845608f * (x + 0.044715f * x * x * x), range));
+          y[i] = to_a<A>(to_f(to_a<A>(act)) * to_f(u[i]));
+        }
+      } else {
+        for (int64_t i = 0; i < inter; ++i) {
+          const float x = to_f(g[i]);
+          y[i] = to_a<A>(to_f(to_a<A>(x / (1.f + exp_fixed(-x, range)))) * to_f(u[i]));
+        }
       }
     }
   });
@@ -695,12 +734,13 @@ Tensor sparse_mlp(const Tensor& x, const std::vector<Tensor>& t, const std::vect
   std::vector<std::vector<std::pair<int64_t, int64_t>>> by_expert(experts);  // (row, choice)
   std::vector<float> probs(experts);
   std::vector<std::pair<float, int64_t>> order(experts);
+  const ExpRange range = exp_range();
   for (int64_t r = 0; r < rows; ++r) {
     float top = -FLT_MAX;
     for (int64_t e = 0; e < experts; ++e) top = std::max(top, to_f(lg[r * experts + e]));
     float sum = 0.f;
     for (int64_t e = 0; e < experts; ++e) {
-      probs[e] = exp_fixed(to_f(lg[r * experts + e]) - top);
+      probs[e] = exp_fixed(to_f(lg[r * experts + e]) - top, range);
       sum += probs[e];
     }
     for (int64_t e = 0; e < experts; ++e) order[e] = {probs[e] / sum, e};
@@ -794,7 +834,7 @@ Tensor sparse_mlp(const Tensor& x, const std::vector<Tensor>& t, const std::vect
   const A* sv = sh.data_ptr<A>();
   o = out.data_ptr<A>();
   for (int64_t r = 0; r < rows; ++r) {
-    const float scale = to_f(to_a<A>(1.f / (1.f + exp_fixed(-to_f(g[r])))));
+    const float scale = to_f(to_a<A>(1.f / (1.f + exp_fixed(-to_f(g[r]), range))));
     for (int64_t c = 0; c < d; ++c) {
       o[r * d + c] = to_a<A>(to_f(o[r * d + c]) + to_f(to_a<A>(scale * to_f(sv[r * d + c]))));
     }

@@ -439,9 +439,16 @@ inline const int32_t* hi_word(const PlaneTiles& w, int t, int64_t k, int* shift)
   return w.hi + t * w.tile_hi + (k / per_word) * LANES;
 }
 
+// HB = 8 names a 4-bit high plane with derived scales read together with the low one, each
+// 8-bit code whole, by the int16 pair instruction only (planes_segment says when): the
+// plane's layout and bits are HB = 4's.
+template <int HB>
+constexpr int plane_bits() { return HB == 8 ? 4 : HB; }
+
 // Planes summed as one: a high plane of 1 or 2 bits (its scales always derived) is read
 // together with the low one, each 5- or 6-bit code whole (Vec::joined), so a group has one
-// part, times the low plane's scale; a 4-bit high plane is a part of its own.
+// part, times the low plane's scale; so is a 4-bit one as HB = 8; a 4-bit high plane is
+// otherwise a part of its own.
 template <int HB>
 constexpr int summed_planes() { return HB == 4 ? 2 : 1; }
 
@@ -524,16 +531,21 @@ void dense_block(const float* x, int64_t k_in, int64_t k_begin, int64_t k_end,
 }
 
 #if defined(RADIXLM_PAIRS)
-// The same blocks with the pair instruction: x the 16-bit inputs (bfloat16, or int16 times
-// mult per row and group, int16_groups; qsum is for the AVX2 version). A group's int32 sums
+// The same blocks with the pair instruction: x the block's 16-bit inputs (bfloat16, or int16
+// times mult per row and group, int16_groups), laid out by interleave_pairs; qsum: their sum
+// per row and group, for codes read unsigned. A group's int32 sums
 // are exact; widened to float32 (rounded only past 2^24) and times mult (a power of two),
 // they take the float32 sums' place.
 template <int T, int R, int HB, bool DS>
-void planes_block_pairs(const uint16_t* x, const float* mult, const int32_t* /*qsum*/,
+void planes_block_pairs(const uint16_t* x, const float* mult, const int32_t* qsum,
                         const float* xsum, int64_t k_in, int64_t group, int64_t k_begin,
                         int64_t k_end, const PlaneTiles& pw, float* out, int64_t out_stride) {
   constexpr int P = summed_planes<HB>();
   constexpr bool JOINED = HB == 1 || HB == 2;
+  // HB = 8 (int16 inputs only): an 8-bit code 16 hi + lo read unsigned, its offset of 136
+  // taken away once per group as the AVX2 version does (sum c q < 2^31 for groups up to 256)
+  constexpr bool WHOLE8 = HB == 8;
+  const __m512i low_byte = _mm512_set1_epi32(0x00FF00FF);
   const int64_t groups = k_in / group;
   const __m512i table = nibble_table();
   __m512i joined_low = table, joined_high = table;
@@ -557,7 +569,7 @@ void planes_block_pairs(const uint16_t* x, const float* mult, const int32_t* /*q
         if constexpr (HB > 0) {
           int shift;
           w[t][1] = _mm512_loadu_si512(
-              reinterpret_cast<const void*>(hi_word<HB>(pw, t, k0, &shift)));
+              reinterpret_cast<const void*>(hi_word<plane_bits<HB>()>(pw, t, k0, &shift)));
           // JOINED: the pair k0, k0 + 1's high bits to bit 0 of each 16-bit lane
           if constexpr (JOINED) w[t][1] = _mm512_srl_epi16(w[t][1], _mm_cvtsi32_si128(shift));
         }
@@ -566,7 +578,14 @@ void planes_block_pairs(const uint16_t* x, const float* mult, const int32_t* /*q
         __m512i q[T][P];
         for (int t = 0; t < T; ++t) {
           const __m512i index = i == 0 ? w[t][0] : _mm512_srli_epi16(w[t][0], 4 * i);
-          if constexpr (JOINED) {
+          if constexpr (WHOLE8) {
+            // the high nibble i to bits 4-7, the low one's bits 0-3 beside it, then the byte
+            const __m512i top = i == 0   ? _mm512_slli_epi16(w[t][1], 4)
+                                : i == 1 ? w[t][1]
+                                         : _mm512_srli_epi16(w[t][1], 4 * i - 4);
+            const __m512i code = _mm512_ternarylogic_epi32(nibbles, index, top, 0xCA);
+            q[t][0] = i == 3 ? code : _mm512_and_si512(code, low_byte);
+          } else if constexpr (JOINED) {
             const int hs = HB * i;  // pair i's high bits, to bits 4..
             const __m512i top = hs <= 4 ? _mm512_slli_epi16(w[t][1], 4 - hs)
                                         : _mm512_srli_epi16(w[t][1], hs - 4);
@@ -583,7 +602,7 @@ void planes_block_pairs(const uint16_t* x, const float* mult, const int32_t* /*q
         }
         for (int r = 0; r < R; ++r) {
           int32_t pair;
-          std::memcpy(&pair, x + r * k_in + k0 + 2 * i, sizeof(pair));
+          std::memcpy(&pair, x + (k0 + 2 * i) * R + 2 * r, sizeof(pair));
           const __m512i xs = _mm512_set1_epi32(pair);
           for (int t = 0; t < T; ++t)
             for (int p = 0; p < P; ++p) part[t][p][r] = Pairs::dot(part[t][p][r], q[t][p], xs);
@@ -592,7 +611,11 @@ void planes_block_pairs(const uint16_t* x, const float* mult, const int32_t* /*q
     }
     add_group<T, R, P, DS>(acc, g, [&](int t, int p, int r) {
       if constexpr (INT16_INPUTS) {
-        return Vec{_mm512_mul_ps(_mm512_cvtepi32_ps(part[t][p][r]),
+        __m512i exact = part[t][p][r];
+        if constexpr (WHOLE8) {
+          exact = _mm512_sub_epi32(exact, _mm512_set1_epi32(136 * qsum[r * groups + g]));
+        }
+        return Vec{_mm512_mul_ps(_mm512_cvtepi32_ps(exact),
                                  _mm512_set1_ps(mult[r * groups + g]))};
       } else {
         return Vec{part[t][p][r]};
@@ -647,6 +670,41 @@ constexpr int tiles_per_block(int rows, int sums) {
   return fit >= 8 ? 8 : fit >= 4 ? 4 : fit >= 2 ? 2 : 1;
 }
 
+// Calls f(Int<R>, r0) for each block of rows of a product, in order: blocks of 8, then at
+// most one each of 4, 2 and 1. for_each_block and interleave_pairs split rows alike.
+template <typename F>
+inline void for_each_row_block(int64_t rows, const F& f) {
+  int64_t r = 0;
+  for (; r + 8 <= rows; r += 8) f(Int<8>{}, r);
+  if (r + 4 <= rows) {
+    f(Int<4>{}, r);
+    r += 4;
+  }
+  if (r + 2 <= rows) {
+    f(Int<2>{}, r);
+    r += 2;
+  }
+  if (r < rows) f(Int<1>{}, r);
+}
+
+// The pair instruction's inputs [rows, k_in] (16-bit, k_in even) laid out by blocks of rows:
+// a block of R rows from row r0 holds input pair (k, k + 1) of its row r0 + j at 16-bit
+// element r0 k_in + k R + 2 j. A block's R pairs of one step are then adjacent, at fixed
+// offsets from one pointer: each becomes the broadcast operand of its dot-product
+// instruction, where row-major inputs took a pointer register per row, more than x86 has
+// (the compiler spilled them). The same values, so the same sums.
+inline std::vector<uint16_t> interleave_pairs(const uint16_t* x, int64_t rows, int64_t k_in) {
+  std::vector<uint16_t> out(rows * k_in);
+  for_each_row_block(rows, [&](auto r_const, int64_t r0) {
+    constexpr int R = decltype(r_const)::value;
+    for (int j = 0; j < R; ++j)
+      for (int64_t k = 0; k < k_in; k += 2) {
+        std::memcpy(out.data() + r0 * k_in + k * R + 2 * j, x + (r0 + j) * k_in + k, 4);
+      }
+  });
+  return out;
+}
+
 template <int SUMS, typename Block>
 void for_each_block(int64_t rows, int64_t tiles, int64_t k_in, int64_t chunk,
                     const Block& block) {
@@ -655,17 +713,9 @@ void for_each_block(int64_t rows, int64_t tiles, int64_t k_in, int64_t chunk,
   const int64_t units = (tiles + per_task - 1) / per_task;
   if (rows <= 8) chunk = k_in;
   auto all_rows = [&](auto t_const, int64_t t, int64_t k_begin, int64_t k_end) {
-    int64_t r = 0;
-    for (; r + 8 <= rows; r += 8) block(t_const, Int<8>{}, t, r, k_begin, k_end);
-    if (r + 4 <= rows) {
-      block(t_const, Int<4>{}, t, r, k_begin, k_end);
-      r += 4;
-    }
-    if (r + 2 <= rows) {
-      block(t_const, Int<2>{}, t, r, k_begin, k_end);
-      r += 2;
-    }
-    if (r < rows) block(t_const, Int<1>{}, t, r, k_begin, k_end);
+    for_each_row_block(rows, [&](auto r_const, int64_t r0) {
+      block(t_const, r_const, t, r0, k_begin, k_end);
+    });
   };
   auto tile_block = [&](auto t_const, int64_t t) {
     for (int64_t k = 0; k < k_in; k += chunk) all_rows(t_const, t, k, std::min(k + chunk, k_in));
@@ -767,18 +817,20 @@ inline void int16_groups(const std::vector<float>& xf, int64_t groups_total, int
 // inputs in one vpmaddwd (vpdpwssd with AVX-VNNI). A tile's 16 channels are two 8-lane
 // halves, summed one after the other over a group so that a half's running sums fit the 16
 // registers. Codes are read unsigned (the low nibble, and a joined code's high bits above
-// it) and their offset taken away once per group: sum (c - offset) q = sum c q - offset
-// sum q, exact in int32, so the sums and the bits are those of the 512-bit int16 path.
+// it: 5-, 6- or, with HB = 8, 8-bit codes) and their offset taken away once per group:
+// sum (c - offset) q = sum c q - offset sum q, exact in int32, so the sums and the bits are
+// those of the 512-bit int16 path.
 template <int T, int R, int HB, bool DS>
 void planes_block_pairs(const uint16_t* x, const float* mult, const int32_t* qsum,
                         const float* xsum, int64_t k_in, int64_t group, int64_t k_begin,
                         int64_t k_end, const PlaneTiles& pw, float* out, int64_t out_stride) {
   constexpr int P = summed_planes<HB>();
-  constexpr bool JOINED = HB == 1 || HB == 2;
+  constexpr int BITS = plane_bits<HB>();  // of the high plane
+  constexpr bool JOINED = HB == 1 || HB == 2 || HB == 8;
   constexpr int OFFSET = JOINED ? 136 : 8;  // Vec::joined's and Vec::nibble's
   const int64_t groups = k_in / group;
   const __m256i nibbles = _mm256_set1_epi16(0x000F);
-  const __m256i high_bits = _mm256_set1_epi16(static_cast<int16_t>(((1 << HB) - 1) << 4));
+  const __m256i high_bits = _mm256_set1_epi16(static_cast<int16_t>(((1 << BITS) - 1) << 4));
   Vec acc[T][R];
   load_sums(acc, k_begin == 0, out, out_stride);
   Bases<T> bases;
@@ -797,7 +849,7 @@ void planes_block_pairs(const uint16_t* x, const float* mult, const int32_t* qsu
           if constexpr (HB > 0) {
             int shift;
             w[t][1] = _mm256_loadu_si256(
-                reinterpret_cast<const __m256i*>(hi_word<HB>(pw, t, k0, &shift) + 8 * h));
+                reinterpret_cast<const __m256i*>(hi_word<BITS>(pw, t, k0, &shift) + 8 * h));
             // JOINED: the pair k0, k0 + 1's high bits to bit 0 of each 16-bit lane
             if constexpr (JOINED) w[t][1] = _mm256_srl_epi16(w[t][1], _mm_cvtsi32_si128(shift));
           }
@@ -807,7 +859,7 @@ void planes_block_pairs(const uint16_t* x, const float* mult, const int32_t* qsu
           for (int t = 0; t < T; ++t) {
             c[t][0] = _mm256_and_si256(_mm256_srli_epi16(w[t][0], 4 * i), nibbles);
             if constexpr (JOINED) {
-              const int hs = HB * i;  // pair i's high bits, to bits 4..
+              const int hs = BITS * i;  // pair i's high bits, to bits 4..
               const __m256i top = hs <= 4 ? _mm256_slli_epi16(w[t][1], 4 - hs)
                                           : _mm256_srli_epi16(w[t][1], hs - 4);
               c[t][0] = _mm256_or_si256(c[t][0], _mm256_and_si256(top, high_bits));
@@ -818,7 +870,7 @@ void planes_block_pairs(const uint16_t* x, const float* mult, const int32_t* qsu
           }
           for (int r = 0; r < R; ++r) {
             int32_t pair;
-            std::memcpy(&pair, x + r * k_in + k0 + 2 * i, sizeof(pair));
+            std::memcpy(&pair, x + (k0 + 2 * i) * R + 2 * r, sizeof(pair));
             const __m256i xs = _mm256_set1_epi32(pair);
             for (int t = 0; t < T; ++t)
               for (int p = 0; p < P; ++p) {
@@ -919,7 +971,8 @@ inline void planes_segment(const at::Tensor& x, const std::vector<float>& xf,
   }
   const PlaneTiles first{codes.data_ptr<int32_t>(), hb > 0 ? hi.data_ptr<int32_t>() : nullptr,
                          all, (k_in / 8) * LANES, hb > 0 ? hi.size(1) * LANES : 0};
-  // The pair instruction's inputs: x's bfloat16s, or them as int16 per group (with mult).
+  // The pair instruction's inputs: x's bfloat16s, or them as int16 per group (with mult),
+  // interleaved by blocks of rows (one row is its own layout).
   std::vector<uint16_t> x16;
   std::vector<float> mult;
   std::vector<int32_t> qsum;
@@ -929,6 +982,11 @@ inline void planes_segment(const at::Tensor& x, const std::vector<float>& xf,
                             : INT16_INPUTS ? x16.data()
                                            : reinterpret_cast<const uint16_t*>(
                                                  x.data_ptr<at::BFloat16>());
+  std::vector<uint16_t> interleaved;
+  if (pairs && rows > 1) {
+    interleaved = interleave_pairs(x_pairs, rows, k_in);
+    x_pairs = interleaved.data();
+  }
   (void)x_pairs;  // unused where no pair instruction is built
   auto run = [&](auto hb_const, auto ds_const) {
     constexpr int HB = decltype(hb_const)::value;
@@ -952,17 +1010,30 @@ inline void planes_segment(const at::Tensor& x, const std::vector<float>& xf,
             return;
           }
 #endif
-          planes_block<T, R, HB, DS>(xf.data() + r0 * k_in, xsum.data() + r0 * groups, k_in,
-                                     group, k0, k1, w, o, width);
+          if constexpr (HB != 8) {
+            planes_block<T, R, HB, DS>(xf.data() + r0 * k_in, xsum.data() + r0 * groups, k_in,
+                                       group, k0, k1, w, o, width);
+          }
         });
   };
   using Yes = std::true_type;
   using No = std::false_type;
+  // 8-bit codes (a 4-bit high plane, derived scales) read whole with int16 inputs, where a
+  // group's sums of them fit int32: half the products of two planes (HB = 8)
+  const bool whole8 = hb == 4 && derived && pairs && INT16_INPUTS && group <= 256;
   switch (hb) {
     case 0: run(Int<0>{}, No{}); break;
     case 1: derived ? run(Int<1>{}, Yes{}) : run(Int<1>{}, No{}); break;
     case 2: derived ? run(Int<2>{}, Yes{}) : run(Int<2>{}, No{}); break;
-    default: derived ? run(Int<4>{}, Yes{}) : run(Int<4>{}, No{}); break;
+    default:
+      if constexpr (INT16_INPUTS) {
+        if (whole8) {
+          run(Int<8>{}, Yes{});
+          break;
+        }
+      }
+      derived ? run(Int<4>{}, Yes{}) : run(Int<4>{}, No{});
+      break;
   }
 }
 

@@ -424,7 +424,7 @@ def _soft_cap(logits: torch.Tensor) -> torch.Tensor:
     return torch.tanh(logits / 5) * 5  # saturates: near-maxima become exact ties
 
 
-def _greedy_rank(rank: int, port: int, out: str) -> None:
+def _greedy_rank(rank: int, port: int, out: str, dtype: torch.dtype) -> None:
     from radixlm.runtime.distributed.groups import destroy_group, init_group
     from radixlm.runtime.models.layers.embedding import VocabEmbedding
 
@@ -433,8 +433,9 @@ def _greedy_rank(rank: int, port: int, out: str) -> None:
                                                 "GLOO_SOCKET_IFNAME": "lo"})
     try:
         weight, rows = _head_and_rows()
-        head = VocabEmbedding(VOCAB, HIDDEN, torch.float32, tp)
+        head = VocabEmbedding(VOCAB, HIDDEN, dtype, tp)
         head.weight_loader(head.weight, weight)
+        rows = rows.to(dtype)
         tokens = [head.greedy(rows), head.greedy(rows, _soft_cap)]
         if rank == 0:
             torch.save(tokens, out)
@@ -490,23 +491,25 @@ def test_ordered_all_reduce_adds_the_ranks_in_order_whatever_the_rows():
         assert torch.equal(row[0], whole[index])
 
 
-def test_vocab_parallel_greedy_is_the_argmax_of_the_gathered_logits(tmp_path):
-    """Each rank's (max, index) pairs give torch.argmax's pick over the whole vocabulary: the
-    first of tied maxima across and within shards, never a padding id, and the same after an
-    elementwise cap that creates ties."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vocab_parallel_greedy_is_the_argmax_of_the_gathered_logits(tmp_path, dtype):
+    """Each rank's (max, index) pairs give torch.argmax's pick over the whole vocabulary of
+    the float32 logits: the first of tied maxima across and within shards, never a padding
+    id, and the same after an elementwise cap that creates ties. In bfloat16 the plain argmax
+    reads the head's own output, the capped one its float32 widening."""
     from radixlm.runtime.distributed.groups import free_port
     from radixlm.runtime.models.layers.embedding import VocabEmbedding
 
     weight, rows = _head_and_rows()
-    logits = rows @ weight.t()
+    logits = (rows.to(dtype) @ weight.to(dtype).t()).float()
     expected = [logits.argmax(-1), _soft_cap(logits).argmax(-1)]
     assert expected[0][:3].tolist() == [10, 201, 167]
     assert (logits[3] < 0).all() and (_soft_cap(logits) == 5).sum() > 3
-    single = VocabEmbedding(VOCAB, HIDDEN, torch.float32)
+    single = VocabEmbedding(VOCAB, HIDDEN, dtype)
     single.weight_loader(single.weight, weight)
-    assert [single.greedy(rows).tolist(), single.greedy(rows, _soft_cap).tolist()] == \
-        [e.tolist() for e in expected]
+    assert [single.greedy(rows.to(dtype)).tolist(),
+            single.greedy(rows.to(dtype), _soft_cap).tolist()] == [e.tolist() for e in expected]
 
     out = str(tmp_path / "tokens.pt")
-    torch.multiprocessing.spawn(_greedy_rank, args=(free_port(), out), nprocs=RANKS)
+    torch.multiprocessing.spawn(_greedy_rank, args=(free_port(), out, dtype), nprocs=RANKS)
     assert [t.tolist() for t in torch.load(out)] == [e.tolist() for e in expected]

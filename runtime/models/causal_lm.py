@@ -117,7 +117,9 @@ class CausalLM(nn.Module):
         VocabEmbedding.greedy: with tensor parallelism no [N, vocab] logits are gathered)."""
         if self.invariant_head is not None:
             return self.compute_logits(hidden).argmax(dim=-1)
-        return self._head().greedy(hidden, self.final_logits)
+        # a family that keeps the base class's (identity) final_logits needs no float32 copy
+        plain = type(self).final_logits is CausalLM.final_logits
+        return self._head().greedy(hidden, None if plain else self.final_logits)
 
     def final_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """What a family does to the head's float32 logits (Gemma caps them); elementwise, so

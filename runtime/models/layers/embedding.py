@@ -50,13 +50,17 @@ class VocabEmbedding(nn.Module):
         return out.float()
 
     def greedy(self, hidden: torch.Tensor,
-               final: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits
-               ) -> torch.Tensor:
+               final: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """[N, d] -> [N] int64: argmax over the vocabulary of final(logits(hidden)), the
         first of equal maxima as torch.argmax picks it (`final` must be elementwise). With
         tensor parallelism each rank reduces its shard to (max, index) per row and only those
-        pairs are gathered: 12 bytes a row from each rank instead of its [N, shard] logits."""
-        logits = final(self._shard_logits(hidden).float())
+        pairs are gathered: 12 bytes a row from each rank instead of its [N, shard] logits.
+        Without `final` the argmax reads the head's own output (bfloat16 on a GPU): widening
+        to float32 is exact and keeps the order, so the token is the same, and no float32
+        copy of the [N, vocab] logits is written and read again."""
+        logits = self._shard_logits(hidden)
+        if final is not None:
+            logits = final(logits.float())
         if self.num_real < logits.shape[1]:
             logits[:, self.num_real:] = float("-inf")  # the last shard's padding
         tokens = logits.argmax(dim=-1)
