@@ -71,8 +71,11 @@ namespace radixlm_cpu {
 constexpr int LANES = 16;
 // Tiles per unit of work given to a thread.
 constexpr int64_t TILES_PER_TASK = 8;
-// Inputs per chunk when many rows share a tile's weights (for_each_block).
-constexpr int64_t CHUNK_INPUTS = 128;
+// Inputs per chunk when many rows share a tile's weights (for_each_block): a tile's chunk
+// (4 KB of 4-bit codes) stays in the L1 cache while each block of rows uses it. 512 rather
+// than 128: a block's call then does four times the work for its fixed cost (64 rows of a
+// 3072 x 576 Q4 linear on an Ice Lake VM, 2026-12-07: 7-16% faster; 2048 no faster).
+constexpr int64_t CHUNK_INPUTS = 512;
 
 template <int N>
 using Int = std::integral_constant<int, N>;
