@@ -54,7 +54,8 @@ class VocabEmbedding(nn.Module):
         """[N, d] -> [N] int64: argmax over the vocabulary of final(logits(hidden)), the
         first of equal maxima as torch.argmax picks it (`final` must be elementwise). With
         tensor parallelism each rank reduces its shard to (max, index) per row and only those
-        pairs are gathered: 12 bytes a row from each rank instead of its [N, shard] logits.
+        pairs are gathered (10 or 12 bytes a row from each rank, by the logits' dtype)
+        instead of its [N, shard] logits.
         Without `final` the argmax reads the head's own output (bfloat16 on a GPU): widening
         to float32 is exact and keeps the order, so the token is the same, and no float32
         copy of the [N, vocab] logits is written and read again."""
