@@ -163,6 +163,15 @@ struct NormWeight {
     if (offset != nullptr) return to_a<A>(offset[i] * v);
     return to_a<A>(to_f(a[i]) * to_f(to_a<A>(v)));
   }
+  // apply for a row: y[i] = apply(i, x[i] * inv), one loop per form so that each vectorizes.
+  void apply_row(const A* x, int64_t d, float inv, A* y) const {
+    if (offset != nullptr) {
+      for (int64_t i = 0; i < d; ++i) y[i] = to_a<A>(offset[i] * (to_f(x[i]) * inv));
+    } else {
+      for (int64_t i = 0; i < d; ++i)
+        y[i] = to_a<A>(to_f(a[i]) * to_f(to_a<A>(to_f(x[i]) * inv)));
+    }
+  }
 };
 
 // Tensors a stored linear takes: one dense tile tensor (0), seven per segment of integer
@@ -193,16 +202,30 @@ void add_rms_norm(Tensor& x, const Tensor* add, const Tensor& weight, Tensor& ou
   const NormWeight<A> w(weight);
   const A* as = add ? add->data_ptr<A>() : nullptr;
   at::parallel_for(0, rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      A* xr = xs + r * d;
-      float sum = 0.f;
-      for (int64_t i = 0; i < d; ++i) {
-        if (as) xr[i] = to_a<A>(to_f(xr[i]) + to_f(as[r * d + i]));
-        const float v = to_f(xr[i]);
-        sum += v * v;
+    if (as)
+      for (int64_t i = begin * d; i < end * d; ++i) xs[i] = to_a<A>(to_f(xs[i]) + to_f(as[i]));
+    // Each row's sum of squares in order, the rows of a block side by side: one row's sum is
+    // a chain of dependent additions, eight rows' are eight independent chains. The same
+    // sums, so the same bits: one fused multiply-add an element where the CPU has it, as
+    // `sum += v * v` compiles there.
+    constexpr int64_t BLOCK = 8;
+    for (int64_t r0 = begin; r0 < end; r0 += BLOCK) {
+      const int64_t n = std::min(BLOCK, end - r0);
+      float sum[BLOCK] = {};
+      for (int64_t i = 0; i < d; ++i)
+        for (int64_t j = 0; j < n; ++j) {
+          const float v = to_f(xs[(r0 + j) * d + i]);
+#if defined(FP_FAST_FMAF)
+          sum[j] = std::fma(v, v, sum[j]);
+#else
+          sum[j] += v * v;
+#endif
+        }
+      for (int64_t j = 0; j < n; ++j) {
+        const float inv =
+            1.f / std::sqrt(sum[j] / static_cast<float>(d) + static_cast<float>(eps));
+        w.apply_row(xs + (r0 + j) * d, d, inv, ys + (r0 + j) * d);
       }
-      const float inv = 1.f / std::sqrt(sum / static_cast<float>(d) + static_cast<float>(eps));
-      for (int64_t i = 0; i < d; ++i) ys[r * d + i] = w.apply(i, to_f(xr[i]) * inv);
     }
   });
 }
