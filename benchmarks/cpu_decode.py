@@ -55,6 +55,7 @@ TOPICS = ["volcanoes", "the moon", "bees", "rainbows", "trains", "chess", "glaci
 
 SMALL_PAGES = " small-pages"  # a system run with RADIXLM_HUGE_PAGES=0 (--small-pages-too)
 SEQUENCE_CELLS = 256  # llama.cpp's KV cells per sequence in the batched run (prompt + tokens)
+LONG_DECODE = 32  # greedy tokens decoded after each long prompt (--long-prompts)
 
 
 def batch_prompts(n: int) -> list[str]:
@@ -213,13 +214,20 @@ def ours(fmt: str, path: Path | None = None) -> tuple[dict[str, Callable], int]:
         outs = engine.chat(chats, {"max_new_tokens": tokens, "min_new_tokens": tokens,
                                    "temperature": 0})
         return sum(o.completion_tokens for o in outs) / (time.perf_counter() - start)
-    def prefill(tokens: int) -> tuple[int, float]:
-        """(prompt tokens, seconds to the first token) of a long prompt, cold cache."""
+    def prefill(tokens: int) -> tuple[int, float, float]:
+        """(prompt tokens, seconds to the first token, decode tokens/s after it) of a long
+        prompt, cold cache: the decode run reuses the cached prompt, so it is LONG_DECODE + 1
+        steps at that context (the first recomputes the prompt's last token)."""
         ids = engine.tokenizer.encode(long_prompt(tokens), add_special_tokens=False)[:tokens]
         engine.flush_cache()
         start = time.perf_counter()
         engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0})
-        return len(ids), time.perf_counter() - start
+        ttft = time.perf_counter() - start
+        start = time.perf_counter()
+        engine.generate(input_ids=ids, sampling_params={
+            "max_new_tokens": LONG_DECODE + 1, "min_new_tokens": LONG_DECODE + 1,
+            "temperature": 0})
+        return len(ids), ttft, (LONG_DECODE + 1) / (time.perf_counter() - start)
     return ({"batch1": batch1, "batched": batched, "prefill": prefill},
             step_bytes(engine.core.runner.model))
 
@@ -268,6 +276,7 @@ def hf() -> tuple[dict[str, Callable], int]:
 
 def llama_cpp(threads: int, path: Path | None = None) -> tuple[dict[str, Callable], int]:
     import llama_cpp
+    import numpy as np
 
     from radixlm.runtime.models.loader import embedded_model_file
 
@@ -289,12 +298,18 @@ def llama_cpp(threads: int, path: Path | None = None) -> tuple[dict[str, Callabl
         total = time.perf_counter() - start
         generated = out["usage"]["completion_tokens"]
         return ttft, (generated - 1) / max(total - ttft, 1e-9)
-    def prefill(tokens: int) -> tuple[int, float]:
+    def prefill(tokens: int) -> tuple[int, float, float]:
         ids = llm.tokenize(long_prompt(tokens).encode(), add_bos=False)[:tokens]
         llm.reset()
         start = time.perf_counter()
         llm.eval(ids)  # the prompt, logits of its last token (what one token needs)
-        return len(ids), time.perf_counter() - start
+        ttft = time.perf_counter() - start
+        start = time.perf_counter()
+        for _ in range(LONG_DECODE):  # greedy, one token a step, as ours
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits(llm.ctx),
+                                           shape=(llm.n_vocab(),))
+            llm.eval([int(logits.argmax())])
+        return len(ids), ttft, LONG_DECODE / (time.perf_counter() - start)
     return ({"batch1": batch1, "batched": llama_cpp_batched(llm, threads), "prefill": prefill},
             gguf_step_bytes(path))
 
@@ -388,7 +403,8 @@ def main() -> None:
     parser.add_argument("--batch-tokens", type=int, default=64)
     parser.add_argument("--long-prompts", default="",
                         help="prompt lengths whose prefill (time to the first token, cold "
-                             "cache) to measure, ours against llama.cpp, e.g. 512,1024,2048")
+                             "cache) and decode speed after it (32 greedy tokens) to measure, "
+                             "ours against llama.cpp, e.g. 512,1024,2048")
     parser.add_argument("--requantize", default="",
                         help="GGUF types to also measure at batch 1 (ours and llama.cpp on "
                              "the same file), e.g. Q4_K_M,Q5_K_M,Q6_K,Q8_0")
@@ -459,7 +475,7 @@ def main() -> None:
         for name in batched if args.batch else ():
             batched[name].append(call(name, "batched", args.batch, args.batch_tokens))
     lengths = [int(n) for n in filter(None, args.long_prompts.split(","))]
-    prefill: dict[str, dict[int, list[tuple[int, float]]]] = {
+    prefill: dict[str, dict[int, list[tuple[int, float, float]]]] = {
         name: {n: [] for n in lengths} for name in systems
         if "prefill" in kinds[name] and files[name] is None}
     for _ in range(args.repeats if lengths else 0):
@@ -504,18 +520,24 @@ def main() -> None:
     for n in lengths:
         for name, by_length in prefill.items():
             tokens = by_length[n][0][0]
-            seconds = statistics.median(t for _, t in by_length[n])
+            seconds = statistics.median(t for _, t, _ in by_length[n])
             prefill_rows.append({"system": name, "length": n, "prompt_tokens": tokens,
                                  "ttft_ms": seconds * 1e3,
-                                 "prefill_tokens_per_s": tokens / seconds})
+                                 "prefill_tokens_per_s": tokens / seconds,
+                                 "decode_tokens_per_s": statistics.median(
+                                     d for _, _, d in by_length[n])})
     if prefill_rows:
-        print(f"\n{'long prompt':<24}{'tokens':>8}{'TTFT ms':>10}{'tok/s':>8}{'vs llama.cpp':>14}")
+        print(f"\n{'long prompt':<24}{'tokens':>8}{'TTFT ms':>10}{'tok/s':>8}{'vs llama.cpp':>14}"
+              f"{'decode tok/s':>14}{'vs llama.cpp':>14}")
         for r in prefill_rows:
             peer = next((p for p in prefill_rows if p["system"].startswith("llama.cpp")
                          and p["length"] == r["length"]), None)
             ratio = f"{peer['ttft_ms'] / r['ttft_ms']:.2f}x" if peer else "-"
+            decode = (f"{r['decode_tokens_per_s'] / peer['decode_tokens_per_s']:.2f}x"
+                      if peer else "-")
             print(f"{r['system']:<24}{r['prompt_tokens']:>8}{r['ttft_ms']:>10.0f}"
-                  f"{r['prefill_tokens_per_s']:>8.0f}{ratio:>14}")
+                  f"{r['prefill_tokens_per_s']:>8.0f}{ratio:>14}"
+                  f"{r['decode_tokens_per_s']:>14.1f}{decode:>14}")
     import torch
 
     today = datetime.date.today().isoformat()

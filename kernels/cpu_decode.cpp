@@ -121,7 +121,9 @@ inline ExpRange exp_range() {
   return {lo, hi};
 }
 
-inline float exp_fixed(float x, ExpRange range) {
+// Always inlined: GCC, left to choose, calls it from a large function's loops, which then
+// run a scalar call an element instead of vectors.
+__attribute__((always_inline)) inline float exp_fixed(float x, ExpRange range) {
   x = std::min(std::max(x, range.lo), range.hi);
   const float n = std::floor(x * 1.44269504f + 0.5f);
   const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
@@ -140,7 +142,7 @@ inline float exp_fixed(float x, ExpRange range) {
 }
 
 // tanh(x) from exp_fixed, for the same reason: 1 - 2 / (exp(2x) + 1).
-inline float tanh_fixed(float x, ExpRange range) {
+__attribute__((always_inline)) inline float tanh_fixed(float x, ExpRange range) {
   return 1.f - 2.f / (exp_fixed(2.f * x, range) + 1.f);
 }
 
@@ -303,10 +305,64 @@ constexpr int64_t QUERY_BLOCK = 8;
 
 // keys[d * 16 + l] = float32 of dimension d of the key at element offset rows[l] of cache
 // (l < count; 0 for the other lanes): 16 positions' keys transposed, one position per lane.
+#if defined(__AVX512F__)
+// words[m] = word m of the 16 rows (32-bit words, rows[l] 16 words each): a 16 x 16 transpose
+// by register shuffles. (Vector gathers did this before; with the microcode that mitigates
+// gather data sampling, each costs tens of cycles, and they were half of attention's time.)
+inline void transpose16(__m512i (&w)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {  // 128-bit lane k: row i's words 4k.. with row i + 1's
+    t[i] = _mm512_unpacklo_epi32(w[i], w[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(w[i], w[i + 1]);
+  }
+  for (int g = 0; g < 16; g += 4) {  // w[g + c]'s lane k: word 4k + c of rows g .. g + 3
+    w[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+    w[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+    w[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+    w[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // a 4 x 4 transpose of 128-bit lanes per c
+    const __m512i x0 = _mm512_shuffle_i32x4(w[c], w[4 + c], 0x44);
+    const __m512i x1 = _mm512_shuffle_i32x4(w[c], w[4 + c], 0xEE);
+    const __m512i x2 = _mm512_shuffle_i32x4(w[8 + c], w[12 + c], 0x44);
+    const __m512i x3 = _mm512_shuffle_i32x4(w[8 + c], w[12 + c], 0xEE);
+    t[c] = _mm512_shuffle_i32x4(x0, x2, 0x88);       // word c
+    t[4 + c] = _mm512_shuffle_i32x4(x0, x2, 0xDD);   // word 4 + c
+    t[8 + c] = _mm512_shuffle_i32x4(x1, x3, 0x88);   // word 8 + c
+    t[12 + c] = _mm512_shuffle_i32x4(x1, x3, 0xDD);  // word 12 + c
+  }
+  for (int m = 0; m < 16; ++m) w[m] = t[m];
+}
+#endif
+
 template <typename A>
 void transposed_keys(const A* cache, const int64_t* rows, int64_t count, int64_t head_dim,
                      bool offsets_fit_int32, float* keys) {
 #if defined(__AVX512F__)
+  // 32-bit words of a row: a bfloat16 pair (d, d + 1) or a float
+  constexpr int64_t PER_WORD = sizeof(A) == 2 ? 2 : 1;
+  if ((head_dim / PER_WORD) % 16 == 0) {
+    for (int64_t w0 = 0; w0 < head_dim / PER_WORD; w0 += 16) {
+      __m512i w[16];
+      for (int64_t l = 0; l < 16; ++l) {
+        w[l] = l < count ? _mm512_loadu_si512(reinterpret_cast<const void*>(
+                               cache + rows[l] + w0 * PER_WORD))
+                         : _mm512_setzero_si512();
+      }
+      transpose16(w);
+      for (int64_t m = 0; m < 16; ++m) {
+        float* k = keys + (w0 + m) * PER_WORD * 16;
+        if constexpr (sizeof(A) == 2) {
+          _mm512_storeu_ps(k, _mm512_castsi512_ps(_mm512_slli_epi32(w[m], 16)));
+          _mm512_storeu_ps(k + 16, _mm512_castsi512_ps(_mm512_and_si512(
+                                       w[m], _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u)))));
+        } else {
+          _mm512_storeu_ps(k, _mm512_castsi512_ps(w[m]));
+        }
+      }
+    }
+    return;
+  }
   if (offsets_fit_int32) {
     // One gather per 32-bit word of the 16 rows: a bfloat16 pair (d, d + 1) or a float.
     alignas(64) int32_t offsets[16] = {};
@@ -401,8 +457,9 @@ void score_chunk(const float* q, const int64_t* queries, const float* keys, int6
 // times inv_sum[query], for C queries: C x V sums in registers. A weight below FLT_MIN (0
 // past the query's own positions, or an exp that underflowed) adds nothing a float32 sum
 // keeps, and denormal arithmetic costs ~100 cycles an operation on x86: it is skipped.
+// Not inlined: inside attention's body GCC kept the C x V sums in memory, not registers.
 template <typename A, int C, int V>
-void value_chunk(const float* scores, int64_t padded, const int64_t* queries,
+__attribute__((noinline)) void value_chunk(const float* scores, int64_t padded, const int64_t* queries,
                  const float* inv_sum, const A* values, const int64_t* value_rows,
                  int64_t first, int64_t longest, int64_t d0, A* const* outs) {
   using radixlm_cpu::Vec;
@@ -513,8 +570,17 @@ Tensor attention(const Tensor& qkv, const Tensor& k_layer, const Tensor& v_layer
         const int64_t len = pos[r0 + r] + 1, first = first_of(r);
         for (int64_t h = 0; h < group; ++h) {
           float* sc = scores.data() + (r * group + h) * padded;
+          // The largest score, in 16 lanes (one chain of maxima was a tenth of attention's
+          // time at a long context): the same maximum, as no order changes a maximum (but
+          // that of zeros' signs, which the exponentials below do not see).
+          float tops[16];
+          for (int l = 0; l < 16; ++l) tops[l] = -INFINITY;
+          int64_t i = first;
+          for (; i + 16 <= len; i += 16)
+            for (int l = 0; l < 16; ++l) tops[l] = std::max(tops[l], sc[i + l]);
+          for (; i < len; ++i) tops[0] = std::max(tops[0], sc[i]);
           float top = -INFINITY;
-          for (int64_t j = first; j < len; ++j) top = std::max(top, sc[j]);
+          for (int l = 0; l < 16; ++l) top = std::max(top, tops[l]);
           float lanes[16] = {};
           for (int64_t j = 0; j < padded; j += 16) {
             for (int l = 0; l < 16; ++l) {
