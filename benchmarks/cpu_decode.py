@@ -27,6 +27,8 @@ quality) and measures batch 1 on each, ours beside llama.cpp on the same file.
 `--families gemma3,qwen3,gemma2,qwen3moe` (needs llama-cpp-python) does the same for random-weight
 files of other families at the shapes of real small checkpoints, with their large
 vocabularies (benchmarks/random_gguf.py), in each of `--family-types` (default Q4_K_M).
+`--long-prompts 1024,2048` (ours and llama.cpp) times a cold long prompt to its first token,
+then 32 greedy tokens decoded after it (the decode speed at that context).
 `--small-pages-too` also runs ours on every GGUF file with its weights in ordinary 4 KiB pages
 (RADIXLM_HUGE_PAGES=0), to measure what huge pages give in the same run.
 """

@@ -303,12 +303,10 @@ void rotary_and_store(Tensor& qkv, const Tensor& cos, const Tensor& sin, int64_t
 // are in flight.
 constexpr int64_t QUERY_BLOCK = 8;
 
-// keys[d * 16 + l] = float32 of dimension d of the key at element offset rows[l] of cache
-// (l < count; 0 for the other lanes): 16 positions' keys transposed, one position per lane.
 #if defined(__AVX512F__)
-// words[m] = word m of the 16 rows (32-bit words, rows[l] 16 words each): a 16 x 16 transpose
-// by register shuffles. (Vector gathers did this before; with the microcode that mitigates
-// gather data sampling, each costs tens of cycles, and they were half of attention's time.)
+// w[m] = word m of the 16 rows w[l] (16 32-bit words each): a 16 x 16 transpose by register
+// shuffles. transposed_keys used vector gathers alone before, which the microcode that
+// mitigates gather data sampling makes slow on recent Intel CPUs.
 inline void transpose16(__m512i (&w)[16]) {
   __m512i t[16];
   for (int i = 0; i < 16; i += 2) {  // 128-bit lane k: row i's words 4k.. with row i + 1's
@@ -335,6 +333,8 @@ inline void transpose16(__m512i (&w)[16]) {
 }
 #endif
 
+// keys[d * 16 + l] = float32 of dimension d of the key at element offset rows[l] of cache
+// (l < count; 0 for the other lanes): 16 positions' keys transposed, one position per lane.
 template <typename A>
 void transposed_keys(const A* cache, const int64_t* rows, int64_t count, int64_t head_dim,
                      bool offsets_fit_int32, float* keys) {
@@ -350,12 +350,12 @@ void transposed_keys(const A* cache, const int64_t* rows, int64_t count, int64_t
                          : _mm512_setzero_si512();
       }
       transpose16(w);
+      const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
       for (int64_t m = 0; m < 16; ++m) {
         float* k = keys + (w0 + m) * PER_WORD * 16;
-        if constexpr (sizeof(A) == 2) {
+        if constexpr (sizeof(A) == 2) {  // dimension 2 m (the low half), then 2 m + 1
           _mm512_storeu_ps(k, _mm512_castsi512_ps(_mm512_slli_epi32(w[m], 16)));
-          _mm512_storeu_ps(k + 16, _mm512_castsi512_ps(_mm512_and_si512(
-                                       w[m], _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u)))));
+          _mm512_storeu_ps(k + 16, _mm512_castsi512_ps(_mm512_and_si512(w[m], high)));
         } else {
           _mm512_storeu_ps(k, _mm512_castsi512_ps(w[m]));
         }
@@ -459,9 +459,11 @@ void score_chunk(const float* q, const int64_t* queries, const float* keys, int6
 // keeps, and denormal arithmetic costs ~100 cycles an operation on x86: it is skipped.
 // Not inlined: inside attention's body GCC kept the C x V sums in memory, not registers.
 template <typename A, int C, int V>
-__attribute__((noinline)) void value_chunk(const float* scores, int64_t padded, const int64_t* queries,
-                 const float* inv_sum, const A* values, const int64_t* value_rows,
-                 int64_t first, int64_t longest, int64_t d0, A* const* outs) {
+__attribute__((noinline)) void value_chunk(const float* scores, int64_t padded,
+                                           const int64_t* queries, const float* inv_sum,
+                                           const A* values, const int64_t* value_rows,
+                                           int64_t first, int64_t longest, int64_t d0,
+                                           A* const* outs) {
   using radixlm_cpu::Vec;
   Vec acc[C][V];
   for (int c = 0; c < C; ++c)
@@ -570,7 +572,7 @@ Tensor attention(const Tensor& qkv, const Tensor& k_layer, const Tensor& v_layer
         const int64_t len = pos[r0 + r] + 1, first = first_of(r);
         for (int64_t h = 0; h < group; ++h) {
           float* sc = scores.data() + (r * group + h) * padded;
-          // The largest score, in 16 lanes (one chain of maxima was a tenth of attention's
+          // The largest score, in 16 lanes (one chain of maxima was a seventh of attention's
           // time at a long context): the same maximum, as no order changes a maximum (but
           // that of zeros' signs, which the exponentials below do not see).
           float tops[16];
