@@ -405,8 +405,8 @@ def main() -> None:
     parser.add_argument("--batch-tokens", type=int, default=64)
     parser.add_argument("--long-prompts", default="",
                         help="prompt lengths whose prefill (time to the first token, cold "
-                             "cache) and decode speed after it (32 greedy tokens) to measure, "
-                             "ours against llama.cpp, e.g. 512,1024,2048")
+                             f"cache) and decode speed after it ({LONG_DECODE} greedy tokens) "
+                             "to measure, ours against llama.cpp, e.g. 512,1024,2048")
     parser.add_argument("--requantize", default="",
                         help="GGUF types to also measure at batch 1 (ours and llama.cpp on "
                              "the same file), e.g. Q4_K_M,Q5_K_M,Q6_K,Q8_0")

@@ -194,6 +194,12 @@ Tensor linear(const Tensor& x, const std::vector<Tensor>& tensors, size_t first,
   return radixlm_cpu::planes_linear(x, stored, width, false);
 }
 
+// x[i] += add[i] for i in [begin, end), rounded to A per element (the residual add).
+template <typename A>
+void add_elements(A* x, const A* add, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) x[i] = to_a<A>(to_f(x[i]) + to_f(add[i]));
+}
+
 // out[r] = weight * rms_norm(x[r]) (with x[r] += add[r] first when add is given: the
 // residual stream then keeps the sum).
 template <typename A>
@@ -204,8 +210,7 @@ void add_rms_norm(Tensor& x, const Tensor* add, const Tensor& weight, Tensor& ou
   const NormWeight<A> w(weight);
   const A* as = add ? add->data_ptr<A>() : nullptr;
   at::parallel_for(0, rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
-    if (as)
-      for (int64_t i = begin * d; i < end * d; ++i) xs[i] = to_a<A>(to_f(xs[i]) + to_f(as[i]));
+    if (as) add_elements(xs, as, begin * d, end * d);
     // Each row's sum of squares in order, the rows of a block side by side: one row's sum is
     // a chain of dependent additions, eight rows' are eight independent chains. The same
     // sums, so the same bits: one fused multiply-add an element where the CPU has it, as
@@ -239,7 +244,7 @@ void add_into(Tensor& x, const Tensor& add) {
   A* xs = x.data_ptr<A>();
   const A* as = add.data_ptr<A>();
   at::parallel_for(0, rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin * d; i < end * d; ++i) xs[i] = to_a<A>(to_f(xs[i]) + to_f(as[i]));
+    add_elements(xs, as, begin * d, end * d);
   });
 }
 
