@@ -187,7 +187,8 @@ def sweep_decode(spec, configs=DECODE_SWEEP, splits_list=(1, 2, 4, 8, 16, 32)) -
 # replays, as the engine runs them, so launch overhead is not counted.
 # The configs are the front runners of wider sweeps (2026-12-04: tiles of 16-128 tokens, 2-8
 # warps, 1-3 stages, 1-64 splits); the float8 cases also read V as float8 (not as int16 pairs)
-# and widen to bfloat16 once each, and e4m3 by integer ops (fp8_v_cvt off), for scale.
+# and widen to bfloat16 once each, and e4m3 by integer ops (fp8_v_cvt off), for scale;
+# e4m3 also with q.k multiplied in float8 (fp8_qk), whose output differs by the query's rounding.
 _DECODE = ta.DecodeConfig
 _FP8_BASELINES = [_DECODE(128, 4, 3, fp8_v_pairs=False),
                   _DECODE(128, 4, 3, fp8_as_fp16=False, fp8_v_pairs=False)]
@@ -195,12 +196,15 @@ LATENCY = {  # name: (batch, context, storage dtype, configs, split counts)
     "B1 ctx1088 bf16": (1, 1088, None, [_DECODE(n, w, s) for n, w, s in (
         (32, 4, 1), (64, 4, 1), (64, 2, 2), (128, 4, 2), (128, 4, 3))], (16, 32)),
     "B1 ctx1088 fp8_e4m3": (1, 1088, torch.float8_e4m3fn, [_DECODE(n, w, s) for n, w, s in (
-        (64, 4, 1), (64, 2, 2), (128, 4, 3))] + _FP8_BASELINES[:1], (16, 32)),
+        (64, 4, 1), (64, 2, 2), (128, 4, 3))] + _FP8_BASELINES[:1]
+        + [_DECODE(n, w, s, fp8_qk=True) for n, w, s in ((64, 4, 1), (128, 4, 3))], (16, 32)),
     "B256 ctx1536 bf16": (256, 1536, None, [_DECODE(n, w, s) for n, w, s in (
         (64, 4, 3), (128, 4, 3), (64, 4, 4), (128, 4, 2))], (1,)),
     "B256 ctx1536 fp8_e4m3": (256, 1536, torch.float8_e4m3fn, [_DECODE(n, w, s) for n, w, s in (
         (128, 4, 3), (128, 4, 4), (64, 4, 3), (64, 4, 4), (256, 4, 3), (128, 8, 3))]
         + [_DECODE(n, 4, s, fp8_v_cvt=False) for n, s in ((128, 3), (64, 4))]
+        + [_DECODE(n, w, s, fp8_qk=True) for n, w, s in (
+            (128, 4, 3), (128, 4, 4), (64, 4, 3), (64, 4, 4), (256, 4, 3), (128, 8, 3))]
         + _FP8_BASELINES, (1,)),
     "B256 ctx1536 fp8_e5m2": (256, 1536, torch.float8_e5m2, [_DECODE(128, 4, 3)]
                               + _FP8_BASELINES[:1], (1,)),

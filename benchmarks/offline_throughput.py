@@ -16,7 +16,7 @@ submitted at once, on a dummy (random-weight) model, Llama-3-8B-shaped by defaul
 
     python benchmarks/offline_throughput.py --device cuda [--num-prompts 512]
         [--input-len 1024 --output-len 1024] [--attention-backend auto|triton|flashinfer]
-        [--hf-baseline 64] [--deterministic]
+        [--hf-baseline 64] [--deterministic] [--fp8-attention]
 
 `--hf-baseline N` adds the peer to that run: after the full workload, the engine generates
 for the first N prompts alone, then `transformers` (eager, bf16, random weights of the same
@@ -148,7 +148,7 @@ def run_cuda(args: argparse.Namespace) -> None:
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     chunked_prefill_size=input_len, overlap_schedule=args.overlap_schedule,
                     kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
-                    deterministic=args.deterministic)
+                    deterministic=args.deterministic, fp8_attention=args.fp8_attention)
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, vocab, (num, input_len), generator=gen).tolist()
@@ -188,6 +188,7 @@ def run_cuda(args: argparse.Namespace) -> None:
     print(f"\n{model} (dummy, bf16, weights {args.quantization or 'bf16'}, KV "
           f"{args.kv_cache_dtype}), {attn}, {num} prompts x {input_len} in / {output_len} "
           f"out, overlap {overlap}, deterministic {args.deterministic}, "
+          f"fp8 attention {args.fp8_attention}, "
           f"{torch.cuda.get_device_name()}")
     print(f"{elapsed:.1f} s, output {output_tps:,.0f} tokens/s, total {total_tps:,.0f} "
           f"tokens/s, {stats['steps']} steps ({stats['overlapped_steps']} overlapped), "
@@ -208,7 +209,7 @@ def run_cuda(args: argparse.Namespace) -> None:
                    "max_num_batched_tokens": args.max_num_batched_tokens,
                    "kv_cache_memory_fraction": args.kv_cache_memory_fraction,
                    "kv_cache_dtype": args.kv_cache_dtype, "quantization": args.quantization,
-                   "deterministic": args.deterministic},
+                   "deterministic": args.deterministic, "fp8_attention": args.fp8_attention},
         "results": {"seconds": elapsed, "output_tokens": generated,
                     "output_tokens_per_s": output_tps, "total_tokens_per_s": total_tps,
                     "steps": stats["steps"], "overlapped_steps": stats["overlapped_steps"],
@@ -244,6 +245,9 @@ def main() -> None:
                         help="CUDA mode: quantized decoder linears (fp8: W8A8)")
     parser.add_argument("--deterministic", action="store_true",
                         help="CUDA mode: batch-invariant kernels (EngineConfig.deterministic)")
+    parser.add_argument("--fp8-attention", action="store_true",
+                        help="CUDA mode, with --kv-cache-dtype fp8_e4m3: float8 q.k in decode "
+                             "attention (EngineConfig.fp8_attention)")
     parser.add_argument("--num-prompts", type=int, default=None,
                         help="default: 64 on CPU, 512 on CUDA")
     parser.add_argument("--new-tokens", type=int, default=64)

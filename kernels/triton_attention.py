@@ -41,6 +41,10 @@ class DecodeConfig:
     # ... and widen e4m3 pairs with the GPU's pairwise conversion rather than integer ops
     # (CUDA only: the Triton interpreter cannot run the instruction).
     fp8_v_cvt: bool = True
+    # An e4m3 K under a 16-bit query with V read as pairs: multiply q.k in float8 on the tensor
+    # cores (q rounded to e4m3 per head), no widening of K. Not batch-sensitive, but it changes
+    # the scores (docs/quantization.md, "Float8 attention"), so it is asked for, never implied.
+    fp8_qk: bool = False
 
 
 @dataclass(frozen=True)
@@ -197,6 +201,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                and head_dim % 2 == 0 and q.dtype in (torch.bfloat16, torch.float16))
     v_e4m3 = v_cache.dtype == torch.float8_e4m3fn
     v_cvt = v_pairs and v_e4m3 and cfg.fp8_v_cvt and _has_fp8_cvt(q.device)
+    fp8_qk = cfg.fp8_qk and v_pairs and k_cache.dtype == torch.float8_e4m3fn
     if v_pairs:  # integer-widened e4m3 pairs are the values * 2^-8 (see triton_decode)
         v_cache = v_cache.view(torch.int16)
         v_scale = v_scale * (256.0 if v_e4m3 and not v_cvt else 1.0)
@@ -209,7 +214,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         BLOCK_N=cfg.block_n, DIRECT=direct, SOFTCAP=softcap is not None,
         DOT_PRECISION=_dot_precision(q.dtype),
         WIDEN_FP16=cfg.fp8_as_fp16 and k_cache.element_size() == 1 and q.dtype == torch.bfloat16,
-        V_PAIRS=v_pairs, V_E4M3=v_e4m3, V_CVT=v_cvt, num_warps=cfg.num_warps,
+        V_PAIRS=v_pairs, V_E4M3=v_e4m3, V_CVT=v_cvt, FP8_QK=fp8_qk, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl_options(q.device))
     if not direct:
         block_s = triton.next_power_of_2(num_splits)

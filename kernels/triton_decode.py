@@ -113,7 +113,8 @@ def decode_split_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
     SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_FP16: tl.constexpr,
-    V_PAIRS: tl.constexpr, V_E4M3: tl.constexpr, V_CVT: tl.constexpr, PDL: tl.constexpr,
+    V_PAIRS: tl.constexpr, V_E4M3: tl.constexpr, V_CVT: tl.constexpr, FP8_QK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # V_PAIRS: v_cache_ptr is the float8 V cache viewed as int16 (its strides stride_vs and
     # stride_vh in int16 units, read only then), V_E4M3 its format (else e5m2).
@@ -140,6 +141,12 @@ def decode_split_kernel(
                 mask=mask_hd, other=0.0)  # [BLOCK_H, BLOCK_D]
     if WIDEN_FP16:
         q = q.to(tl.float16)
+    row_mul = score_mul
+    if FP8_QK:  # q rounded to e4m3 per head, scaled by its max |q| / 448; keys stay e4m3
+        q32 = q.to(tl.float32)
+        q_scale = tl.maximum(tl.max(tl.abs(q32), 1), 1e-30) / 448.0  # [BLOCK_H]
+        q = (q32 / q_scale[:, None]).to(k_cache_ptr.dtype.element_ty)
+        row_mul = score_mul * q_scale[:, None]
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -164,7 +171,12 @@ def decode_split_kernel(
                             mask=mask_n[:, None] & (offs_j < HEAD_DIM // 2)[None, :], other=0)
         else:  # V's layout is K's: one set of offsets (separate ones cost ~50 registers)
             v = tl.load(v_cache_ptr + kv_off, mask=mask_nd, other=0.0).to(q.dtype)
-        s = scores(q, k, score_mul, cap_mul, SOFTCAP, DOT_PRECISION)
+        if FP8_QK:  # keys x heads: 128 key rows make a warpgroup MMA, which takes float8
+            s = tl.trans(tl.dot(k, tl.trans(q))) * row_mul
+            if SOFTCAP:
+                s = tanh(s) * cap_mul
+        else:
+            s = scores(q, k, score_mul, cap_mul, SOFTCAP, DOT_PRECISION)
         s = tl.where(mask_n[None, :], s, float("-inf"))  # [BLOCK_H, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)

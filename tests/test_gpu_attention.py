@@ -177,6 +177,38 @@ def test_fp8_v_read_as_pairs_equals_byte_reads(storage):
             assert rel_err(outs[0], other) < 1e-3, f"splits {splits}"
 
 
+def test_fp8_qk_equals_the_reference_over_the_rounded_query():
+    """DecodeConfig(fp8_qk=True): random bf16 queries, each head scaled by its max |q| / 448
+    and rounded to e4m3, times the e4m3 keys on the tensor cores. The output must be the
+    float32 reference's over that rounded query and the dequantized cache (up to V's float16
+    products and the bf16 output), split or not, and closer to it than the default path's."""
+    from radixlm.kernels.reference import paged_attention_reference
+    from radixlm.kernels.triton_attention import DecodeConfig
+    from radixlm.runtime.attention.triton_backend import TritonAttention
+
+    batch, q, k, v = random_paged_batch("cuda", torch.bfloat16, 16, [1] * 6,
+                                        [1, 17, 300, 1088, 2048, 4000], 32, 8, 128,
+                                        storage_dtype=torch.float8_e4m3fn)
+    batch.kv_cache.set_scales([0.5], [2.0])
+    q_scale = q.float().abs().amax(-1, keepdim=True) / 448.0
+    q_rounded = (q.float() / q_scale).to(torch.float8_e4m3fn).float() * q_scale
+    cache = batch.kv_cache
+    ref = paged_attention_reference(q_rounded, cache.k[0].float() * 0.5,
+                                    cache.v[0].float() * 2.0, batch.slot_table, batch.q_lens,
+                                    batch.kv_lens, 128 ** -0.5)
+    for splits in (1, 7):
+        outs = []
+        for fp8_qk in (True, False):
+            backend = TritonAttention(128 ** -0.5, num_splits=splits,
+                                      decode_config=DecodeConfig(fp8_qk=fp8_qk))
+            backend.plan(batch)
+            outs.append(backend.forward(q, k, v, 0, batch))
+        err = rel_err(outs[0], ref)
+        assert err < 5e-3, f"splits {splits}: {err:.1e} from the rounded query's reference"
+        # the default path, which multiplies the unrounded query, is further from it
+        assert rel_err(outs[1], ref) > 1.5 * err, "the query was not rounded"
+
+
 def test_fused_rotary_store_fp8_same_bytes_as_backend_store():
     """On the GPU too: the fused rotary + K/V store writes the bytes rotary + store_kv write."""
     from radixlm.kernels import fused

@@ -83,6 +83,25 @@ def test_option_validated_and_pool_holds_twice_the_tokens():
     assert fp8 == 2 * plain
 
 
+def test_fp8_attention_asks_for_what_it_needs():
+    """fp8_attention multiplies the query by an e4m3 cache's keys in our Triton decode
+    kernel: any other cache, backend or the deterministic mode is a ValueError naming the
+    field; on a CPU engine (torch attention) it is refused when the backend is chosen."""
+    from radixlm.runtime.attention import create_backend
+
+    EngineConfig(kv_cache_dtype="fp8_e4m3", fp8_attention=True)
+    for bad, field in (({}, "kv_cache_dtype"), ({"kv_cache_dtype": "fp8_e5m2"}, "kv_cache_dtype"),
+                       ({"kv_cache_dtype": "fp8_e4m3", "attention_backend": "flashinfer"},
+                        "attention_backend"),
+                       ({"kv_cache_dtype": "fp8_e4m3", "deterministic": True}, "deterministic"),
+                       ({"kv_cache_dtype": "fp8_e4m3", "fp8_attention": 1}, "fp8_attention")):
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(**({"fp8_attention": True} | bad))
+    with pytest.raises(ValueError, match="attention_backend 'triton'"):
+        create_backend("auto", 1.0, torch.device("cpu"), torch.bfloat16, 64,
+                       fp8_attention=True)
+
+
 def test_checkpoint_scales_reach_the_cache(tmp_path):
     folder = save_tiny_hf_model(tmp_path / "m", "llama")
     weights = load_file(folder / "model.safetensors")

@@ -196,6 +196,40 @@ def case_fp8_v_read_as_pairs_equals_byte_reads():
     return "; ".join(details)
 
 
+def case_fp8_qk_multiplies_the_query_in_float8_by_the_keys():
+    """DecodeConfig(fp8_qk=True) over an e4m3 cache: each head's query is scaled by its
+    max |q| / 448 and rounded to e4m3, and its scores are that times the cache's keys in
+    float32 sums. The interpreter rounds float32 to e4m3 wrongly where the rounding carries
+    into the exponent (127.5 -> 64), so here every query row is e4m3 values times a power of
+    two, with one at +-448: rounding is exact, and the output must be the reference's over
+    the dequantized cache, splits and scales included. The GPU test checks random queries
+    against the rounded reference (tests/test_gpu_attention.py)."""
+    from radixlm.kernels.reference import paged_attention_reference
+    from radixlm.kernels.triton_attention import DecodeConfig
+    from radixlm.runtime.attention.triton_backend import TritonAttention
+
+    batch, q, k, v = random_paged_batch("cpu", torch.float16, 16, [1] * 4, [37, 1, 300, 64],
+                                        storage_dtype=torch.float8_e4m3fn)
+    batch.kv_cache.set_scales([0.5], [2.0])
+    gen = torch.Generator().manual_seed(3)
+    codes = (torch.randn(q.shape, generator=gen) * 60).clamp(-440, 440)
+    codes = codes.to(torch.float8_e4m3fn).float()
+    codes[..., 0] = 448.0 * torch.where(torch.rand(q.shape[:2], generator=gen) < 0.5, -1, 1)
+    powers = 2.0 ** torch.randint(-9, -5, q.shape[:2] + (1,), generator=gen)
+    q = (codes * powers).to(torch.float16)
+    backend = TritonAttention(SCALE_DIM[32], num_splits=3,
+                              decode_config=DecodeConfig(fp8_qk=True))
+    backend.plan(batch)
+    out = backend.forward(q, k, v, 0, batch)
+    cache = batch.kv_cache
+    ref = paged_attention_reference(q.float(), cache.k[0].float() * 0.5,
+                                    cache.v[0].float() * 2.0, batch.slot_table, batch.q_lens,
+                                    batch.kv_lens, SCALE_DIM[32])
+    err = rel_err(out, ref)
+    assert err < 1e-3, f"relative error {err:.2e}"
+    return f"rel err {err:.1e}"
+
+
 def case_extend_long_chunk_after_prefix():
     return _backend_case(torch.float16, 16, [130, 2], [400, 2], dim=64)
 
@@ -527,7 +561,7 @@ def test_e4m3_v_pairs_come_back_by_transposing_loads_and_widen_by_conversion():
                  "out_mul": "fp32"}
     constants = dict(GROUP=4, HEAD_DIM=128, BLOCK_H=16, BLOCK_D=128, BLOCK_N=128, DIRECT=True,
                      SOFTCAP=False, DOT_PRECISION="tf32", WIDEN_FP16=True, V_PAIRS=True,
-                     V_E4M3=True, V_CVT=True, PDL=True)
+                     V_E4M3=True, V_CVT=True, FP8_QK=False, PDL=True)
     aligned = [name for name in decode_split_kernel.arg_names
                if name.endswith("_ptr") or name.startswith("stride")]
     ptx = ptx_for_sm90(decode_split_kernel, signature, constants, aligned, num_warps=4,
@@ -536,6 +570,40 @@ def test_e4m3_v_pairs_come_back_by_transposing_loads_and_widen_by_conversion():
     assert not re.search(r"ld\.shared\.[usb]8", ptx), "V read from shared memory byte by byte"
     # K's widening (128 keys x 128 dims / 2 per instruction / 128 threads) and V's, alike
     assert ptx.count("cvt.rn.f16x2.e4m3x2") >= 2 * 64
+
+
+def test_fp8_qk_multiplies_in_float8_on_warpgroup_tensor_cores():
+    """DecodeConfig(fp8_qk=True) on CUDA: q.k is one float8 warpgroup MMA per 64 keys (the
+    keys as the 64-row operand, the group's padded 16 heads as the 16 columns), so K is never
+    widened: the only pairwise conversions left are V's, half the default path's."""
+    import re
+
+    pytest.importorskip("triton.backends.nvidia")
+    from sm90_ptx import ptx_for_sm90
+
+    from radixlm.kernels.triton_decode import decode_split_kernel
+
+    signature = {"q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*i16",
+                 "out_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
+                 "slot_table_ptr": "*i64", "kv_lens_ptr": "*i32", "seq_rows_ptr": "*i32",
+                 "q_rows_ptr": "*i32", "score_mul": "fp32", "cap_mul": "fp32",
+                 "out_mul": "fp32"}
+    aligned = [name for name in decode_split_kernel.arg_names
+               if name.endswith("_ptr") or name.startswith("stride")]
+    conversions = {}
+    for fp8_qk in (False, True):
+        constants = dict(GROUP=4, HEAD_DIM=128, BLOCK_H=16, BLOCK_D=128, BLOCK_N=128,
+                         DIRECT=False, SOFTCAP=False, DOT_PRECISION="tf32", WIDEN_FP16=True,
+                         V_PAIRS=True, V_E4M3=True, V_CVT=True, FP8_QK=fp8_qk, PDL=True)
+        ptx = ptx_for_sm90(decode_split_kernel, signature, constants, aligned, num_warps=4,
+                           num_stages=3)
+        conversions[fp8_qk] = ptx.count("cvt.rn.f16x2.e4m3x2")
+        e4m3_mma = re.findall(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx)
+        assert bool(e4m3_mma) == fp8_qk, e4m3_mma
+    # 128 keys x 128 dims / 2 a conversion / 128 threads = 64 for each of K and V (the
+    # query's own rounding adds a few float32 -> e4m3 conversions, not counted here)
+    assert conversions[False] >= 128 and conversions[True] <= conversions[False] // 2 + 8, \
+        conversions
 
 
 # Shared memory a block may use on Ampere's and Ada's consumer cards (sm_86, sm_89: RTX
@@ -573,7 +641,7 @@ def test_the_default_cuda_kernels_fit_a_consumer_cards_shared_memory():
         constants = dict(GROUP=4, HEAD_DIM=128, BLOCK_H=16, BLOCK_D=128,
                          BLOCK_N=decode.block_n, DIRECT=False, SOFTCAP=False,
                          DOT_PRECISION="tf32", WIDEN_FP16=fp8, V_PAIRS=fp8, V_E4M3=fp8,
-                         V_CVT=fp8, PDL=False)
+                         V_CVT=fp8, FP8_QK=False, PDL=False)
         used[f"decode, {cache} cache"] = compile_for_cuda(
             decode_split_kernel, signature, constants, aligned(decode_split_kernel),
             decode.num_warps, decode.num_stages, capability=89).metadata.shared

@@ -46,9 +46,10 @@ def _importable(module: str) -> bool:
 
 def create_backend(name: str, scale: float, device: torch.device | None = None,
                    dtype: torch.dtype | None = None, head_dim: int | None = None,
-                   deterministic: bool = False) -> AttentionBackend:
+                   deterministic: bool = False, fp8_attention: bool = False) -> AttentionBackend:
     """deterministic: batch-invariant attention (EngineConfig.deterministic, CUDA): only
-    the Triton backend has it; asking another is a ValueError naming attention_backend."""
+    the Triton backend has it; asking another is a ValueError naming attention_backend.
+    fp8_attention: float8 q.k in decode (EngineConfig.fp8_attention), Triton only too."""
     name = resolve_backend(name, device, dtype, head_dim)
     if name not in BACKENDS:
         raise ValueError(f"unknown attention_backend {name!r}; available: auto, "
@@ -58,8 +59,13 @@ def create_backend(name: str, scale: float, device: torch.device | None = None,
             f"deterministic=True on CUDA needs attention_backend 'triton' (or 'auto'), not "
             f"{name!r}: only our Triton kernels reduce a query's keys the same way in every "
             "batch, chunk and decode step")
+    if fp8_attention and name != "triton":
+        raise ValueError(f"fp8_attention needs attention_backend 'triton' on CUDA; this engine "
+                         f"resolved {name!r}")
     module, cls = BACKENDS[name]
     backend_cls = getattr(importlib.import_module(module), cls)
-    backend: AttentionBackend = (backend_cls(scale, deterministic=True) if deterministic
-                                 else backend_cls(scale))
+    # Only the Triton backend takes these options (checked above).
+    options = ({"deterministic": True} if deterministic else {}) | (
+        {"fp8_qk": True} if fp8_attention else {})
+    backend: AttentionBackend = backend_cls(scale, **options)
     return backend

@@ -23,6 +23,8 @@ decode step. What varies with the batch is only how many programs share a sequen
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from radixlm.kernels.host_copy import to_device
@@ -49,10 +51,11 @@ class TritonAttention(AttentionBackend):
     def __init__(self, scale: float, num_splits: int | None = None,
                  decode_config: ta.DecodeConfig | None = None,
                  extend_config: ta.ExtendConfig | None = None,
-                 deterministic: bool = False) -> None:
+                 deterministic: bool = False, fp8_qk: bool = False) -> None:
         """num_splits fixes the decode KV split count, and the configs the kernels' tiles
         (tests, tuning); None picks them per step from the shapes. In deterministic mode
-        num_splits fixes the decode workers per sequence instead (tests)."""
+        num_splits fixes the decode workers per sequence instead (tests). fp8_qk: decode
+        multiplies q.k in float8 over an e4m3 cache (DecodeConfig.fp8_qk)."""
         if _IMPORT_ERROR is not None:
             raise ImportError("attention_backend='triton' needs the triton package "
                               f"(pip install triton): {_IMPORT_ERROR}") from _IMPORT_ERROR
@@ -61,6 +64,7 @@ class TritonAttention(AttentionBackend):
         self.fixed_decode_cfg = decode_config
         self.fixed_extend_cfg = extend_config
         self.deterministic = deterministic
+        self.fp8_qk = fp8_qk
         self.max_splits = 1  # deterministic decode: the workspace's splits per sequence
         self._num_sms: dict[torch.device, int] = {}
 
@@ -74,8 +78,7 @@ class TritonAttention(AttentionBackend):
             q_starts[i] = q_starts[i - 1] + q_lens[i - 1]
         decode = [i for i, n in enumerate(q_lens) if n == 1]
         extend = [i for i, n in enumerate(q_lens) if n > 1]
-        self.decode_cfg = self.fixed_decode_cfg or ta.decode_config(dtype, head_dim)
-        self.extend_cfg = self.fixed_extend_cfg or ta.extend_config(dtype, head_dim)
+        self._choose_configs(dtype, head_dim)
         block_m = ia.BLOCK_TOKENS if self.deterministic else self.extend_cfg.block_m
         block_rows, block_m0 = ta.extend_blocks(q_lens, extend, block_m)
         self.num_splits = 1
@@ -142,11 +145,15 @@ class TritonAttention(AttentionBackend):
         self._graph_rows = torch.arange(max(batch_sizes), dtype=torch.int64, device=device)
         self._graph_none = torch.zeros(0, dtype=torch.int64, device=device)
 
+    def _choose_configs(self, dtype: torch.dtype, head_dim: int) -> None:
+        decode = self.fixed_decode_cfg or ta.decode_config(dtype, head_dim)
+        self.decode_cfg = dataclasses.replace(decode, fp8_qk=True) if self.fp8_qk else decode
+        self.extend_cfg = self.fixed_extend_cfg or ta.extend_config(dtype, head_dim)
+
     def plan_cuda_graph(self, batch: ForwardBatch, kv_lens: torch.Tensor) -> None:
         num = len(batch.q_lens)
         dtype, head_dim = batch.kv_cache.dtype, batch.kv_cache.k.shape[-1]
-        self.decode_cfg = self.fixed_decode_cfg or ta.decode_config(dtype, head_dim)
-        self.extend_cfg = self.fixed_extend_cfg or ta.extend_config(dtype, head_dim)
+        self._choose_configs(dtype, head_dim)
         self.num_splits = self._graph_splits[num]
         self.max_splits = self._graph_max_splits
         self.kv_lens = kv_lens

@@ -62,6 +62,10 @@ class EngineConfig:
     # the KV, at a small cost in accuracy (docs/performance.md). Scales: the checkpoint's
     # k_scale / v_scale per layer where it has them, else 1.0.
     kv_cache_dtype: str = "auto"
+    # Decode attention over an fp8_e4m3 cache multiplies q.k in float8 on the tensor cores
+    # (CUDA, triton backend): each head's query is rounded to e4m3 and K is never widened.
+    # Faster decode at batch, a small cost in accuracy (docs/attention.md, "Float8 q.k").
+    fp8_attention: bool = False
     kv_cache_memory_fraction: float = 0.5
     # Longest prompt + completion; None takes the model's own limit, clipped to the pool.
     max_model_len: int | None = None
@@ -229,7 +233,7 @@ class EngineConfig:
             raise ValueError(f"tp_timeout must be a positive number of seconds, "
                              f"got {self.tp_timeout!r}")
         for name in ("disable_radix_cache", "disable_cuda_graph", "disable_cpu_kernel",
-                     "deterministic"):
+                     "deterministic", "fp8_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
@@ -256,6 +260,8 @@ class EngineConfig:
             raise ValueError("attention_backend 'flashinfer' cannot run deterministic=True: its "
                              "kernels split a query's keys by batch and chunk; use 'triton' "
                              "(or 'auto')")
+        if self.fp8_attention:
+            self._check_fp8_attention()
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(f"max_total_tokens ({self.max_total_tokens}) must hold at least one "
                              f"page of {self.page_size} tokens")
@@ -303,6 +309,18 @@ class EngineConfig:
                      "only"),
                     (self.speculative is not None, "speculative decoding: the draft model's "
                      "KV is not stored")))
+
+    def _check_fp8_attention(self) -> None:
+        if self.kv_cache_dtype != "fp8_e4m3":
+            raise ValueError("fp8_attention multiplies the query by an e4m3 cache's keys: it "
+                             f"needs kv_cache_dtype 'fp8_e4m3', not {self.kv_cache_dtype!r}")
+        if self.attention_backend not in ("auto", "triton"):
+            raise ValueError("fp8_attention runs in our Triton decode kernel: it needs "
+                             f"attention_backend 'triton' (or 'auto'), not "
+                             f"{self.attention_backend!r}")
+        if self.deterministic:
+            raise ValueError("fp8_attention is not available with deterministic=True: the "
+                             "batch-invariant decode kernel widens the cache")
 
     def deterministic_on(self, device: torch.device) -> bool:
         """Whether an engine on `device` runs the batch-invariant kernels: deterministic=True

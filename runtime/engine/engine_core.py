@@ -61,7 +61,8 @@ class EngineCore:
         self.max_model_len = max_model_len(config, mc, num_pages * config.page_size)
         attn = create_backend(config.attention_backend, scale=mc.head_dim ** -0.5,
                               device=device, dtype=dtype, head_dim=mc.head_dim,
-                              deterministic=config.deterministic_on(device))
+                              deterministic=config.deterministic_on(device),
+                              fp8_attention=config.fp8_attention)
         graphs = uses_decode_graphs(config, device, attn)
         setup = ExecutionSetup(config, loaded, device, dtype, num_pages, self.max_model_len,
                                graphs)

@@ -127,7 +127,8 @@ class ExecutionSetup:
             dc = draft.config
             attn = create_backend(config.attention_backend, scale=dc.head_dim ** -0.5,
                                   device=device, dtype=dtype, head_dim=dc.head_dim,
-                                  deterministic=self.deterministic)
+                                  deterministic=self.deterministic,
+                                  fp8_attention=config.fp8_attention)
             if self.deterministic:  # its proposals feed the sampled acceptance rule
                 draft.model.use_batch_invariant(True)
             # Same slots as the target's pool (scratch page included): see draft_model.

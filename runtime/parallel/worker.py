@@ -130,7 +130,8 @@ def serve(rank: int, world_size: int, local_rank: int) -> None:
     if deterministic:
         model.use_batch_invariant(True)
     attn = create_backend(config.attention_backend, scale=mc.head_dim ** -0.5, device=device,
-                          dtype=dtype, head_dim=mc.head_dim, deterministic=deterministic)
+                          dtype=dtype, head_dim=mc.head_dim, deterministic=deterministic,
+                          fp8_attention=config.fp8_attention)
     # The same adapters as rank 0's, this rank's share of each (after the KV pool, as
     # rank 0 sized it with the slots already allocated).
     lora = (None if start["lora"] is None
