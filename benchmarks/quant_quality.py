@@ -18,7 +18,8 @@ Configurations: fp32; bf16; fp8 (W8A8, per-channel weights, per-token activation
 written by `radixlm quantize` and loaded back from disk); float weights with a float8 KV
 cache (`kv_cache_dtype`: every token attends through the rounded K and V), also with the
 attention's products in float8 as a float8 tensor-core kernel would compute them
-(FP8_ATTENTION, emulated on the torch backend); and float weights whose linears' inputs are
+(FP8_ATTENTION, emulated on the torch backend), or only q.k in float8 as our decode kernel's
+fp8_qk path computes it (FP8_QK); and float weights whose linears' inputs are
 rounded to int8 per group of 32 or 256, as llama.cpp's integer dot products round them
 (INT8_ACTIVATIONS). Activations are
 float32 except for bf16 (and fp8's quantized products) and the CPU paths: the GGUF file's own
@@ -92,12 +93,15 @@ INT8_ACTIVATIONS = {"fp32, int8 activations /32": 32, "fp32, int8 activations /2
 CONFIGS |= {name: (torch.float32, None, None) for name in INT8_ACTIVATIONS}
 # Float weights and a float8 KV cache whose attention multiplies in float8 as well, as a
 # float8 tensor-core kernel would (FP8_ATTENTION below): emulated on the torch backend.
+# "fp8 q.k": only q.k in float8, the probabilities and V in 16 bits, as the Triton decode
+# kernel's fp8_qk path (EngineConfig.fp8_attention) computes it.
 FP8_ATTENTION = ("fp32, fp8_e4m3 KV, fp8 attention", "bf16, fp8_e4m3 KV, fp8 attention")
-CONFIGS |= {"fp32, fp8_e4m3 KV, fp8 attention": (torch.float32, None, None),
-            "bf16, fp8_e4m3 KV, fp8 attention": (torch.bfloat16, "none", None)}
+FP8_QK = ("fp32, fp8_e4m3 KV, fp8 q.k", "bf16, fp8_e4m3 KV, fp8 q.k")
+CONFIGS |= {name: (torch.float32, None, None) if name.startswith("fp32")
+            else (torch.bfloat16, "none", None) for name in FP8_ATTENTION + FP8_QK}
 KV_CACHE = {"fp32, fp8_e4m3 KV": torch.float8_e4m3fn, "fp32, fp8_e5m2 KV": torch.float8_e5m2,
             "bf16, fp8_e4m3 KV": torch.float8_e4m3fn,
-            **{name: torch.float8_e4m3fn for name in FP8_ATTENTION}}
+            **{name: torch.float8_e4m3fn for name in FP8_ATTENTION + FP8_QK}}
 # The probabilities are scaled by this power of two before their rounding to e4m3 (and the
 # sum divided by it after): exp(s - max) lies in (0, 1], and e4m3's normal range starts at
 # 2^-6, below which small probabilities keep few bits or none. Measured, it changes little
@@ -135,12 +139,12 @@ def e4m3(x: torch.Tensor) -> torch.Tensor:
 
 def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   visible: torch.Tensor | None, scale: float,
-                  p_scale: float = P_SCALE) -> torch.Tensor:
+                  p_scale: float | None = P_SCALE) -> torch.Tensor:
     """Attention as a float8 tensor-core kernel would compute it over a float8 cache: q
     [B, H, Q, D] rounded to e4m3 per row (scale: the row's max |q| / 448) and multiplied by
     the keys (k, v [B, Hkv, L, D]: the cache's e4m3 values) with float32 sums; the softmax in
     float32; each row's probabilities exp(s - max) times p_scale rounded to e4m3 before their
-    product with V, their sum taken before the rounding. `visible` (broadcastable to
+    product with V, their sum taken before the rounding (p_scale None: not rounded). `visible` (broadcastable to
     [B, H, Q, L]) or, None, causal. The row max is the whole row's, where a kernel keeps a
     running one per key tile: the same rounding for every tile at or after the row's
     largest score, the normal range's same relative step before it."""
@@ -156,12 +160,14 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             kv_len - q_len)
     scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.exp(scores - scores.amax(-1, keepdim=True))
+    if p_scale is None:
+        return torch.matmul(probs, values) / probs.sum(-1, keepdim=True)
     rounded = e4m3(probs * p_scale)
     return torch.matmul(rounded, values) / (p_scale * probs.sum(-1, keepdim=True))
 
 
 @contextlib.contextmanager
-def emulated_fp8_attention(p_scale: float):
+def emulated_fp8_attention(p_scale: float | None):
     """The torch backend's prefill (SDPA) and decode products through fp8_attention while
     the block runs (no softcap: not the default model's)."""
     def sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
@@ -232,9 +238,10 @@ def main() -> None:
             attn = create_backend(args.attention_backend, model.config.head_dim ** -0.5,
                                   device)
             start = time.perf_counter()
-            if name in FP8_ATTENTION and args.attention_backend != "torch":
+            if name in FP8_ATTENTION + FP8_QK and args.attention_backend != "torch":
                 raise SystemExit(f"{name!r} is emulated on the torch attention backend")
             with (emulated_fp8_attention(args.fp8_p_scale) if name in FP8_ATTENTION
+                  else emulated_fp8_attention(None) if name in FP8_QK
                   else contextlib.nullcontext()):
                 logprobs, top1 = sequence_scores(model, heldout, KV_CACHE.get(name), attn,
                                                  args.one_token_steps)
