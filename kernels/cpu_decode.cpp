@@ -336,6 +336,26 @@ inline void transpose16(__m512i (&w)[16]) {
   }
   for (int m = 0; m < 16; ++m) w[m] = t[m];
 }
+#elif defined(__AVX2__)
+// The same for 8 rows of 8 words in 256-bit registers (AVX2 without AVX-512).
+inline void transpose8(__m256i (&w)[8]) {
+  __m256i t[8];
+  for (int i = 0; i < 8; i += 2) {  // 128-bit lane k: row i's words 4k.. with row i + 1's
+    t[i] = _mm256_unpacklo_epi32(w[i], w[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(w[i], w[i + 1]);
+  }
+  for (int g = 0; g < 8; g += 4) {  // w[g + c]'s lane k: word 4k + c of rows g .. g + 3
+    w[g] = _mm256_unpacklo_epi64(t[g], t[g + 2]);
+    w[g + 1] = _mm256_unpackhi_epi64(t[g], t[g + 2]);
+    w[g + 2] = _mm256_unpacklo_epi64(t[g + 1], t[g + 3]);
+    w[g + 3] = _mm256_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // rows 0..3 from w[c], 4..7 from w[4 + c]: lane 0, then 1
+    t[c] = _mm256_permute2x128_si256(w[c], w[4 + c], 0x20);      // word c
+    t[4 + c] = _mm256_permute2x128_si256(w[c], w[4 + c], 0x31);  // word 4 + c
+  }
+  for (int m = 0; m < 8; ++m) w[m] = t[m];
+}
 #endif
 
 // keys[d * 16 + l] = float32 of dimension d of the key at element offset rows[l] of cache
@@ -395,6 +415,32 @@ void transposed_keys(const A* cache, const int64_t* rows, int64_t count, int64_t
     }
     return;
   }
+#elif defined(__AVX2__)
+  constexpr int64_t PER_WORD = sizeof(A) == 2 ? 2 : 1;
+  if ((head_dim / PER_WORD) % 8 == 0) {  // 8 words of 8 positions at a time, two halves
+    const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u));
+    for (int64_t w0 = 0; w0 < head_dim / PER_WORD; w0 += 8) {
+      for (int64_t half = 0; half < 16; half += 8) {
+        __m256i w[8];
+        for (int64_t l = 0; l < 8; ++l) {
+          w[l] = half + l < count ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                        cache + rows[half + l] + w0 * PER_WORD))
+                                  : _mm256_setzero_si256();
+        }
+        transpose8(w);
+        for (int64_t m = 0; m < 8; ++m) {
+          float* k = keys + (w0 + m) * PER_WORD * 16 + half;
+          if constexpr (sizeof(A) == 2) {  // dimension 2 m (the low half), then 2 m + 1
+            _mm256_storeu_ps(k, _mm256_castsi256_ps(_mm256_slli_epi32(w[m], 16)));
+            _mm256_storeu_ps(k + 16, _mm256_castsi256_ps(_mm256_and_si256(w[m], high)));
+          } else {
+            _mm256_storeu_ps(k, _mm256_castsi256_ps(w[m]));
+          }
+        }
+      }
+    }
+    return;
+  }
 #endif
   for (int64_t l = 0; l < 16; ++l) {
     for (int64_t d = 0; d < head_dim; ++d) {
@@ -409,6 +455,12 @@ inline radixlm_cpu::Vec load16(const BFloat16* p) {
 #if defined(__AVX512F__)
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16))};
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)  // Vec's two halves
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i lo = _mm256_cvtepu16_epi32(_mm256_castsi256_si128(bits));
+  const __m256i hi = _mm256_cvtepu16_epi32(_mm256_extracti128_si256(bits, 1));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)),
+          _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))};
 #else
   float f[16];
   for (int l = 0; l < 16; ++l) f[l] = to_f(p[l]);
