@@ -56,6 +56,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -746,6 +747,18 @@ void for_each_block(int64_t rows, int64_t tiles, int64_t k_in, int64_t chunk,
     for (; t + T <= t_end; t += T) tile_block(Int<T>{}, t);
     for (; t < t_end; ++t) tile_block(Int<1>{}, t);
   };
+  if (rows > 8) {
+    // Threads take the small tasks as they finish them (a shared counter), rather than an
+    // equal share each: a thread slowed by its core's other work (a virtual machine's
+    // neighbours, the Python thread) then no longer leaves the other waiting at the end.
+    // Which thread runs a tile changes no sum.
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      for (int64_t u = next.fetch_add(1); u < units; u = next.fetch_add(1))
+        tiles_of(Int<8>{}, u * per_task, std::min((u + 1) * per_task, tiles));
+    });
+    return;
+  }
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     const int64_t t_begin = begin * per_task;
     const int64_t t_end = std::min(end * per_task, tiles);
