@@ -144,10 +144,10 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     [B, H, Q, D] rounded to e4m3 per row (scale: the row's max |q| / 448) and multiplied by
     the keys (k, v [B, Hkv, L, D]: the cache's e4m3 values) with float32 sums; the softmax in
     float32; each row's probabilities exp(s - max) times p_scale rounded to e4m3 before their
-    product with V, their sum taken before the rounding (p_scale None: not rounded). `visible` (broadcastable to
-    [B, H, Q, L]) or, None, causal. The row max is the whole row's, where a kernel keeps a
-    running one per key tile: the same rounding for every tile at or after the row's
-    largest score, the normal range's same relative step before it."""
+    product with V, their sum taken before the rounding (p_scale None: not rounded).
+    `visible` (broadcastable to [B, H, Q, L]) or, None, causal. The row max is the whole
+    row's, where a kernel keeps a running one per key tile: the same rounding for every tile
+    at or after the row's largest score, the normal range's same relative step before it."""
     group = q.shape[1] // k.shape[1]
     q = q.float()
     q_scale = (q.abs().amax(-1, keepdim=True) / 448).clamp(min=1e-12)

@@ -540,23 +540,6 @@ void dense_block(const float* x, int64_t k_in, int64_t k_begin, int64_t k_end,
 // per row and group, for codes read unsigned. A group's int32 sums
 // are exact; widened to float32 (rounded only past 2^24) and times mult (a power of two),
 // they take the float32 sums' place.
-#if !defined(__AVXVNNI__)
-// sum + vpmaddwd(c, the int16 pair at `pair` in every lane), as one asm statement. Written
-// as intrinsics, GCC hoisted a step's R broadcasts ahead of their products, ran out of the
-// 16 registers and kept some of the running sums on the stack: a store and a load around
-// each add, a loop-carried chain through memory that bounded the loop (a third of the
-// multiply rate, measured on a Zen 4 without AVX-512). Integer sums: the same bits.
-inline __m256i madd_pair(__m256i sum, __m256i c, const uint16_t* pair) {
-  __m256i product;
-  asm("vpbroadcastd %[pair], %[product]\n\t"
-      "vpmaddwd %[c], %[product], %[product]\n\t"
-      "vpaddd %[product], %[sum], %[sum]"
-      : [sum] "+x"(sum), [product] "=&x"(product)
-      : [c] "x"(c), [pair] "m"(*reinterpret_cast<const int32_t*>(pair)));
-  return sum;
-}
-#endif
-
 template <int T, int R, int HB, bool DS>
 void planes_block_pairs(const uint16_t* x, const float* mult, const int32_t* qsum,
                         const float* xsum, int64_t k_in, int64_t group, int64_t k_begin,

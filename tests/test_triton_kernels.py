@@ -541,15 +541,10 @@ def test_kernel_under_interpreter(interpreter_results, case):
 # -- what the CUDA-only paths compile to (PTX for sm_90, no GPU needed) ----------------------
 
 
-def test_e4m3_v_pairs_come_back_by_transposing_loads_and_widen_by_conversion():
-    """The decode kernel's float8 V under a bf16 query on CUDA (V_PAIRS with V_CVT): the V
-    tile leaves shared memory by 16-bit transposing matrix loads, never a byte at a time, and
-    its e4m3 pairs are widened by the pairwise conversion instruction (one a pair, as many as
-    for K), not integer ops. This is what makes the path fast (docs/attention.md); the
-    interpreter cannot run the instruction, so the GPU tests check its values."""
-    import re
-
-    pytest.importorskip("triton.backends.nvidia")
+def e4m3_decode_ptx(**constants) -> str:
+    """The decode kernel's PTX for sm_90 over an e4m3 cache under a bf16 query, V read as
+    pairs widened by the conversion instruction (the CUDA default), 128-key tiles, 4 warps,
+    3 stages; `constants` adds DIRECT and FP8_QK."""
     from sm90_ptx import ptx_for_sm90
 
     from radixlm.kernels.triton_decode import decode_split_kernel
@@ -559,13 +554,25 @@ def test_e4m3_v_pairs_come_back_by_transposing_loads_and_widen_by_conversion():
                  "slot_table_ptr": "*i64", "kv_lens_ptr": "*i32", "seq_rows_ptr": "*i32",
                  "q_rows_ptr": "*i32", "score_mul": "fp32", "cap_mul": "fp32",
                  "out_mul": "fp32"}
-    constants = dict(GROUP=4, HEAD_DIM=128, BLOCK_H=16, BLOCK_D=128, BLOCK_N=128, DIRECT=True,
+    constants = dict(GROUP=4, HEAD_DIM=128, BLOCK_H=16, BLOCK_D=128, BLOCK_N=128,
                      SOFTCAP=False, DOT_PRECISION="tf32", WIDEN_FP16=True, V_PAIRS=True,
-                     V_E4M3=True, V_CVT=True, FP8_QK=False, PDL=True)
+                     V_E4M3=True, V_CVT=True, PDL=True) | constants
     aligned = [name for name in decode_split_kernel.arg_names
                if name.endswith("_ptr") or name.startswith("stride")]
-    ptx = ptx_for_sm90(decode_split_kernel, signature, constants, aligned, num_warps=4,
-                       num_stages=3)
+    return ptx_for_sm90(decode_split_kernel, signature, constants, aligned, num_warps=4,
+                        num_stages=3)
+
+
+def test_e4m3_v_pairs_come_back_by_transposing_loads_and_widen_by_conversion():
+    """The decode kernel's float8 V under a bf16 query on CUDA (V_PAIRS with V_CVT): the V
+    tile leaves shared memory by 16-bit transposing matrix loads, never a byte at a time, and
+    its e4m3 pairs are widened by the pairwise conversion instruction (one a pair, as many as
+    for K), not integer ops. This is what makes the path fast (docs/attention.md); the
+    interpreter cannot run the instruction, so the GPU tests check its values."""
+    import re
+
+    pytest.importorskip("triton.backends.nvidia")
+    ptx = e4m3_decode_ptx(DIRECT=True, FP8_QK=False)
     assert re.search(r"ldmatrix\.sync\.aligned\.\S*trans", ptx)
     assert not re.search(r"ld\.shared\.[usb]8", ptx), "V read from shared memory byte by byte"
     # K's widening (128 keys x 128 dims / 2 per instruction / 128 threads) and V's, alike
@@ -579,24 +586,9 @@ def test_fp8_qk_multiplies_in_float8_on_warpgroup_tensor_cores():
     import re
 
     pytest.importorskip("triton.backends.nvidia")
-    from sm90_ptx import ptx_for_sm90
-
-    from radixlm.kernels.triton_decode import decode_split_kernel
-
-    signature = {"q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*i16",
-                 "out_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
-                 "slot_table_ptr": "*i64", "kv_lens_ptr": "*i32", "seq_rows_ptr": "*i32",
-                 "q_rows_ptr": "*i32", "score_mul": "fp32", "cap_mul": "fp32",
-                 "out_mul": "fp32"}
-    aligned = [name for name in decode_split_kernel.arg_names
-               if name.endswith("_ptr") or name.startswith("stride")]
     conversions = {}
     for fp8_qk in (False, True):
-        constants = dict(GROUP=4, HEAD_DIM=128, BLOCK_H=16, BLOCK_D=128, BLOCK_N=128,
-                         DIRECT=False, SOFTCAP=False, DOT_PRECISION="tf32", WIDEN_FP16=True,
-                         V_PAIRS=True, V_E4M3=True, V_CVT=True, FP8_QK=fp8_qk, PDL=True)
-        ptx = ptx_for_sm90(decode_split_kernel, signature, constants, aligned, num_warps=4,
-                           num_stages=3)
+        ptx = e4m3_decode_ptx(DIRECT=False, FP8_QK=fp8_qk)
         conversions[fp8_qk] = ptx.count("cvt.rn.f16x2.e4m3x2")
         e4m3_mma = re.findall(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx)
         assert bool(e4m3_mma) == fp8_qk, e4m3_mma
