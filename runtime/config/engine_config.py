@@ -64,7 +64,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # Decode attention over an fp8_e4m3 cache multiplies q.k in float8 on the tensor cores
     # (CUDA, triton backend): each head's query is rounded to e4m3 and K is never widened.
-    # Faster decode at batch, a small cost in accuracy (docs/attention.md, "Float8 q.k").
+    # Meant for faster batched decode (its speed is not yet measured); a small cost in
+    # accuracy (docs/attention.md, "Float8 q.k").
     fp8_attention: bool = False
     kv_cache_memory_fraction: float = 0.5
     # Longest prompt + completion; None takes the model's own limit, clipped to the pool.
