@@ -397,25 +397,32 @@ struct Bases {
   int64_t block = -1;
 };
 
+// Group g's constants for the block's tile t: its planes' scales (the high plane's second)
+// and, returned, its zeros. DS: the scales hold the low plane's only, the high plane's being
+// 16 times it (computed here: exact, so the sums are those of the stored form). The bases of
+// int8 codes are widened once per block of groups (per_base of them), not once per group.
+template <int T, int P, bool DS>
+inline Vec group_constants(const GroupConstants& c, Bases<T>& bases, int t, int64_t g,
+                           Vec (&scale)[P]) {
+  if (c.codes != nullptr && g / c.per_base != bases.block) {
+    bases.block = g / c.per_base;
+    for (int u = 0; u < T; ++u) c.bases(u, g, &bases.scale[u], &bases.min[u]);
+  }
+  scale[0] = c.scale(t, g, 0, bases.scale[t]);
+  if constexpr (P == 2) {
+    scale[1] = DS ? Vec::zero().fma(scale[0], Vec::fill(16.f)) : c.scale(t, g, 1, bases.scale[t]);
+  }
+  return c.zero(t, g, scale[0], bases.min[t]);
+}
+
 // Adds group g's results to the sums: acc += part_p * scale_p for the high plane (p = 1),
-// then the low one (p = 0), then acc += zero * xsum. DS: the scales hold the low plane's
-// only, the high plane's being 16 times it (computed here: exact, so the sums are those of
-// the stored form).
+// then the low one (p = 0), then acc += zero * xsum.
 template <int T, int R, int P, bool DS, typename Part>
 inline void add_group(Vec (&acc)[T][R], int64_t g, const Part& part, const GroupConstants& c,
                       Bases<T>& bases, const float* xsum, int64_t groups) {
-  if (c.codes != nullptr && g / c.per_base != bases.block) {
-    bases.block = g / c.per_base;
-    for (int t = 0; t < T; ++t) c.bases(t, g, &bases.scale[t], &bases.min[t]);
-  }
   for (int t = 0; t < T; ++t) {
     Vec scale[P];
-    scale[0] = c.scale(t, g, 0, bases.scale[t]);
-    const Vec zero = c.zero(t, g, scale[0], bases.min[t]);
-    if constexpr (P == 2) {
-      scale[1] = DS ? Vec::zero().fma(scale[0], Vec::fill(16.f))
-                    : c.scale(t, g, 1, bases.scale[t]);
-    }
+    const Vec zero = group_constants<T, P, DS>(c, bases, t, g, scale);
     for (int r = 0; r < R; ++r) {
       if constexpr (P == 2) acc[t][r] = acc[t][r].fma(part(t, 1, r), scale[1]);  // high first
       acc[t][r] = acc[t][r].fma(part(t, 0, r), scale[0]);
@@ -853,85 +860,140 @@ inline __m256i madd_pair(__m256i sum, __m256i c, const uint16_t* pair) {
 }
 #endif
 
+// Group g's integer sums on half h (lanes 8h..8h+7) of the block's tiles: sum[t][p][r],
+// each starting at minus the codes' offset times the row's inputs' sum (exact int32).
+template <int T, int R, int HB>
+inline void half_group_sums(const uint16_t* x, const int32_t* qsum, int64_t groups,
+                            int64_t group, int64_t g, int h, const PlaneTiles& pw,
+                            __m256i (&sum)[T][summed_planes<HB>()][R]) {
+  constexpr int P = summed_planes<HB>();
+  constexpr int BITS = plane_bits<HB>();  // of the high plane
+  constexpr bool JOINED = HB == 1 || HB == 2 || HB == 8;
+  constexpr int OFFSET = JOINED ? 136 : 8;  // Vec::joined's and Vec::nibble's
+  const __m256i nibbles = _mm256_set1_epi16(0x000F);
+  const __m256i high_bits = _mm256_set1_epi16(static_cast<int16_t>(((1 << BITS) - 1) << 4));
+  for (int r = 0; r < R; ++r) {
+    const __m256i start = _mm256_set1_epi32(-OFFSET * qsum[r * groups + g]);
+    for (int t = 0; t < T; ++t)
+      for (int p = 0; p < P; ++p) sum[t][p][r] = start;
+  }
+  for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 8) {
+    __m256i w[T][2];
+    for (int t = 0; t < T; ++t) {
+      w[t][0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+          pw.codes + t * pw.tile_codes + (k0 / 8) * LANES + 8 * h));
+      if constexpr (HB > 0) {
+        int shift;
+        w[t][1] = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(hi_word<BITS>(pw, t, k0, &shift) + 8 * h));
+        // JOINED: the pair k0, k0 + 1's high bits to bit 0 of each 16-bit lane
+        if constexpr (JOINED) w[t][1] = _mm256_srl_epi16(w[t][1], _mm_cvtsi32_si128(shift));
+      }
+    }
+    for (int i = 0; i < 4; ++i) {
+      __m256i c[T][P];
+      for (int t = 0; t < T; ++t) {
+        c[t][0] = _mm256_and_si256(_mm256_srli_epi16(w[t][0], 4 * i), nibbles);
+        if constexpr (JOINED) {
+          const int hs = BITS * i;  // pair i's high bits, to bits 4..
+          const __m256i top = hs <= 4 ? _mm256_slli_epi16(w[t][1], 4 - hs)
+                                      : _mm256_srli_epi16(w[t][1], hs - 4);
+          c[t][0] = _mm256_or_si256(c[t][0], _mm256_and_si256(top, high_bits));
+        }
+        if constexpr (HB == 4) {
+          c[t][1] = _mm256_and_si256(_mm256_srli_epi16(w[t][1], 4 * i), nibbles);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const uint16_t* pair = x + (k0 + 2 * i) * R + 2 * r;
+#if defined(__AVXVNNI__)
+        int32_t bits;
+        std::memcpy(&bits, pair, sizeof(bits));
+        const __m256i xs = _mm256_set1_epi32(bits);
+        for (int t = 0; t < T; ++t)
+          for (int p = 0; p < P; ++p)
+            sum[t][p][r] = _mm256_dpwssd_avx_epi32(sum[t][p][r], c[t][p], xs);
+#else
+        for (int t = 0; t < T; ++t)
+          for (int p = 0; p < P; ++p) sum[t][p][r] = madd_pair(sum[t][p][r], c[t][p], pair);
+#endif
+      }
+    }
+  }
+}
+
+// A group's exact integer sum as float32 (rounded only past 2^24), times mult (a power of two)
+inline __m256 widened(__m256i sum, __m256 mult) {
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(sum), mult);
+}
+
 template <int T, int R, int HB, bool DS>
 void planes_block_pairs(const uint16_t* x, const float* mult, const int32_t* qsum,
                         const float* xsum, int64_t k_in, int64_t group, int64_t k_begin,
                         int64_t k_end, const PlaneTiles& pw, float* out, int64_t out_stride) {
   constexpr int P = summed_planes<HB>();
-  constexpr int BITS = plane_bits<HB>();  // of the high plane
-  constexpr bool JOINED = HB == 1 || HB == 2 || HB == 8;
-  constexpr int OFFSET = JOINED ? 136 : 8;  // Vec::joined's and Vec::nibble's
   const int64_t groups = k_in / group;
-  const __m256i nibbles = _mm256_set1_epi16(0x000F);
-  const __m256i high_bits = _mm256_set1_epi16(static_cast<int16_t>(((1 << BITS) - 1) << 4));
-  Vec acc[T][R];
-  load_sums(acc, k_begin == 0, out, out_stride);
+  const int64_t g_begin = k_begin / group, g_end = k_end / group;
   Bases<T> bases;
-  for (int64_t g = k_begin / group; g < k_end / group; ++g) {
-    Vec part[T][P][R];
-    for (int h = 0; h < 2; ++h) {
-      __m256i sum[T][P][R];
-      for (int t = 0; t < T; ++t)
-        for (int p = 0; p < P; ++p)
-          for (int r = 0; r < R; ++r) sum[t][p][r] = _mm256_setzero_si256();
-      for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 8) {
-        __m256i w[T][2];
-        for (int t = 0; t < T; ++t) {
-          w[t][0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-              pw.codes + t * pw.tile_codes + (k0 / 8) * LANES + 8 * h));
-          if constexpr (HB > 0) {
-            int shift;
-            w[t][1] = _mm256_loadu_si256(
-                reinterpret_cast<const __m256i*>(hi_word<BITS>(pw, t, k0, &shift) + 8 * h));
-            // JOINED: the pair k0, k0 + 1's high bits to bit 0 of each 16-bit lane
-            if constexpr (JOINED) w[t][1] = _mm256_srl_epi16(w[t][1], _mm_cvtsi32_si128(shift));
-          }
-        }
-        for (int i = 0; i < 4; ++i) {
-          __m256i c[T][P];
-          for (int t = 0; t < T; ++t) {
-            c[t][0] = _mm256_and_si256(_mm256_srli_epi16(w[t][0], 4 * i), nibbles);
-            if constexpr (JOINED) {
-              const int hs = BITS * i;  // pair i's high bits, to bits 4..
-              const __m256i top = hs <= 4 ? _mm256_slli_epi16(w[t][1], 4 - hs)
-                                          : _mm256_srli_epi16(w[t][1], hs - 4);
-              c[t][0] = _mm256_or_si256(c[t][0], _mm256_and_si256(top, high_bits));
-            }
-            if constexpr (HB == 4) {
-              c[t][1] = _mm256_and_si256(_mm256_srli_epi16(w[t][1], 4 * i), nibbles);
-            }
-          }
-          for (int r = 0; r < R; ++r) {
-            const uint16_t* pair = x + (k0 + 2 * i) * R + 2 * r;
-#if defined(__AVXVNNI__)
-            int32_t bits;
-            std::memcpy(&bits, pair, sizeof(bits));
-            const __m256i xs = _mm256_set1_epi32(bits);
-            for (int t = 0; t < T; ++t)
-              for (int p = 0; p < P; ++p)
-                sum[t][p][r] = _mm256_dpwssd_avx_epi32(sum[t][p][r], c[t][p], xs);
-#else
-            for (int t = 0; t < T; ++t)
-              for (int p = 0; p < P; ++p) sum[t][p][r] = madd_pair(sum[t][p][r], c[t][p], pair);
-#endif
-          }
+  if constexpr (R < 4) {
+    // Few rows: both halves' float32 sums stay in registers, and each group's constants are
+    // read once for both halves.
+    Vec acc[T][R];
+    load_sums(acc, k_begin == 0, out, out_stride);
+    for (int64_t g = g_begin; g < g_end; ++g) {
+      Vec part[T][P][R];
+      for (int h = 0; h < 2; ++h) {
+        __m256i sum[T][P][R];
+        half_group_sums<T, R, HB>(x, qsum, groups, group, g, h, pw, sum);
+        for (int r = 0; r < R; ++r) {
+          const __m256 m = _mm256_set1_ps(mult[r * groups + g]);
+          for (int t = 0; t < T; ++t)
+            for (int p = 0; p < P; ++p)
+              (h == 0 ? part[t][p][r].lo : part[t][p][r].hi) = widened(sum[t][p][r], m);
         }
       }
-      for (int r = 0; r < R; ++r) {
-        const __m256i offset = _mm256_set1_epi32(OFFSET * qsum[r * groups + g]);
-        const __m256 m = _mm256_set1_ps(mult[r * groups + g]);
-        for (int t = 0; t < T; ++t)
-          for (int p = 0; p < P; ++p) {
-            const __m256i exact = _mm256_sub_epi32(sum[t][p][r], offset);
-            const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(exact), m);
-            (h == 0 ? part[t][p][r].lo : part[t][p][r].hi) = scaled;
-          }
+      add_group<T, R, P, DS>(acc, g, [&](int t, int p, int r) { return part[t][p][r]; },
+                             pw.constants, bases, xsum, groups);
+    }
+    store_sums(acc, out, out_stride);
+    return;
+  }
+  // Many rows: one half at a time over all of the block's groups, its float32 sums in
+  // memory (in the L1 cache), read and written once a group: the 16 registers then hold the
+  // integer sums, the codes and the products. (With both halves' float sums held across the
+  // inner loop, nothing was left for them: spilled, a third of the time went outside it.)
+  // In a buffer of their own rather than in out, whose rows can lie a multiple of 4 KB
+  // apart: each row's load would then wait on the row before's store (4K aliasing).
+  alignas(32) float acc[T][R][8];
+  for (int h = 0; h < 2; ++h) {
+    for (int t = 0; t < T; ++t)
+      for (int r = 0; r < R; ++r)
+        _mm256_store_ps(acc[t][r], k_begin == 0 ? _mm256_setzero_ps()
+                                                : _mm256_loadu_ps(out + r * out_stride +
+                                                                  t * LANES + 8 * h));
+    for (int64_t g = g_begin; g < g_end; ++g) {
+      __m256i sum[T][P][R];
+      half_group_sums<T, R, HB>(x, qsum, groups, group, g, h, pw, sum);
+      // add_group's steps on this half's lanes: the high plane's part first
+      for (int t = 0; t < T; ++t) {
+        Vec scale[P];
+        const Vec zero = group_constants<T, P, DS>(pw.constants, bases, t, g, scale);
+        __m256 s[P];
+        for (int p = 0; p < P; ++p) s[p] = h == 0 ? scale[p].lo : scale[p].hi;
+        const __m256 z = h == 0 ? zero.lo : zero.hi;
+        for (int r = 0; r < R; ++r) {
+          const __m256 m = _mm256_set1_ps(mult[r * groups + g]);
+          __m256 a = _mm256_load_ps(acc[t][r]);
+          for (int p = P - 1; p >= 0; --p) a = _mm256_fmadd_ps(widened(sum[t][p][r], m), s[p], a);
+          a = _mm256_fmadd_ps(z, _mm256_set1_ps(xsum[r * groups + g]), a);
+          _mm256_store_ps(acc[t][r], a);
+        }
       }
     }
-    add_group<T, R, P, DS>(acc, g, [&](int t, int p, int r) { return part[t][p][r]; },
-                           pw.constants, bases, xsum, groups);
+    for (int t = 0; t < T; ++t)
+      for (int r = 0; r < R; ++r)
+        _mm256_storeu_ps(out + r * out_stride + t * LANES + 8 * h, _mm256_load_ps(acc[t][r]));
   }
-  store_sums(acc, out, out_stride);
 }
 #endif
 
