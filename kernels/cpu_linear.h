@@ -704,16 +704,43 @@ inline void for_each_row_block(int64_t rows, const F& f) {
 // offsets from one pointer: each becomes the broadcast operand of its dot-product
 // instruction, where row-major inputs took a pointer register per row, more than x86 has
 // (the compiler spilled them). The same values, so the same sums.
-inline std::vector<uint16_t> interleave_pairs(const uint16_t* x, int64_t rows, int64_t k_in) {
-  std::vector<uint16_t> out(rows * k_in);
+inline void interleave_pairs(const uint16_t* x, int64_t rows, int64_t k_in, uint16_t* out) {
   for_each_row_block(rows, [&](auto r_const, int64_t r0) {
     constexpr int R = decltype(r_const)::value;
     for (int j = 0; j < R; ++j)
       for (int64_t k = 0; k < k_in; k += 2) {
-        std::memcpy(out.data() + r0 * k_in + k * R + 2 * j, x + (r0 + j) * k_in + k, 4);
+        std::memcpy(out + r0 * k_in + k * R + 2 * j, x + (r0 + j) * k_in + k, 4);
       }
   });
-  return out;
+}
+
+// Where row r's inputs go in that layout: its block's first row r0 and the block's rows R
+// (for_each_row_block's blocks).
+inline void row_block_of(int64_t rows, int64_t r, int64_t* r0, int* R) {
+  int64_t first = rows / 8 * 8;
+  if (r < first) {
+    *r0 = r / 8 * 8, *R = 8;
+    return;
+  }
+  for (int size : {4, 2, 1}) {
+    if (first + size > rows) continue;
+    if (r < first + size) {
+      *r0 = first, *R = size;
+      return;
+    }
+    first += size;
+  }
+}
+
+// A buffer of n Ts owned by the calling thread and reused by its later calls (SLOT tells a
+// call's buffers apart), so that a linear's inputs in their other forms are neither zeroed
+// nor faulted in afresh at every step: a twentieth of a batched step went to that. Its
+// contents are undefined; it keeps the largest size it was asked for.
+template <typename T, int SLOT>
+inline T* scratch(int64_t n) {
+  thread_local std::vector<T> buffer;
+  if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(n);
+  return buffer.data();
 }
 
 template <int SUMS, typename Block>
@@ -770,15 +797,13 @@ inline at::Tensor rounded(const at::Tensor& out, int64_t n_out, at::ScalarType d
   return out.narrow(1, 0, n_out).to(dtype, false, true).contiguous();
 }
 
-inline std::vector<float> as_float(const at::Tensor& x) {
+// x (contiguous) as float32: its own data, or widened into a scratch buffer.
+inline const float* as_float(const at::Tensor& x) {
+  if (x.scalar_type() == at::kFloat) return x.data_ptr<float>();
   const int64_t n = x.numel();
-  std::vector<float> out(n);
-  if (x.scalar_type() == at::kFloat) {
-    std::memcpy(out.data(), x.data_ptr<float>(), n * sizeof(float));
-  } else {
-    const auto* p = x.data_ptr<at::BFloat16>();
-    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(p[i]);
-  }
+  float* out = scratch<float, 0>(n);
+  const auto* p = x.data_ptr<at::BFloat16>();
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(p[i]);
   return out;
 }
 
@@ -792,24 +817,24 @@ inline std::vector<float> as_float(const at::Tensor& x) {
 // it, for the zeros' term: the codes' offsets and the zeros then cancel as they do in the
 // weights, whatever the rounding (an exact sum of x there would leave the offset, up to 136
 // times a code, times the rounding).
-inline void int16_groups(const std::vector<float>& xf, int64_t groups_total, int64_t group,
-                         std::vector<uint16_t>* q, std::vector<float>* mult,
-                         std::vector<int32_t>* qsum, float* xsum) {
-  q->assign(groups_total * group, 0);
-  mult->resize(groups_total);
-  qsum->resize(groups_total);
-  for (int64_t g = 0; g < groups_total; ++g) {
-    const float* x = xf.data() + g * group;
+template <typename In>
+inline void int16_row(const In* x, int64_t k_in, int64_t group, uint16_t* q, int64_t pair_step,
+                      float* mult, int32_t* qsum, float* xsum) {
+  // A group's values, contiguous (so that its loops vectorize), then to their pairs' places
+  std::vector<int32_t> values(group);
+  for (int64_t g = 0; g < k_in / group; ++g, x += group) {
     // The largest |x|'s float32 bits (ordered as |x| for finite values; NaN's above all).
     uint32_t top = 0;
     for (int64_t i = 0; i < group; ++i) {
+      const float v = static_cast<float>(x[i]);  // exact
       uint32_t bits;
-      std::memcpy(&bits, x + i, sizeof(bits));
+      std::memcpy(&bits, &v, sizeof(bits));
       top = std::max(top, bits & 0x7FFFFFFFu);
     }
     const int field = static_cast<int>(top >> 23);  // its exponent
     if (field == 255) {
-      (*mult)[g] = NAN, (*qsum)[g] = 0, xsum[g] = NAN;
+      mult[g] = NAN, qsum[g] = 0, xsum[g] = NAN;
+      for (int64_t i = 0; i < group; ++i) q[(g * group + i) / 2 * pair_step + i % 2] = 0;
       continue;
     }
     // |x| < 2^(field - 126), so x * 2^(141 - field) < 2^15; kept to normal float32 powers
@@ -818,21 +843,48 @@ inline void int16_groups(const std::vector<float>& xf, int64_t groups_total, int
     const uint32_t scale_bits = static_cast<uint32_t>(up + 127) << 23;
     float scale;
     std::memcpy(&scale, &scale_bits, sizeof(scale));
-    (*mult)[g] = std::ldexp(1.f, -up);
-    uint16_t* out = q->data() + g * group;
+    mult[g] = std::ldexp(1.f, -up);
     int32_t sum = 0;
     for (int64_t i = 0; i < group; ++i) {
       // x * scale is exact (a power of two); adding and taking away 1.5 * 2^23 rounds it to
       // an integer, to nearest, ties to even (|x * scale| < 2^15).
-      const float rounded = (x[i] * scale + 12582912.f) - 12582912.f;
-      const int32_t n = static_cast<int32_t>(rounded);
-      out[i] = static_cast<uint16_t>(static_cast<int16_t>(n));
-      sum += n;
+      const float rounded = (static_cast<float>(x[i]) * scale + 12582912.f) - 12582912.f;
+      values[i] = static_cast<int32_t>(rounded);
+      sum += values[i];
+    }
+    // input k = g group + i: its pair's place, then its half of the pair (group is even)
+    uint16_t* pairs = q + g * group / 2 * pair_step;
+    for (int64_t i = 0; i < group; i += 2) {
+      pairs[i / 2 * pair_step] = static_cast<uint16_t>(static_cast<int16_t>(values[i]));
+      pairs[i / 2 * pair_step + 1] = static_cast<uint16_t>(static_cast<int16_t>(values[i + 1]));
     }
     // |sum| < 2^15 group: exact in float32 for groups up to 2^9
-    (*qsum)[g] = sum;
-    xsum[g] = static_cast<float>(sum) * (*mult)[g];
+    qsum[g] = sum;
+    xsum[g] = static_cast<float>(sum) * mult[g];
   }
+}
+
+// int16_row for every row of x [rows, k_in] (bfloat16 or float32), rows in parallel, into
+// q in the pair layout (interleave_pairs'); mult, qsum and xsum [rows, k_in / group].
+inline void int16_groups(const at::Tensor& x, int64_t group, uint16_t* q, float* mult,
+                         int32_t* qsum, float* xsum) {
+  const int64_t rows = x.size(0), k_in = x.size(1), groups = k_in / group;
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      int64_t r0;
+      int R;
+      row_block_of(rows, r, &r0, &R);
+      uint16_t* row_q = q + r0 * k_in + 2 * (r - r0);
+      const int64_t at = r * groups;
+      if (x.scalar_type() == at::kFloat) {
+        int16_row(x.data_ptr<float>() + r * k_in, k_in, group, row_q, 2 * R, mult + at,
+                  qsum + at, xsum + at);
+      } else {
+        int16_row(x.data_ptr<at::BFloat16>() + r * k_in, k_in, group, row_q, 2 * R,
+                  mult + at, qsum + at, xsum + at);
+      }
+    }
+  });
 }
 
 #if defined(RADIXLM_PAIRS_256)
@@ -1002,8 +1054,9 @@ void planes_block_pairs(const uint16_t* x, const float* mult, const int32_t* qsu
 constexpr size_t SEGMENT_TENSORS = 7;
 
 // One segment's sums: out[r][col0 + n] for its outputs n (its tiles), out's rows `width`
-// apart. xf: x as float32 [rows, k_in], x the input (bfloat16 for the pair instruction).
-inline void planes_segment(const at::Tensor& x, const std::vector<float>& xf,
+// apart. x: the input (bfloat16 for the pair instruction); xf: it as float32 [rows, k_in]
+// (as_float), nullptr for the int16 pair path, which reads x itself.
+inline void planes_segment(const at::Tensor& x, const float* xf,
                            const at::Tensor* t, float* out, int64_t width, int64_t col0) {
   const at::Tensor &codes = t[0], &hi = t[1], &scales = t[2], &scale_base = t[3],
                    &zeros = t[4], &min_codes = t[5], &min_base = t[6];
@@ -1069,19 +1122,22 @@ inline void planes_segment(const at::Tensor& x, const std::vector<float>& xf,
                          all, (k_in / 8) * LANES, hb > 0 ? hi.size(1) * LANES : 0};
   // The pair instruction's inputs: x's bfloat16s, or them as int16 per group (with mult),
   // interleaved by blocks of rows (one row is its own layout).
-  std::vector<uint16_t> x16;
   std::vector<float> mult;
   std::vector<int32_t> qsum;
-  if (pairs && INT16_INPUTS) int16_groups(xf, rows * groups, group, &x16, &mult, &qsum,
-                                          xsum.data());
-  const uint16_t* x_pairs = !pairs         ? nullptr
-                            : INT16_INPUTS ? x16.data()
-                                           : reinterpret_cast<const uint16_t*>(
-                                                 x.data_ptr<at::BFloat16>());
-  std::vector<uint16_t> interleaved;
-  if (pairs && rows > 1) {
-    interleaved = interleave_pairs(x_pairs, rows, k_in);
-    x_pairs = interleaved.data();
+  const uint16_t* x_pairs = nullptr;
+  if (pairs && INT16_INPUTS) {
+    uint16_t* q = scratch<uint16_t, 0>(rows * k_in);
+    mult.resize(rows * groups);
+    qsum.resize(rows * groups);
+    int16_groups(x, group, q, mult.data(), qsum.data(), xsum.data());
+    x_pairs = q;
+  } else if (pairs) {
+    x_pairs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    if (rows > 1) {
+      uint16_t* interleaved = scratch<uint16_t, 1>(rows * k_in);
+      interleave_pairs(x_pairs, rows, k_in, interleaved);
+      x_pairs = interleaved;
+    }
   }
   (void)x_pairs;  // unused where no pair instruction is built
   auto run = [&](auto hb_const, auto ds_const) {
@@ -1107,7 +1163,7 @@ inline void planes_segment(const at::Tensor& x, const std::vector<float>& xf,
           }
 #endif
           if constexpr (HB != 8) {
-            planes_block<T, R, HB, DS>(xf.data() + r0 * k_in, xsum.data() + r0 * groups, k_in,
+            planes_block<T, R, HB, DS>(xf + r0 * k_in, xsum.data() + r0 * groups, k_in,
                                        group, k0, k1, w, o, width);
           }
         });
@@ -1145,7 +1201,9 @@ inline at::Tensor planes_linear(const at::Tensor& x_in, const std::vector<at::Te
   int64_t width = 0;
   for (size_t s = 0; s < tensors.size(); s += SEGMENT_TENSORS) width += tensors[s].size(0);
   width *= LANES;
-  const std::vector<float> xf = as_float(x);
+  // The int16 pair path reads x itself (int16_groups)
+  const bool int16_pairs = INT16_INPUTS && x.scalar_type() == at::kBFloat16;
+  const float* xf = int16_pairs ? nullptr : as_float(x);
   // Not zeroed: every block writes its outputs before it reads them.
   const at::Tensor out_t = at::empty({x.size(0), width}, at::kFloat);
   int64_t col0 = 0;
@@ -1168,7 +1226,7 @@ inline at::Tensor dense_linear(const at::Tensor& x_in, const at::Tensor& weight,
   const at::Tensor out_t = at::empty({rows, width}, at::kFloat);
   float* out = out_t.data_ptr<float>();
   const bool pairs = DENSE_PAIRS && bf16 && x.scalar_type() == at::kBFloat16;
-  const std::vector<float> xf = pairs ? std::vector<float>() : as_float(x);
+  const float* xf = pairs ? nullptr : as_float(x);
   for_each_block<1>(rows, tiles, k_in, CHUNK_INPUTS, [&](auto t_const, auto r_const,
                                                          int64_t t0, int64_t r0, int64_t k0,
                                                          int64_t k1) {
@@ -1182,7 +1240,7 @@ inline at::Tensor dense_linear(const at::Tensor& x_in, const at::Tensor& weight,
       return;
     }
 #endif
-    dense_block<T, R>(xf.data() + r0 * k_in, k_in, k0, k1,
+    dense_block<T, R>(xf + r0 * k_in, k_in, k0, k1,
                       bf16 ? weight.data_ptr<at::BFloat16>() + t0 * tile_stride : nullptr,
                       bf16 ? nullptr : weight.data_ptr<float>() + t0 * tile_stride,
                       tile_stride, o, width);
