@@ -375,17 +375,17 @@ struct GroupConstants {
     *scale_base = Vec::load(base + b);
     if (min_codes != nullptr) *min_base_t = Vec::load(min_base + b);
   }
-  // The same constants from tile t0 on.
-  GroupConstants from_tile(int64_t t0) const {
-    GroupConstants c = *this;
+  // Moves these constants on to start at tile t0. (In place: a modified copy assigned back
+  // was copied with 16-byte loads over its 8-byte stores, which the CPU cannot forward, a
+  // stall at every block, 2% of a batched step.)
+  void skip_tiles(int64_t t0) {
     const int64_t per_tile = groups * S * LANES, bases = groups / per_base * LANES;
-    if (f32 != nullptr) c.f32 += t0 * per_tile;
-    if (f16 != nullptr) c.f16 += t0 * per_tile;
-    if (codes != nullptr) c.codes += t0 * per_tile, c.base += t0 * bases;
-    if (zeros != nullptr) c.zeros += t0 * groups * LANES;
-    if (factors != nullptr) c.factors += t0 * LANES;
-    if (min_codes != nullptr) c.min_codes += t0 * groups * LANES, c.min_base += t0 * bases;
-    return c;
+    if (f32 != nullptr) f32 += t0 * per_tile;
+    if (f16 != nullptr) f16 += t0 * per_tile;
+    if (codes != nullptr) codes += t0 * per_tile, base += t0 * bases;
+    if (zeros != nullptr) zeros += t0 * groups * LANES;
+    if (factors != nullptr) factors += t0 * LANES;
+    if (min_codes != nullptr) min_codes += t0 * groups * LANES, min_base += t0 * bases;
   }
 };
 
@@ -1152,7 +1152,7 @@ inline void planes_segment(const at::Tensor& x, const float* xf,
           PlaneTiles w = first;
           w.codes += t0 * first.tile_codes;
           if (HB > 0) w.hi += t0 * first.tile_hi;
-          w.constants = all.from_tile(t0);
+          w.constants.skip_tiles(t0);
 #if defined(RADIXLM_PAIRS) || defined(RADIXLM_PAIRS_256)
           if (pairs) {
             planes_block_pairs<T, R, HB, DS>(
@@ -1204,8 +1204,13 @@ inline at::Tensor planes_linear(const at::Tensor& x_in, const std::vector<at::Te
   // The int16 pair path reads x itself (int16_groups)
   const bool int16_pairs = INT16_INPUTS && x.scalar_type() == at::kBFloat16;
   const float* xf = int16_pairs ? nullptr : as_float(x);
-  // Not zeroed: every block writes its outputs before it reads them.
-  const at::Tensor out_t = at::empty({x.size(0), width}, at::kFloat);
+  // Not zeroed: every block writes its outputs before it reads them. A scratch buffer unless
+  // the float32 sums are themselves the result (rounded copies them out).
+  const bool sums_returned = float_out && width == n_out;
+  const at::Tensor out_t =
+      sums_returned ? at::empty({x.size(0), width}, at::kFloat)
+                    : at::from_blob(scratch<float, 1>(x.size(0) * width), {x.size(0), width},
+                                    at::kFloat);
   int64_t col0 = 0;
   for (size_t s = 0; s < tensors.size(); s += SEGMENT_TENSORS) {
     planes_segment(x, xf, tensors.data() + s, out_t.data_ptr<float>(), width, col0);
