@@ -746,8 +746,10 @@ inline T* scratch(int64_t n) {
 template <int SUMS, typename Block>
 void for_each_block(int64_t rows, int64_t tiles, int64_t k_in, int64_t chunk,
                     const Block& block) {
-  // Many rows: small tasks, since the threads' shares of the tiles then balance better.
-  const int64_t per_task = rows > 8 ? 2 : TILES_PER_TASK;
+  // Many rows: a tile a task, since the threads' shares then balance better (a task is
+  // still all the rows of a tile; one tile rather than two: +3.5% for 64 prompts on a
+  // 2-core AVX2 EPYC, alternated in one process).
+  const int64_t per_task = rows > 8 ? 1 : TILES_PER_TASK;
   const int64_t units = (tiles + per_task - 1) / per_task;
   if (rows <= 8) chunk = k_in;
   auto all_rows = [&](auto t_const, int64_t t, int64_t k_begin, int64_t k_end) {
