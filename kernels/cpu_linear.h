@@ -915,21 +915,20 @@ inline __m256i madd_pair(__m256i sum, __m256i c, const uint16_t* pair) {
 #endif
 
 // Group g's integer sums on half h (lanes 8h..8h+7) of the block's tiles: sum[t][p][r],
-// each starting at minus the codes' offset times the row's inputs' sum (exact int32).
+// each starting at row r's start[r * stride] (group_starts).
 template <int T, int R, int HB>
-inline void half_group_sums(const uint16_t* x, const int32_t* qsum, int64_t groups,
+inline void half_group_sums(const uint16_t* x, const int32_t* start, int64_t stride,
                             int64_t group, int64_t g, int h, const PlaneTiles& pw,
                             __m256i (&sum)[T][summed_planes<HB>()][R]) {
   constexpr int P = summed_planes<HB>();
   constexpr int BITS = plane_bits<HB>();  // of the high plane
   constexpr bool JOINED = HB == 1 || HB == 2 || HB == 8;
-  constexpr int OFFSET = JOINED ? 136 : 8;  // Vec::joined's and Vec::nibble's
   const __m256i nibbles = _mm256_set1_epi16(0x000F);
   const __m256i high_bits = _mm256_set1_epi16(static_cast<int16_t>(((1 << BITS) - 1) << 4));
   for (int r = 0; r < R; ++r) {
-    const __m256i start = _mm256_set1_epi32(-OFFSET * qsum[r * groups + g]);
+    const __m256i first = _mm256_set1_epi32(start[r * stride]);
     for (int t = 0; t < T; ++t)
-      for (int p = 0; p < P; ++p) sum[t][p][r] = start;
+      for (int p = 0; p < P; ++p) sum[t][p][r] = first;
   }
   for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 8) {
     __m256i w[T][2];
@@ -976,6 +975,21 @@ inline void half_group_sums(const uint16_t* x, const int32_t* qsum, int64_t grou
   }
 }
 
+// Where each row's integer sums of groups g_begin.. start: minus the codes' offset (Vec::
+// joined's, Vec::nibble's) times the row's inputs' sum, [R, groups g_begin..g_end) (exact
+// int32). Computed once a call, so that a group's start is a broadcast from memory.
+template <int R, int HB>
+inline const int32_t* group_starts(const int32_t* qsum, int64_t groups, int64_t g_begin,
+                                   int64_t g_end) {
+  constexpr int OFFSET = HB == 1 || HB == 2 || HB == 8 ? 136 : 8;
+  const int64_t n = g_end - g_begin;
+  int32_t* start = scratch<int32_t, 0>(R * n);
+  for (int r = 0; r < R; ++r)
+    for (int64_t g = g_begin; g < g_end; ++g)
+      start[r * n + g - g_begin] = -OFFSET * qsum[r * groups + g];
+  return start;
+}
+
 // A group's exact integer sum as float32 (rounded only past 2^24), times mult (a power of two)
 inline __m256 widened(__m256i sum, __m256 mult) {
   return _mm256_mul_ps(_mm256_cvtepi32_ps(sum), mult);
@@ -988,6 +1002,7 @@ void planes_block_pairs(const uint16_t* x, const float* mult, const int32_t* qsu
   constexpr int P = summed_planes<HB>();
   const int64_t groups = k_in / group;
   const int64_t g_begin = k_begin / group, g_end = k_end / group;
+  const int32_t* start = group_starts<R, HB>(qsum, groups, g_begin, g_end);
   Bases<T> bases;
   if constexpr (R < 4) {
     // Few rows: both halves' float32 sums stay in registers, and each group's constants are
@@ -998,7 +1013,8 @@ void planes_block_pairs(const uint16_t* x, const float* mult, const int32_t* qsu
       Vec part[T][P][R];
       for (int h = 0; h < 2; ++h) {
         __m256i sum[T][P][R];
-        half_group_sums<T, R, HB>(x, qsum, groups, group, g, h, pw, sum);
+        half_group_sums<T, R, HB>(x, start + g - g_begin, g_end - g_begin, group, g, h, pw,
+                                  sum);
         for (int r = 0; r < R; ++r) {
           const __m256 m = _mm256_set1_ps(mult[r * groups + g]);
           for (int t = 0; t < T; ++t)
@@ -1027,7 +1043,8 @@ void planes_block_pairs(const uint16_t* x, const float* mult, const int32_t* qsu
                                                                   t * LANES + 8 * h));
     for (int64_t g = g_begin; g < g_end; ++g) {
       __m256i sum[T][P][R];
-      half_group_sums<T, R, HB>(x, qsum, groups, group, g, h, pw, sum);
+      half_group_sums<T, R, HB>(x, start + g - g_begin, g_end - g_begin, group, g, h, pw,
+                                sum);
       // add_group's steps on this half's lanes: the high plane's part first
       for (int t = 0; t < T; ++t) {
         Vec scale[P];
