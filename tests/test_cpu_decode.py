@@ -314,14 +314,15 @@ def _formats_outputs(kernel) -> dict[str, torch.Tensor]:
     """planes_linear on random planes of the formats' shapes (4-bit codes, 5- and 6-bit
     codes read whole, two nibble planes, and the same with derived scales: 8-bit codes,
     read whole from int16 inputs), bfloat16 and float32 inputs, 9 rows at once and row 3
-    alone."""
+    alone. 1,024 inputs: past one chunk (CHUNK_INPUTS), so that 9 rows carry their sums
+    from one chunk to the next where one row sums all inputs in one pass."""
     from radixlm.runtime.models.quantization.cpu_weights import Plane, tile_planes
 
     out = {}
     for bits, group, compact in ((0, 32, True), (1, 32, True), (2, 16, True), (4, 32, False),
                                  (4, 32, True)):
         gen = torch.Generator().manual_seed(bits)
-        n, k = 37, 128
+        n, k = 37, 1024
         scale = (torch.rand(n, k // group, generator=gen) * 0.02).half().float()
         planes = [Plane(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8),
                         scale, torch.randn(n, k // group, generator=gen) * 0.01)]
