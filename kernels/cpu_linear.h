@@ -717,25 +717,16 @@ inline void interleave_pairs(const uint16_t* x, int64_t rows, int64_t k_in, uint
 // Where row r's inputs go in that layout: its block's first row r0 and the block's rows R
 // (for_each_row_block's blocks).
 inline void row_block_of(int64_t rows, int64_t r, int64_t* r0, int* R) {
-  int64_t first = rows / 8 * 8;
-  if (r < first) {
-    *r0 = r / 8 * 8, *R = 8;
-    return;
-  }
-  for (int size : {4, 2, 1}) {
-    if (first + size > rows) continue;
-    if (r < first + size) {
-      *r0 = first, *R = size;
-      return;
-    }
-    first += size;
-  }
+  for_each_row_block(rows, [&](auto r_const, int64_t first) {
+    constexpr int size = decltype(r_const)::value;
+    if (r >= first && r < first + size) *r0 = first, *R = size;
+  });
 }
 
 // A buffer of n Ts owned by the calling thread and reused by its later calls (SLOT tells a
 // call's buffers apart), so that a linear's inputs in their other forms are neither zeroed
-// nor faulted in afresh at every step: a twentieth of a batched step went to that. Its
-// contents are undefined; it keeps the largest size it was asked for.
+// nor faulted in afresh at every step (about 3% of a batched step's samples went to that).
+// Its contents are undefined; it keeps the largest size it was asked for.
 template <typename T, int SLOT>
 inline T* scratch(int64_t n) {
   thread_local std::vector<T> buffer;
