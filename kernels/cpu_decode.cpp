@@ -511,16 +511,16 @@ void score_chunk(const float* q, const int64_t* queries, const float* keys, int6
 }
 
 // out[query][d0 .. d0 + 16 V) = (sum over positions j in order of p[query][j] * value[j])
-// times inv_sum[query], for C queries: C x V sums in registers. A weight below FLT_MIN (0
-// past the query's own positions, or an exp that underflowed) adds nothing a float32 sum
-// keeps, and denormal arithmetic costs ~100 cycles an operation on x86: it is skipped.
-// Not inlined: inside attention's body GCC kept the C x V sums in memory, not registers.
+// times inv_sum[query], for the C queries from `query` on: C x V sums in registers. A weight
+// below FLT_MIN (0 past the query's own positions, or an exp that underflowed) adds nothing a
+// float32 sum keeps, and denormal arithmetic costs ~100 cycles an operation on x86: it is
+// skipped. Not inlined: inside attention's body GCC kept the C x V sums in memory, not
+// registers.
 template <typename A, int C, int V>
-__attribute__((noinline)) void value_chunk(const float* scores, int64_t padded,
-                                           const int64_t* queries, const float* inv_sum,
-                                           const A* values, const int64_t* value_rows,
-                                           int64_t first, int64_t longest, int64_t d0,
-                                           A* const* outs) {
+__attribute__((noinline)) void value_chunk(const float* scores, int64_t padded, int64_t query,
+                                           const float* inv_sum, const A* values,
+                                           const int64_t* value_rows, int64_t first,
+                                           int64_t longest, int64_t d0, A* const* outs) {
   using radixlm_cpu::Vec;
   Vec acc[C][V];
   for (int c = 0; c < C; ++c)
@@ -530,7 +530,7 @@ __attribute__((noinline)) void value_chunk(const float* scores, int64_t padded,
     Vec value[V];
     for (int v = 0; v < V; ++v) value[v] = load16(row + 16 * v);
     for (int c = 0; c < C; ++c) {
-      const float p = scores[queries[c] * padded + j];
+      const float p = scores[(query + c) * padded + j];
       if (p < FLT_MIN) continue;
       const Vec weight = Vec::fill(p);
       for (int v = 0; v < V; ++v) acc[c][v] = acc[c][v].fma(weight, value[v]);
@@ -538,12 +538,161 @@ __attribute__((noinline)) void value_chunk(const float* scores, int64_t padded,
   }
   for (int c = 0; c < C; ++c) {
     float out[16 * V];
-    const float inv = inv_sum[queries[c]];
+    const float inv = inv_sum[query + c];
     for (int v = 0; v < V; ++v) acc[c][v].store(out + 16 * v);
     A* o = outs[c] + d0;
     for (int64_t d = 0; d < 16 * V; ++d) o[d] = to_a<A>(out[d] * inv);
   }
 }
+
+// Sums of value_chunk held in registers: 16 lane vectors are 16 of AVX-512's 32 registers,
+// but two 8-lane registers each on AVX2, which has 16 in all (the values and the weight
+// need some too).
+#if defined(__AVX512F__)
+constexpr int VALUE_SUMS = 16;
+#else
+constexpr int VALUE_SUMS = 4;
+#endif
+
+// One task of a step's attention: a block of consecutive rows of one sequence and one KV head.
+template <typename A>
+struct AttentionTask {
+  int64_t r0 = 0, n = 0, kvh = 0, longest = 0, padded = 0, queries = 0, block_first = 0;
+  std::vector<int64_t> slot_rows;  // element offset of position j's head kvh in the layers
+  std::vector<float> q;            // query r * group + h: row r's head kvh * group + h
+  std::vector<float> scores;       // [queries][padded]: the scores, then their exponentials
+  std::vector<float> inv_sum;      // [queries]
+  std::vector<A*> outs;            // [queries]: where each query's output goes
+};
+
+// A step's attention, in stages a task runs in order: its scores (any split of its positions),
+// each query's softmax, and the weighted values (any split of the dimensions). No stage's
+// result depends on how the stages are split or which thread runs them.
+template <typename A>
+struct StepAttention {
+  const A* q_all;
+  const A* kc;
+  const A* vc;
+  A* out_all;
+  const int64_t* page_ids;
+  const int64_t* seqs;
+  const int64_t* pos;
+  const int64_t* starts;  // row blocks: consecutive rows of one sequence
+  int64_t width, group, num_pages, page_size, q_width, kv_width, head_dim, window;
+  float scale, softcap;
+  bool offsets_fit_int32;
+
+  // Position j of row r is seen when first_of(r) <= j <= pos(r); a block's rows are in
+  // position order, so its first row has the earliest first position.
+  int64_t first_of(const AttentionTask<A>& t, int64_t r) const {
+    return window > 0 ? std::max<int64_t>(0, pos[t.r0 + r] - window + 1) : int64_t(0);
+  }
+
+  // Sizes a task's buffers (the scores are not cleared: each stage reads only what an earlier
+  // one wrote), and takes its queries as float32.
+  void prepare(AttentionTask<A>& t, int64_t block, int64_t kvh) const {
+    t.r0 = starts[block];
+    t.n = starts[block + 1] - t.r0;
+    t.kvh = kvh;
+    t.longest = pos[t.r0 + t.n - 1] + 1;
+    t.padded = (t.longest + 15) / 16 * 16;
+    t.queries = t.n * group;
+    t.block_first = first_of(t, 0) / 16 * 16;
+    t.slot_rows.resize(t.longest);
+    t.q.resize(t.queries * head_dim);
+    t.outs.resize(t.queries);
+    t.scores.resize(t.queries * t.padded);
+    t.inv_sum.resize(t.queries);
+    for (int64_t r = 0; r < t.n; ++r) {
+      const A* qr = q_all + (t.r0 + r) * width + kvh * group * head_dim;
+      for (int64_t i = 0; i < group * head_dim; ++i) {
+        t.q[r * group * head_dim + i] = to_f(qr[i]);
+      }
+      for (int64_t h = 0; h < group; ++h) {
+        t.outs[r * group + h] = out_all + (t.r0 + r) * q_width + (kvh * group + h) * head_dim;
+      }
+    }
+  }
+
+  // The slots and scores of positions [begin, end): begin is block_first plus a multiple of
+  // 16, end is longest or a multiple of 16 from begin. keys: head_dim * 16 floats.
+  void score(AttentionTask<A>& t, int64_t begin, int64_t end, float* keys,
+             std::vector<int64_t>& live) const {
+    const int64_t s = seqs[t.r0];
+    for (int64_t j = begin; j < end; ++j) {
+      t.slot_rows[j] = (page_ids[s * num_pages + j / page_size] * page_size + j % page_size) *
+                           kv_width + t.kvh * head_dim;
+    }
+    for (int64_t j0 = begin; j0 < end; j0 += 16) {
+      const int64_t count = std::min<int64_t>(16, end - j0);
+      transposed_keys(kc, t.slot_rows.data() + j0, count, head_dim, offsets_fit_int32, keys);
+      live.clear();  // queries of the rows whose context reaches these positions
+      for (int64_t r = 0; r < t.n; ++r) {
+        if (pos[t.r0 + r] < j0 || first_of(t, r) >= j0 + 16) continue;
+        for (int64_t h = 0; h < group; ++h) live.push_back(r * group + h);
+      }
+      in_chunks<8>(static_cast<int64_t>(live.size()), [&](auto c, int64_t first) {
+        score_chunk<decltype(c)::value>(t.q.data(), live.data() + first, keys, head_dim, scale,
+                                        softcap, t.scores.data(), t.padded, j0);
+      });
+    }
+  }
+
+  // Query i's scores become their exponentials, and inv_sum[i] one over their sum.
+  void softmax(AttentionTask<A>& t, int64_t i) const {
+    const int64_t r = i / group, len = pos[t.r0 + r] + 1, first = first_of(t, r);
+    float* sc = t.scores.data() + i * t.padded;
+    // The largest score, in 16 lanes (one chain of maxima was a seventh of attention's time
+    // at a long context): the same maximum, as no order changes a maximum (but that of zeros'
+    // signs, which the exponentials below do not see).
+    float tops[16];
+    for (int l = 0; l < 16; ++l) tops[l] = -INFINITY;
+    int64_t j = first;
+    for (; j + 16 <= len; j += 16)
+      for (int l = 0; l < 16; ++l) tops[l] = std::max(tops[l], sc[j + l]);
+    for (; j < len; ++j) tops[0] = std::max(tops[0], sc[j]);
+    float top = -INFINITY;
+    for (int l = 0; l < 16; ++l) top = std::max(top, tops[l]);
+    const ExpRange range = exp_range();
+    float lanes[16] = {};
+    for (j = 0; j < t.padded; j += 16) {
+      for (int l = 0; l < 16; ++l) {
+        const float e = j + l < len && j + l >= first ? exp_fixed(sc[j + l] - top, range) : 0.f;
+        sc[j + l] = e;
+        lanes[l] += e;
+      }
+    }
+    float sum = 0.f;
+    for (int l = 0; l < 16; ++l) sum += lanes[l];
+    t.inv_sum[i] = 1.f / sum;
+  }
+
+  // Every query's output at dimensions [begin, end) (multiples of 16).
+  void weigh(AttentionTask<A>& t, int64_t begin, int64_t end) const {
+    for (int64_t d0 = begin; d0 < end; d0 += 64) {
+      auto slice = [&](auto v_const) {
+        constexpr int V = decltype(v_const)::value;
+        in_chunks<std::max(1, VALUE_SUMS / V)>(t.queries, [&](auto c, int64_t first) {
+          value_chunk<A, decltype(c)::value, V>(t.scores.data(), t.padded, first,
+                                                t.inv_sum.data(), vc, t.slot_rows.data(),
+                                                t.block_first, t.longest, d0,
+                                                t.outs.data() + first);
+        });
+      };
+      switch (std::min<int64_t>(4, (end - d0) / 16)) {
+        case 4: slice(std::integral_constant<int, 4>{}); break;
+        case 3: slice(std::integral_constant<int, 3>{}); break;
+        case 2: slice(std::integral_constant<int, 2>{}); break;
+        default: slice(std::integral_constant<int, 1>{}); break;
+      }
+    }
+  }
+};
+
+// Positions a scoring unit takes when a step's attention runs stage by stage, and the most
+// scores (floats) such a step may hold at once.
+constexpr int64_t SCORE_SPAN = 128;
+constexpr int64_t STAGED_SCORES_MAX = int64_t(1) << 22;
 
 template <typename A>
 Tensor attention(const Tensor& qkv, const Tensor& k_layer, const Tensor& v_layer,
@@ -551,17 +700,9 @@ Tensor attention(const Tensor& qkv, const Tensor& k_layer, const Tensor& v_layer
                  int64_t page_size, int64_t heads, int64_t kv_heads, int64_t head_dim,
                  double scale, double softcap, int64_t window) {
   TORCH_CHECK(head_dim % 16 == 0, "head_dim: a multiple of 16");
-  const int64_t rows = qkv.size(0), width = qkv.size(1), group = heads / kv_heads;
-  const int64_t num_pages = pages.size(1);
-  const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
-  const auto* q_all = qkv.data_ptr<A>();
-  const auto* kc = k_layer.data_ptr<A>();
-  const auto* vc = v_layer.data_ptr<A>();
-  const auto* page_ids = pages.data_ptr<int64_t>();
+  const int64_t rows = qkv.size(0), group = heads / kv_heads;
   const auto* seqs = token_seq.data_ptr<int64_t>();
   const auto* pos = positions.data_ptr<int64_t>();
-  const float fscale = static_cast<float>(scale), fcap = static_cast<float>(softcap);
-  const bool offsets_fit_int32 = k_layer.numel() + head_dim < (int64_t(1) << 31);
   // Row blocks: consecutive rows of one sequence (a step lists each sequence's rows together,
   // in position order).
   std::vector<int64_t> starts;
@@ -572,108 +713,65 @@ Tensor attention(const Tensor& qkv, const Tensor& k_layer, const Tensor& v_layer
   }
   const int64_t blocks = static_cast<int64_t>(starts.size());
   starts.push_back(rows);
-  Tensor out = at::empty({rows, q_width}, qkv.options());
-  auto* out_all = out.data_ptr<A>();
-  at::parallel_for(0, blocks * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q, scores, keys(head_dim * 16), inv_sum;
-    std::vector<int64_t> slot_rows, live;
-    std::vector<A*> outs;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t block = task / kv_heads, kvh = task % kv_heads;
-      const int64_t r0 = starts[block], n = starts[block + 1] - r0, s = seqs[r0];
-      const int64_t longest = pos[r0 + n - 1] + 1;
-      const int64_t padded = (longest + 15) / 16 * 16, queries = n * group;
-      // Position j of row r is seen when first(r) <= j <= pos(r); the block's rows are in
-      // position order, so its first row has the earliest first position.
-      auto first_of = [&](int64_t r) {
-        return window > 0 ? std::max<int64_t>(0, pos[r0 + r] - window + 1) : int64_t(0);
-      };
-      const int64_t block_first = first_of(0) / 16 * 16;
-      // Element offset of position j's head kvh in the cache layers.
-      slot_rows.resize(longest);
-      for (int64_t j = 0; j < longest; ++j) {
-        slot_rows[j] = (page_ids[s * num_pages + j / page_size] * page_size + j % page_size) *
-                           kv_width + kvh * head_dim;
+  Tensor out = at::empty({rows, heads * head_dim}, qkv.options());
+  const StepAttention<A> step{
+      qkv.data_ptr<A>(), k_layer.data_ptr<A>(), v_layer.data_ptr<A>(), out.data_ptr<A>(),
+      pages.data_ptr<int64_t>(), seqs, pos, starts.data(), qkv.size(1), group, pages.size(1),
+      page_size, heads * head_dim, kv_heads * head_dim, head_dim, window,
+      static_cast<float>(scale), static_cast<float>(softcap),
+      k_layer.numel() + head_dim < (int64_t(1) << 31)};
+  const int64_t tasks = blocks * kv_heads;
+  int64_t step_scores = 0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    step_scores += (starts[b + 1] - starts[b]) * group * (pos[starts[b + 1] - 1] + 16) * kv_heads;
+  }
+  if (tasks >= 4 * at::get_num_threads() || step_scores > STAGED_SCORES_MAX) {
+    // Enough tasks to keep every thread busy: each runs its stages in turn.
+    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+      AttentionTask<A> t;
+      std::vector<float> keys(head_dim * 16);
+      std::vector<int64_t> live;
+      for (int64_t task = begin; task < end; ++task) {
+        step.prepare(t, task / kv_heads, task % kv_heads);
+        step.score(t, t.block_first, t.longest, keys.data(), live);
+        for (int64_t i = 0; i < t.queries; ++i) step.softmax(t, i);
+        step.weigh(t, 0, head_dim);
       }
-      // Query r * group + h: row r's head kvh * group + h, as float32.
-      q.resize(queries * head_dim);
-      outs.resize(queries);
-      for (int64_t r = 0; r < n; ++r) {
-        const A* qr = q_all + (r0 + r) * width + kvh * group * head_dim;
-        for (int64_t i = 0; i < group * head_dim; ++i) {
-          q[r * group * head_dim + i] = to_f(qr[i]);
-        }
-        for (int64_t h = 0; h < group; ++h) {
-          outs[r * group + h] = out_all + (r0 + r) * q_width + (kvh * group + h) * head_dim;
-        }
-      }
-      scores.assign(queries * padded, 0.f);
-      for (int64_t j0 = block_first; j0 < longest; j0 += 16) {
-        const int64_t count = std::min<int64_t>(16, longest - j0);
-        transposed_keys(kc, slot_rows.data() + j0, count, head_dim, offsets_fit_int32,
-                        keys.data());
-        live.clear();  // queries of the rows whose context reaches these positions
-        for (int64_t r = 0; r < n; ++r) {
-          if (pos[r0 + r] < j0 || first_of(r) >= j0 + 16) continue;
-          for (int64_t h = 0; h < group; ++h) live.push_back(r * group + h);
-        }
-        in_chunks<8>(static_cast<int64_t>(live.size()), [&](auto c, int64_t first) {
-          score_chunk<decltype(c)::value>(q.data(), live.data() + first, keys.data(),
-                                          head_dim, fscale, fcap, scores.data(), padded,
-                                          j0);
-        });
-      }
-      inv_sum.resize(queries);
-      const ExpRange range = exp_range();
-      for (int64_t r = 0; r < n; ++r) {
-        const int64_t len = pos[r0 + r] + 1, first = first_of(r);
-        for (int64_t h = 0; h < group; ++h) {
-          float* sc = scores.data() + (r * group + h) * padded;
-          // The largest score, in 16 lanes (one chain of maxima was a seventh of attention's
-          // time at a long context): the same maximum, as no order changes a maximum (but
-          // that of zeros' signs, which the exponentials below do not see).
-          float tops[16];
-          for (int l = 0; l < 16; ++l) tops[l] = -INFINITY;
-          int64_t i = first;
-          for (; i + 16 <= len; i += 16)
-            for (int l = 0; l < 16; ++l) tops[l] = std::max(tops[l], sc[i + l]);
-          for (; i < len; ++i) tops[0] = std::max(tops[0], sc[i]);
-          float top = -INFINITY;
-          for (int l = 0; l < 16; ++l) top = std::max(top, tops[l]);
-          float lanes[16] = {};
-          for (int64_t j = 0; j < padded; j += 16) {
-            for (int l = 0; l < 16; ++l) {
-              const float e =
-                  j + l < len && j + l >= first ? exp_fixed(sc[j + l] - top, range) : 0.f;
-              sc[j + l] = e;
-              lanes[l] += e;
-            }
-          }
-          float sum = 0.f;
-          for (int l = 0; l < 16; ++l) sum += lanes[l];
-          inv_sum[r * group + h] = 1.f / sum;
-        }
-      }
-      live.resize(queries);
-      for (int64_t i = 0; i < queries; ++i) live[i] = i;
-      // Dimensions in slices of up to 64 (4 vectors), 4 queries at a time: 16 sums.
-      for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
-        auto slice = [&](auto v_const) {
-          constexpr int V = decltype(v_const)::value;
-          in_chunks<16 / V>(queries, [&](auto c, int64_t first) {
-            value_chunk<A, decltype(c)::value, V>(scores.data(), padded, live.data() + first,
-                                                  inv_sum.data(), vc, slot_rows.data(),
-                                                  block_first, longest, d0,
-                                                  outs.data() + first);
-          });
-        };
-        switch (std::min<int64_t>(4, (head_dim - d0) / 16)) {
-          case 4: slice(std::integral_constant<int, 4>{}); break;
-          case 3: slice(std::integral_constant<int, 3>{}); break;
-          case 2: slice(std::integral_constant<int, 2>{}); break;
-          default: slice(std::integral_constant<int, 1>{}); break;
-        }
-      }
+    });
+    return out;
+  }
+  // A few tasks (a decode step of a few sequences) would leave threads idle: each stage is a
+  // parallel loop of its own over all tasks, split into finer units.
+  // The calling thread's buffers, named here: in the loops below, a thread_local would be the
+  // worker's own.
+  static thread_local std::vector<AttentionTask<A>> buffers;
+  std::vector<AttentionTask<A>>& staged = buffers;
+  staged.resize(tasks);
+  std::vector<std::pair<int64_t, int64_t>> spans, queries;  // (task, first position / query)
+  for (int64_t task = 0; task < tasks; ++task) {
+    AttentionTask<A>& t = staged[task];
+    step.prepare(t, task / kv_heads, task % kv_heads);
+    for (int64_t j = t.block_first; j < t.longest; j += SCORE_SPAN) spans.emplace_back(task, j);
+    for (int64_t i = 0; i < t.queries; ++i) queries.emplace_back(task, i);
+  }
+  at::parallel_for(0, static_cast<int64_t>(spans.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> keys(head_dim * 16);
+    std::vector<int64_t> live;
+    for (int64_t u = begin; u < end; ++u) {
+      AttentionTask<A>& t = staged[spans[u].first];
+      const int64_t j = spans[u].second;
+      step.score(t, j, std::min(j + SCORE_SPAN, t.longest), keys.data(), live);
+    }
+  });
+  at::parallel_for(0, static_cast<int64_t>(queries.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) step.softmax(staged[queries[u].first], queries[u].second);
+  });
+  // Dimensions in slices of 32: a 64-byte line of a bfloat16 value row.
+  const int64_t slices = (head_dim + 31) / 32;
+  at::parallel_for(0, tasks * slices, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t d0 = u % slices * 32;
+      step.weigh(staged[u / slices], d0, std::min(d0 + 32, head_dim));
     }
   });
   return out;
@@ -1131,10 +1229,30 @@ Tensor forward(Tensor hidden, const Tensor& cos, const Tensor& sin, const Tensor
                                 reduce, stored);
 }
 
+// The attention of one step on its own (tests and benchmarks): qkv [T, width] of the rows, the
+// layer's caches [slots, kv_heads * head_dim] holding their keys and values already.
+Tensor step_attention(const Tensor& qkv, const Tensor& k_layer, const Tensor& v_layer,
+                      const Tensor& pages, const Tensor& token_seq, const Tensor& positions,
+                      int64_t page_size, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                      double scale, double softcap, int64_t window) {
+  TORCH_CHECK(qkv.is_contiguous() && k_layer.is_contiguous() && v_layer.is_contiguous() &&
+                  qkv.scalar_type() == k_layer.scalar_type() &&
+                  v_layer.scalar_type() == k_layer.scalar_type(),
+              "qkv and the caches: contiguous, of one dtype");
+  if (qkv.scalar_type() == at::kFloat) {
+    return attention<float>(qkv, k_layer, v_layer, pages, token_seq, positions, page_size,
+                            heads, kv_heads, head_dim, scale, softcap, window);
+  }
+  TORCH_CHECK(qkv.scalar_type() == at::kBFloat16, "qkv: bfloat16 or float32");
+  return attention<BFloat16>(qkv, k_layer, v_layer, pages, token_seq, positions, page_size,
+                             heads, kv_heads, head_dim, scale, softcap, window);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "One forward step of a Llama-style decoder (see the file's header)");
+  m.def("attention", &step_attention, "The attention of one step's rows over their cache");
   m.def("planes_linear", &radixlm_cpu::planes_linear,
         "x @ W.T for int4 planes in tiles (cpu_linear.h)");
   m.def("dense_linear", &radixlm_cpu::dense_linear,

@@ -165,6 +165,63 @@ def test_sliding_windows_match_eager_and_do_not_depend_on_the_step(tmp_path, ker
                 assert torch.equal(rows[(0, position)], alone[(0, position)]), (steps, position)
 
 
+def _reference_attention(q, k_cache, v_cache, pages, seq, position, page_size, kv_heads,
+                         scale, softcap, window) -> torch.Tensor:
+    """One row's attention in float64: q [heads, head_dim] over its sequence's positions."""
+    first = max(0, position - window + 1) if window else 0
+    slots = [int(pages[seq, j // page_size]) * page_size + j % page_size
+             for j in range(first, position + 1)]
+    heads, head_dim = q.shape
+    keys = k_cache[slots].double().view(len(slots), kv_heads, head_dim)
+    values = v_cache[slots].double().view(len(slots), kv_heads, head_dim)
+    kv_of = torch.arange(heads) // (heads // kv_heads)
+    scores = torch.einsum("hd,jhd->hj", q.double(), keys[:, kv_of]) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    return torch.einsum("hj,jhd->hd", scores.softmax(-1), values[:, kv_of])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("softcap, window", [(0.0, 0), (30.0, 0), (0.0, 37)])
+def test_step_attention_matches_a_reference_and_not_its_step(kernel, dtype, softcap, window):
+    """The kernel's attention against float64, for a step of many rows (a 200-row prefill
+    chunk beside decode rows: a task per row block and KV head, each run whole) and for each
+    row alone (too few tasks to go round the threads: scores, softmax and values each run as
+    a loop of their own over finer units). A row's output has the same bits either way."""
+    heads, kv_heads, head_dim, page_size = 8, 4, 48, 16
+    gen = torch.Generator().manual_seed(7)
+    lengths = [260, 90, 33]  # tokens each sequence has in the cache
+    pages_per_seq = -(-max(lengths) // page_size)
+    order = torch.randperm(len(lengths) * pages_per_seq, generator=gen)  # scattered pages
+    pages = order.view(len(lengths), pages_per_seq).contiguous()
+    slots = order.numel() * page_size
+    k_cache = torch.randn(slots, kv_heads * head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(slots, kv_heads * head_dim, generator=gen).to(dtype)
+    width = (heads + 2 * kv_heads) * head_dim  # q, then the step's own k and v (unread here)
+    rows = [(0, p) for p in range(40, 240)] + [(1, 89), (2, 32)]
+    qkv = (torch.randn(len(rows), width, generator=gen) * 2).to(dtype)
+    token_seq = torch.tensor([s for s, _ in rows])
+    positions = torch.tensor([p for _, p in rows])
+    scale = head_dim ** -0.5
+
+    def run(at: list[int]) -> torch.Tensor:
+        return kernel.attention(qkv[at].contiguous(), k_cache, v_cache, pages, token_seq[at],
+                                positions[at], page_size, heads, kv_heads, head_dim, scale,
+                                softcap, window)
+
+    together = run(list(range(len(rows))))
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    for i, (seq, position) in enumerate(rows):
+        if i % 7 and i < len(rows) - 2:
+            continue  # every seventh row of the chunk, and the decode rows
+        want = _reference_attention(qkv[i, :heads * head_dim].view(heads, head_dim), k_cache,
+                                    v_cache, pages, seq, position, page_size, kv_heads, scale,
+                                    softcap, window)
+        got = together[i].view(heads, head_dim).double()
+        assert (got - want).abs().max() <= tolerance * want.abs().max(), (seq, position)
+        assert torch.equal(run([i])[0], together[i]), (seq, position)
+
+
 def test_engine_decodes_through_the_kernel(kernel):
     from radixlm.runtime import Engine
 
