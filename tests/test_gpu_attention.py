@@ -183,13 +183,15 @@ def test_fp8_qk_equals_the_reference_over_the_rounded_query():
     float32 reference's over that rounded query and the dequantized cache (up to V's float16
     products and the bf16 output), split or not, and closer to it than the default path's."""
     from radixlm.kernels.reference import paged_attention_reference
-    from radixlm.kernels.triton_attention import DecodeConfig
+    from radixlm.kernels.triton_attention import DecodeConfig, store_kv
     from radixlm.runtime.attention.triton_backend import TritonAttention
 
     batch, q, k, v = random_paged_batch("cuda", torch.bfloat16, 16, [1] * 6,
                                         [1, 17, 300, 1088, 2048, 4000], 32, 8, 128,
                                         storage_dtype=torch.float8_e4m3fn)
     batch.kv_cache.set_scales([0.5], [2.0])
+    # forward stores the step's own keys and values first: the reference reads them after
+    store_kv(k, v, batch.out_slots, *batch.kv_cache.layer(0), *batch.kv_cache.scales(0))
     q_scale = q.float().abs().amax(-1, keepdim=True) / 448.0
     q_rounded = (q.float() / q_scale).to(torch.float8_e4m3fn).float() * q_scale
     cache = batch.kv_cache
