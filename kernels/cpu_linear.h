@@ -930,13 +930,34 @@ inline void half_group_sums(const uint16_t* x, const int32_t* start, int64_t str
         int shift;
         w[t][1] = _mm256_loadu_si256(
             reinterpret_cast<const __m256i*>(hi_word<BITS>(pw, t, k0, &shift) + 8 * h));
-        // JOINED: the pair k0, k0 + 1's high bits to bit 0 of each 16-bit lane
-        if constexpr (JOINED) w[t][1] = _mm256_srl_epi16(w[t][1], _mm_cvtsi32_si128(shift));
+        // JOINED: the pair k0, k0 + 1's high bits to bit 0 of each 16-bit lane (HB = 8's
+        // are there already: k0 is a multiple of a word's 8 inputs)
+        if constexpr (JOINED && HB != 8) {
+          w[t][1] = _mm256_srl_epi16(w[t][1], _mm_cvtsi32_si128(shift));
+        }
+      }
+      if constexpr (HB == 8) {
+        // Pair i's code is low nibble i of w[t][0] and high nibble i of w[t][1]. Joined
+        // into bytes, pairs 0 and 2 (then 1 and 3) share a 16-bit lane, each code one
+        // and or one shift away: 12 operations for a tile's four pairs, not 20.
+        const __m256i low = _mm256_set1_epi16(0x0F0F);
+        const __m256i high = _mm256_set1_epi16(static_cast<int16_t>(0xF0F0));
+        const __m256i even = _mm256_or_si256(_mm256_and_si256(w[t][0], low),
+                                             _mm256_and_si256(_mm256_slli_epi16(w[t][1], 4), high));
+        w[t][1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w[t][0], 4), low),
+                                  _mm256_and_si256(w[t][1], high));
+        w[t][0] = even;
       }
     }
     for (int i = 0; i < 4; ++i) {
       __m256i c[T][P];
       for (int t = 0; t < T; ++t) {
+        if constexpr (HB == 8) {
+          const __m256i both = w[t][i % 2];  // pairs i and i + 2's codes
+          c[t][0] = i < 2 ? _mm256_and_si256(both, _mm256_set1_epi16(0x00FF))
+                          : _mm256_srli_epi16(both, 8);
+          continue;
+        }
         c[t][0] = _mm256_and_si256(_mm256_srli_epi16(w[t][0], 4 * i), nibbles);
         if constexpr (JOINED) {
           const int hs = BITS * i;  // pair i's high bits, to bits 4..
